@@ -1,0 +1,5 @@
+"""Benchmarks and workloads: ``python -m kvoffload.bench --help``.
+
+Each subcommand module exposes ``add_parser(subparsers)``, which registers the command and
+sets ``run(args) -> int`` as its default.
+"""

@@ -1,0 +1,297 @@
+"""Configuration: :class:`OffloadConfig` (settings) and :class:`KVLayout` (tensor geometry).
+
+This is the only module that reads the environment. Every other part receives an
+``OffloadConfig`` object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvoffload.errors import ConfigError, LayoutMismatchError
+
+__all__ = ["DTypeName", "KVLayout", "LayoutKind", "OffloadConfig"]
+
+DTypeName = Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8"]
+"""KV dtypes kvoffload can move (by their torch names)."""
+
+LayoutKind = Literal["blocks_first", "kv_first"]
+"""How an engine lays out one layer's KV tensor.
+
+* ``"blocks_first"``: ``[num_blocks, 2, block_size, num_kv_heads, head_size]``
+* ``"kv_first"``: ``[2, num_blocks, block_size, num_kv_heads, head_size]``
+"""
+
+_GIB = 1 << 30
+
+
+def _describe(exc: ValidationError, env_prefix: str | None) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(model)"
+        where = f"{loc}"
+        if env_prefix is not None and err["loc"]:
+            where += f" (env {env_prefix}{str(err['loc'][0]).upper()})"
+        parts.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
+    return "; ".join(parts)
+
+
+class KVLayout(BaseModel):
+    """Geometry of an engine's KV cache: one tensor per layer, all alike.
+
+    Each layer's tensor holds K and V for every GPU block, shaped as ``kind`` says.
+    A CPU block holds all layers of one GPU block: ``bytes_per_block`` bytes.
+
+    Raises:
+        ConfigError: a field is out of bounds (the message names it and the value).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_layers: int = Field(ge=1, le=4096, description="Number of attention layers.")
+    num_kv_heads: int = Field(ge=1, le=4096, description="KV heads per layer (after TP split).")
+    head_size: int = Field(ge=1, le=65536, description="Elements per head.")
+    dtype: DTypeName = Field(description="Element type of the KV tensors (torch name).")
+    block_size: int = Field(ge=1, le=65536, description="Tokens per block.")
+    kind: LayoutKind = Field(default="blocks_first", description="Per-layer tensor layout.")
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise ConfigError(f"invalid KVLayout: {_describe(exc, None)}") from exc
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The element type as a ``torch.dtype``."""
+        dt: torch.dtype = getattr(torch, self.dtype)
+        return dt
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per element."""
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int]:
+        """Shape of one layer's part of one block: ``(2, block_size, heads, head_size)``."""
+        return (2, self.block_size, self.num_kv_heads, self.head_size)
+
+    @property
+    def bytes_per_layer_block(self) -> int:
+        """Bytes of one layer's K and V for one block."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.element_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across all layers: the size of one CPU block."""
+        return self.num_layers * self.bytes_per_layer_block
+
+    def tensor_shape(self, num_gpu_blocks: int) -> tuple[int, ...]:
+        """The shape one layer's tensor has for ``num_gpu_blocks`` blocks."""
+        per_block = (self.block_size, self.num_kv_heads, self.head_size)
+        if self.kind == "blocks_first":
+            return (num_gpu_blocks, 2, *per_block)
+        return (2, num_gpu_blocks, *per_block)
+
+    def num_gpu_blocks(self, tensors: Sequence[torch.Tensor]) -> int:
+        """Validate ``tensors`` against this layout and return the GPU block count.
+
+        Raises:
+            LayoutMismatchError: wrong layer count, shape, dtype, device or strides;
+                the message names the layer and both values.
+        """
+        if len(tensors) != self.num_layers:
+            raise LayoutMismatchError(
+                f"expected {self.num_layers} layer tensors, got {len(tensors)}"
+            )
+        if not tensors:
+            raise LayoutMismatchError("no KV tensors given")
+        first = tensors[0]
+        if first.dim() != 5:
+            raise LayoutMismatchError(f"layer 0: expected a 5-d tensor, got shape {tuple(first.shape)}")
+        n = int(first.shape[0] if self.kind == "blocks_first" else first.shape[1])
+        want = self.tensor_shape(n)
+        for i, t in enumerate(tensors):
+            if tuple(t.shape) != want:
+                raise LayoutMismatchError(
+                    f"layer {i}: shape {tuple(t.shape)} does not match {self.kind} layout {want}"
+                )
+            if t.dtype != self.torch_dtype:
+                raise LayoutMismatchError(f"layer {i}: dtype {t.dtype} != layout dtype {self.dtype}")
+            if t.device != first.device:
+                raise LayoutMismatchError(
+                    f"layer {i}: device {t.device} differs from layer 0's {first.device}"
+                )
+            if not t.is_contiguous():
+                raise LayoutMismatchError(f"layer {i}: tensor is not contiguous")
+        return n
+
+    @classmethod
+    def from_tensors(
+        cls,
+        tensors: Sequence[torch.Tensor],
+        *,
+        kind: LayoutKind | None = None,
+        block_size: int | None = None,
+    ) -> KVLayout:
+        """Infer the layout from an engine's per-layer KV tensors and validate all of them.
+
+        Args:
+            tensors: one tensor per layer.
+            kind: the layout kind; inferred from which dimension is 2 when omitted
+                (required when both the first two dimensions are 2).
+            block_size: when given, must equal the tensors' block dimension.
+
+        Raises:
+            LayoutMismatchError: the tensors disagree with each other, with ``kind`` or
+                with ``block_size``, or the kind cannot be inferred.
+        """
+        if not tensors:
+            raise LayoutMismatchError("no KV tensors given")
+        shape = tuple(tensors[0].shape)
+        if len(shape) != 5:
+            raise LayoutMismatchError(f"layer 0: expected a 5-d tensor, got shape {shape}")
+        if kind is None:
+            if shape[0] == 2 and shape[1] == 2:
+                raise LayoutMismatchError(
+                    f"layer 0: shape {shape} is ambiguous between blocks_first and kv_first; "
+                    "pass kind="
+                )
+            if shape[1] == 2:
+                kind = "blocks_first"
+            elif shape[0] == 2:
+                kind = "kv_first"
+            else:
+                raise LayoutMismatchError(
+                    f"layer 0: shape {shape} has no K/V dimension of size 2 in position 0 or 1"
+                )
+        elif (kind == "blocks_first" and shape[1] != 2) or (kind == "kv_first" and shape[0] != 2):
+            raise LayoutMismatchError(f"layer 0: shape {shape} is not a {kind} layout")
+        if block_size is not None and shape[2] != block_size:
+            raise LayoutMismatchError(f"layer 0: block dimension {shape[2]} != block_size {block_size}")
+        dtype_name = str(tensors[0].dtype).removeprefix("torch.")
+        try:
+            layout = cls(
+                num_layers=len(tensors),
+                num_kv_heads=shape[3],
+                head_size=shape[4],
+                dtype=dtype_name,
+                block_size=shape[2],
+                kind=kind,
+            )
+        except ConfigError as exc:
+            raise LayoutMismatchError(str(exc)) from exc
+        layout.num_gpu_blocks(tensors)
+        return layout
+
+
+class OffloadConfig(BaseSettings):
+    """Settings of one offloader. Frozen; reads ``KVOFFLOAD_<FIELD>`` environment variables.
+
+    Exactly one of ``num_cpu_blocks`` and ``cpu_bytes`` sizes the CPU pool.
+
+    Raises:
+        ConfigError: a field is out of bounds or two fields disagree; the message names
+            the field, its environment variable and the value.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KVOFFLOAD_", extra="forbid", frozen=True)
+
+    block_size: int = Field(
+        default=16, ge=1, le=65536, description="Tokens per KV block (must equal the layout's)."
+    )
+    num_cpu_blocks: int | None = Field(
+        default=None, ge=1, le=1 << 31, description="CPU pool size in blocks."
+    )
+    cpu_bytes: ByteSize | None = Field(
+        default=None,
+        ge=1,
+        description="CPU pool size in bytes (e.g. '8GiB'); turned into whole blocks of the layout.",
+    )
+    store_mode: Literal["eager", "lazy"] = Field(
+        default="eager",
+        description="eager: store every newly computed full block; lazy: store the GPU blocks "
+        "closest to eviction only.",
+    )
+    lazy_offload_blocks: int = Field(
+        default=256,
+        ge=1,
+        le=1 << 24,
+        description="Lazy mode: how many GPU blocks closest to eviction to keep stored.",
+    )
+    restore_evicted: bool = Field(
+        default=False,
+        description="Re-store CPU blocks evicted below a live request's cursor while its GPU "
+        "copy still exists (costs a rescan; off keeps the O(1) cursor).",
+    )
+    max_store_blocks_per_step: int = Field(
+        default=4096, ge=1, le=1 << 24, description="Most blocks one plan_stores() schedules."
+    )
+    pin_memory: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="Pin the host buffer: auto pins when CUDA is available and falls back to "
+        "pageable memory with one warning; always fails if pinning fails; never skips it.",
+    )
+    pin_chunk_bytes: ByteSize = Field(
+        default=ByteSize(_GIB),
+        ge=1 << 20,
+        le=256 * _GIB,
+        description="Largest single host-memory registration when pinning.",
+    )
+    poll_interval_s: float = Field(
+        default=0.0002,
+        gt=0,
+        le=0.1,
+        description="Completion poller sleep between event queries while transfers are in flight.",
+    )
+    model_id: str = Field(
+        default="", max_length=1024, description="Model name and revision, mixed into block hashes."
+    )
+    hash_salt: str = Field(
+        default="", max_length=1024, description="Extra namespace for block hashes (cache isolation)."
+    )
+    enable_events: bool = Field(
+        default=False, description="Record BlockStored/BlockRemoved events for KV-aware routers."
+    )
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise ConfigError(f"invalid OffloadConfig: {_describe(exc, 'KVOFFLOAD_')}") from exc
+
+    @model_validator(mode="after")
+    def _exactly_one_size(self) -> OffloadConfig:
+        if (self.num_cpu_blocks is None) == (self.cpu_bytes is None):
+            raise ValueError(
+                "exactly one of num_cpu_blocks and cpu_bytes must be set "
+                f"(got num_cpu_blocks={self.num_cpu_blocks!r}, cpu_bytes={self.cpu_bytes!r})"
+            )
+        return self
+
+    def resolve_num_cpu_blocks(self, layout: KVLayout) -> int:
+        """Number of CPU blocks for ``layout``: ``num_cpu_blocks``, or ``cpu_bytes`` in whole blocks.
+
+        Raises:
+            ConfigError: ``cpu_bytes`` holds less than one block, or ``block_size``
+                differs from the layout's.
+        """
+        if layout.block_size != self.block_size:
+            raise ConfigError(
+                f"block_size={self.block_size} does not match the layout's block_size="
+                f"{layout.block_size}"
+            )
+        if self.num_cpu_blocks is not None:
+            return self.num_cpu_blocks
+        n = int(self.cpu_bytes or 0) // layout.bytes_per_block
+        if n < 1:
+            raise ConfigError(
+                f"cpu_bytes={int(self.cpu_bytes)} holds no block of {layout.bytes_per_block} bytes"
+            )
+        return n

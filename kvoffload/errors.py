@@ -1,0 +1,102 @@
+"""The exceptions kvoffload raises.
+
+Every error derives from one root, so ``except KvOffloadError`` catches anything the
+library raised on purpose::
+
+    KvOffloadError
+    ├── ConfigError (ValueError)          a configuration field has a bad value
+    ├── LayoutMismatchError (ValueError)  KV tensors do not match the declared KVLayout
+    ├── OutOfBlocksError                  fewer free CPU blocks than asked for
+    ├── BlockStateError                   misuse of a block: double free, publish unreferenced
+    ├── InvariantError                    check_invariants() found a breach of DESIGN.md
+    ├── UnknownRequestError (KeyError)    a request id the scheduler does not know
+    ├── HostMemoryError                   host buffer allocation or pinning failed
+    ├── TransferError                     a copy failed; the cause is chained
+    ├── TransferNotFinishedError          result()/exception() asked of a pending transfer
+    ├── ClosedError                       an object was used after aclose()
+    └── ForkedProcessError                an object was used in a process forked after it was made
+
+torch and CUDA errors are translated only at the transfer boundary
+(``raise TransferError(...) from exc``); everywhere else they propagate unchanged.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BlockStateError",
+    "ClosedError",
+    "ConfigError",
+    "ForkedProcessError",
+    "HostMemoryError",
+    "InvariantError",
+    "KvOffloadError",
+    "LayoutMismatchError",
+    "OutOfBlocksError",
+    "TransferError",
+    "TransferNotFinishedError",
+    "UnknownRequestError",
+]
+
+
+class KvOffloadError(Exception):
+    """Root of every error kvoffload raises on purpose."""
+
+
+class ConfigError(KvOffloadError, ValueError):
+    """A configuration field has a bad value; the message names the field and the value."""
+
+
+class LayoutMismatchError(KvOffloadError, ValueError):
+    """KV tensors do not match the declared :class:`~kvoffload.KVLayout`."""
+
+
+class OutOfBlocksError(KvOffloadError):
+    """Fewer free CPU blocks than were asked for.
+
+    Attributes:
+        requested: blocks asked for.
+        num_free: blocks that were free.
+    """
+
+    def __init__(self, requested: int, num_free: int) -> None:
+        super().__init__(
+            f"cannot allocate {requested} CPU block(s): only {num_free} free "
+            "(blocks with a reference are never evicted)"
+        )
+        self.requested = requested
+        self.num_free = num_free
+
+
+class BlockStateError(KvOffloadError):
+    """A block was used in a way its state does not allow (double free, publish unreferenced)."""
+
+
+class InvariantError(KvOffloadError):
+    """``check_invariants()`` found a breach of an invariant from DESIGN.md."""
+
+
+class UnknownRequestError(KvOffloadError, KeyError):
+    """A request id that the scheduler does not know."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class HostMemoryError(KvOffloadError):
+    """Allocating or pinning the host KV buffer failed."""
+
+
+class TransferError(KvOffloadError):
+    """A store or load failed; the underlying torch/CUDA error is chained as ``__cause__``."""
+
+
+class TransferNotFinishedError(KvOffloadError):
+    """``result()`` or ``exception()`` was called on a transfer that has not finished."""
+
+
+class ClosedError(KvOffloadError):
+    """An object was used after it was closed."""
+
+
+class ForkedProcessError(KvOffloadError):
+    """An object was used in a child process forked after it was created."""

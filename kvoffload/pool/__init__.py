@@ -1,0 +1,23 @@
+"""The CPU block pool and its LRU free queue."""
+
+from kvoffload.pool.block_pool import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CpuBlockPool,
+    PoolEvent,
+    PoolStatistics,
+)
+from kvoffload.pool.free_queue import BlockId, CpuBlock, LruFreeQueue
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockId",
+    "BlockRemoved",
+    "BlockStored",
+    "CpuBlock",
+    "CpuBlockPool",
+    "LruFreeQueue",
+    "PoolEvent",
+    "PoolStatistics",
+]

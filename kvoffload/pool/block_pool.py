@@ -1,0 +1,359 @@
+"""The CPU block pool: reference counts, the prefix-cache map and LRU eviction.
+
+A block is *free* when its ``ref_cnt`` is 0: it sits in the LRU free queue and may be
+evicted (reallocated) at any time, even while still published. A block with a reference
+is never evicted. A block is *published* (findable by :meth:`CpuBlockPool.lookup`) only
+after its store completed; the scheduler decides when. The pool touches no tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import final
+
+from kvoffload.errors import BlockStateError, InvariantError, OutOfBlocksError
+from kvoffload.hashing import BlockHash
+from kvoffload.pool.free_queue import BlockId, CpuBlock, LruFreeQueue
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "CpuBlockPool",
+    "PoolEvent",
+    "PoolStatistics",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """A block became findable under ``block_hash``."""
+
+    block_hash: BlockHash
+    block_id: BlockId
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """A block is no longer findable under ``block_hash`` (evicted or unpublished)."""
+
+    block_hash: BlockHash
+    block_id: BlockId
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The whole prefix cache was dropped by :meth:`CpuBlockPool.reset_prefix_cache`."""
+
+
+PoolEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStatistics:
+    """A snapshot of a :class:`CpuBlockPool`.
+
+    Attributes:
+        num_blocks: pool size.
+        num_free: blocks with no reference (evictable).
+        num_cached: published blocks.
+        lookups: calls to ``lookup``.
+        hit_blocks: blocks those lookups returned.
+        evictions: published blocks unpublished by allocation.
+    """
+
+    num_blocks: int
+    num_free: int
+    num_cached: int
+    lookups: int
+    hit_blocks: int
+    evictions: int
+
+
+@final
+class CpuBlockPool:
+    """Reference-counted CPU blocks with a hash map for prefix lookup and LRU eviction.
+
+    Args:
+        num_blocks: number of CPU blocks.
+        enable_events: record :class:`BlockStored` / :class:`BlockRemoved` events for
+            :meth:`take_events` (for KV-aware routers); off costs nothing.
+
+    Raises:
+        ValueError: ``num_blocks`` is below 1.
+    """
+
+    __slots__ = (
+        "_blocks",
+        "_cached",
+        "_enable_events",
+        "_events",
+        "_evictions",
+        "_free",
+        "_hit_blocks",
+        "_lookups",
+        "_num_blocks",
+    )
+
+    def __init__(self, num_blocks: int, *, enable_events: bool = False) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self._num_blocks = num_blocks
+        self._blocks = tuple(CpuBlock(BlockId(i)) for i in range(num_blocks))
+        self._free = LruFreeQueue(self._blocks)
+        self._cached: dict[BlockHash, CpuBlock] = {}
+        self._enable_events = enable_events
+        self._events: list[PoolEvent] = []
+        self._lookups = 0
+        self._hit_blocks = 0
+        self._evictions = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"CpuBlockPool(num_blocks={self._num_blocks}, num_free={len(self._free)}, "
+            f"num_cached={len(self._cached)})"
+        )
+
+    # -- sizes ---------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        """Pool size in blocks."""
+        return self._num_blocks
+
+    @property
+    def num_free(self) -> int:
+        """Blocks with no reference: allocatable, possibly still published."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Published blocks."""
+        return len(self._cached)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks that hold a reference, in [0, 1]."""
+        return 1.0 - len(self._free) / self._num_blocks
+
+    def block(self, block_id: int) -> CpuBlock:
+        """The block with id ``block_id``.
+
+        Raises:
+            IndexError: no such block.
+        """
+        if not 0 <= block_id < self._num_blocks:
+            raise IndexError(f"block_id {block_id} out of range [0, {self._num_blocks})")
+        return self._blocks[block_id]
+
+    def is_cached(self, block_hash: BlockHash) -> bool:
+        """Whether ``block_hash`` is published."""
+        return block_hash in self._cached
+
+    def get_cached(self, block_hash: BlockHash) -> CpuBlock | None:
+        """The block published under ``block_hash``, or ``None``."""
+        return self._cached.get(block_hash)
+
+    # -- reference counting ----------------------------------------------------------------
+
+    def allocate(self, n: int) -> list[CpuBlock]:
+        """Take ``n`` blocks from the LRU end, each with ``ref_cnt == 1``.
+
+        A block that was still published is unpublished first (an eviction). Only free
+        blocks (``ref_cnt == 0``) are ever taken.
+
+        Raises:
+            OutOfBlocksError: fewer than ``n`` blocks are free; nothing changed.
+            ValueError: ``n`` is negative.
+        """
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks: {n}")
+        free = self._free
+        if n > len(free):
+            raise OutOfBlocksError(n, len(free))
+        blocks = free.popleft_n(n)
+        cached = self._cached
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is not None:
+                del cached[block_hash]
+                block.block_hash = None
+                self._evictions += 1
+                if self._enable_events:
+                    self._events.append(BlockRemoved(block_hash, block.block_id))
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[CpuBlock]) -> None:
+        """Take one more reference on each block; a block going 0 → 1 leaves the free queue."""
+        remove = self._free.remove
+        for block in blocks:
+            if block.ref_cnt == 0:
+                remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: Sequence[CpuBlock]) -> None:
+        """Drop one reference from each block.
+
+        Blocks reaching 0 join the most recently used end in the order given, so the
+        first one freed is evicted first: free a request's blocks tail first to keep its
+        prefix longest. A block listed twice loses two references.
+
+        Raises:
+            BlockStateError: a block already at ``ref_cnt == 0`` (double free); the
+                blocks before it are restored, so nothing changed.
+        """
+        append = self._free.append
+        done = 0
+        for block in blocks:
+            ref_cnt = block.ref_cnt
+            if ref_cnt <= 0:
+                self._undo_free(blocks, done)
+                raise BlockStateError(
+                    f"free of block {block.block_id} whose ref_cnt is {ref_cnt} (double free)"
+                )
+            block.ref_cnt = ref_cnt - 1
+            if ref_cnt == 1:
+                append(block)
+            done += 1
+
+    def _undo_free(self, blocks: Sequence[CpuBlock], done: int) -> None:
+        remove = self._free.remove
+        for block in reversed(blocks[:done]):
+            if block.ref_cnt == 0:
+                remove(block)
+            block.ref_cnt += 1
+
+    # -- the prefix-cache map ---------------------------------------------------------------
+
+    def publish(self, block: CpuBlock, block_hash: BlockHash) -> bool:
+        """Make a referenced block findable under ``block_hash``.
+
+        Returns:
+            ``True`` if ``block`` is now published under ``block_hash``; ``False`` if
+            another block already holds that hash (the first keeps it; ``block`` stays
+            unpublished and will be reused first when freed).
+
+        Raises:
+            BlockStateError: ``block`` has no reference, or is published under another hash.
+        """
+        if block.ref_cnt <= 0:
+            raise BlockStateError(
+                f"publish of block {block.block_id} with ref_cnt {block.ref_cnt}: "
+                "only a referenced block may be published"
+            )
+        current = block.block_hash
+        if current is not None:
+            if current == block_hash:
+                return True
+            raise BlockStateError(
+                f"block {block.block_id} is already published under {current.hex()[:16]}…"
+            )
+        holder = self._cached.setdefault(block_hash, block)
+        if holder is not block:
+            return False
+        block.block_hash = block_hash
+        if self._enable_events:
+            self._events.append(BlockStored(block_hash, block.block_id))
+        return True
+
+    def unpublish(self, block: CpuBlock) -> bool:
+        """Make ``block`` unfindable (e.g. its data is suspect); its references are unchanged.
+
+        Returns:
+            whether it was published.
+        """
+        block_hash = block.block_hash
+        if block_hash is None:
+            return False
+        del self._cached[block_hash]
+        block.block_hash = None
+        if self._enable_events:
+            self._events.append(BlockRemoved(block_hash, block.block_id))
+        return True
+
+    def lookup(self, block_hashes: Iterable[BlockHash]) -> list[CpuBlock]:
+        """The longest leading run of published blocks for ``block_hashes``.
+
+        Does not take references: callers :meth:`touch` what they keep.
+        """
+        get = self._cached.get
+        hits: list[CpuBlock] = []
+        append = hits.append
+        for block_hash in block_hashes:
+            block = get(block_hash)
+            if block is None:
+                break
+            append(block)
+        self._lookups += 1
+        self._hit_blocks += len(hits)
+        return hits
+
+    def reset_prefix_cache(self) -> bool:
+        """Unpublish every block.
+
+        Returns:
+            ``False`` (and changes nothing) while any block holds a reference.
+        """
+        if len(self._free) != self._num_blocks:
+            return False
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+        if self._enable_events:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    # -- observation -------------------------------------------------------------------------
+
+    def take_events(self) -> list[PoolEvent]:
+        """Return and clear the events recorded since the last call (empty when disabled)."""
+        events, self._events = self._events, []
+        return events
+
+    def statistics(self) -> PoolStatistics:
+        """A snapshot of sizes and counters."""
+        return PoolStatistics(
+            num_blocks=self._num_blocks,
+            num_free=len(self._free),
+            num_cached=len(self._cached),
+            lookups=self._lookups,
+            hit_blocks=self._hit_blocks,
+            evictions=self._evictions,
+        )
+
+    def check_invariants(self) -> None:
+        """Check DESIGN invariants 1 and 3 over the whole pool (O(num_blocks)).
+
+        Raises:
+            InvariantError: conservation, free-queue membership or the hash map is broken.
+        """
+        queued = self._free.check()
+        queued_ids = {id(b) for b in queued}
+        referenced = 0
+        for block in self._blocks:
+            if block.ref_cnt < 0:
+                raise InvariantError(f"block {block.block_id} has ref_cnt {block.ref_cnt}")
+            in_queue = id(block) in queued_ids
+            if in_queue != (block.ref_cnt == 0):
+                raise InvariantError(
+                    f"block {block.block_id}: ref_cnt={block.ref_cnt} but "
+                    f"{'in' if in_queue else 'not in'} the free queue"
+                )
+            if block.ref_cnt > 0:
+                referenced += 1
+            if block.block_hash is not None and self._cached.get(block.block_hash) is not block:
+                raise InvariantError(
+                    f"block {block.block_id} carries a hash the map does not point at it"
+                )
+        if len(queued) + referenced != self._num_blocks:
+            raise InvariantError(
+                f"conservation: free {len(queued)} + referenced {referenced} != "
+                f"{self._num_blocks}"
+            )
+        for block_hash, block in self._cached.items():
+            if block.block_hash != block_hash:
+                raise InvariantError(
+                    f"map entry for block {block.block_id} does not match its block_hash"
+                )
