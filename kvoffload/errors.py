@@ -10,6 +10,7 @@ library raised on purpose::
     ├── BlockStateError                   misuse of a block: double free, publish unreferenced
     ├── InvariantError                    check_invariants() found a breach of DESIGN.md
     ├── UnknownRequestError (KeyError)    a request id the scheduler does not know
+    ├── RequestStateError                 a request used in a state that forbids it (finished)
     ├── HostMemoryError                   host buffer allocation or pinning failed
     ├── TransferError                     a copy failed; the cause is chained
     ├── TransferNotFinishedError          result()/exception() asked of a pending transfer
@@ -32,6 +33,7 @@ __all__ = [
     "KvOffloadError",
     "LayoutMismatchError",
     "OutOfBlocksError",
+    "RequestStateError",
     "TransferError",
     "TransferNotFinishedError",
     "UnknownRequestError",
@@ -80,6 +82,10 @@ class UnknownRequestError(KvOffloadError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
+
+
+class RequestStateError(KvOffloadError):
+    """A request was used in a state that forbids it, e.g. updated after it finished."""
 
 
 class HostMemoryError(KvOffloadError):

@@ -8,7 +8,7 @@ after its store completed; the scheduler decides when. The pool touches no tenso
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import final
 
@@ -157,22 +157,50 @@ class CpuBlockPool:
 
     # -- reference counting ----------------------------------------------------------------
 
-    def allocate(self, n: int) -> list[CpuBlock]:
+    def allocate(
+        self,
+        n: int,
+        *,
+        protect: Collection[CpuBlock] = (),
+        evicted: list[BlockHash] | None = None,
+    ) -> list[CpuBlock]:
         """Take ``n`` blocks from the LRU end, each with ``ref_cnt == 1``.
 
         A block that was still published is unpublished first (an eviction). Only free
         blocks (``ref_cnt == 0``) are ever taken.
 
+        Args:
+            n: blocks to take.
+            protect: free blocks that must not be taken by this call; they keep their
+                place in the LRU order (e.g. blocks a store plan just found cached).
+            evicted: when given, the hashes of evicted blocks are appended to it.
+
         Raises:
-            OutOfBlocksError: fewer than ``n`` blocks are free; nothing changed.
+            OutOfBlocksError: fewer than ``n`` blocks are free (not counting protected
+                ones); nothing changed.
             ValueError: ``n`` is negative.
         """
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks: {n}")
         free = self._free
-        if n > len(free):
-            raise OutOfBlocksError(n, len(free))
-        blocks = free.popleft_n(n)
+        if protect:
+            available = len(free) - sum(1 for b in set(protect) if b.ref_cnt == 0)
+            if n > available:
+                raise OutOfBlocksError(n, available)
+            blocks = []
+            if n:
+                for block in free.iter_after(None):
+                    if block not in protect:
+                        blocks.append(block)
+                        if len(blocks) == n:
+                            break
+                remove = free.remove
+                for block in blocks:
+                    remove(block)
+        else:
+            if n > len(free):
+                raise OutOfBlocksError(n, len(free))
+            blocks = free.popleft_n(n)
         cached = self._cached
         for block in blocks:
             block_hash = block.block_hash
@@ -180,6 +208,8 @@ class CpuBlockPool:
                 del cached[block_hash]
                 block.block_hash = None
                 self._evictions += 1
+                if evicted is not None:
+                    evicted.append(block_hash)
                 if self._enable_events:
                     self._events.append(BlockRemoved(block_hash, block.block_id))
             block.ref_cnt = 1
@@ -272,6 +302,20 @@ class CpuBlockPool:
         if self._enable_events:
             self._events.append(BlockRemoved(block_hash, block.block_id))
         return True
+
+    def unpublish_all(self) -> int:
+        """Unpublish every block, referenced or not; return how many were published.
+
+        Unlike :meth:`reset_prefix_cache` this never refuses: references are unchanged, so
+        a block pinned by a load stays pinned, it just can no longer be found.
+        """
+        count = len(self._cached)
+        if self._enable_events:
+            self._events.extend(BlockRemoved(h, b.block_id) for h, b in self._cached.items())
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+        return count
 
     def lookup(self, block_hashes: Iterable[BlockHash]) -> list[CpuBlock]:
         """The longest leading run of published blocks for ``block_hashes``.
