@@ -17,7 +17,9 @@ from kvoffload.errors import ConfigError, LayoutMismatchError
 
 __all__ = ["DTypeName", "KVLayout", "LayoutKind", "OffloadConfig"]
 
-DTypeName = Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8"]
+DTypeName = Literal[
+    "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8"
+]
 """KV dtypes kvoffload can move (by their torch names)."""
 
 LayoutKind = Literal["blocks_first", "kv_first"]
@@ -114,7 +116,9 @@ class KVLayout(BaseModel):
             raise LayoutMismatchError("no KV tensors given")
         first = tensors[0]
         if first.dim() != 5:
-            raise LayoutMismatchError(f"layer 0: expected a 5-d tensor, got shape {tuple(first.shape)}")
+            raise LayoutMismatchError(
+                f"layer 0: expected a 5-d tensor, got shape {tuple(first.shape)}"
+            )
         n = int(first.shape[0] if self.kind == "blocks_first" else first.shape[1])
         want = self.tensor_shape(n)
         for i, t in enumerate(tensors):
@@ -123,7 +127,9 @@ class KVLayout(BaseModel):
                     f"layer {i}: shape {tuple(t.shape)} does not match {self.kind} layout {want}"
                 )
             if t.dtype != self.torch_dtype:
-                raise LayoutMismatchError(f"layer {i}: dtype {t.dtype} != layout dtype {self.dtype}")
+                raise LayoutMismatchError(
+                    f"layer {i}: dtype {t.dtype} != layout dtype {self.dtype}"
+                )
             if t.device != first.device:
                 raise LayoutMismatchError(
                     f"layer {i}: device {t.device} differs from layer 0's {first.device}"
@@ -174,7 +180,9 @@ class KVLayout(BaseModel):
         elif (kind == "blocks_first" and shape[1] != 2) or (kind == "kv_first" and shape[0] != 2):
             raise LayoutMismatchError(f"layer 0: shape {shape} is not a {kind} layout")
         if block_size is not None and shape[2] != block_size:
-            raise LayoutMismatchError(f"layer 0: block dimension {shape[2]} != block_size {block_size}")
+            raise LayoutMismatchError(
+                f"layer 0: block dimension {shape[2]} != block_size {block_size}"
+            )
         dtype_name = str(tensors[0].dtype).removeprefix("torch.")
         try:
             layout = cls(
@@ -254,7 +262,9 @@ class OffloadConfig(BaseSettings):
         default="", max_length=1024, description="Model name and revision, mixed into block hashes."
     )
     hash_salt: str = Field(
-        default="", max_length=1024, description="Extra namespace for block hashes (cache isolation)."
+        default="",
+        max_length=1024,
+        description="Extra namespace for block hashes (cache isolation).",
     )
     enable_events: bool = Field(
         default=False, description="Record BlockStored/BlockRemoved events for KV-aware routers."
@@ -276,7 +286,7 @@ class OffloadConfig(BaseSettings):
         return self
 
     def resolve_num_cpu_blocks(self, layout: KVLayout) -> int:
-        """Number of CPU blocks for ``layout``: ``num_cpu_blocks``, or ``cpu_bytes`` in whole blocks.
+        """CPU blocks for ``layout``: ``num_cpu_blocks``, or ``cpu_bytes`` in whole blocks.
 
         Raises:
             ConfigError: ``cpu_bytes`` holds less than one block, or ``block_size``
@@ -289,9 +299,10 @@ class OffloadConfig(BaseSettings):
             )
         if self.num_cpu_blocks is not None:
             return self.num_cpu_blocks
-        n = int(self.cpu_bytes or 0) // layout.bytes_per_block
+        cpu_bytes = int(self.cpu_bytes or 0)
+        n = cpu_bytes // layout.bytes_per_block
         if n < 1:
             raise ConfigError(
-                f"cpu_bytes={int(self.cpu_bytes)} holds no block of {layout.bytes_per_block} bytes"
+                f"cpu_bytes={cpu_bytes} holds no block of {layout.bytes_per_block} bytes"
             )
         return n

@@ -235,8 +235,7 @@ class CpuBlockPool:
                 blocks before it are restored, so nothing changed.
         """
         append = self._free.append
-        done = 0
-        for block in blocks:
+        for done, block in enumerate(blocks):
             ref_cnt = block.ref_cnt
             if ref_cnt <= 0:
                 self._undo_free(blocks, done)
@@ -246,7 +245,6 @@ class CpuBlockPool:
             block.ref_cnt = ref_cnt - 1
             if ref_cnt == 1:
                 append(block)
-            done += 1
 
     def _undo_free(self, blocks: Sequence[CpuBlock], done: int) -> None:
         remove = self._free.remove

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NewType, final
 
-from kvoffload.errors import BlockStateError, OutOfBlocksError
+from kvoffload.errors import BlockStateError, InvariantError, OutOfBlocksError
 
 if TYPE_CHECKING:
     from kvoffload.hashing import BlockHash
@@ -26,10 +26,20 @@ BlockId = NewType("BlockId", int)
 class _Node:
     """A link in the free queue: a sentinel, or the base of :class:`CpuBlock`."""
 
-    __slots__ = ("_next", "_prev")
+    __slots__ = ()
 
     _prev: _Node | None
     _next: _Node | None
+
+
+class _Sentinel(_Node):
+    """One of the two private ends of a queue; never a block."""
+
+    __slots__ = ("_next", "_prev")
+
+    def __init__(self) -> None:
+        self._prev = None
+        self._next = None
 
 
 @final
@@ -45,11 +55,9 @@ class CpuBlock(_Node):
 
     block_id: BlockId
     ref_cnt: int = 0
-    block_hash: BlockHash | None = field(default=None)
-
-    def __post_init__(self) -> None:
-        self._prev = None
-        self._next = None
+    block_hash: BlockHash | None = None
+    _prev: _Node | None = field(default=None, init=False, repr=False)
+    _next: _Node | None = field(default=None, init=False, repr=False)
 
     @property
     def is_free(self) -> bool:
@@ -68,12 +76,10 @@ class LruFreeQueue:
     __slots__ = ("_head", "_len", "_tail")
 
     def __init__(self, blocks: Iterable[CpuBlock] = ()) -> None:
-        self._head = _Node()
-        self._tail = _Node()
-        self._head._prev = None
+        self._head = _Sentinel()
+        self._tail = _Sentinel()
         self._head._next = self._tail
         self._tail._prev = self._head
-        self._tail._next = None
         self._len = 0
         self.append_n(blocks)
 
@@ -116,7 +122,7 @@ class LruFreeQueue:
         nxt = first._next
         self._head._next = nxt
         nxt._prev = self._head  # type: ignore[union-attr]
-        first._prev = first._next = None
+        first._prev = first._next = None  # type: ignore[misc]
         self._len -= 1
         return first  # type: ignore[return-value]
 
@@ -191,7 +197,7 @@ class LruFreeQueue:
         if prev is None:
             raise BlockStateError(f"block {block.block_id} is not in the free queue")
         nxt = block._next
-        prev._next = nxt
+        prev._next = nxt  # type: ignore[misc]
         nxt._prev = prev  # type: ignore[union-attr]
         block._prev = block._next = None
         self._len -= 1
@@ -202,8 +208,6 @@ class LruFreeQueue:
         Raises:
             kvoffload.errors.InvariantError: a broken link, a cycle or a wrong length.
         """
-        from kvoffload.errors import InvariantError
-
         out: list[CpuBlock] = []
         seen: set[int] = set()
         prev: _Node = self._head
