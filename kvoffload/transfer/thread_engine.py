@@ -1,0 +1,222 @@
+"""Copies between CPU "device" tensors and the host buffer in worker threads.
+
+:class:`ThreadCopyEngine` has the semantics of :class:`~kvoffload.transfer.CudaCopyEngine`
+without a GPU: one worker thread per direction plays the part of one CUDA stream (copies
+in one direction run in submission order), and a ``concurrent.futures.Future`` plays the
+part of the completion event. The copy itself releases the GIL, so the event loop keeps
+running while bytes move.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Literal, final
+
+import anyio.to_thread
+import torch
+
+from kvoffload._logging import get_logger
+from kvoffload.config import KVLayout
+from kvoffload.errors import LayoutMismatchError
+from kvoffload.storage.host_buffer import HostKVBuffer
+from kvoffload.transfer.engine import _InFlight, check_open
+from kvoffload.transfer.gather import BlockMover
+from kvoffload.transfer.plan import TransferPlan
+from kvoffload.transfer.task import TransferTask
+
+__all__ = ["CopyHook", "ThreadCopyEngine"]
+
+_log = get_logger("transfer.thread")
+
+CopyHook = Callable[[TransferPlan], None]
+"""Runs in the worker thread right before a copy; raising fails that copy (fault injection,
+slowed copies in tests)."""
+
+
+@final
+class _FutureCompletion:
+    """Completion handle over a worker future; also knows when the copy ended."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Future[float]) -> None:
+        self._future = future
+
+    def query(self) -> bool:
+        return self._future.done()
+
+    def error(self) -> BaseException | None:
+        return self._future.exception(timeout=0)
+
+    def finished_at(self) -> float | None:
+        if not self._future.done() or self._future.exception(timeout=0) is not None:
+            return None
+        return self._future.result(timeout=0)
+
+
+@final
+class ThreadCopyEngine:
+    """A :class:`~kvoffload.transfer.CopyEngine` for CPU tensors, copying in worker threads.
+
+    Args:
+        layout: the KV layout.
+        gpu_kv: the engine's per-layer KV tensors (CPU tensors).
+        host: the host buffer.
+        strategy: ``"segments"`` (default; direct ``memmove`` per block and layer, fastest
+            on CPU) or ``"staged"`` (the CUDA engine's gather/scatter through a staging
+            buffer).
+        staging_blocks: staging capacity in blocks for ``"staged"``.
+        copy_hook: run in the worker before each copy; an exception fails the copy.
+        poll_interval_s: how often :meth:`aclose` checks for in-flight copies.
+
+    Raises:
+        LayoutMismatchError: tensors or host buffer disagree with ``layout``, or the KV
+            tensors are not on the CPU.
+        ValueError: ``staging_blocks`` is not positive.
+    """
+
+    __slots__ = (
+        "_closed",
+        "_copy_hook",
+        "_in_flight",
+        "_mover",
+        "_staging",
+        "_staging_blocks",
+        "_strategy",
+        "_workers",
+    )
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        gpu_kv: Sequence[torch.Tensor],
+        host: HostKVBuffer,
+        *,
+        strategy: Literal["segments", "staged"] = "segments",
+        staging_blocks: int = 64,
+        copy_hook: CopyHook | None = None,
+        poll_interval_s: float = 0.0005,
+    ) -> None:
+        if staging_blocks < 1:
+            raise ValueError(f"staging_blocks must be >= 1, got {staging_blocks}")
+        if gpu_kv and gpu_kv[0].device.type != "cpu":
+            raise LayoutMismatchError(
+                f"ThreadCopyEngine needs CPU tensors, got {gpu_kv[0].device}; "
+                "use CudaCopyEngine for CUDA tensors"
+            )
+        self._mover = BlockMover(layout, gpu_kv, host)
+        self._strategy = strategy
+        self._staging_blocks = staging_blocks
+        self._staging: dict[str, torch.Tensor] = {}
+        self._copy_hook = copy_hook
+        self._workers = {
+            kind: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvoffload-{kind}")
+            for kind in ("store", "load")
+        }
+        self._in_flight = _InFlight(poll_interval_s)
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` was called."""
+        return self._closed
+
+    @property
+    def mover(self) -> BlockMover:
+        """The data path."""
+        return self._mover
+
+    def submit(self, plan: TransferPlan, *, after: object | None = None) -> TransferTask:
+        """Queue the copy on its direction's worker; return the running task.
+
+        Args:
+            plan: store or load plan.
+            after: ``None``, or a ``threading.Event`` / ``concurrent.futures.Future`` the
+                worker waits for before copying (the producer of a store's data).
+
+        Returns:
+            The task; ``FAILED`` already if the worker could not take the copy.
+
+        Raises:
+            ValueError: the plan is malformed.
+            TypeError: ``after`` is of an unsupported type.
+            ClosedError: the engine was closed.
+        """
+        check_open(self._closed, "ThreadCopyEngine")
+        self._mover.validate(plan)
+        if after is not None and not isinstance(after, threading.Event | Future):
+            raise TypeError(
+                f"after must be None, a threading.Event or a Future, got {type(after).__name__}"
+            )
+        nbytes = self._mover.nbytes(plan)
+        try:
+            future = self._workers[plan.kind].submit(self._copy, plan, after)
+        except RuntimeError as exc:  # executor shut down under us
+            return TransferTask._failed_launch(plan, nbytes, exc)
+        handle = _FutureCompletion(future)
+        self._in_flight.add(handle)
+        task: TransferTask = TransferTask._create(
+            plan,
+            nbytes=nbytes,
+            completion=handle,
+            queue=self._workers[plan.kind],
+            keepalive=(self._mover, future),
+        )
+        return task
+
+    def _copy(self, plan: TransferPlan, after: threading.Event | Future[object] | None) -> float:
+        """Worker thread: wait for the producer, run the hook, move the bytes."""
+        if isinstance(after, threading.Event):
+            after.wait()
+        elif after is not None:
+            after.result()
+        if self._copy_hook is not None:
+            self._copy_hook(plan)
+        mover = self._mover
+        if self._strategy == "segments":
+            mover.copy_segments(mover.segments(plan))
+        else:
+            staging = self._staging.get(plan.kind)
+            if staging is None:
+                staging = self._staging[plan.kind] = mover.new_staging(self._staging_blocks)
+            cap = self._staging_blocks
+            move = mover.store_staged if plan.kind == "store" else mover.load_staged
+            for i in range(0, plan.num_blocks, cap):
+                gpu_ids = plan.gpu_block_ids[i : i + cap]
+                index = torch.tensor(gpu_ids, dtype=torch.int64)
+                move(gpu_ids, plan.cpu_block_ids[i : i + cap], index, staging)
+        return time.perf_counter()
+
+    def in_flight(self) -> int:
+        """Copies submitted and not finished."""
+        return len(self._in_flight)
+
+    async def aclose(self) -> None:
+        """Wait (shielded) for in-flight copies, then stop the workers. Idempotent.
+
+        Cancellation cannot interrupt the wait; it is re-raised once the copies ended.
+        """
+        self._closed = True
+        await self._in_flight.wait_all()
+        workers = list(self._workers.values())
+        if not workers:
+            return
+        self._workers = {}
+        self._staging.clear()
+
+        def stop() -> None:
+            for worker in workers:
+                worker.shutdown(wait=True)
+
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(stop)
+        _log.debug("copy_engine_closed", engine="thread")
+
+    async def __aenter__(self) -> ThreadCopyEngine:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
