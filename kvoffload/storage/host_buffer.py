@@ -20,7 +20,7 @@ from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout
 from kvoffload.errors import ClosedError, ForkedProcessError, HostMemoryError
 
-__all__ = ["CudaHostRegistrar", "HostKVBuffer", "HostRegistrar"]
+__all__ = ["CudaHostRegistrar", "HostKVBuffer", "HostRegistrar", "pin_chunk_ranges"]
 
 _log = get_logger("storage")
 _warned_pageable = False
@@ -43,15 +43,37 @@ class CudaHostRegistrar:
 
     def register(self, ptr: int, nbytes: int) -> None:
         """Pin a range with ``cudaHostRegister``; raise ``RuntimeError`` with the CUDA error."""
-        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)  # type: ignore[no-untyped-call]
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister(ptr={ptr:#x}, nbytes={nbytes}) failed: {err}")
 
     def unregister(self, ptr: int) -> None:
         """Unpin a range with ``cudaHostUnregister``."""
-        err = torch.cuda.cudart().cudaHostUnregister(ptr)
+        err = torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]
         if int(err) != 0:
             raise RuntimeError(f"cudaHostUnregister(ptr={ptr:#x}) failed: {err}")
+
+
+def pin_chunk_ranges(
+    nbytes: int, chunk_bytes: int, page_size: int = mmap.PAGESIZE
+) -> list[tuple[int, int]]:
+    """The ``(offset, size)`` registrations that pin ``nbytes`` bytes, in order.
+
+    Each chunk is at most ``chunk_bytes`` rounded down to whole pages (at least one page),
+    so every offset is page aligned; together the chunks cover ``[0, nbytes)`` exactly once.
+
+    Raises:
+        ValueError: ``nbytes`` is negative, ``page_size`` is below 1, or ``chunk_bytes``
+            is outside ``[1, 256 GiB]``.
+    """
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if not 1 <= chunk_bytes <= _MAX_CHUNK:
+        raise ValueError(f"pin_chunk_bytes must be in [1, {_MAX_CHUNK}], got {chunk_bytes}")
+    chunk = max(page_size, chunk_bytes - chunk_bytes % page_size)
+    return [(offset, min(chunk, nbytes - offset)) for offset in range(0, nbytes, chunk)]
 
 
 def _warn_pageable_once(reason: str) -> None:
@@ -83,8 +105,17 @@ class HostKVBuffer:
     this constructor in a worker thread.
     """
 
-    __slots__ = ("_blocks", "_closed", "_layout", "_mmap", "_num_blocks", "_pid", "_raw",
-                 "_registered", "_registrar")
+    __slots__ = (
+        "_blocks",
+        "_closed",
+        "_layout",
+        "_mmap",
+        "_num_blocks",
+        "_pid",
+        "_raw",
+        "_registered",
+        "_registrar",
+    )
 
     def __init__(
         self,
@@ -125,10 +156,8 @@ class HostKVBuffer:
             _log.debug("host_buffer_pageable", reason="cuda_unavailable")
             return
         # Page aligned chunks: a registration never shares a page with the next one.
-        chunk = max(mmap.PAGESIZE, pin_chunk_bytes - pin_chunk_bytes % mmap.PAGESIZE)
         base = self._raw.data_ptr()
-        for offset in range(0, nbytes, chunk):
-            size = min(chunk, nbytes - offset)
+        for offset, size in pin_chunk_ranges(nbytes, pin_chunk_bytes):
             try:
                 registrar.register(base + offset, size)
             except Exception as exc:
@@ -239,7 +268,7 @@ class HostKVBuffer:
             ptr = self._registered.pop()
             try:
                 registrar.unregister(ptr)
-            except Exception as exc:  # noqa: BLE001 - logged; unpinning the rest matters more
+            except Exception as exc:  # logged; unpinning the rest matters more
                 _log.warning("host_unregister_failed", ptr=hex(ptr), error=repr(exc))
 
     def close(self) -> None:
