@@ -140,8 +140,10 @@ class _StoreBatch:
         block and none is left (the caller defers)."""
         block = self.get_cached(block_hash)
         if block is not None:
-            # Cached: skip it, and keep this plan's own allocation from evicting it.
-            if block.ref_cnt == 0 and block not in self.protect:
+            # Cached: skip it, and keep this plan's own allocation from evicting it while
+            # a free block is left to spare (blocks planned before already counted on the
+            # rest, so protecting it then would make the plan unallocatable).
+            if block.ref_cnt == 0 and self.free > 0 and block not in self.protect:
                 self.protect.add(block)
                 self.free -= 1
             return True

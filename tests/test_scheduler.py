@@ -678,3 +678,18 @@ def test_misuse_names_the_request() -> None:
         sched.finish("c")
     with pytest.raises(RequestStateError, match="'c'"):
         sched.lookup("c", hashes(held), len(held))
+
+
+def test_cached_block_found_after_the_pool_is_spent_stays_allocatable() -> None:
+    # Found by the state machine: a cached block skipped after the plan used every free
+    # block must not be protected, or the plan could not be allocated.
+    sched = make(num_blocks=2)
+    shared = tokens(54, 1)
+    run_request(sched, "r0", shared, [0], finish=False)
+    other = tokens(55, 2)
+    sched.update("r1", [1, 2], hashes(other), len(other))
+    sched.update("r2", [3], hashes(shared), len(shared))
+    plan = sched.plan_stores()
+    assert plan is not None
+    assert plan.block_hashes == tuple(hashes(other))
+    sched.check_invariants()

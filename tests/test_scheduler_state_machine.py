@@ -1,0 +1,252 @@
+"""A hypothesis state machine over OffloadScheduler with a simulated engine.
+
+Random lookups, loads, chunked updates, stores, successful / failed / delayed completions,
+finishes, preemptions and resets. After every step: ``check_invariants()`` plus the
+model's own checks: every published CPU block holds the KV of its hash, and every load
+delivers exactly the KV the request needs (wrong KV is the worst bug there is). The
+engine reuses GPU blocks, but never one that an in-flight transfer names (the pinner's
+contract), so a scheduler that planned from stale GPU ids would be caught.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from scheduler_helpers import BS, SimKV, hashes, make
+
+from kvoffload.hashing import BlockHash
+from kvoffload.transfer.plan import LoadPlan, StorePlan, TransferPlan
+
+NUM_GPU_BLOCKS = 24
+FAMILIES = 2
+MAX_BLOCKS = 5
+
+
+def prompt(family: int, variant: int, num_blocks: int) -> list[int]:
+    """Prompts of one family share their first block; variants diverge after it."""
+    head = [family * 1000 + i for i in range(BS)]
+    tail = [family * 1000 + variant * 100 + 500 + i for i in range((num_blocks - 1) * BS)]
+    return head + tail + [7]  # one more token: every full block is loadable
+
+
+@dataclass
+class Req:
+    toks: list[int]
+    hs: list[BlockHash]
+    table: list[int] = field(default_factory=list)
+    computed: int = 0
+    loading: bool = False
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sched = make(num_blocks=6)
+        self.sim = SimKV()
+        self.reqs: dict[str, Req] = {}
+        self.gpu_free = list(range(NUM_GPU_BLOCKS))
+        self.gpu_deferred_free: list[int] = []
+        self.in_flight: list[TransferPlan] = []
+        self.next_id = 0
+
+    @initialize(restore=st.booleans(), size=st.integers(2, 8))
+    def setup(self, restore: bool, size: int) -> None:
+        self.sched = make(num_blocks=size, restore_evicted=restore)
+
+    # -- engine side ---------------------------------------------------------------------
+
+    def pinned_gpu(self) -> set[int]:
+        return {g for p in self.in_flight for g in p.gpu_block_ids}
+
+    def free_gpu(self, ids: list[int]) -> None:
+        pinned = self.pinned_gpu()
+        for g in ids:
+            (self.gpu_deferred_free if g in pinned else self.gpu_free).append(g)
+
+    def settle_gpu(self) -> None:
+        pinned = self.pinned_gpu()
+        still = [g for g in self.gpu_deferred_free if g in pinned]
+        self.gpu_free += [g for g in self.gpu_deferred_free if g not in pinned]
+        self.gpu_deferred_free = still
+
+    def take_gpu(self, n: int) -> list[int] | None:
+        if len(self.gpu_free) < n:
+            return None
+        out, self.gpu_free = self.gpu_free[:n], self.gpu_free[n:]
+        for g in out:
+            self.sim.gpu[g] = None  # fresh block: garbage
+        return out
+
+    # -- rules ---------------------------------------------------------------------------
+
+    @rule(
+        family=st.integers(0, FAMILIES - 1),
+        variant=st.integers(0, 1),
+        num_blocks=st.integers(1, MAX_BLOCKS),
+        accept=st.floats(0, 1),
+        allow_defer=st.booleans(),
+        engine_prefix=st.integers(0, 2),
+    )
+    def admit(
+        self,
+        family: int,
+        variant: int,
+        num_blocks: int,
+        accept: float,
+        allow_defer: bool,
+        engine_prefix: int,
+    ) -> None:
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        toks = prompt(family, variant, num_blocks)
+        req = Req(toks, hashes(toks))
+        own = min(engine_prefix, len(req.hs))  # blocks the engine's own prefix cache holds
+        hit = self.sched.lookup(rid, req.hs, len(toks), own * BS, allow_defer=allow_defer)
+        self.reqs[rid] = req
+        if hit is None:
+            return  # ask again later: the engine keeps it waiting (state exists, no pin)
+        assert hit % BS == 0
+        assert own * BS + hit <= (len(toks) - 1) // BS * BS
+        table = self.take_gpu(len(req.hs))
+        if table is None:
+            self.sched.release(rid)
+            return
+        req.table = table
+        for i in range(own):
+            self.sim.gpu[table[i]] = req.hs[i]
+        req.computed = own * BS
+        take = int(hit // BS * accept) * BS
+        plan = self.sched.plan_load(rid, table, take)
+        if plan is not None:
+            assert plan.gpu_block_ids == tuple(table[own : own + take // BS])
+            req.loading = True
+            self.in_flight.append(plan)
+        else:
+            self.sched.update(rid, req.table, req.hs, req.computed)
+
+    @precondition(lambda self: any(not r.loading for r in self.reqs.values()))
+    @rule(data=st.data(), chunk=st.integers(1, 3 * BS))
+    def step(self, data: st.DataObject, chunk: int) -> None:
+        rid = data.draw(st.sampled_from(sorted(k for k, r in self.reqs.items() if not r.loading)))
+        self.step_request(rid, chunk)
+
+    def step_request(self, rid: str, chunk: int) -> None:
+        req = self.reqs[rid]
+        if not req.table:  # new or preempted: allocate its blocks
+            table = self.take_gpu(len(req.hs))
+            if table is None:
+                return
+            req.table = table
+        new = min(len(req.toks), req.computed + chunk)
+        done_blocks = min(new // BS, len(req.hs))
+        for i in range(req.computed // BS, done_blocks):
+            self.sim.gpu[req.table[i]] = req.hs[i]  # compute writes the block's true KV
+        req.computed = new
+        self.sched.update(rid, req.table, req.hs, req.computed)
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def run_to_end(self, data: st.DataObject) -> None:
+        """Compute a request's whole prompt and store it (a common, fast path)."""
+        candidates = sorted(k for k, r in self.reqs.items() if not r.loading)
+        if not candidates:
+            return
+        rid = data.draw(st.sampled_from(candidates))
+        self.step_request(rid, len(self.reqs[rid].toks))
+        self.plan_stores()
+
+    @rule()
+    def plan_stores(self) -> None:
+        plan = self.sched.plan_stores()
+        if plan is not None:
+            assert isinstance(plan, StorePlan)
+            assert len(set(plan.block_hashes)) == plan.num_blocks
+            assert len(set(plan.cpu_block_ids)) == plan.num_blocks
+            self.in_flight.append(plan)
+
+    @precondition(lambda self: self.in_flight)
+    @rule(data=st.data(), ok=st.booleans())
+    def complete(self, data: st.DataObject, ok: bool) -> None:
+        i = data.draw(st.integers(0, len(self.in_flight) - 1))
+        plan = self.in_flight.pop(i)
+        if ok:
+            if isinstance(plan, StorePlan):
+                for g, h in zip(plan.gpu_block_ids, plan.block_hashes, strict=True):
+                    assert self.sim.gpu[g] == h, "a store would read a block that is not its KV"
+            self.sim.execute(plan)
+            if isinstance(plan, LoadPlan):
+                req = self.reqs.get(plan.request_id)
+                if req is not None and req.table:
+                    first = req.table.index(plan.gpu_block_ids[0])
+                    for j, g in enumerate(plan.gpu_block_ids):
+                        assert self.sim.gpu[g] == req.hs[first + j], "a load delivered wrong KV"
+        assert self.sched.complete(plan, ok=ok)
+        if isinstance(plan, LoadPlan) and plan.request_id in self.reqs:
+            req = self.reqs[plan.request_id]
+            req.loading = False
+            if ok and req.table:
+                req.computed += plan.num_tokens
+            elif req.table:
+                for g in plan.gpu_block_ids:
+                    self.sim.gpu[g] = None  # failed load: garbage, recompute
+        self.settle_gpu()
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.reqs)))
+        req = self.reqs.pop(rid)
+        self.sched.finish(rid)
+        self.free_gpu(req.table)
+
+    @precondition(lambda self: any(r.table and not r.loading for r in self.reqs.values()))
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        rid = data.draw(
+            st.sampled_from(sorted(k for k, r in self.reqs.items() if r.table and not r.loading))
+        )
+        req = self.reqs[rid]
+        self.sched.preempt(rid)
+        self.free_gpu(req.table)
+        req.table = []
+        req.computed = 0
+
+    @rule()
+    def reset(self) -> None:
+        clean = self.sched.reset()
+        assert clean == (not self.in_flight)
+        assert self.sched.pool.num_cached == 0
+
+    # -- checks ----------------------------------------------------------------------------
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        self.sched.check_invariants()
+        pool = self.sched.pool
+        for req in self.reqs.values():
+            for h in req.hs:
+                block = pool.get_cached(h)
+                if block is not None:
+                    assert self.sim.cpu.get(block.block_id) == h, "published block holds wrong KV"
+        assert self.sched.num_in_flight == len(self.in_flight)
+
+    def teardown(self) -> None:
+        while self.in_flight:
+            self.sched.complete(self.in_flight.pop(), ok=True)
+        for rid in list(self.reqs):
+            self.sched.finish(rid)
+        self.sched.check_invariants()
+        assert self.sched.pool.num_free == self.sched.pool.num_blocks, "a reference leaked"
+        assert self.sched.statistics().live_requests == 0
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=400,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestScheduler = SchedulerMachine.TestCase
