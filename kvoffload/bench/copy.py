@@ -1,0 +1,259 @@
+"""``python -m kvoffload.bench copy``: store/load bandwidth against a contiguous copy.
+
+For each batch size it stores ``n`` scattered GPU blocks to scattered CPU blocks and loads
+them back through a copy engine and a :class:`~kvoffload.transfer.CompletionPoller`, and
+measures, in the same run, one contiguous copy of the same number of bytes (device to
+host for stores, host to device for loads; pinned host memory on CUDA). It prints the
+median GB/s over ``--reps`` repetitions, the ratio to the contiguous copy, and the
+poller's wake-up latency (copy finished → awaiting coroutine resumed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import random
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import torch
+
+from kvoffload.config import KVLayout
+from kvoffload.storage.host_buffer import HostKVBuffer
+from kvoffload.transfer import (
+    CompletionPoller,
+    CudaCopyEngine,
+    LoadPlan,
+    StorePlan,
+    ThreadCopyEngine,
+    TransferPlan,
+    TransferTask,
+)
+
+__all__ = ["add_parser", "run"]
+
+_LAYOUTS: dict[str, dict[str, Any]] = {
+    # Llama-3-8B: 64 KiB per layer and block, 2 MiB per block.
+    "llama3-8b": {"num_layers": 32, "num_kv_heads": 8, "head_size": 128, "block_size": 16},
+    # Same model with 8-token blocks: 32 KiB per-layer pieces, 1 MiB per block.
+    "small-pieces": {"num_layers": 32, "num_kv_heads": 8, "head_size": 128, "block_size": 8},
+}
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register the ``copy`` subcommand."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "copy", help="store/load bandwidth vs a contiguous copy", description=__doc__
+    )
+    p.add_argument("--blocks", default="1,16,64,256", help="comma-separated batch sizes")
+    p.add_argument("--reps", type=int, default=5, help="repetitions per measurement (median)")
+    p.add_argument("--engine", choices=["auto", "thread", "cuda"], default="auto")
+    p.add_argument("--layout", choices=sorted(_LAYOUTS), default="llama3-8b")
+    p.add_argument("--kind", choices=["blocks_first", "kv_first"], default="blocks_first")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--strategy",
+        choices=["segments", "staged"],
+        default="segments",
+        help="thread engine data path",
+    )
+    p.add_argument("--latency-samples", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=run)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def _median_time(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; return 0."""
+    use_cuda = args.engine == "cuda" or (args.engine == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        print("--engine cuda: CUDA is not available")
+        return 2
+    sizes = sorted({int(s) for s in args.blocks.split(",") if s.strip()})
+    layout = KVLayout(dtype=args.dtype, kind=args.kind, **_LAYOUTS[args.layout])
+    return anyio.run(_main, args, layout, sizes, use_cuda)
+
+
+async def _main(
+    args: argparse.Namespace, layout: KVLayout, sizes: Sequence[int], use_cuda: bool
+) -> int:
+    device = torch.device("cuda" if use_cuda else "cpu")
+    max_n = max(sizes)
+    num_gpu = num_cpu = max(2 * max_n, 8)
+    kv = [
+        torch.empty(layout.tensor_shape(num_gpu), dtype=layout.torch_dtype, device=device)
+        for _ in range(layout.num_layers)
+    ]
+    for t in kv:
+        t.view(torch.uint8).random_(0, 255)
+    host = HostKVBuffer(layout, num_cpu, pin_memory="always" if use_cuda else "never")
+    engine: ThreadCopyEngine | CudaCopyEngine
+    if use_cuda:
+        engine = CudaCopyEngine(layout, kv, host)
+    else:
+        engine = ThreadCopyEngine(layout, kv, host, strategy=args.strategy)
+    rng = random.Random(args.seed)
+    poller = CompletionPoller(lambda task: None, poll_interval_s=0.0002)
+    name = "cuda" if use_cuda else f"thread/{args.strategy}"
+    print(
+        f"engine={name} layout={args.layout} kind={layout.kind} dtype={layout.dtype} "
+        f"block={layout.bytes_per_block / 2**20:.2f} MiB "
+        f"per-layer piece={layout.bytes_per_layer_block // 1024} KiB reps={args.reps}"
+    )
+    print(
+        f"{'blocks':>6} {'MiB':>7} {'store':>8} {'d2h':>8} {'ratio':>6} "
+        f"{'load':>8} {'h2d':>8} {'ratio':>6}   (GB/s)"
+    )
+    latencies: list[float] = []
+    async with anyio.create_task_group() as tg:
+        await tg.start(poller.run)
+
+        async def timed(plan: TransferPlan) -> float:
+            t0 = time.perf_counter()
+            task = engine.submit(plan)
+            poller.track(task)
+            await task
+            return time.perf_counter() - t0
+
+        plan_id = 0
+        for n in sizes:
+            g = rng.sample(range(num_gpu), n)
+            c = rng.sample(range(num_cpu), n)
+            nbytes = n * layout.bytes_per_block
+            d2h, h2d = _contiguous(nbytes, device, args.reps)
+            store_t, load_t = [], []
+            for _ in range(args.reps + 1):
+                plan_id += 1
+                store_t.append(
+                    await timed(
+                        StorePlan(
+                            plan_id=plan_id,
+                            kind="store",
+                            gpu_block_ids=tuple(g),
+                            cpu_block_ids=tuple(c),
+                            request_ids=("bench",),
+                            block_hashes=(),
+                        )
+                    )
+                )
+                plan_id += 1
+                load_t.append(
+                    await timed(
+                        LoadPlan(
+                            plan_id=plan_id,
+                            kind="load",
+                            gpu_block_ids=tuple(g),
+                            cpu_block_ids=tuple(c),
+                            request_ids=("bench",),
+                            request_id="bench",
+                            num_tokens=0,
+                        )
+                    )
+                )
+            s = _gbps(nbytes, statistics.median(store_t[1:]))
+            ld = _gbps(nbytes, statistics.median(load_t[1:]))
+            print(
+                f"{n:>6} {nbytes / 2**20:>7.0f} {s:>8.2f} {d2h:>8.2f} {s / d2h:>6.2f} "
+                f"{ld:>8.2f} {h2d:>8.2f} {ld / h2d:>6.2f}"
+            )
+        for i in range(args.latency_samples):
+            plan_id += 1
+            j = i % num_gpu
+            plan = LoadPlan(
+                plan_id=plan_id,
+                kind="load",
+                gpu_block_ids=(j,),
+                cpu_block_ids=(j,),
+                request_ids=("bench",),
+                request_id="bench",
+                num_tokens=0,
+            )
+            latencies.append(await _wakeup(engine, poller, plan, use_cuda))
+        tg.cancel_scope.cancel()
+    await engine.aclose()
+    host.close()
+    latencies.sort()
+    if latencies:
+        p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+        print(
+            f"wake-up latency (copy finished -> awaiter resumed) over {len(latencies)} copies: "
+            f"median {statistics.median(latencies) * 1e6:.0f} us, p99 {p99 * 1e6:.0f} us"
+        )
+    return 0
+
+
+async def _wakeup(
+    engine: ThreadCopyEngine | CudaCopyEngine,
+    poller: CompletionPoller,
+    plan: TransferPlan,
+    use_cuda: bool,
+) -> float:
+    task: TransferTask = engine.submit(plan)
+    fired: list[float] = []
+    watcher: threading.Thread | None = None
+    if isinstance(engine, CudaCopyEngine) and use_cuda:
+        cuda: Any = torch.cuda
+        marker = cuda.Event()
+        marker.record(engine.stream(plan.kind))
+
+        def watch() -> None:  # off the loop: blocking here is fine
+            marker.synchronize()
+            fired.append(time.perf_counter())
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+    poller.track(task)
+    await task
+    resumed = time.perf_counter()
+    if watcher is not None:
+        await anyio.to_thread.run_sync(watcher.join)
+        return max(0.0, resumed - fired[0])
+    at = task._fired_at()
+    return max(0.0, resumed - at) if at is not None else 0.0
+
+
+def _contiguous(nbytes: int, device: torch.device, reps: int) -> tuple[float, float]:
+    """GB/s of one contiguous device→host and host→device copy of ``nbytes``."""
+    if device.type == "cuda":
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+        def d2h() -> None:
+            pinned.copy_(dev, non_blocking=True)
+            torch.cuda.synchronize()
+
+        def h2d() -> None:
+            dev.copy_(pinned, non_blocking=True)
+            torch.cuda.synchronize()
+
+        return _gbps(nbytes, _median_time(d2h, reps)), _gbps(nbytes, _median_time(h2d, reps))
+    # On CPU the limit is the faster of torch's copy and one plain memmove.
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
+    s_ptr, d_ptr = src.data_ptr(), dst.data_ptr()
+    a = max(
+        _gbps(nbytes, _median_time(lambda: dst.copy_(src), reps)),
+        _gbps(nbytes, _median_time(lambda: ctypes.memmove(d_ptr, s_ptr, nbytes), reps)),
+    )
+    b = max(
+        _gbps(nbytes, _median_time(lambda: src.copy_(dst), reps)),
+        _gbps(nbytes, _median_time(lambda: ctypes.memmove(s_ptr, d_ptr, nbytes), reps)),
+    )
+    return a, b
