@@ -588,9 +588,17 @@ class OffloadScheduler:
         return plan
 
     def _scan_eager(self, batch: _StoreBatch) -> None:
+        # The hot loop: _StoreBatch.offer() inlined, with its state in locals.
         bs = self._block_size
         live_refs = self._live_refs
-        offer = batch.offer
+        get_cached = batch.get_cached
+        pending = batch.pending
+        planned = batch.planned
+        protect = batch.protect
+        out_hashes = batch.hashes
+        out_gpu = batch.gpu_ids
+        owners = batch.owners
+        free, left = batch.free, batch.left
         for state in self._requests.values():
             if state.finished or state.preempted:
                 continue
@@ -604,13 +612,26 @@ class OffloadScheduler:
             rid = state.request_id
             while i < end:
                 block_hash = hashes[i]
-                if not offer(block_hash, gpu_ids[i], rid):
-                    batch.deferred = end - i
-                    batch.deferred_request = rid
-                    break
+                block = get_cached(block_hash)
+                if block is not None:
+                    if block.ref_cnt == 0 and free > 0 and block not in protect:
+                        protect.add(block)
+                        free -= 1
+                elif block_hash not in pending and block_hash not in planned:
+                    if free <= 0 or left <= 0:
+                        batch.deferred = end - i
+                        batch.deferred_request = rid
+                        break
+                    free -= 1
+                    left -= 1
+                    planned.add(block_hash)
+                    out_hashes.append(block_hash)
+                    out_gpu.append(gpu_ids[i])
+                    owners.append(rid)
                 live_refs[block_hash] = live_refs.get(block_hash, 0) + 1
                 i += 1
             state.num_stored_blocks = i
+        batch.free, batch.left = free, left
 
     def _scan_restore(self, batch: _StoreBatch) -> None:
         """Re-store blocks below live cursors that were evicted (``restore_evicted``)."""
