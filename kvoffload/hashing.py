@@ -73,7 +73,11 @@ def _encode_tokens(token_ids: Sequence[int]) -> bytes:
         arr = array("q", token_ids)
     except (OverflowError, TypeError) as exc:
         bad = next(
-            (i for i, t in enumerate(token_ids) if not isinstance(t, int) or not -(1 << 63) <= t < 1 << 63),
+            (
+                i
+                for i, t in enumerate(token_ids)
+                if not isinstance(t, int) or not -(1 << 63) <= t < 1 << 63
+            ),
             None,
         )
         raise ValueError(
@@ -84,9 +88,7 @@ def _encode_tokens(token_ids: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
-def hash_block_tokens(
-    parent: BlockHash, token_ids: Sequence[int], extra: bytes = b""
-) -> BlockHash:
+def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
     """Hash one block of tokens chained to its parent.
 
     Args:

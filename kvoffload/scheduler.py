@@ -701,7 +701,9 @@ class OffloadScheduler:
         elif not ok:
             for block in blocks:
                 pool.unpublish(block)
-        if not ok:
+        if not current:
+            self._abandoned += 1
+        elif not ok:
             if plan.kind == "store":
                 self._failed_stores += 1
             else:
@@ -713,8 +715,6 @@ class OffloadScheduler:
                 blocks=len(blocks),
                 request_ids=",".join(plan.request_ids),
             )
-        elif not current:
-            self._abandoned += 1
         pool.free(blocks[::-1])
         for rid in plan.request_ids:
             state = self._requests.get(rid)

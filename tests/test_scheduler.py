@@ -367,7 +367,7 @@ def test_preemption_resets_cursor_and_restores_evicted_blocks() -> None:
     assert plan.gpu_block_ids == (8, 9)
     sim.execute(plan)
     sched.complete(plan, ok=True)
-    hit, load = load_into(sched, sim, "c", a + [0], [20, 21, 22, 23])
+    hit, _ = load_into(sched, sim, "c", a + [0], [20, 21, 22, 23])
     assert hit == 4 * BS
     assert [sim.gpu[g] for g in (20, 21, 22, 23)] == hashes(a)
 
@@ -508,7 +508,7 @@ def test_store_plan_never_evicts_its_own_skipped_blocks() -> None:
     shared = tokens(39, 1)
     run_request(sched, "x", shared, [0])
     run_request(sched, "y", tokens(40, 3), [1, 2, 3])  # pool full; "x" is the LRU block
-    lru_before = [b.block_id for b in sched.pool._free]  # noqa: SLF001
+    lru_before = [b.block_id for b in sched.pool._free]
     toks = shared + tokens(41, 3)  # block 0 is shared with "x"
     hs = hashes(toks)
     sched.update("z", [4, 5, 6, 7], hs, len(toks))

@@ -18,7 +18,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse the subcommand and run its benchmark; return the exit code."""
     parser = argparse.ArgumentParser(prog="python -m kvoffload.bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, module_name in _SUBCOMMANDS.items():
+    for module_name in _SUBCOMMANDS.values():
         module = importlib.import_module(module_name)
         module.add_parser(sub)
     args = parser.parse_args(argv)

@@ -391,8 +391,7 @@ class CpuBlockPool:
                 )
         if len(queued) + referenced != self._num_blocks:
             raise InvariantError(
-                f"conservation: free {len(queued)} + referenced {referenced} != "
-                f"{self._num_blocks}"
+                f"conservation: free {len(queued)} + referenced {referenced} != {self._num_blocks}"
             )
         for block_hash, block in self._cached.items():
             if block.block_hash != block_hash:
