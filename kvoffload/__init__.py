@@ -1,1 +1,106 @@
-"""kvoffload."""
+"""kvoffload: offload LLM KV-cache blocks to a pinned CPU block pool and load them back.
+
+The names below are the public API; submodules documented in ``docs/api.md`` hold the rest.
+"""
+
+from kvoffload.config import DTypeName, KVLayout, LayoutKind, OffloadConfig
+from kvoffload.errors import (
+    BlockStateError,
+    ClosedError,
+    ConfigError,
+    ForkedProcessError,
+    HostMemoryError,
+    InvariantError,
+    KvOffloadError,
+    LayoutMismatchError,
+    OutOfBlocksError,
+    RequestStateError,
+    TransferError,
+    TransferNotFinishedError,
+    UnknownRequestError,
+)
+from kvoffload.hashing import BlockHash, HashNamespace, hash_block_tokens, hash_prompt
+from kvoffload.offloader import GpuBlockPinner, KVOffloader, NoOpPinner, OffloaderStatistics
+from kvoffload.pool import (
+    AllBlocksCleared,
+    BlockId,
+    BlockRemoved,
+    BlockStored,
+    CpuBlock,
+    CpuBlockPool,
+    LruFreeQueue,
+    PoolEvent,
+    PoolStatistics,
+)
+from kvoffload.request_state import RequestOffloadState
+from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
+from kvoffload.storage import HostKVBuffer
+from kvoffload.transfer import (
+    CompletionPoller,
+    CopyEngine,
+    CudaCopyEngine,
+    LoadPlan,
+    PollerStatistics,
+    StorePlan,
+    ThreadCopyEngine,
+    TransferPlan,
+    TransferResult,
+    TransferStatus,
+    TransferTask,
+)
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockHash",
+    "BlockId",
+    "BlockRemoved",
+    "BlockStateError",
+    "BlockStored",
+    "ClosedError",
+    "CompletionPoller",
+    "ConfigError",
+    "CopyEngine",
+    "CpuBlock",
+    "CpuBlockPool",
+    "CudaCopyEngine",
+    "DTypeName",
+    "ForkedProcessError",
+    "GpuBlockPinner",
+    "GpuCacheView",
+    "HashNamespace",
+    "HostKVBuffer",
+    "HostMemoryError",
+    "InvariantError",
+    "KVLayout",
+    "KVOffloader",
+    "KvOffloadError",
+    "LayoutKind",
+    "LayoutMismatchError",
+    "LoadPlan",
+    "LruFreeQueue",
+    "NoOpPinner",
+    "OffloadConfig",
+    "OffloadScheduler",
+    "OffloaderStatistics",
+    "OutOfBlocksError",
+    "PollerStatistics",
+    "PoolEvent",
+    "PoolStatistics",
+    "RequestOffloadState",
+    "RequestStateError",
+    "SchedulerStatistics",
+    "StorePlan",
+    "ThreadCopyEngine",
+    "TransferError",
+    "TransferNotFinishedError",
+    "TransferPlan",
+    "TransferResult",
+    "TransferStatus",
+    "TransferTask",
+    "UnknownRequestError",
+    "__version__",
+    "hash_block_tokens",
+    "hash_prompt",
+]
