@@ -708,8 +708,9 @@ class OffloadScheduler:
                 self._failed_stores += 1
             else:
                 self._failed_loads += 1
-            _log.warning(
-                "transfer_failed",
+            # The poller already warned with the cause; this records what was released.
+            _log.debug(
+                "failed_transfer_released",
                 kind=plan.kind,
                 plan_id=plan.plan_id,
                 blocks=len(blocks),
