@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from kvoffload.bench import pool as bench
+from kvoffload.bench.__main__ import main as bench_main
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
 
@@ -157,3 +159,19 @@ def test_hit_rates_match_the_trace_readme(
     for r in results:
         assert r["lru_reference"] == bench.LRU_REFERENCE[r["capacity"]]
         assert abs(r["hit_rate"] - r["lru_reference"]) <= 0.005, r
+
+
+def test_module_entry_point_runs_pool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = write_trace(tmp_path / "tiny.jsonl", [[0, 1, 2], [0, 1, 3]])
+    argv = ["pool", "--trace", str(trace), "--capacity", "8", "--runs", "1", "--no-progress"]
+    assert bench_main(argv) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^\s+8\s+0\.3333\s", out, re.MULTILINE), out
+
+
+def test_help_defines_block_ops(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Block-ops* count the blocks passed through pool calls" in out
