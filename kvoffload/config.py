@@ -6,7 +6,7 @@ This is the only module that reads the environment. Every other part receives an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Literal
 
 import torch
@@ -32,13 +32,16 @@ LayoutKind = Literal["blocks_first", "kv_first"]
 _GIB = 1 << 30
 
 
-def _describe(exc: ValidationError, env_prefix: str | None) -> str:
+def _describe(exc: ValidationError, fields: Collection[str], env_prefix: str | None) -> str:
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(model)"
-        where = f"{loc}"
-        if env_prefix is not None and err["loc"]:
-            where += f" (env {env_prefix}{str(err['loc'][0]).upper()})"
+        loc = err["loc"]
+        if not loc:  # a cross-field check: its message names the fields
+            parts.append(err["msg"].removeprefix("Value error, "))
+            continue
+        where = ".".join(str(p) for p in loc)
+        if env_prefix is not None and loc[0] in fields:
+            where += f" (env {env_prefix}{str(loc[0]).upper()})"
         parts.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
     return "; ".join(parts)
 
@@ -66,7 +69,9 @@ class KVLayout(BaseModel):
         try:
             super().__init__(**values)
         except ValidationError as exc:
-            raise ConfigError(f"invalid KVLayout: {_describe(exc, None)}") from exc
+            raise ConfigError(
+                f"invalid KVLayout: {_describe(exc, type(self).model_fields, None)}"
+            ) from exc
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -274,14 +279,18 @@ class OffloadConfig(BaseSettings):
         try:
             super().__init__(**values)
         except ValidationError as exc:
-            raise ConfigError(f"invalid OffloadConfig: {_describe(exc, 'KVOFFLOAD_')}") from exc
+            fields = type(self).model_fields
+            raise ConfigError(
+                f"invalid OffloadConfig: {_describe(exc, fields, 'KVOFFLOAD_')}"
+            ) from exc
 
     @model_validator(mode="after")
     def _exactly_one_size(self) -> OffloadConfig:
         if (self.num_cpu_blocks is None) == (self.cpu_bytes is None):
             raise ValueError(
-                "exactly one of num_cpu_blocks and cpu_bytes must be set "
-                f"(got num_cpu_blocks={self.num_cpu_blocks!r}, cpu_bytes={self.cpu_bytes!r})"
+                "exactly one of num_cpu_blocks (env KVOFFLOAD_NUM_CPU_BLOCKS) and cpu_bytes "
+                f"(env KVOFFLOAD_CPU_BYTES) must be set (got num_cpu_blocks="
+                f"{self.num_cpu_blocks!r}, cpu_bytes={self.cpu_bytes!r})"
             )
         return self
 

@@ -19,6 +19,12 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(name)
 
 
+EXACTLY_ONE = (
+    r"exactly one of num_cpu_blocks \(env KVOFFLOAD_NUM_CPU_BLOCKS\) "
+    r"and cpu_bytes \(env KVOFFLOAD_CPU_BYTES\)"
+)
+
+
 def layout(**overrides: object) -> KVLayout:
     values: dict[str, object] = {
         "num_layers": 2,
@@ -127,12 +133,12 @@ def test_keyword_overrides_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_neither_size_is_an_error() -> None:
-    with pytest.raises(ConfigError, match="exactly one of num_cpu_blocks and cpu_bytes"):
+    with pytest.raises(ConfigError, match=EXACTLY_ONE):
         OffloadConfig()
 
 
 def test_both_sizes_is_an_error() -> None:
-    with pytest.raises(ConfigError, match="exactly one of num_cpu_blocks and cpu_bytes") as info:
+    with pytest.raises(ConfigError, match=EXACTLY_ONE) as info:
         OffloadConfig(num_cpu_blocks=4, cpu_bytes="1GiB")
     assert "num_cpu_blocks=4" in str(info.value)
 
@@ -380,3 +386,9 @@ def test_num_gpu_blocks_counts_blocks(kind: str) -> None:
 def test_layout_mismatch_is_a_value_error() -> None:
     assert issubclass(LayoutMismatchError, ValueError)
     assert issubclass(LayoutMismatchError, KvOffloadError)
+
+
+def test_unknown_field_names_no_environment_variable() -> None:
+    with pytest.raises(ConfigError, match=r"bogus: Extra inputs are not permitted") as info:
+        OffloadConfig(num_cpu_blocks=1, bogus=1)
+    assert "KVOFFLOAD_BOGUS" not in str(info.value)

@@ -261,7 +261,7 @@ class CpuBlockPool:
         Returns:
             ``True`` if ``block`` is now published under ``block_hash``; ``False`` if
             another block already holds that hash (the first keeps it; ``block`` stays
-            unpublished and will be reused first when freed).
+            unpublished and, once freed, is taken in LRU order like any other block).
 
         Raises:
             BlockStateError: ``block`` has no reference, or is published under another hash.
