@@ -217,11 +217,21 @@ class CpuBlockPool:
 
     def touch(self, blocks: Iterable[CpuBlock]) -> None:
         """Take one more reference on each block; a block going 0 → 1 leaves the free queue."""
-        remove = self._free.remove
+        # Hot path: LruFreeQueue.remove() inlined (the pool owns its queue).
+        free = self._free
+        unlinked = 0
         for block in blocks:
             if block.ref_cnt == 0:
-                remove(block)
+                prev = block._prev
+                if prev is None:
+                    raise InvariantError(f"block {block.block_id} has ref_cnt 0 but is not free")
+                nxt = block._next
+                prev._next = nxt  # type: ignore[misc]
+                nxt._prev = prev  # type: ignore[union-attr]
+                block._prev = block._next = None
+                unlinked += 1
             block.ref_cnt += 1
+        free._len -= unlinked
 
     def free(self, blocks: Sequence[CpuBlock]) -> None:
         """Drop one reference from each block.
@@ -234,17 +244,30 @@ class CpuBlockPool:
             BlockStateError: a block already at ``ref_cnt == 0`` (double free); the
                 blocks before it are restored, so nothing changed.
         """
-        append = self._free.append
+        # Hot path: LruFreeQueue.append() inlined (the pool owns its queue).
+        free = self._free
+        tail = free._tail
+        last = tail._prev
+        linked = 0
         for done, block in enumerate(blocks):
             ref_cnt = block.ref_cnt
             if ref_cnt <= 0:
+                last._next = tail  # type: ignore[union-attr]
+                tail._prev = last
+                free._len += linked
                 self._undo_free(blocks, done)
                 raise BlockStateError(
                     f"free of block {block.block_id} whose ref_cnt is {ref_cnt} (double free)"
                 )
             block.ref_cnt = ref_cnt - 1
             if ref_cnt == 1:
-                append(block)
+                last._next = block  # type: ignore[union-attr]
+                block._prev = last
+                last = block
+                linked += 1
+        last._next = tail  # type: ignore[union-attr]
+        tail._prev = last
+        free._len += linked
 
     def _undo_free(self, blocks: Sequence[CpuBlock], done: int) -> None:
         remove = self._free.remove
