@@ -7,7 +7,7 @@ import logging
 import pytest
 from scheduler_helpers import BS, SimKV, hashes, make, run_request, tokens
 
-from kvoffload.errors import RequestStateError, UnknownRequestError
+from kvoffload.errors import OutOfBlocksError, RequestStateError, UnknownRequestError
 from kvoffload.hashing import BlockHash
 from kvoffload.transfer.plan import LoadPlan, StorePlan
 
@@ -693,3 +693,67 @@ def test_cached_block_found_after_the_pool_is_spent_stays_allocatable() -> None:
     assert plan is not None
     assert plan.block_hashes == tuple(hashes(other))
     sched.check_invariants()
+
+
+def test_in_flight_protection_lives_in_the_block_refs() -> None:
+    # FM-06: protection comes from each block's own ref count, not from request
+    # metadata: allocating straight from the pool, bypassing the scheduler, still
+    # cannot take a block whose store is in flight.
+    sched = make(num_blocks=6)
+    toks = tokens(60, 3)
+    sched.update("a", [0, 1, 2], hashes(toks), len(toks))
+    plan = sched.plan_stores()
+    assert plan is not None
+    in_flight = set(plan.cpu_block_ids)
+    grabbed = sched.pool.allocate(sched.pool.num_free)
+    assert in_flight.isdisjoint(b.block_id for b in grabbed)
+    with pytest.raises(OutOfBlocksError):
+        sched.pool.allocate(1)
+    sched.pool.free(grabbed)
+    sched.complete(plan, ok=True)
+    sched.check_invariants()
+
+
+def test_concurrent_loads_under_pressure_keep_each_others_blocks() -> None:
+    # FM-23: a block being loaded for A is not evicted by B's load or by new stores.
+    sched, sim = make(num_blocks=4), SimKV()
+    a, b = tokens(61, 2), tokens(62, 2)
+    run_request(sched, "sa", a, [0, 1], sim)
+    run_request(sched, "sb", b, [2, 3], sim)
+    hit_a = sched.lookup("A", hashes(a), len(a) + 1)
+    hit_b = sched.lookup("B", hashes(b), len(b) + 1)
+    load_a = sched.plan_load("A", [10, 11], hit_a)
+    load_b = sched.plan_load("B", [12, 13], hit_b)
+    assert load_a is not None
+    assert load_b is not None
+    c = tokens(63, 2)
+    sim.compute([20, 21], hashes(c))
+    sched.update("C", [20, 21], hashes(c), len(c))
+    assert sched.plan_stores() is None  # every block is held by a load: deferred
+    sim.execute(load_b)
+    sched.complete(load_b, ok=True)
+    sim.execute(load_a)
+    sched.complete(load_a, ok=True)
+    assert [sim.gpu[10], sim.gpu[11]] == hashes(a)
+    assert [sim.gpu[12], sim.gpu[13]] == hashes(b)
+    sched.check_invariants()
+
+
+def test_a_store_is_invisible_until_completed_and_never_if_failed() -> None:
+    # FM-31: lookups never see a block whose copy is still running or failed.
+    sched = make()
+    toks = tokens(64, 3)
+    hs = hashes(toks)
+    sched.update("w", [0, 1, 2], hs, len(toks))
+    ok_plan = sched.plan_stores()
+    assert ok_plan is not None
+    assert sched.lookup("r1", hs, len(toks) + 1) == 0
+    sched.complete(ok_plan, ok=True)
+    assert sched.lookup("r1", hs, len(toks) + 1) == 3 * BS
+    other = tokens(65, 2)
+    sched.update("w2", [5, 6], hashes(other), len(other))
+    bad_plan = sched.plan_stores()
+    assert bad_plan is not None
+    assert sched.lookup("r2", hashes(other), len(other) + 1) == 0
+    sched.complete(bad_plan, ok=False)
+    assert sched.lookup("r2", hashes(other), len(other) + 1) == 0
