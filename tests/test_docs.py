@@ -123,3 +123,42 @@ def test_quickstart_runs(
         exec(code, namespace)
     out = capsys.readouterr().out
     assert "32768 128" in out
+
+
+_TEST_REF = re.compile(r"`(tests/[\w/]+\.py)::(\w+)`")
+
+
+def _defines(source: str, name: str) -> bool:
+    """Whether a test module defines ``name``: a function, a class, or an assignment."""
+    return bool(
+        re.search(
+            rf"^\s*(?:async\s+)?def {name}\(|^class {name}\b|^{name}\s*=",
+            source,
+            re.MULTILINE,
+        )
+    )
+
+
+def test_failure_modes_page_lists_every_failure_mode() -> None:
+    rows = re.findall(r"^\| (FM-\d\d) \|", _read("failure-modes.md"), re.MULTILINE)
+    assert rows == [f"FM-{i:02d}" for i in range(1, 55)]
+
+
+def test_failure_modes_page_names_existing_tests() -> None:
+    root = DOCS.parent
+    refs = _TEST_REF.findall(_read("failure-modes.md"))
+    assert len(refs) >= 54
+    missing = []
+    for path, name in refs:
+        file = root / path
+        if not file.is_file() or not _defines(file.read_text(encoding="utf-8"), name):
+            missing.append(f"{path}::{name}")
+    assert not missing, f"failure-modes.md names tests that do not exist: {missing}"
+
+
+def test_test_reference_check_can_fail() -> None:
+    source = "def test_a() -> None:\n    pass\nTestMachine = Machine.TestCase\n"
+    assert _defines(source, "test_a")
+    assert _defines(source, "TestMachine")
+    assert not _defines(source, "test_b")
+    assert not _defines(source, "test")
