@@ -1,4 +1,4 @@
-"""Configuration: :class:`OffloadConfig` (settings) and :class:`KVLayout` (tensor geometry).
+"""Configuration: `OffloadConfig` (settings) and `KVLayout` (tensor geometry).
 
 This is the only module that reads the environment. Every other part receives an
 ``OffloadConfig`` object.

@@ -49,7 +49,7 @@ class ConfigError(KvOffloadError, ValueError):
 
 
 class LayoutMismatchError(KvOffloadError, ValueError):
-    """KV tensors do not match the declared :class:`~kvoffload.KVLayout`."""
+    """KV tensors do not match the declared `KVLayout`."""
 
 
 class OutOfBlocksError(KvOffloadError):

@@ -3,7 +3,7 @@
 A block's hash covers its tokens and, through its parent, every token before it, so two
 prompts share a block hash exactly when they share the whole prefix up to that block.
 Hashes are sha256 over a fixed byte encoding: identical in every process, on every host,
-whatever ``PYTHONHASHSEED`` is. The chain starts at a :class:`HashNamespace` root that mixes
+whatever ``PYTHONHASHSEED`` is. The chain starts at a `HashNamespace` root that mixes
 in the model, dtype, layout and a salt, so two configurations never share a key.
 """
 
@@ -41,7 +41,7 @@ class HashNamespace:
     Attributes:
         model_id: model name and revision.
         dtype: effective KV dtype (``"bfloat16"``, ...).
-        layout: a description of the KV geometry (see :meth:`from_layout`).
+        layout: a description of the KV geometry (see `from_layout()`).
         salt: anything else that must isolate caches (a tenant, a LoRA id, ...).
     """
 

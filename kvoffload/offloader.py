@@ -1,4 +1,4 @@
-"""The façade an inference engine embeds: :class:`KVOffloader`.
+"""The façade an inference engine embeds: `KVOffloader`.
 
 ``async with KVOffloader(config, gpu_kv=kv_tensors) as off:`` allocates the host buffer
 (in a worker thread), starts the completion poller in a task group it owns, and picks a
@@ -58,7 +58,7 @@ class GpuBlockPinner(Protocol):
 
 @final
 class NoOpPinner:
-    """The default :class:`GpuBlockPinner`: does nothing.
+    """The default `GpuBlockPinner`: does nothing.
 
     Correct only when the engine itself never reuses a GPU block that a transfer in
     flight names, for example because it frees blocks of finished or preempted requests
@@ -74,7 +74,7 @@ class NoOpPinner:
 
 @dataclass(frozen=True, slots=True)
 class OffloaderStatistics:
-    """Counters of every part of one :class:`KVOffloader`."""
+    """Counters of every part of one `KVOffloader`."""
 
     pool: PoolStatistics
     scheduler: SchedulerStatistics
@@ -109,12 +109,12 @@ class KVOffloader:
     Args:
         config: the settings.
         gpu_kv: the engine's per-layer KV tensors (CUDA or CPU).
-        layout: their layout; inferred with :meth:`KVLayout.from_tensors` when omitted.
-        copy_engine: moves the bytes; by default a :class:`CudaCopyEngine` for CUDA
-            tensors, else a :class:`ThreadCopyEngine`, built on entry. A given engine is
+        layout: their layout; inferred with `KVLayout.from_tensors()` when omitted.
+        copy_engine: moves the bytes; by default a `CudaCopyEngine` for CUDA
+            tensors, else a `ThreadCopyEngine`, built on entry. A given engine is
             owned too: it is closed on exit.
         pinner: keeps GPU blocks of transfers in flight from being reused; see
-            :class:`GpuBlockPinner` (default :class:`NoOpPinner`).
+            `GpuBlockPinner` (default `NoOpPinner`).
 
     Raises:
         LayoutMismatchError: the tensors disagree with ``layout`` or with each other.
@@ -319,7 +319,7 @@ class KVOffloader:
     ) -> int | None:
         """Tokens loadable from CPU past the engine's own prefix; pins the hit.
 
-        See :meth:`OffloadScheduler.lookup`.
+        See `OffloadScheduler.lookup()`.
 
         Raises:
             ClosedError: not open. ForkedProcessError: used in a forked child.
@@ -341,13 +341,13 @@ class KVOffloader:
 
         Args:
             request_id: the request.
-            gpu_block_ids: its whole GPU block table (see :meth:`OffloadScheduler.plan_load`).
+            gpu_block_ids: its whole GPU block table (see `OffloadScheduler.plan_load()`).
             num_tokens: tokens to load (a multiple of the block size, at most the hit).
 
         Returns:
             The transfer (compute must wait on it: ``await`` it, or ``task.wait_on(stream)``
             on CUDA), or ``None`` when ``num_tokens`` is 0. A failed load raises
-            :class:`~kvoffload.errors.TransferError` when awaited; the engine then
+            `TransferError` when awaited; the engine then
             recomputes those tokens.
 
         Raises:
@@ -368,7 +368,7 @@ class KVOffloader:
     ) -> None:
         """Tell the offloader what the engine holds for a request after a step.
 
-        See :meth:`OffloadScheduler.update`.
+        See `OffloadScheduler.update()`.
         """
         self._check()
         self._scheduler.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
@@ -394,17 +394,17 @@ class KVOffloader:
         return [self._submit(engine, plan, after)]
 
     def finish(self, request_id: str) -> None:
-        """The engine finished a request. See :meth:`OffloadScheduler.finish`."""
+        """The engine finished a request. See `OffloadScheduler.finish()`."""
         self._check()
         self._scheduler.finish(request_id)
 
     def preempt(self, request_id: str) -> None:
-        """The engine preempted a request. See :meth:`OffloadScheduler.preempt`."""
+        """The engine preempted a request. See `OffloadScheduler.preempt()`."""
         self._check()
         self._scheduler.preempt(request_id)
 
     def release(self, request_id: str) -> None:
-        """Drop a lookup pin the engine will not load. See :meth:`OffloadScheduler.release`."""
+        """Drop a lookup pin the engine will not load. See `OffloadScheduler.release()`."""
         self._check()
         self._scheduler.release(request_id)
 
@@ -419,11 +419,13 @@ class KVOffloader:
     async def reset(self) -> bool:
         """Empty the CPU prefix cache and wait for the transfers in flight to end.
 
-        Transfers in flight are abandoned (they publish nothing; awaiting one raises
-        :class:`~kvoffload.errors.TransferError`); published blocks are dropped at once.
+        Published blocks are dropped at once and transfers in flight are abandoned: they
+        publish nothing, and awaiting one raises `TransferError`.
+        Work the engine starts while this waits is not affected.
 
         Returns:
-            ``True``: nothing is cached and nothing is in flight.
+            Whether, on return, nothing is cached and nothing is in flight (``False`` only
+            when the engine stored or loaded again during the wait).
 
         Cancellation cancels only the wait; the reset itself has happened.
         """
@@ -432,7 +434,7 @@ class KVOffloader:
         for task in self._tasks.values():
             task._abandon()  # the owner's reset is what _abandon is for
         await self._poller.drain()
-        return self._scheduler.reset()
+        return self._pool.num_cached == 0 and self._scheduler.num_in_flight == 0
 
     def statistics(self) -> OffloaderStatistics:
         """Counters of the pool, the scheduler and the poller."""

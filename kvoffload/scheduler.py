@@ -1,9 +1,9 @@
 """The offload scheduler: synchronous, deterministic decisions about what to copy.
 
 The scheduler owns the CPU block pool's references. It never awaits and never touches a
-tensor: it returns :class:`~kvoffload.transfer.plan.StorePlan` and
-:class:`~kvoffload.transfer.plan.LoadPlan` objects for a copy engine, and is told of each
-transfer's outcome through :meth:`OffloadScheduler.complete`.
+tensor: it returns `StorePlan` and
+`LoadPlan` objects for a copy engine, and is told of each
+transfer's outcome through `OffloadScheduler.complete()`.
 
 A store for which the pool has no free block is *deferred*: the request's cursor stays
 where it is and the blocks are planned again on a later step. A block whose copy is in
@@ -41,7 +41,7 @@ class GpuCacheView(Protocol):
 
 
 class TransferLike(Protocol):
-    """Anything that carries the plan it executes (a :class:`TransferTask`)."""
+    """Anything that carries the plan it executes (a `TransferTask`)."""
 
     @property
     def plan(self) -> TransferPlan:
@@ -50,7 +50,7 @@ class TransferLike(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class SchedulerStatistics:
-    """Counters of an :class:`OffloadScheduler` since it was made.
+    """Counters of an `OffloadScheduler` since it was made.
 
     Attributes:
         lookups: calls to ``lookup``.
@@ -410,8 +410,8 @@ class OffloadScheduler:
 
         The hit is the longest run of published blocks starting at the engine's prefix,
         and never covers the prompt's last token (a prompt of exactly N full blocks hits
-        at most N-1). The hit blocks are pinned until :meth:`plan_load` or
-        :meth:`release`; a repeated lookup for the same request drops its previous pin.
+        at most N-1). The hit blocks are pinned until `plan_load()` or
+        `release()`; a repeated lookup for the same request drops its previous pin.
 
         Args:
             request_id: the engine's id (registered on first use).
@@ -478,7 +478,7 @@ class OffloadScheduler:
                 lookup's hit; the rest of the pin is released.
 
         Returns:
-            The plan (its CPU blocks stay referenced until :meth:`complete`), or ``None``
+            The plan (its CPU blocks stay referenced until `complete()`), or ``None``
             when ``num_tokens`` is 0.
 
         Raises:
@@ -536,7 +536,7 @@ class OffloadScheduler:
             gpu_cache: the engine's cache view; required in lazy mode, ignored in eager.
 
         Returns:
-            The plan (its CPU blocks hold a reference until :meth:`complete`), or ``None``.
+            The plan (its CPU blocks hold a reference until `complete()`), or ``None``.
 
         Raises:
             ValueError: lazy mode without ``gpu_cache``.
@@ -553,7 +553,7 @@ class OffloadScheduler:
         if batch.deferred:
             self._deferred_blocks += batch.deferred
             self._deferred_steps += 1
-            _log.info(
+            _log.debug(
                 "store_deferred",
                 request_id=batch.deferred_request,
                 needed=batch.deferred,
@@ -668,7 +668,7 @@ class OffloadScheduler:
         request whose last transfer this was is dropped.
 
         Args:
-            transfer: the :class:`~kvoffload.transfer.TransferTask`, or its plan.
+            transfer: the `TransferTask`, or its plan.
             ok: whether the copy succeeded.
 
         Returns:

@@ -1,9 +1,9 @@
 """Public test doubles for code built on kvoffload. The library never imports this module.
 
-* :class:`ControllableCopyEngine`: a :class:`~kvoffload.transfer.CopyEngine` whose copies
+* `ControllableCopyEngine`: a `CopyEngine` whose copies
   stay pending until the test completes or fails them (or never does).
-* :class:`FaultyCopyEngine`: wraps any engine so that chosen submissions fail to launch.
-* :class:`CopyFaults`: a ``copy_hook`` for :class:`~kvoffload.transfer.ThreadCopyEngine`
+* `FaultyCopyEngine`: wraps any engine so that chosen submissions fail to launch.
+* `CopyFaults`: a ``copy_hook`` for `ThreadCopyEngine`
   that makes chosen copies raise (in the worker) or run slowly.
 """
 
@@ -30,7 +30,7 @@ __all__ = ["ControllableCopyEngine", "CopyFaults", "FaultyCopyEngine", "TestComp
 
 @final
 class TestCompletion:
-    """A completion handle that a test flips: pending until :meth:`finish`."""
+    """A completion handle that a test flips: pending until `finish()`."""
 
     __test__ = False  # not a pytest test class
     __slots__ = ("_error", "_finished", "query_count")
@@ -46,12 +46,12 @@ class TestCompletion:
         self._error = error
 
     def query(self) -> bool:
-        """Whether :meth:`finish` was called (counts calls)."""
+        """Whether `finish()` was called (counts calls)."""
         self.query_count += 1
         return self._finished
 
     def error(self) -> BaseException | None:
-        """The error given to :meth:`finish`."""
+        """The error given to `finish()`."""
         return self._error
 
 
@@ -59,11 +59,11 @@ class TestCompletion:
 class ControllableCopyEngine:
     """A copy engine whose copies end only when the test says so.
 
-    Every submitted task is ``RUNNING`` and listed in :attr:`pending` until
-    :meth:`complete` or :meth:`fail`. With ``on_complete`` the completion is delivered on
+    Every submitted task is ``RUNNING`` and listed in `pending` until
+    `complete()` or `fail()`. With ``on_complete`` the completion is delivered on
     the spot (status, callback, awaiters), so it works with no event loop at all; without
-    it the test tracks tasks with a :class:`~kvoffload.transfer.CompletionPoller`, which
-    delivers them. Given ``layout``, ``gpu_kv`` and ``host``, :meth:`complete` also really
+    it the test tracks tasks with a `CompletionPoller`, which
+    delivers them. Given ``layout``, ``gpu_kv`` and ``host``, `complete()` also really
     copies the bytes first.
 
     Args:
@@ -120,7 +120,7 @@ class ControllableCopyEngine:
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`aclose` was called."""
+        """Whether `aclose()` was called."""
         return self._closed
 
     def submit(self, plan: TransferPlan, *, after: object | None = None) -> TransferTask:

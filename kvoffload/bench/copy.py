@@ -1,7 +1,7 @@
 """``python -m kvoffload.bench copy``: store/load bandwidth against a contiguous copy.
 
 For each batch size it stores ``n`` scattered GPU blocks to scattered CPU blocks and loads
-them back through a copy engine and a :class:`~kvoffload.transfer.CompletionPoller`, and
+them back through a copy engine and a `CompletionPoller`, and
 measures, in the same run, one contiguous copy of the same number of bytes (device to
 host for stores, host to device for loads; pinned host memory on CUDA). It prints the
 median GB/s over ``--reps`` repetitions, the ratio to the contiguous copy, and the

@@ -4,7 +4,7 @@ Each request is replayed the way an offload scheduler drives the pool: ``lookup`
 hashes, ``touch`` the leading hits, ``allocate`` and ``publish`` the missing blocks (as many
 as are free; the rest are skipped), then ``free`` all of the request's blocks tail first.
 
-The same replay runs through :class:`BaselinePool`, a textbook pool (a dict for the hash
+The same replay runs through `BaselinePool`, a textbook pool (a dict for the hash
 map, an ``OrderedDict`` as the LRU free list, a list of reference counts) with the same
 semantics, so each run reports a speed ratio measured side by side on one machine.
 
@@ -89,8 +89,8 @@ class CapacityResult:
         hit_rate: hit blocks / total blocks.
         lru_reference: the trace README's LRU hit ratio, when the trace is the synthetic one.
         block_ops: block-ops of one replay.
-        block_ops_per_s: median over the runs, :class:`CpuBlockPool`.
-        baseline_block_ops_per_s: median over the runs, :class:`BaselinePool`.
+        block_ops_per_s: median over the runs, `CpuBlockPool`.
+        baseline_block_ops_per_s: median over the runs, `BaselinePool`.
         ratio: ``block_ops_per_s / baseline_block_ops_per_s``.
     """
 
@@ -146,7 +146,7 @@ def replay(pool: CpuBlockPool, requests: Sequence[Sequence[BlockHash]]) -> Repla
 
 
 class BaselinePool:
-    """A textbook pool with the semantics of :class:`CpuBlockPool`, for comparison.
+    """A textbook pool with the semantics of `CpuBlockPool`, for comparison.
 
     Blocks are ints; a dict maps hashes to blocks, an ``OrderedDict`` holds the free blocks
     in LRU order, and two lists hold each block's reference count and hash.
@@ -217,7 +217,7 @@ class BaselinePool:
 
 
 def replay_baseline(pool: BaselinePool, requests: Sequence[Sequence[bytes]]) -> ReplayCounts:
-    """:func:`replay` for :class:`BaselinePool`."""
+    """`replay()` for `BaselinePool`."""
     total = hits_total = ops = skipped = 0
     for keys in requests:
         n = len(keys)

@@ -2,7 +2,7 @@
 
 A block is *free* when its ``ref_cnt`` is 0: it sits in the LRU free queue and may be
 evicted (reallocated) at any time, even while still published. A block with a reference
-is never evicted. A block is *published* (findable by :meth:`CpuBlockPool.lookup`) only
+is never evicted. A block is *published* (findable by `CpuBlockPool.lookup()`) only
 after its store completed; the scheduler decides when. The pool touches no tensors.
 """
 
@@ -44,7 +44,7 @@ class BlockRemoved:
 
 @dataclass(frozen=True, slots=True)
 class AllBlocksCleared:
-    """The whole prefix cache was dropped by :meth:`CpuBlockPool.reset_prefix_cache`."""
+    """The whole prefix cache was dropped by `CpuBlockPool.reset_prefix_cache()`."""
 
 
 PoolEvent = BlockStored | BlockRemoved | AllBlocksCleared
@@ -52,7 +52,7 @@ PoolEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 @dataclass(frozen=True, slots=True)
 class PoolStatistics:
-    """A snapshot of a :class:`CpuBlockPool`.
+    """A snapshot of a `CpuBlockPool`.
 
     Attributes:
         num_blocks: pool size.
@@ -77,8 +77,8 @@ class CpuBlockPool:
 
     Args:
         num_blocks: number of CPU blocks.
-        enable_events: record :class:`BlockStored` / :class:`BlockRemoved` events for
-            :meth:`take_events` (for KV-aware routers); off costs nothing.
+        enable_events: record `BlockStored` / `BlockRemoved` events for
+            `take_events()` (for KV-aware routers); off costs nothing.
 
     Raises:
         ValueError: ``num_blocks`` is below 1.
@@ -327,7 +327,7 @@ class CpuBlockPool:
     def unpublish_all(self) -> int:
         """Unpublish every block, referenced or not; return how many were published.
 
-        Unlike :meth:`reset_prefix_cache` this never refuses: references are unchanged, so
+        Unlike `reset_prefix_cache()` this never refuses: references are unchanged, so
         a block pinned by a load stays pinned, it just can no longer be found.
         """
         count = len(self._cached)
@@ -341,7 +341,7 @@ class CpuBlockPool:
     def lookup(self, block_hashes: Iterable[BlockHash]) -> list[CpuBlock]:
         """The longest leading run of published blocks for ``block_hashes``.
 
-        Does not take references: callers :meth:`touch` what they keep.
+        Does not take references: callers `touch()` what they keep.
         """
         get = self._cached.get
         hits: list[CpuBlock] = []

@@ -24,7 +24,7 @@ BlockId = NewType("BlockId", int)
 
 
 class _Node:
-    """A link in the free queue: a sentinel, or the base of :class:`CpuBlock`."""
+    """A link in the free queue: a sentinel, or the base of `CpuBlock`."""
 
     __slots__ = ()
 

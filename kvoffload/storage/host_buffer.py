@@ -4,7 +4,7 @@ One anonymous memory mapping of exactly ``num_blocks * layout.bytes_per_block`` 
 (page aligned, no power-of-two rounding), one contiguous byte range per block, laid out as
 ``[num_layers, 2, block_size, num_kv_heads, head_size]`` in the layout's dtype. When pinned,
 it is registered with CUDA in chunks of at most ``pin_chunk_bytes`` (never one giant
-registration), and unregistered on :meth:`HostKVBuffer.close`.
+registration), and unregistered on `HostKVBuffer.close()`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class HostRegistrar(Protocol):
 
 @final
 class CudaHostRegistrar:
-    """:class:`HostRegistrar` over ``cudaHostRegister`` / ``cudaHostUnregister``."""
+    """`HostRegistrar` over ``cudaHostRegister`` / ``cudaHostUnregister``."""
 
     def register(self, ptr: int, nbytes: int) -> None:
         """Pin a range with ``cudaHostRegister``; raise ``RuntimeError`` with the CUDA error."""
@@ -92,7 +92,7 @@ class HostKVBuffer:
         num_blocks: number of CPU blocks.
         pin_memory: ``"auto"`` pins when CUDA is available (or a registrar is given) and
             falls back to pageable memory with one warning; ``"always"`` raises
-            :class:`HostMemoryError` instead; ``"never"`` does not pin.
+            `HostMemoryError` instead; ``"never"`` does not pin.
         pin_chunk_bytes: largest single registration (at most 256 GiB).
         registrar: pins the memory; defaults to CUDA's when CUDA is available.
 
@@ -101,7 +101,7 @@ class HostKVBuffer:
             ``pin_memory="always"`` (chunks pinned before the failure are unpinned).
         ValueError: ``num_blocks`` or ``pin_chunk_bytes`` out of range.
 
-    Allocating gigabytes takes time: from async code use :meth:`create`, which runs
+    Allocating gigabytes takes time: from async code use `create()`, which runs
     this constructor in a worker thread.
     """
 

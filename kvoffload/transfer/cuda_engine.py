@@ -1,6 +1,6 @@
 """Copies between CUDA KV tensors and pinned host memory on dedicated streams.
 
-:class:`CudaCopyEngine` owns two low-priority CUDA streams, one per direction.
+`CudaCopyEngine` owns two low-priority CUDA streams, one per direction.
 
 * A **store** (GPU → CPU) is ordered after the compute that wrote its blocks: it waits on
   the event passed as ``after``, or else on an event recorded on the caller's current
@@ -11,7 +11,7 @@
 
 Completion is an event recorded on the copy stream after the copy; the poller queries it.
 Streams, events, the current stream and the stream context come from a small
-:class:`StreamBackend`, so the control flow is tested on CPU with fakes.
+`StreamBackend`, so the control flow is tested on CPU with fakes.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _cuda() -> Any:
 
 @final
 class TorchCudaBackend:
-    """:class:`StreamBackend` over ``torch.cuda`` for one device."""
+    """`StreamBackend` over ``torch.cuda`` for one device."""
 
     __slots__ = ("_device",)
 
@@ -134,7 +134,7 @@ class _EventCompletion:
 
 @final
 class CudaCopyEngine:
-    """A :class:`~kvoffload.transfer.CopyEngine` on two low-priority CUDA streams.
+    """A `CopyEngine` on two low-priority CUDA streams.
 
     A copy of ``n`` blocks gathers (store) or scatters (load) each layer with one index
     kernel through a device staging buffer and moves host data with one copy per run of
@@ -145,9 +145,9 @@ class CudaCopyEngine:
         layout: the KV layout.
         gpu_kv: the engine's per-layer KV tensors.
         host: the host buffer (pinned: copies to pageable memory block the host).
-        backend: stream/event factory; defaults to :class:`TorchCudaBackend`.
+        backend: stream/event factory; defaults to `TorchCudaBackend`.
         staging_bytes: device staging memory per direction (at least one block).
-        poll_interval_s: how often :meth:`aclose` checks for in-flight copies.
+        poll_interval_s: how often `aclose()` checks for in-flight copies.
 
     Raises:
         LayoutMismatchError: tensors or host buffer disagree with ``layout``.
@@ -195,7 +195,7 @@ class CudaCopyEngine:
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`aclose` was called."""
+        """Whether `aclose()` was called."""
         return self._closed
 
     @property

@@ -1,8 +1,8 @@
-"""The :class:`CopyEngine` protocol, and the in-flight bookkeeping engines share.
+"""The `CopyEngine` protocol, and the in-flight bookkeeping engines share.
 
-An engine turns a :class:`~kvoffload.transfer.TransferPlan` into a running copy and a
-:class:`~kvoffload.transfer.TransferTask`. ``submit`` is synchronous and never blocks the
-event loop. Tasks finish only through a :class:`~kvoffload.transfer.CompletionPoller`:
+An engine turns a `TransferPlan` into a running copy and a
+`TransferTask`. ``submit`` is synchronous and never blocks the
+event loop. Tasks finish only through a `CompletionPoller`:
 the owner passes every submitted task to ``poller.track``.
 """
 
@@ -43,7 +43,7 @@ class CopyEngine(Protocol):
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`aclose` was called."""
+        """Whether `aclose()` was called."""
         ...
 
     async def aclose(self) -> None:
@@ -97,6 +97,6 @@ def _finished(handle: CompletionHandle) -> bool:
 
 
 def check_open(closed: bool, name: str) -> None:
-    """Raise :class:`ClosedError` for use after close."""
+    """Raise `ClosedError` for use after close."""
     if closed:
         raise ClosedError(f"{name} is closed")

@@ -1,7 +1,7 @@
-"""The data path shared by the copy engines: :class:`BlockMover`.
+"""The data path shared by the copy engines: `BlockMover`.
 
 Engine side: one tensor per layer, ``blocks_first`` ``[N, 2, bs, h, d]`` or ``kv_first``
-``[2, N, bs, h, d]``. Host side: :class:`~kvoffload.storage.HostKVBuffer`, one contiguous
+``[2, N, bs, h, d]``. Host side: `HostKVBuffer`, one contiguous
 byte range per CPU block laid out ``[layers, 2, bs, h, d]``. Both are seen through the
 same canonical per-layer view ``[blocks, 2, bs*h*d]``.
 
@@ -170,7 +170,7 @@ class BlockMover:
             gpu_ids: source block ids (at most ``len(staging)``).
             cpu_ids: destination CPU block ids, same length.
             gpu_index: ``gpu_ids`` as an int64 tensor on the KV device.
-            staging: from :meth:`new_staging`, at least ``len(gpu_ids)`` blocks.
+            staging: from `new_staging()`, at least ``len(gpu_ids)`` blocks.
             non_blocking: issue the device-to-host copies asynchronously (CUDA, pinned).
 
         Returns:
@@ -203,7 +203,7 @@ class BlockMover:
             gpu_ids: destination block ids (at most ``len(staging)``).
             cpu_ids: source CPU block ids, same length.
             gpu_index: ``gpu_ids`` as an int64 tensor on the KV device.
-            staging: from :meth:`new_staging`, at least ``len(gpu_ids)`` blocks.
+            staging: from `new_staging()`, at least ``len(gpu_ids)`` blocks.
             non_blocking: issue the host-to-device copies asynchronously (CUDA, pinned).
 
         Returns:

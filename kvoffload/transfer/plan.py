@@ -1,8 +1,8 @@
 """What a copy engine is asked to move: plans made by the scheduler.
 
 A plan pairs GPU block ids with CPU block ids, position by position. The scheduler makes
-plans synchronously; a :class:`~kvoffload.transfer.CopyEngine` turns one into an awaitable
-:class:`~kvoffload.transfer.TransferTask`; the completion goes back to the scheduler with
+plans synchronously; a `CopyEngine` turns one into an awaitable
+`TransferTask`; the completion goes back to the scheduler with
 the plan, which it recognises by ``plan_id``.
 """
 
@@ -26,7 +26,7 @@ class TransferPlan:
     Attributes:
         plan_id: unique per scheduler; identifies the transfer's bookkeeping.
         kind: direction.
-        gpu_block_ids: engine KV block ids, paired position by position with
+        gpu_block_ids: engine KV block ids; entry ``i`` pairs with ``cpu_block_ids[i]``.
         cpu_block_ids: CPU pool block ids.
         request_ids: the requests the transfer serves (a store may batch several).
     """

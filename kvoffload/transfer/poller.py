@@ -1,10 +1,10 @@
-"""The one service task that notices finished copies: :class:`CompletionPoller`.
+"""The one service task that notices finished copies: `CompletionPoller`.
 
 It queries each in-flight task's completion handle without blocking (``event.query()``,
 ``future.done()``), never ``synchronize()``. Copies on one queue (one CUDA stream, one
 worker thread) finish in order, so per queue it stops at the first pending one. While
 anything is in flight it sleeps ``poll_interval_s`` between rounds; while idle it waits on
-an event that :meth:`CompletionPoller.track` sets.
+an event that `CompletionPoller.track()` sets.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _LATENCY_SAMPLES = 4096
 
 @dataclass(frozen=True, slots=True)
 class PollerStatistics:
-    """A snapshot of a :class:`CompletionPoller`.
+    """A snapshot of a `CompletionPoller`.
 
     Attributes:
         in_flight: tracked tasks not delivered yet.
@@ -58,7 +58,7 @@ class PollerStatistics:
 
 @final
 class CompletionPoller:
-    """Delivers every finished :class:`TransferTask` to ``on_complete`` exactly once.
+    """Delivers every finished `TransferTask` to ``on_complete`` exactly once.
 
     Start it with ``await task_group.start(poller.run)``. For each finished task it sets
     the final status, calls ``on_complete(task)`` (on success, failure or abandonment)
@@ -66,7 +66,7 @@ class CompletionPoller:
 
     Args:
         on_complete: synchronous callback, run on the event loop thread. If it raises,
-            the error is logged, the poller keeps going, and :meth:`check_health` raises.
+            the error is logged, the poller keeps going, and `check_health()` raises.
         poll_interval_s: sleep between query rounds while copies are in flight.
 
     Raises:
@@ -165,7 +165,7 @@ class CompletionPoller:
     def poll(self) -> int:
         """Query every queue once and deliver what finished; return how many were delivered.
 
-        Never blocks. :meth:`run` calls this; tests may call it directly.
+        Never blocks. `run()` calls this; tests may call it directly.
         """
         self._polls += 1
         delivered = 0
@@ -256,7 +256,7 @@ class CompletionPoller:
             self._running = False
 
     async def drain(self) -> None:
-        """Wait until nothing is in flight (needs :meth:`run` to be serving).
+        """Wait until nothing is in flight (needs `run()` to be serving).
 
         Cancellation cancels only the wait.
         """

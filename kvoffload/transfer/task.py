@@ -1,8 +1,8 @@
-"""Awaitable transfers: :class:`TransferTask`, its :class:`TransferStatus` and result.
+"""Awaitable transfers: `TransferTask`, its `TransferStatus` and result.
 
 A copy engine creates one task per submitted plan. The task keeps everything the copy
 touches (completion event or future, streams, index and staging tensors) alive until the
-copy has finished. A :class:`~kvoffload.transfer.CompletionPoller` notices the finish,
+copy has finished. A `CompletionPoller` notices the finish,
 settles the status, hands the task to its completion callback once and then wakes every
 coroutine that awaits the task.
 """
@@ -27,7 +27,7 @@ _T = TypeVar("_T")
 
 
 class TransferStatus(enum.Enum):
-    """Lifecycle of a :class:`TransferTask`.
+    """Lifecycle of a `TransferTask`.
 
     ``PENDING`` (created, not launched) → ``RUNNING`` (queued on its copy stream or
     worker) → ``DONE`` | ``FAILED`` | ``ABANDONED``. A launch failure goes straight from
@@ -135,11 +135,11 @@ class _NoPublicConstructor(type):
 
 @final
 class TransferTask(metaclass=_NoPublicConstructor):
-    """One submitted store or load; ``await task`` for its :class:`TransferResult`.
+    """One submitted store or load; ``await task`` for its `TransferResult`.
 
     Many coroutines may await the same task. The task strongly references its completion
     handle and whatever the copy uses (events, streams, tensors) until the copy finished.
-    Tasks have no public constructor: a :class:`~kvoffload.transfer.CopyEngine` makes them.
+    Tasks have no public constructor: a `CopyEngine` makes them.
 
     Attributes:
         plan: the plan this task carries out.
@@ -223,7 +223,7 @@ class TransferTask(metaclass=_NoPublicConstructor):
 
     @property
     def gpu_block_ids(self) -> tuple[int, ...]:
-        """Engine KV block ids, paired position by position with :attr:`cpu_block_ids`."""
+        """Engine KV block ids, paired position by position with `cpu_block_ids`."""
         return self.plan.gpu_block_ids
 
     @property

@@ -1,6 +1,6 @@
 """Copies between CPU "device" tensors and the host buffer in worker threads.
 
-:class:`ThreadCopyEngine` has the semantics of :class:`~kvoffload.transfer.CudaCopyEngine`
+`ThreadCopyEngine` has the semantics of `CudaCopyEngine`
 without a GPU: one worker thread per direction plays the part of one CUDA stream (copies
 in one direction run in submission order), and a ``concurrent.futures.Future`` plays the
 part of the completion event. The copy itself releases the GIL, so the event loop keeps
@@ -59,7 +59,7 @@ class _FutureCompletion:
 
 @final
 class ThreadCopyEngine:
-    """A :class:`~kvoffload.transfer.CopyEngine` for CPU tensors, copying in worker threads.
+    """A `CopyEngine` for CPU tensors, copying in worker threads.
 
     Args:
         layout: the KV layout.
@@ -70,7 +70,7 @@ class ThreadCopyEngine:
             buffer).
         staging_blocks: staging capacity in blocks for ``"staged"``.
         copy_hook: run in the worker before each copy; an exception fails the copy.
-        poll_interval_s: how often :meth:`aclose` checks for in-flight copies.
+        poll_interval_s: how often `aclose()` checks for in-flight copies.
 
     Raises:
         LayoutMismatchError: tensors or host buffer disagree with ``layout``, or the KV
@@ -121,7 +121,7 @@ class ThreadCopyEngine:
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`aclose` was called."""
+        """Whether `aclose()` was called."""
         return self._closed
 
     @property
