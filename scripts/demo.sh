@@ -4,7 +4,7 @@
 # Usage: bash scripts/demo.sh [demo arguments...]   (from any directory; no prompts)
 set -euo pipefail
 
-DEMO="examples/multiturn_replay.py"
+DEMO="examples/serve_multiturn.py"
 
 export PIP_NO_INPUT=1 PIP_ROOT_USER_ACTION=ignore
 # The explicit "" keeps the demo's own arguments away from _env.sh's extras argument.
