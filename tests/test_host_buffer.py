@@ -417,3 +417,47 @@ async def test_create_raises_the_same_errors() -> None:
             registrar=FakeRegistrar(fail_at=1),
             pin_chunk_bytes=PAGE,
         )
+
+
+def test_available_host_memory_reads_this_machine() -> None:
+    available = host_buffer.available_host_memory()
+    if not Path("/proc/meminfo").exists():
+        pytest.skip("no /proc/meminfo")
+    assert available is not None
+    assert 0 < available < 1 << 50
+
+
+def test_a_buffer_larger_than_available_memory_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # FM-50: the size is validated against MemAvailable / the cgroup limit up front.
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float16", block_size=4)
+    need = 10 * layout.bytes_per_block
+    monkeypatch.setattr(host_buffer, "available_host_memory", lambda: need - 1)
+    with pytest.raises(HostMemoryError, match=rf"{need} bytes .* exceeds the {need - 1} bytes"):
+        HostKVBuffer(layout, 10, pin_memory="never")
+    monkeypatch.setattr(host_buffer, "available_host_memory", lambda: need)
+    HostKVBuffer(layout, 10, pin_memory="never").close()
+
+
+def test_cgroup_limit_counts_when_lower(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    values = {
+        "/proc/meminfo": "MemTotal: 100 kB\nMemAvailable:    8000000 kB\n",
+        "/sys/fs/cgroup/memory.max": "3000000\n",
+        "/sys/fs/cgroup/memory.current": "1000000\n",
+    }
+    real_open = open
+
+    def fake_open(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if path in values:
+            target = tmp_path / Path(path).name
+            target.write_text(values[path])
+            return real_open(target, *args, **kwargs)
+        if str(path).startswith(("/proc/", "/sys/")):
+            raise OSError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    assert host_buffer.available_host_memory() == 2_000_000
+    values["/sys/fs/cgroup/memory.max"] = "max\n"
+    assert host_buffer.available_host_memory() == 8_000_000 * 1024

@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import tracemalloc
 
 import pytest
+import torch
 
 from kvoffload.errors import BlockStateError, InvariantError, OutOfBlocksError
 from kvoffload.hashing import BlockHash
@@ -541,3 +543,34 @@ def test_fm24_only_protected_blocks_free_fails_fast() -> None:
     assert time.perf_counter() - start < 0.5
     pool.free(held)
     pool.check_invariants()
+
+
+def test_fm19_many_cycles_keep_memory_flat_and_handles_plain() -> None:
+    # FM-19: 100,000 allocate/publish/free cycles hold no growing state, and a block
+    # handle is a plain record (an int id), never a view that pins pool storage.
+    pool = CpuBlockPool(64)
+    block = pool.allocate(1)[0]
+    assert isinstance(block.block_id, int)
+    assert not any(isinstance(getattr(block, f), torch.Tensor) for f in ("block_id", "ref_cnt"))
+    pool.free([block])
+    hashes = [bytes([i % 256, i // 256]) for i in range(512)]
+
+    def cycle(i: int) -> None:
+        blocks = pool.allocate(4)
+        for j, b in enumerate(blocks):
+            pool.publish(b, hashes[(4 * i + j) % 512])
+        pool.free(blocks[::-1])
+
+    for i in range(1_000):
+        cycle(i)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(100_000):
+            cycle(i)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 64 * 1024, f"pool state grew by {grown} bytes over 100,000 cycles"
+    pool.check_invariants()
+    assert pool.num_free == 64

@@ -20,7 +20,13 @@ from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout
 from kvoffload.errors import ClosedError, ForkedProcessError, HostMemoryError
 
-__all__ = ["CudaHostRegistrar", "HostKVBuffer", "HostRegistrar", "pin_chunk_ranges"]
+__all__ = [
+    "CudaHostRegistrar",
+    "HostKVBuffer",
+    "HostRegistrar",
+    "available_host_memory",
+    "pin_chunk_ranges",
+]
 
 _log = get_logger("storage")
 _warned_pageable = False
@@ -74,6 +80,40 @@ def pin_chunk_ranges(
         raise ValueError(f"pin_chunk_bytes must be in [1, {_MAX_CHUNK}], got {chunk_bytes}")
     chunk = max(page_size, chunk_bytes - chunk_bytes % page_size)
     return [(offset, min(chunk, nbytes - offset)) for offset in range(0, nbytes, chunk)]
+
+
+def _read_int(path: str, *, field: str | None = None) -> int | None:
+    try:
+        with open(path, encoding="ascii") as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    if field is not None:
+        for line in text.splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # /proc/meminfo counts kB
+        return None
+    text = text.strip()
+    return int(text) if text.isdigit() else None  # "max" means no limit
+
+
+def available_host_memory() -> int | None:
+    """Bytes this process can still take: the least of ``MemAvailable`` and the cgroup's
+    limit minus its usage (v2, then v1); ``None`` where neither can be read."""
+    candidates = [_read_int("/proc/meminfo", field="MemAvailable")]
+    for limit_path, usage_path in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
+        limit, usage = _read_int(limit_path), _read_int(usage_path)
+        if limit is not None and usage is not None and limit < 1 << 60:
+            candidates.append(max(0, limit - usage))
+            break
+    known = [c for c in candidates if c is not None]
+    return min(known) if known else None
 
 
 def _warn_pageable_once(reason: str) -> None:
@@ -136,6 +176,14 @@ class HostKVBuffer:
         self._closed = False
         self._registered: list[int] = []
         nbytes = num_blocks * layout.bytes_per_block
+        available = available_host_memory()
+        if available is not None and nbytes > available:
+            raise HostMemoryError(
+                f"a host buffer of {nbytes} bytes ({num_blocks} blocks of "
+                f"{layout.bytes_per_block}) exceeds the {available} bytes this process can "
+                "still use (MemAvailable and the cgroup limit); lower num_cpu_blocks or "
+                "cpu_bytes, and count every rank that shares the host"
+            )
         try:
             self._mmap: mmap.mmap | None = mmap.mmap(-1, nbytes)
         except (OSError, ValueError) as exc:
