@@ -558,6 +558,7 @@ class OffloadScheduler:
                 request_id=batch.deferred_request,
                 needed=batch.deferred,
                 free=self._pool.num_free,
+                protected=len(batch.protect),
                 planned=len(batch.hashes),
             )
         if not batch.hashes:
