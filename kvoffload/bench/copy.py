@@ -70,16 +70,6 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
-def _median_time(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; return 0."""
     use_cuda = args.engine == "cuda" or (args.engine == "auto" and torch.cuda.is_available())
@@ -137,41 +127,44 @@ async def _main(
             g = rng.sample(range(num_gpu), n)
             c = rng.sample(range(num_cpu), n)
             nbytes = n * layout.bytes_per_block
-            d2h, h2d = _contiguous(nbytes, device, args.reps)
-            store_t, load_t = [], []
-            for _ in range(args.reps + 1):
-                plan_id += 1
-                store_t.append(
-                    await timed(
-                        StorePlan(
-                            plan_id=plan_id,
-                            kind="store",
-                            gpu_block_ids=tuple(g),
-                            cpu_block_ids=tuple(c),
-                            request_ids=("bench",),
-                            block_hashes=(),
-                        )
+            contiguous_d2h, contiguous_h2d = _contiguous(nbytes, device)
+            # Side by side: each repetition times the contiguous copy and the engine's
+            # copy back to back, and the ratio is taken per repetition (then the median).
+            rows: list[tuple[float, float, float, float]] = []
+            for rep in range(args.reps + 1):
+                plan_id += 2
+                d2h_s = contiguous_d2h()
+                store_s = await timed(
+                    StorePlan(
+                        plan_id=plan_id,
+                        kind="store",
+                        gpu_block_ids=tuple(g),
+                        cpu_block_ids=tuple(c),
+                        request_ids=("bench",),
+                        block_hashes=(),
                     )
                 )
-                plan_id += 1
-                load_t.append(
-                    await timed(
-                        LoadPlan(
-                            plan_id=plan_id,
-                            kind="load",
-                            gpu_block_ids=tuple(g),
-                            cpu_block_ids=tuple(c),
-                            request_ids=("bench",),
-                            request_id="bench",
-                            num_tokens=0,
-                        )
+                h2d_s = contiguous_h2d()
+                load_s = await timed(
+                    LoadPlan(
+                        plan_id=plan_id + 1,
+                        kind="load",
+                        gpu_block_ids=tuple(g),
+                        cpu_block_ids=tuple(c),
+                        request_ids=("bench",),
+                        request_id="bench",
+                        num_tokens=0,
                     )
                 )
-            s = _gbps(nbytes, statistics.median(store_t[1:]))
-            ld = _gbps(nbytes, statistics.median(load_t[1:]))
+                if rep:  # the first repetition warms caches and pages up
+                    rows.append((store_s, d2h_s, load_s, h2d_s))
+            med = [statistics.median(col) for col in zip(*rows, strict=True)]
+            store_ratio = statistics.median(d / st for st, d, _, _ in rows)
+            load_ratio = statistics.median(h / ld for _, _, ld, h in rows)
             print(
-                f"{n:>6} {nbytes / 2**20:>7.0f} {s:>8.2f} {d2h:>8.2f} {s / d2h:>6.2f} "
-                f"{ld:>8.2f} {h2d:>8.2f} {ld / h2d:>6.2f}"
+                f"{n:>6} {nbytes / 2**20:>7.0f} {_gbps(nbytes, med[0]):>8.2f} "
+                f"{_gbps(nbytes, med[1]):>8.2f} {store_ratio:>6.2f} "
+                f"{_gbps(nbytes, med[2]):>8.2f} {_gbps(nbytes, med[3]):>8.2f} {load_ratio:>6.2f}"
             )
         for i in range(args.latency_samples):
             plan_id += 1
@@ -229,31 +222,39 @@ async def _wakeup(
     return max(0.0, resumed - at) if at is not None else 0.0
 
 
-def _contiguous(nbytes: int, device: torch.device, reps: int) -> tuple[float, float]:
-    """GB/s of one contiguous device→host and host→device copy of ``nbytes``."""
+def _contiguous(nbytes: int, device: torch.device) -> tuple[Callable[[], float], ...]:
+    """Timers of one contiguous device→host and host→device copy of ``nbytes``.
+
+    Each returns the seconds of one copy. On CPU a copy is timed both through torch (which
+    may use several threads) and as one plain ``memmove``, and the faster counts.
+    """
     if device.type == "cuda":
         dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
         pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-        def d2h() -> None:
-            pinned.copy_(dev, non_blocking=True)
-            torch.cuda.synchronize()
+        def timed_cuda(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], float]:
+            def once() -> float:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                dst.copy_(src, non_blocking=True)
+                torch.cuda.synchronize()
+                return time.perf_counter() - t0
 
-        def h2d() -> None:
-            dev.copy_(pinned, non_blocking=True)
-            torch.cuda.synchronize()
+            return once
 
-        return _gbps(nbytes, _median_time(d2h, reps)), _gbps(nbytes, _median_time(h2d, reps))
-    # On CPU the limit is the faster of torch's copy and one plain memmove.
+        return timed_cuda(pinned, dev), timed_cuda(dev, pinned)
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
-    s_ptr, d_ptr = src.data_ptr(), dst.data_ptr()
-    a = max(
-        _gbps(nbytes, _median_time(lambda: dst.copy_(src), reps)),
-        _gbps(nbytes, _median_time(lambda: ctypes.memmove(d_ptr, s_ptr, nbytes), reps)),
-    )
-    b = max(
-        _gbps(nbytes, _median_time(lambda: src.copy_(dst), reps)),
-        _gbps(nbytes, _median_time(lambda: ctypes.memmove(s_ptr, d_ptr, nbytes), reps)),
-    )
-    return a, b
+
+    def timed_cpu(a: torch.Tensor, b: torch.Tensor) -> Callable[[], float]:
+        def once() -> float:
+            t0 = time.perf_counter()
+            a.copy_(b)
+            t1 = time.perf_counter()
+            ctypes.memmove(a.data_ptr(), b.data_ptr(), nbytes)
+            t2 = time.perf_counter()
+            return min(t1 - t0, t2 - t1)
+
+        return once
+
+    return timed_cpu(dst, src), timed_cpu(src, dst)

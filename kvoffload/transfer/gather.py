@@ -223,46 +223,49 @@ class BlockMover:
 
     # -- segments path (CPU) -------------------------------------------------------
 
-    def segments(self, plan: TransferPlan) -> list[Segment]:
+    def segments(self, plan: TransferPlan, layers: range | None = None) -> list[Segment]:
         """The host-memory copies that carry out ``plan`` (KV tensors must be on CPU).
 
-        Adjacent segments are merged when both their sources and destinations touch.
+        One segment per (layer, block) for ``blocks_first`` and two (K and V) for
+        ``kv_first``. Neighbouring segments are never contiguous on both sides (a host
+        block holds all layers of one block; engine layers are separate tensors), so none
+        are merged. Addresses are computed with list comprehensions, not per-segment
+        Python arithmetic: building is a small fraction of the copy.
+
+        Args:
+            plan: the plan.
+            layers: only these layers (all by default), to split one copy across threads.
 
         Raises:
             LayoutMismatchError: the KV tensors are not CPU tensors.
         """
         if self.device.type != "cpu":
             raise LayoutMismatchError(f"the segments path needs CPU tensors, not {self.device}")
-        part = self._layer_bytes // 2
-        whole = self._layout.kind == "blocks_first"
-        host_base = self._host_blocks.data_ptr()
-        block_bytes = self._layout.bytes_per_block
         layer_bytes = self._layer_bytes
-        segs: list[Segment] = []
+        part = layer_bytes // 2
+        whole = self._layout.kind == "blocks_first"
+        block_bytes = self._layout.bytes_per_block
+        host_base = self._host_blocks.data_ptr()
+        host_blocks = [host_base + c * block_bytes for c in plan.cpu_block_ids]
+        gids = plan.gpu_block_ids
         store = plan.kind == "store"
-        bases = [t.data_ptr() for t in self._tensors]
         n = self._num_gpu
-        for layer, base in enumerate(bases):
-            for g, c in zip(plan.gpu_block_ids, plan.cpu_block_ids, strict=True):
-                host_ptr = host_base + c * block_bytes + layer * layer_bytes
-                gpu_ptrs: tuple[tuple[int, int], ...]
-                if whole:
-                    gpu_ptrs = ((base + g * layer_bytes, layer_bytes),)
-                else:
-                    gpu_ptrs = ((base + g * part, part), (base + (n + g) * part, part))
-                offset = 0
-                for gpu_ptr, size in gpu_ptrs:
-                    if store:
-                        seg = (host_ptr + offset, gpu_ptr, size)
-                    else:
-                        seg = (gpu_ptr, host_ptr + offset, size)
-                    offset += size
-                    if segs:
-                        d, s, z = segs[-1]
-                        if d + z == seg[0] and s + z == seg[1]:
-                            segs[-1] = (d, s, z + seg[2])
-                            continue
-                    segs.append(seg)
+        segs: list[Segment] = []
+        for layer in layers if layers is not None else range(len(self._tensors)):
+            base = self._tensors[layer].data_ptr()
+            host = [h + layer * layer_bytes for h in host_blocks]
+            runs: list[tuple[list[int], list[int], int]]
+            if whole:
+                runs = [(host, [base + g * layer_bytes for g in gids], layer_bytes)]
+            else:
+                runs = [
+                    (host, [base + g * part for g in gids], part),
+                    ([h + part for h in host], [base + (n + g) * part for g in gids], part),
+                ]
+            for host_ptrs, gpu_ptrs, size in runs:
+                sizes = [size] * len(host_ptrs)
+                dst, src = (host_ptrs, gpu_ptrs) if store else (gpu_ptrs, host_ptrs)
+                segs.extend(zip(dst, src, sizes, strict=True))
         return segs
 
     @staticmethod

@@ -3,12 +3,20 @@
 It queries each in-flight task's completion handle without blocking (``event.query()``,
 ``future.done()``), never ``synchronize()``. Copies on one queue (one CUDA stream, one
 worker thread) finish in order, so per queue it stops at the first pending one. While
-anything is in flight it sleeps ``poll_interval_s`` between rounds; while idle it waits on
-an event that `CompletionPoller.track()` sets.
+anything is in flight it sleeps up to ``poll_interval_s`` between rounds; while idle it
+waits on an event that `CompletionPoller.track()` sets.
+
+A completion that can signal its end from another thread (a worker thread's future: its
+handle has ``notify_on_done(callback)``) cuts the sleep short: the callback hands a wake-up
+to the event loop thread-safely, so the poller sees the copy within microseconds instead of
+at the next round. (Event loops sleep in whole milliseconds, so polling alone costs about a
+millisecond per completion.) CUDA events cannot signal without a host callback that would
+take the GIL on a driver thread, so they are polled.
 """
 
 from __future__ import annotations
 
+import asyncio
 import statistics as _stats
 import time
 from collections import deque
@@ -28,6 +36,24 @@ __all__ = ["CompletionPoller", "PollerStatistics"]
 
 _log = get_logger("transfer.poller")
 _LATENCY_SAMPLES = 4096
+
+_Threadsafe = Callable[[Callable[[], None]], object]
+"""Schedules a callable on the event loop thread from any thread, without blocking."""
+
+
+def _threadsafe_scheduler() -> _Threadsafe | None:
+    """How to run a callback on the current event loop from another thread, if known."""
+    try:
+        return asyncio.get_running_loop().call_soon_threadsafe
+    except RuntimeError:
+        pass  # not asyncio
+    try:
+        import trio.lowlevel  # noqa: PLC0415 - trio is optional
+
+        run_sync_soon: _Threadsafe = trio.lowlevel.current_trio_token().run_sync_soon
+    except (ImportError, RuntimeError):
+        return None
+    return run_sync_soon
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,11 +108,14 @@ class CompletionPoller:
         "_failed",
         "_in_flight",
         "_interval",
+        "_kick",
+        "_kicked",
         "_latencies",
         "_on_complete",
         "_polls",
         "_queues",
         "_running",
+        "_threadsafe",
         "_wakeup",
     )
 
@@ -109,6 +138,9 @@ class CompletionPoller:
         self._wakeup: anyio.Event | None = None
         self._drained: anyio.Event | None = None
         self._running = False
+        self._threadsafe: _Threadsafe | None = None
+        self._kick: anyio.Event | None = None
+        self._kicked = False
 
     def track(self, task: TransferTask) -> None:
         """Watch ``task`` until its copy ends. Synchronous; call it on the loop thread.
@@ -126,8 +158,26 @@ class CompletionPoller:
             raise InvariantError(f"{task!r} is already tracked")
         queue.append(task)
         self._in_flight += 1
+        notify = getattr(task._completion, "notify_on_done", None)
+        if notify is not None:
+            notify(self._wake_from_any_thread)
         if self._wakeup is not None:
             self._wakeup.set()
+
+    def _wake_from_any_thread(self) -> None:
+        """A copy ended (called on whatever thread ended it): wake the loop's poller."""
+        threadsafe = self._threadsafe
+        if threadsafe is None:
+            return  # not running: the next run() polls anyway
+        try:
+            threadsafe(self._on_kick)
+        except Exception:  # the loop is gone; polling covers it
+            return
+
+    def _on_kick(self) -> None:
+        self._kicked = True
+        if self._kick is not None:
+            self._kick.set()
 
     @property
     def in_flight(self) -> int:
@@ -241,6 +291,7 @@ class CompletionPoller:
         if self._running:
             raise InvariantError("CompletionPoller.run() is already running")
         self._running = True
+        self._threadsafe = _threadsafe_scheduler()
         try:
             task_status.started()
             while True:
@@ -248,11 +299,17 @@ class CompletionPoller:
                     self._wakeup = anyio.Event()
                     await self._wakeup.wait()
                     self._wakeup = None
+                self._kicked = False
                 self.poll()
-                if self._queues:
-                    await anyio.sleep(self._interval)
+                if self._queues and not self._kicked:
+                    self._kick = anyio.Event()
+                    with anyio.move_on_after(self._interval):
+                        await self._kick.wait()
+                    self._kick = None
         finally:
             self._wakeup = None
+            self._kick = None
+            self._threadsafe = None
             self._running = False
 
     async def drain(self) -> None:

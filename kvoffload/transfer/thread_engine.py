@@ -31,6 +31,9 @@ __all__ = ["CopyHook", "ThreadCopyEngine"]
 
 _log = get_logger("transfer.thread")
 
+_PARALLEL_MIN_BYTES = 4 << 20
+"""Copies smaller than this run on the worker alone (splitting costs more than it gains)."""
+
 CopyHook = Callable[[TransferPlan], None]
 """Runs in the worker thread right before a copy; raising fails that copy (fault injection,
 slowed copies in tests)."""
@@ -50,6 +53,10 @@ class _FutureCompletion:
 
     def error(self) -> BaseException | None:
         return self._future.exception(timeout=0)
+
+    def notify_on_done(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the worker thread, or now if done) when the copy ends."""
+        self._future.add_done_callback(lambda _future: callback())
 
     def finished_at(self) -> float | None:
         if not self._future.done() or self._future.exception(timeout=0) is not None:
@@ -71,16 +78,21 @@ class ThreadCopyEngine:
         staging_blocks: staging capacity in blocks for ``"staged"``.
         copy_hook: run in the worker before each copy; an exception fails the copy.
         poll_interval_s: how often `aclose()` checks for in-flight copies.
+        copy_threads: threads that share one ``"segments"`` copy of at least
+            ``_PARALLEL_MIN_BYTES`` (default: torch's intra-op thread count, at most 8);
+            one core rarely saturates memory bandwidth.
 
     Raises:
         LayoutMismatchError: tensors or host buffer disagree with ``layout``, or the KV
             tensors are not on the CPU.
-        ValueError: ``staging_blocks`` is not positive.
+        ValueError: ``staging_blocks`` or ``copy_threads`` is not positive.
     """
 
     __slots__ = (
         "_closed",
         "_copy_hook",
+        "_copy_threads",
+        "_helpers",
         "_in_flight",
         "_mover",
         "_staging",
@@ -99,9 +111,14 @@ class ThreadCopyEngine:
         staging_blocks: int = 64,
         copy_hook: CopyHook | None = None,
         poll_interval_s: float = 0.0005,
+        copy_threads: int | None = None,
     ) -> None:
         if staging_blocks < 1:
             raise ValueError(f"staging_blocks must be >= 1, got {staging_blocks}")
+        if copy_threads is None:
+            copy_threads = min(8, max(1, torch.get_num_threads()))
+        if copy_threads < 1:
+            raise ValueError(f"copy_threads must be >= 1, got {copy_threads}")
         if gpu_kv and gpu_kv[0].device.type != "cpu":
             raise LayoutMismatchError(
                 f"ThreadCopyEngine needs CPU tensors, got {gpu_kv[0].device}; "
@@ -116,6 +133,13 @@ class ThreadCopyEngine:
             kind: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvoffload-{kind}")
             for kind in ("store", "load")
         }
+        self._copy_threads = copy_threads
+        # Helpers for the other parts of a split copy (the worker copies one part itself).
+        self._helpers = (
+            ThreadPoolExecutor(max_workers=copy_threads - 1, thread_name_prefix="kvoffload-copy")
+            if copy_threads > 1
+            else None
+        )
         self._in_flight = _InFlight(poll_interval_s)
         self._closed = False
 
@@ -177,7 +201,7 @@ class ThreadCopyEngine:
             self._copy_hook(plan)
         mover = self._mover
         if self._strategy == "segments":
-            mover.copy_segments(mover.segments(plan))
+            self._copy_segments(plan)
         else:
             staging = self._staging.get(plan.kind)
             if staging is None:
@@ -189,6 +213,29 @@ class ThreadCopyEngine:
                 index = torch.tensor(gpu_ids, dtype=torch.int64)
                 move(gpu_ids, plan.cpu_block_ids[i : i + cap], index, staging)
         return time.perf_counter()
+
+    def _copy_segments(self, plan: TransferPlan) -> None:
+        """Copy on this worker; a large copy is split by layers over the helper threads,
+        each building and copying its own segments (building holds the GIL, copying
+        does not, so the parts overlap)."""
+        mover = self._mover
+        num_layers = mover.layout.num_layers
+        helpers = self._helpers
+        if helpers is None or mover.nbytes(plan) < _PARALLEL_MIN_BYTES or num_layers < 2:
+            mover.copy_segments(mover.segments(plan))
+            return
+        parts = min(num_layers, self._copy_threads)
+        bounds = [num_layers * k // parts for k in range(parts + 1)]
+
+        def run(k: int) -> None:
+            mover.copy_segments(mover.segments(plan, range(bounds[k], bounds[k + 1])))
+
+        futures = [helpers.submit(run, k) for k in range(1, parts)]
+        try:
+            run(0)
+        finally:
+            for future in futures:
+                future.result()  # waits for every part; re-raises a helper's failure
 
     def in_flight(self) -> int:
         """Copies submitted and not finished."""
@@ -207,9 +254,13 @@ class ThreadCopyEngine:
         self._workers = {}
         self._staging.clear()
 
+        helpers, self._helpers = self._helpers, None
+
         def stop() -> None:
             for worker in workers:
                 worker.shutdown(wait=True)
+            if helpers is not None:
+                helpers.shutdown(wait=True)
 
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(stop)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import random
 import threading
 import time
 import weakref
@@ -208,3 +209,56 @@ async def test_submit_after_close_raises(host_factory) -> None:
     assert engine.closed
     with pytest.raises(ClosedError):
         engine.submit(store_plan([0], [0]))
+
+
+@pytest.mark.parametrize("kind", ["blocks_first", "kv_first"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+async def test_large_copies_split_across_threads_are_bit_exact(host_factory, kind, threads):
+    # 6 layers x 32 blocks of 24 KiB per layer piece: above the 4 MiB split threshold.
+    layout = make_layout(kind=kind, layers=6, heads=4, head=96, block_size=16)
+    n = 40
+    kv = random_kv(layout, n, seed=threads)
+    original = [t.clone() for t in kv]
+    host = host_factory(layout, n)
+    engine = ThreadCopyEngine(layout, kv, host, copy_threads=threads)
+    rng = random.Random(threads)
+    src, cpu, dst = rng.sample(range(n), 32), rng.sample(range(n), 32), rng.sample(range(n), 32)
+    assert 32 * layout.bytes_per_block >= 4 << 20
+    poller = CompletionPoller(lambda t: None, poll_interval_s=0.001)
+    async with anyio.create_task_group() as tg:
+        await tg.start(poller.run)
+        for plan in (store_plan(src, cpu), load_plan(dst, cpu)):
+            task = engine.submit(plan)
+            poller.track(task)
+            await task
+        tg.cancel_scope.cancel()
+    await engine.aclose()
+    for layer in range(layout.num_layers):
+        for a, b in zip(src, dst, strict=True):
+            assert torch.equal(
+                bits(gpu_block(layout, kv, layer, b)), bits(gpu_block(layout, original, layer, a))
+            )
+
+
+def test_copy_threads_must_be_positive(host_factory) -> None:
+    layout = make_layout()
+    with pytest.raises(ValueError, match="copy_threads"):
+        ThreadCopyEngine(layout, random_kv(layout, 4), host_factory(layout, 4), copy_threads=0)
+
+
+async def test_worker_completion_wakes_the_poller_without_waiting_a_round(host_factory) -> None:
+    # The worker thread hands its completion to the loop: with a 30 s poll interval the
+    # task is still delivered at once (polling alone would take 30 s).
+    layout = make_layout()
+    kv = random_kv(layout, 8)
+    engine = ThreadCopyEngine(layout, kv, host_factory(layout, 8))
+    poller = CompletionPoller(lambda t: None, poll_interval_s=30.0)
+    async with anyio.create_task_group() as tg:
+        await tg.start(poller.run)
+        for i in range(5):
+            task = engine.submit(store_plan([i], [i]))
+            poller.track(task)
+            with anyio.fail_after(10):
+                await task
+        tg.cancel_scope.cancel()
+    await engine.aclose()
