@@ -371,3 +371,31 @@ async def test_use_in_a_forked_child_raises(anyio_backend: str) -> None:
             os._exit(1)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
+
+
+async def test_work_started_during_a_reset_survives_it() -> None:
+    # reset() waits for the abandoned transfers; a store the engine starts meanwhile is
+    # new work: it publishes, and reset() reports that the cache is not empty.
+    engine = ControllableCopyEngine(num_gpu_blocks=NUM_GPU_BLOCKS, num_cpu_blocks=16)
+    async with KVOffloader(config(), make_kv(), copy_engine=engine) as off:
+        old = off.hash_prompt(list(range(2 * BS)))
+        off.update("old", [0, 1], old, 2 * BS)
+        (abandoned,) = off.store()
+        results: list[bool] = []
+        async with anyio.create_task_group() as tg:
+
+            async def do_reset() -> None:
+                results.append(await off.reset())
+
+            tg.start_soon(do_reset)
+            await anyio.sleep(0.01)
+            new = off.hash_prompt(list(range(500, 500 + 2 * BS)))
+            off.update("new", [4, 5], new, 2 * BS)
+            (fresh,) = off.store()
+            engine.complete(abandoned)
+            engine.complete(fresh)
+        assert results == [False]
+        assert off.lookup("q", new, 2 * BS + 1) == 2 * BS
+        assert off.lookup("q2", old, 2 * BS + 1) == 0
+        off.release("q")
+        off.scheduler.check_invariants()
