@@ -732,7 +732,9 @@ class OffloadScheduler:
 
         Every published block is unpublished now; transfers in flight are abandoned
         (they release their references without publishing when they complete); lookup
-        pins are released and cursors go back to 0, so live requests store again.
+        pins are released and cursors go back to 0, so live requests store their blocks
+        again. When the KV itself changed (new weights), change the namespace instead
+        (``model_id`` or ``hash_salt``): old keys then never match, running or not.
 
         Returns:
             ``True`` when no transfer is in flight any more (the cache stays empty until
