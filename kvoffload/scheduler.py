@@ -733,8 +733,8 @@ class OffloadScheduler:
         Every published block is unpublished now; transfers in flight are abandoned
         (they release their references without publishing when they complete); lookup
         pins are released and cursors go back to 0, so live requests store their blocks
-        again. When the KV itself changed (new weights), change the namespace instead
-        (``model_id`` or ``hash_salt``): old keys then never match, running or not.
+        again. When the KV itself changed (new weights), use a new namespace instead (an
+        offloader whose ``model_id`` or ``hash_salt`` names them): old keys never match.
 
         Returns:
             ``True`` when no transfer is in flight any more (the cache stays empty until
