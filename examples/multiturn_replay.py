@@ -93,7 +93,7 @@ def trace_workload(path: Path) -> Workload:
     for r in read_trace(path):
         requests.append([BlockHash(h.to_bytes(16, "little", signed=True)) for h in r.hash_ids])
         prompt_tokens.append(r.input_length)
-    return Workload(f"trace {path}", requests, prompt_tokens, TRACE_BLOCK_TOKENS)
+    return Workload(f"trace {Path(path).name}", requests, prompt_tokens, TRACE_BLOCK_TOKENS)
 
 
 def replay(workload: Workload, capacity: int, *, progress: bool = True) -> ReplayResult:
