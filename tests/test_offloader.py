@@ -400,3 +400,52 @@ async def test_work_started_during_a_reset_survives_it() -> None:
         assert off.lookup("q2", old, 2 * BS + 1) == 0
         off.release("q")
         off.scheduler.check_invariants()
+
+
+async def test_cancelled_while_opening_releases_what_it_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made: list[HostKVBuffer] = []
+    real_create = HostKVBuffer.create
+
+    with anyio.CancelScope() as scope:
+
+        async def create_then_get_cancelled(*args: object, **kwargs: object) -> HostKVBuffer:
+            buffer = await real_create(*args, **kwargs)  # type: ignore[arg-type]
+            made.append(buffer)
+            scope.cancel()  # lands at the open's next checkpoint
+            return buffer
+
+        monkeypatch.setattr(HostKVBuffer, "create", create_then_get_cancelled)
+        off = KVOffloader(config(), make_kv())
+        async with off:
+            pytest.fail("the body must not run: the open was cancelled")
+    assert scope.cancelled_caught
+    assert len(made) == 1
+    with pytest.raises(ClosedError):
+        made[0].raw  # the buffer was closed by the failed open
+    with pytest.raises(ClosedError, match="closed"):
+        off.lookup("a", [], 1)
+
+
+async def test_cancelled_drain_and_reset_leave_nothing_behind() -> None:
+    # Cancelling the wait of drain() or reset() cancels only the wait: the transfers
+    # complete later and release every reference.
+    engine = ControllableCopyEngine(num_gpu_blocks=NUM_GPU_BLOCKS, num_cpu_blocks=16)
+    async with KVOffloader(config(), make_kv(), copy_engine=engine) as off:
+        hs = off.hash_prompt(list(range(2 * BS)))
+        off.update("a", [0, 1], hs, 2 * BS)
+        (store,) = off.store()
+        with anyio.move_on_after(0.01) as scope:
+            await off.drain()
+        assert scope.cancelled_caught
+        assert off.pool.num_free == off.pool.num_blocks - 2
+        with anyio.move_on_after(0.01) as scope:
+            await off.reset()
+        assert scope.cancelled_caught
+        assert off.pool.num_cached == 0  # the reset itself happened
+        engine.complete(store)
+        await off.drain()
+        assert off.pool.num_free == off.pool.num_blocks
+        assert off.pool.num_cached == 0  # the abandoned store published nothing
+        off.scheduler.check_invariants()

@@ -234,7 +234,10 @@ class HostKVBuffer:
     ) -> HostKVBuffer:
         """Build a buffer in a worker thread, keeping the event loop free.
 
-        Cancellation: the allocation finishes in its thread and the buffer is closed.
+        Cancellation: the worker thread cannot be interrupted, so the call waits for it
+        and returns the buffer; the cancellation takes effect at the caller's next
+        checkpoint, and the caller, which owns the buffer, closes it (as `KVOffloader`
+        does).
         """
 
         def build() -> HostKVBuffer:
