@@ -25,7 +25,7 @@ import torch
 from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout
 from kvoffload.storage.host_buffer import HostKVBuffer
-from kvoffload.transfer.engine import _InFlight, check_open
+from kvoffload.transfer.engine import _EngineBase, _InFlight, check_open
 from kvoffload.transfer.gather import BlockMover
 from kvoffload.transfer.plan import TransferPlan
 from kvoffload.transfer.task import TransferTask
@@ -133,7 +133,7 @@ class _EventCompletion:
 
 
 @final
-class CudaCopyEngine:
+class CudaCopyEngine(_EngineBase):
     """A `CopyEngine` on two low-priority CUDA streams.
 
     A copy of ``n`` blocks gathers (store) or scatters (load) each layer with one index
@@ -155,9 +155,6 @@ class CudaCopyEngine:
 
     __slots__ = (
         "_backend",
-        "_closed",
-        "_in_flight",
-        "_mover",
         "_pinned",
         "_staging",
         "_staging_blocks",
@@ -192,16 +189,6 @@ class CudaCopyEngine:
         }
         self._in_flight = _InFlight(poll_interval_s)
         self._closed = False
-
-    @property
-    def closed(self) -> bool:
-        """Whether `aclose()` was called."""
-        return self._closed
-
-    @property
-    def mover(self) -> BlockMover:
-        """The data path."""
-        return self._mover
 
     def stream(self, kind: str) -> StreamLike:
         """The copy stream of ``"store"`` or ``"load"``."""
@@ -281,10 +268,6 @@ class CudaCopyEngine:
             keep.append(index)
             move(gpu_ids, plan.cpu_block_ids[i : i + cap], index, staging, non_blocking=True)
 
-    def in_flight(self) -> int:
-        """Copies submitted and not finished."""
-        return len(self._in_flight)
-
     async def aclose(self) -> None:
         """Wait (shielded) until every copy's event fired, then drop streams and staging.
 
@@ -295,9 +278,3 @@ class CudaCopyEngine:
         await self._in_flight.wait_all()
         self._staging.clear()
         _log.debug("copy_engine_closed", engine="cuda")
-
-    async def __aenter__(self) -> CudaCopyEngine:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()

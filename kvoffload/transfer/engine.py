@@ -9,7 +9,7 @@ the owner passes every submitted task to ``poller.track``.
 from __future__ import annotations
 
 from collections import deque
-from typing import Protocol, final, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, final, runtime_checkable
 
 import anyio
 
@@ -17,7 +17,12 @@ from kvoffload.errors import ClosedError
 from kvoffload.transfer.plan import TransferPlan
 from kvoffload.transfer.task import CompletionHandle, TransferTask
 
+if TYPE_CHECKING:
+    from kvoffload.transfer.gather import BlockMover
+
 __all__ = ["CopyEngine"]
+
+_E = TypeVar("_E", bound="_EngineBase")
 
 
 @runtime_checkable
@@ -100,3 +105,37 @@ def check_open(closed: bool, name: str) -> None:
     """Raise `ClosedError` for use after close."""
     if closed:
         raise ClosedError(f"{name} is closed")
+
+
+class _EngineBase:
+    """What the built-in engines share: their data path, in-flight copies, closing."""
+
+    __slots__ = ("_closed", "_in_flight", "_mover")
+
+    _closed: bool
+    _in_flight: _InFlight
+    _mover: BlockMover
+
+    @property
+    def closed(self) -> bool:
+        """Whether `aclose()` was called."""
+        return self._closed
+
+    @property
+    def mover(self) -> BlockMover:
+        """The data path."""
+        return self._mover
+
+    def in_flight(self) -> int:
+        """Copies submitted and not finished."""
+        return len(self._in_flight)
+
+    async def aclose(self) -> None:
+        """Wait for the copies in flight, then release the engine's resources."""
+        raise NotImplementedError
+
+    async def __aenter__(self: _E) -> _E:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

@@ -22,7 +22,7 @@ from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout
 from kvoffload.errors import LayoutMismatchError
 from kvoffload.storage.host_buffer import HostKVBuffer
-from kvoffload.transfer.engine import _InFlight, check_open
+from kvoffload.transfer.engine import _EngineBase, _InFlight, check_open
 from kvoffload.transfer.gather import BlockMover
 from kvoffload.transfer.plan import TransferPlan
 from kvoffload.transfer.task import TransferTask
@@ -65,7 +65,7 @@ class _FutureCompletion:
 
 
 @final
-class ThreadCopyEngine:
+class ThreadCopyEngine(_EngineBase):
     """A `CopyEngine` for CPU tensors, copying in worker threads.
 
     Args:
@@ -89,12 +89,9 @@ class ThreadCopyEngine:
     """
 
     __slots__ = (
-        "_closed",
         "_copy_hook",
         "_copy_threads",
         "_helpers",
-        "_in_flight",
-        "_mover",
         "_staging",
         "_staging_blocks",
         "_strategy",
@@ -142,16 +139,6 @@ class ThreadCopyEngine:
         )
         self._in_flight = _InFlight(poll_interval_s)
         self._closed = False
-
-    @property
-    def closed(self) -> bool:
-        """Whether `aclose()` was called."""
-        return self._closed
-
-    @property
-    def mover(self) -> BlockMover:
-        """The data path."""
-        return self._mover
 
     def submit(self, plan: TransferPlan, *, after: object | None = None) -> TransferTask:
         """Queue the copy on its direction's worker; return the running task.
@@ -237,10 +224,6 @@ class ThreadCopyEngine:
             for future in futures:
                 future.result()  # waits for every part; re-raises a helper's failure
 
-    def in_flight(self) -> int:
-        """Copies submitted and not finished."""
-        return len(self._in_flight)
-
     async def aclose(self) -> None:
         """Wait (shielded) for in-flight copies, then stop the workers. Idempotent.
 
@@ -265,9 +248,3 @@ class ThreadCopyEngine:
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(stop)
         _log.debug("copy_engine_closed", engine="thread")
-
-    async def __aenter__(self) -> ThreadCopyEngine:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
