@@ -2,32 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "serve_multiturn.py"
+from example_loader import load_example
 
 
 @pytest.fixture
 def example(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     monkeypatch.setenv("KVOFFLOAD_EXAMPLE_QUICK", "1")  # read when the module is loaded
-    spec = importlib.util.spec_from_file_location("serve_multiturn", EXAMPLE)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
+    return load_example("serve_multiturn")
 
 
 def _number(pattern: str, out: str) -> float:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import anyio
 import pytest
@@ -53,6 +54,29 @@ def config(**overrides: object) -> OffloadConfig:
     values: dict[str, object] = {"block_size": BS, "num_cpu_blocks": 16}
     values.update(overrides)
     return OffloadConfig(**values)
+
+
+@pytest.fixture
+def hooked_engine() -> Iterator[Callable[[list[torch.Tensor], CopyFaults], ThreadCopyEngine]]:
+    """Thread engines with a copy hook over host buffers closed at teardown."""
+    hosts: list[HostKVBuffer] = []
+
+    def make(kv: list[torch.Tensor], hook: CopyFaults) -> ThreadCopyEngine:
+        layout = KVLayout.from_tensors(kv, block_size=BS)
+        hosts.append(HostKVBuffer(layout, 16, pin_memory="never"))
+        return ThreadCopyEngine(layout, kv, hosts[-1], copy_hook=hook)
+
+    yield make
+    for host in hosts:
+        host.close()
+
+
+@pytest.fixture
+def gate() -> Iterator[threading.Event]:
+    """Holds gated copies until set; set at teardown so no worker stays blocked."""
+    event = threading.Event()
+    yield event
+    event.set()
 
 
 class CountingPinner:
@@ -135,83 +159,65 @@ async def test_use_outside_the_context_raises_closed() -> None:
     await off.aclose()  # idempotent
 
 
-async def test_failed_copy_publishes_nothing_and_releases_refs() -> None:
+async def test_failed_copy_publishes_nothing_and_releases_refs(hooked_engine: Any) -> None:
     kv = make_kv()
-    layout = KVLayout.from_tensors(kv, block_size=BS)
-    host = HostKVBuffer(layout, 16, pin_memory="never")
-    faults = CopyFaults(fail_copies=[0])
-    engine = ThreadCopyEngine(layout, kv, host, copy_hook=faults)
+    engine = hooked_engine(kv, CopyFaults(fail_copies=[0]))
     pinner = CountingPinner()
-    try:
-        async with KVOffloader(config(), kv, copy_engine=engine, pinner=pinner) as off:
-            hs = off.hash_prompt(list(range(3 * BS)))
-            off.update("a", [4, 5, 6], hs, 3 * BS)
-            (task,) = off.store()
-            with pytest.raises(TransferError, match="injected copy failure") as info:
-                await task
-            assert isinstance(info.value.__cause__, RuntimeError)
-            assert not any(off.pool.is_cached(h) for h in hs)
-            assert off.pool.num_free == off.pool.num_blocks
-            assert off.lookup("b", hs, 3 * BS + 1) == 0
-            assert not pinner.held
-            assert off.statistics().scheduler.failed_stores == 1
-    finally:
-        host.close()
+    async with KVOffloader(config(), kv, copy_engine=engine, pinner=pinner) as off:
+        hs = off.hash_prompt(list(range(3 * BS)))
+        off.update("a", [4, 5, 6], hs, 3 * BS)
+        (task,) = off.store()
+        with pytest.raises(TransferError, match="injected copy failure") as info:
+            await task
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert not any(off.pool.is_cached(h) for h in hs)
+        assert off.pool.num_free == off.pool.num_blocks
+        assert off.lookup("b", hs, 3 * BS + 1) == 0
+        assert not pinner.held
+        assert off.statistics().scheduler.failed_stores == 1
 
 
-async def test_pinner_holds_gpu_blocks_until_the_copy_finished() -> None:
+async def test_pinner_holds_gpu_blocks_until_the_copy_finished(
+    hooked_engine: Any, gate: Any
+) -> None:
     # FM-05 / invariant 7: a finished request's GPU blocks stay pinned while its store runs.
     kv = make_kv()
-    layout = KVLayout.from_tensors(kv, block_size=BS)
-    host = HostKVBuffer(layout, 16, pin_memory="never")
-    gate = threading.Event()
-    engine = ThreadCopyEngine(layout, kv, host, copy_hook=CopyFaults(gate=gate))
+    engine = hooked_engine(kv, CopyFaults(gate=gate))
     pinner = CountingPinner()
-    try:
-        async with KVOffloader(config(), kv, copy_engine=engine, pinner=pinner) as off:
-            hs = off.hash_prompt(list(range(2 * BS)))
-            off.update("a", [7, 9], hs, 2 * BS)
-            (task,) = off.store()
-            off.finish("a")
-            assert pinner.held == {7, 9}
-            await anyio.sleep(0.01)
-            assert pinner.held == {7, 9}
-            assert off.scheduler.has_request("a")
-            gate.set()
-            await task
-            assert pinner.held == set()
-            assert not off.scheduler.has_request("a")
-            assert pinner.history == [("pin", (7, 9)), ("unpin", (7, 9))]
-    finally:
+    async with KVOffloader(config(), kv, copy_engine=engine, pinner=pinner) as off:
+        hs = off.hash_prompt(list(range(2 * BS)))
+        off.update("a", [7, 9], hs, 2 * BS)
+        (task,) = off.store()
+        off.finish("a")
+        assert pinner.held == {7, 9}
+        await anyio.sleep(0.01)
+        assert pinner.held == {7, 9}
+        assert off.scheduler.has_request("a")
         gate.set()
-        host.close()
+        await task
+        assert pinner.held == set()
+        assert not off.scheduler.has_request("a")
+        assert pinner.history == [("pin", (7, 9)), ("unpin", (7, 9))]
 
 
-async def test_cancelled_awaiter_leaves_the_copy_running() -> None:
+async def test_cancelled_awaiter_leaves_the_copy_running(hooked_engine: Any, gate: Any) -> None:
     # FM-47: cancelling the wait never aborts the copy or frees its blocks early.
     kv = make_kv()
-    layout = KVLayout.from_tensors(kv, block_size=BS)
-    host = HostKVBuffer(layout, 16, pin_memory="never")
-    gate = threading.Event()
-    engine = ThreadCopyEngine(layout, kv, host, copy_hook=CopyFaults(gate=gate))
-    try:
-        async with KVOffloader(config(), kv, copy_engine=engine) as off:
-            hs = off.hash_prompt(list(range(2 * BS)))
-            off.update("a", [1, 2], hs, 2 * BS)
-            (task,) = off.store()
-            with anyio.move_on_after(0.02) as scope:
-                await task
-            assert scope.cancelled_caught
-            assert not task.done()
-            assert off.pool.num_free == off.pool.num_blocks - 2  # still referenced
-            assert not any(off.pool.is_cached(h) for h in hs)
-            gate.set()
+    engine = hooked_engine(kv, CopyFaults(gate=gate))
+    async with KVOffloader(config(), kv, copy_engine=engine) as off:
+        hs = off.hash_prompt(list(range(2 * BS)))
+        off.update("a", [1, 2], hs, 2 * BS)
+        (task,) = off.store()
+        with anyio.move_on_after(0.02) as scope:
             await task
-            assert all(off.pool.is_cached(h) for h in hs)
-            assert off.pool.num_free == off.pool.num_blocks
-    finally:
+        assert scope.cancelled_caught
+        assert not task.done()
+        assert off.pool.num_free == off.pool.num_blocks - 2  # still referenced
+        assert not any(off.pool.is_cached(h) for h in hs)
         gate.set()
-        host.close()
+        await task
+        assert all(off.pool.is_cached(h) for h in hs)
+        assert off.pool.num_free == off.pool.num_blocks
 
 
 async def test_timeout_on_a_copy_that_never_completes_keeps_blocks_referenced() -> None:
@@ -263,34 +269,27 @@ async def test_reset_abandons_in_flight_transfers() -> None:
         assert off.statistics().scheduler.abandoned_transfers == 1
 
 
-async def test_close_waits_for_copies_in_flight() -> None:
+async def test_close_waits_for_copies_in_flight(hooked_engine: Any, gate: Any) -> None:
     # FM-04: memory is released only after every copy finished.
     kv = make_kv()
-    layout = KVLayout.from_tensors(kv, block_size=BS)
-    host = HostKVBuffer(layout, 16, pin_memory="never")
-    gate = threading.Event()
-    engine = ThreadCopyEngine(layout, kv, host, copy_hook=CopyFaults(gate=gate))
+    engine = hooked_engine(kv, CopyFaults(gate=gate))
 
     async def open_gate_later() -> None:
         await anyio.sleep(0.05)
         gate.set()
 
-    try:
-        async with anyio.create_task_group() as tg:
-            async with KVOffloader(config(), kv, copy_engine=engine) as off:
-                hs = off.hash_prompt(list(range(2 * BS)))
-                off.update("a", [1, 2], hs, 2 * BS)
-                (task,) = off.store()
-                tg.start_soon(open_gate_later)
-            # Leaving the block closed the offloader: it must have waited for the gate.
-            assert gate.is_set()
-            assert task.done()
-            assert off.pool.num_free == off.pool.num_blocks
-            assert all(off.pool.is_cached(h) for h in hs)
-            assert engine.closed
-    finally:
-        gate.set()
-        host.close()
+    async with anyio.create_task_group() as tg:
+        async with KVOffloader(config(), kv, copy_engine=engine) as off:
+            hs = off.hash_prompt(list(range(2 * BS)))
+            off.update("a", [1, 2], hs, 2 * BS)
+            (task,) = off.store()
+            tg.start_soon(open_gate_later)
+        # Leaving the block closed the offloader: it must have waited for the gate.
+        assert gate.is_set()
+        assert task.done()
+        assert off.pool.num_free == off.pool.num_blocks
+        assert all(off.pool.is_cached(h) for h in hs)
+        assert engine.closed
 
 
 async def test_completion_callback_failure_is_surfaced() -> None:
@@ -311,28 +310,23 @@ async def test_completion_callback_failure_is_surfaced() -> None:
         assert "unpin exploded" in repr(info.value.__cause__)
 
 
-async def test_load_failure_raises_and_unpublishes() -> None:
+async def test_load_failure_raises_and_unpublishes(hooked_engine: Any) -> None:
     # FM-40: a failed load is never served as a hit.
     kv = make_kv()
-    layout = KVLayout.from_tensors(kv, block_size=BS)
-    host = HostKVBuffer(layout, 16, pin_memory="never")
-    engine = ThreadCopyEngine(layout, kv, host, copy_hook=CopyFaults(fail_copies=[1]))
-    try:
-        async with KVOffloader(config(), kv, copy_engine=engine) as off:
-            hs = off.hash_prompt(list(range(2 * BS)))
-            off.update("a", [0, 1], hs, 2 * BS)
-            await off.store()[0]
-            hit = off.lookup("b", hs, 2 * BS + 1)
-            task = off.load("b", [5, 6], hit)
-            assert task is not None
-            with pytest.raises(TransferError):
-                await task
-            stats = off.statistics().scheduler
-            assert stats.failed_loads == 1
-            assert stats.loaded_blocks == 0
-            assert off.lookup("c", hs, 2 * BS + 1) == 0
-    finally:
-        host.close()
+    engine = hooked_engine(kv, CopyFaults(fail_copies=[1]))
+    async with KVOffloader(config(), kv, copy_engine=engine) as off:
+        hs = off.hash_prompt(list(range(2 * BS)))
+        off.update("a", [0, 1], hs, 2 * BS)
+        await off.store()[0]
+        hit = off.lookup("b", hs, 2 * BS + 1)
+        task = off.load("b", [5, 6], hit)
+        assert task is not None
+        with pytest.raises(TransferError):
+            await task
+        stats = off.statistics().scheduler
+        assert stats.failed_loads == 1
+        assert stats.loaded_blocks == 0
+        assert off.lookup("c", hs, 2 * BS + 1) == 0
 
 
 async def test_lazy_mode_through_the_offloader() -> None:

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import re
 import subprocess
@@ -10,11 +9,10 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from example_loader import load_example
 
 from kvoffload.bench.workload import WorkloadRequest, WorkloadSpec, generate_workload
 from kvoffload.hashing import HashNamespace, hash_prompt
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "multiturn_replay.py"
 
 SMALL = WorkloadSpec(
     num_sessions=12,
@@ -171,16 +169,7 @@ def test_bad_block_size() -> None:
 
 
 def _example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("multiturn_replay", EXAMPLE)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
+    return load_example("multiturn_replay")
 
 
 def _hit_rate(out: str) -> float:
