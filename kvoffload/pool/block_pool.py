@@ -1,9 +1,11 @@
-"""The CPU block pool: reference counts, the prefix-cache map and LRU eviction.
+"""The CPU block pool: reference counts, the prefix-cache map and pluggable eviction.
 
-A block is *free* when its ``ref_cnt`` is 0: it sits in the LRU free queue and may be
-evicted (reallocated) at any time, even while still published. A block with a reference
-is never evicted. A block is *published* (findable by `CpuBlockPool.lookup()`) only
-after its store completed; the scheduler decides when. The pool touches no tensors.
+A block is *free* when its ``ref_cnt`` is 0: it sits in the free queue and may be
+evicted (reallocated) at any time, even while still published. Which free block is
+reused first is the `EvictionPolicy`'s choice (LRU by default, on an inlined fast
+path). A block with a reference is never evicted. A block is *published* (findable by
+`CpuBlockPool.lookup()`) only after its store completed; the scheduler decides when.
+The pool touches no tensors.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import final
 from kvoffload.errors import BlockStateError, InvariantError, OutOfBlocksError
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.free_queue import BlockId, CpuBlock, LruFreeQueue
+from kvoffload.pool.policies import EvictionPolicy, LruPolicy, make_policy
 
 __all__ = [
     "AllBlocksCleared",
@@ -73,15 +76,19 @@ class PoolStatistics:
 
 @final
 class CpuBlockPool:
-    """Reference-counted CPU blocks with a hash map for prefix lookup and LRU eviction.
+    """Reference-counted CPU blocks with a hash map for prefix lookup and pluggable eviction.
 
     Args:
         num_blocks: number of CPU blocks.
         enable_events: record `BlockStored` / `BlockRemoved` events for
             `take_events()` (for KV-aware routers); off costs nothing.
+        policy: which free block to reuse first: an `EvictionPolicy` (attached to this
+            pool; not shareable), a registered name (``"lru"``, ``"arc"``, ``"s3fifo"``,
+            ...), or ``None`` for LRU.
 
     Raises:
-        ValueError: ``num_blocks`` is below 1.
+        ValueError: ``num_blocks`` is below 1, or the policy is already attached.
+        ConfigError: ``policy`` names no registered policy (the message lists them).
     """
 
     __slots__ = (
@@ -92,11 +99,19 @@ class CpuBlockPool:
         "_evictions",
         "_free",
         "_hit_blocks",
+        "_hooked",
         "_lookups",
         "_num_blocks",
+        "_policy",
     )
 
-    def __init__(self, num_blocks: int, *, enable_events: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        enable_events: bool = False,
+        policy: EvictionPolicy | str | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self._num_blocks = num_blocks
@@ -108,6 +123,10 @@ class CpuBlockPool:
         self._lookups = 0
         self._hit_blocks = 0
         self._evictions = 0
+        self._policy = make_policy(policy)
+        self._policy.attach(self._blocks, self._free)
+        # LRU is the free queue itself: the inlined paths below serve it without calls.
+        self._hooked = None if isinstance(self._policy, LruPolicy) else self._policy
 
     def __repr__(self) -> str:
         return (
@@ -121,6 +140,11 @@ class CpuBlockPool:
     def num_blocks(self) -> int:
         """Pool size in blocks."""
         return self._num_blocks
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The eviction policy attached to this pool."""
+        return self._policy
 
     @property
     def num_free(self) -> int:
@@ -164,7 +188,7 @@ class CpuBlockPool:
         protect: Collection[CpuBlock] = (),
         evicted: list[BlockHash] | None = None,
     ) -> list[CpuBlock]:
-        """Take ``n`` blocks from the LRU end, each with ``ref_cnt == 1``.
+        """Take ``n`` free blocks chosen by the eviction policy, each with ``ref_cnt == 1``.
 
         A block that was still published is unpublished first (an eviction). Only free
         blocks (``ref_cnt == 0``) are ever taken.
@@ -172,18 +196,22 @@ class CpuBlockPool:
         Args:
             n: blocks to take.
             protect: free blocks that must not be taken by this call; they keep their
-                place in the LRU order (e.g. blocks a store plan just found cached).
+                place in the eviction order (e.g. blocks a store plan just found cached).
             evicted: when given, the hashes of evicted blocks are appended to it.
 
         Raises:
             OutOfBlocksError: fewer than ``n`` blocks are free (not counting protected
                 ones); nothing changed.
             ValueError: ``n`` is negative.
+            InvariantError: a policy named a block that is not free, is protected or is
+                named twice; nothing changed.
         """
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks: {n}")
         free = self._free
-        if protect:
+        if self._hooked is not None:
+            blocks = self._policy_victims(n, protect)
+        elif protect:
             available = len(free) - sum(1 for b in set(protect) if b.ref_cnt == 0)
             if n > available:
                 raise OutOfBlocksError(n, available)
@@ -217,6 +245,9 @@ class CpuBlockPool:
 
     def touch(self, blocks: Iterable[CpuBlock]) -> None:
         """Take one more reference on each block; a block going 0 → 1 leaves the free queue."""
+        if self._hooked is not None:
+            self._touch_hooked(blocks, self._hooked)
+            return
         # Hot path: LruFreeQueue.remove() inlined (the pool owns its queue).
         free = self._free
         unlinked = 0
@@ -236,9 +267,10 @@ class CpuBlockPool:
     def free(self, blocks: Sequence[CpuBlock]) -> None:
         """Drop one reference from each block.
 
-        Blocks reaching 0 join the most recently used end in the order given, so the
-        first one freed is evicted first: free a request's blocks tail first to keep its
-        prefix longest. A block listed twice loses two references.
+        Blocks reaching 0 join the most recently used end in the order given, so under
+        LRU the first one freed is evicted first: free a request's blocks tail first to
+        keep its prefix longest. Other policies are told of each such block in the same
+        order. A block listed twice loses two references.
 
         Raises:
             BlockStateError: a block already at ``ref_cnt == 0`` (double free); the
@@ -268,6 +300,8 @@ class CpuBlockPool:
         last._next = tail  # type: ignore[union-attr]
         tail._prev = last
         free._len += linked
+        if linked and self._hooked is not None:
+            self._hooked.on_free([b for b in dict.fromkeys(blocks) if b.ref_cnt == 0])
 
     def _undo_free(self, blocks: Sequence[CpuBlock], done: int) -> None:
         remove = self._free.remove
@@ -275,6 +309,55 @@ class CpuBlockPool:
             if block.ref_cnt == 0:
                 remove(block)
             block.ref_cnt += 1
+
+    # -- the policy hook (every policy but LRU) ----------------------------------------------
+
+    def _touch_hooked(self, blocks: Iterable[CpuBlock], policy: EvictionPolicy) -> None:
+        remove = self._free.remove
+        on_touch = policy.on_touch
+        for block in blocks:
+            if block.ref_cnt == 0 and block._prev is None:
+                raise InvariantError(f"block {block.block_id} has ref_cnt 0 but is not free")
+            on_touch(block)
+            if block.ref_cnt == 0:
+                remove(block)
+            block.ref_cnt += 1
+
+    def _policy_victims(self, n: int, protect: Collection[CpuBlock]) -> list[CpuBlock]:
+        free = self._free
+        if protect:
+            available = len(free) - sum(1 for b in set(protect) if b.ref_cnt == 0)
+        else:
+            available = len(free)
+        if n > available:
+            raise OutOfBlocksError(n, available)
+        if not n:
+            return []
+        policy = self._policy
+        blocks = policy.victims(n, protect)
+        seen: set[int] = set()
+        for block in blocks:
+            if (
+                block.ref_cnt != 0
+                or block._prev is None
+                or block in protect
+                or block.block_id in seen
+                or self._blocks[block.block_id] is not block
+            ):
+                raise InvariantError(
+                    f"eviction policy {policy.name!r} chose block {block.block_id} "
+                    f"(ref_cnt={block.ref_cnt}, free={block._prev is not None}, "
+                    f"protected={block in protect}, repeated={block.block_id in seen})"
+                )
+            seen.add(block.block_id)
+        if len(blocks) != n:
+            raise InvariantError(
+                f"eviction policy {policy.name!r} chose {len(blocks)} blocks, {n} were asked for"
+            )
+        remove = free.remove
+        for block in blocks:
+            remove(block)
+        return blocks
 
     # -- the prefix-cache map ---------------------------------------------------------------
 
@@ -391,8 +474,11 @@ class CpuBlockPool:
     def check_invariants(self) -> None:
         """Check DESIGN invariants 1 and 3 over the whole pool (O(num_blocks)).
 
+        Also runs the eviction policy's own check.
+
         Raises:
-            InvariantError: conservation, free-queue membership or the hash map is broken.
+            InvariantError: conservation, free-queue membership, the hash map or the
+                policy's bookkeeping is broken.
         """
         queued = self._free.check()
         queued_ids = {id(b) for b in queued}
@@ -421,3 +507,4 @@ class CpuBlockPool:
                 raise InvariantError(
                     f"map entry for block {block.block_id} does not match its block_hash"
                 )
+        self._policy.check()

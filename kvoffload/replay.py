@@ -1,0 +1,394 @@
+"""Replaying request traces through `CpuBlockPool`: hit rates per policy, the optimal bound
+and the infinite-capacity ceiling.
+
+The replay follows the trace README's block-level model, in arrival order. A request
+``lookup``s its block hashes and pins the leading run found (its *prefix hits*), then
+stores every missing block (allocate and publish; admission filters may refuse some,
+and blocks beyond a full pool are skipped), then frees all its blocks tail first, which
+is what the offload scheduler does for a request that runs to completion.
+
+`optimal_hits` is Belady's rule (evict the block whose next use is farthest in the
+future, bypassing a block whose own next use is farther still) in O(N log N) for N block
+accesses. It is optimal for block hits; prefix hits count only the leading run, for which
+it is the reference bound the trace README uses. `ceiling_hits` is what an infinite pool
+gets: a block hits once it was seen before.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvoffload.bench.trace import read_trace
+from kvoffload.hashing import BlockHash
+from kvoffload.pool.block_pool import CpuBlockPool
+from kvoffload.pool.policies import POLICY_NAMES, make_policy
+from kvoffload.pool.policies.admission import make_admission
+
+__all__ = [
+    "REPLAY_SCHEMA_VERSION",
+    "CapacityRow",
+    "PolicyResult",
+    "ReplayReport",
+    "Trace",
+    "ceiling_hits",
+    "load_trace",
+    "optimal_hits",
+    "replay_pool",
+    "run_replay",
+    "smallest_capacity",
+]
+
+REPLAY_SCHEMA_VERSION = 1
+"""Version of the JSON `ReplayReport.to_json()` writes (``kvoffload replay --json``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """A request trace: per request, its block ids in prefix order.
+
+    Attributes:
+        path: where it was read from ("" when built in memory).
+        requests: block ids per request.
+    """
+
+    path: str
+    requests: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_blocks(self) -> int:
+        """Block accesses over all requests."""
+        return sum(len(r) for r in self.requests)
+
+    @property
+    def num_unique(self) -> int:
+        """Distinct block ids (the capacity that holds everything)."""
+        return len({b for r in self.requests for b in r})
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read a Mooncake-format trace (one JSON object a line, see ``docs/policies.md``).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a line is not a trace record; the message names the file and line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"trace file not found: {path}")
+    return Trace(str(path), tuple(r.hash_ids for r in read_trace(path)))
+
+
+def _keys(trace: Trace) -> list[list[BlockHash]]:
+    intern: dict[int, BlockHash] = {}
+    out = []
+    for request in trace.requests:
+        keys = []
+        for h in request:
+            key = intern.get(h)
+            if key is None:
+                key = intern[h] = BlockHash(h.to_bytes(16, "little", signed=True))
+            keys.append(key)
+        out.append(keys)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyResult:
+    """One policy at one capacity.
+
+    Attributes:
+        policy: policy name.
+        hit_blocks: prefix hits.
+        hit_rate: ``hit_blocks`` over the trace's block accesses.
+        stored_blocks: blocks stored (allocated and published).
+        refused_blocks: missing blocks the admission filter refused.
+        evictions: published blocks the pool evicted.
+    """
+
+    policy: str
+    hit_blocks: int
+    hit_rate: float
+    stored_blocks: int
+    refused_blocks: int
+    evictions: int
+
+
+def replay_pool(
+    trace: Trace | Sequence[Sequence[BlockHash]],
+    capacity: int,
+    policy: str = "lru",
+    admission: str = "always",
+    *,
+    on_progress: Callable[[int], None] | None = None,
+) -> PolicyResult:
+    """Replay a trace through a `CpuBlockPool` of ``capacity`` blocks.
+
+    Args:
+        trace: a `Trace`, or per request its block hashes.
+        capacity: pool size in blocks.
+        policy: a registered eviction policy name.
+        admission: an admission spec (``"always"``, ``"seen_twice"``, ``"seen:N[:W]"``).
+        on_progress: called with the number of requests replayed since the last call.
+
+    Raises:
+        ConfigError: unknown policy or admission spec.
+        ValueError: ``capacity`` below 1.
+    """
+    requests = _keys(trace) if isinstance(trace, Trace) else trace
+    pool = CpuBlockPool(capacity, policy=make_policy(policy))
+    admit = make_admission(admission).admit
+    always = admission.strip().lower() == "always"
+    lookup, touch, allocate, publish, free = (
+        pool.lookup,
+        pool.touch,
+        pool.allocate,
+        pool.publish,
+        pool.free,
+    )
+    total = hits = stored = refused = 0
+    since = 0
+    for keys in requests:
+        found = lookup(keys)
+        h = len(found)
+        touch(found)
+        missing = keys[h:]
+        if not always:
+            wanted = [k for k in missing if admit(k)]
+            refused += len(missing) - len(wanted)
+            missing = wanted
+        k = min(len(missing), pool.num_free)
+        new = allocate(k)
+        for block, key in zip(new, missing[:k], strict=True):
+            if publish(block, key):
+                stored += 1
+        held = found + new
+        held.reverse()
+        free(held)
+        total += len(keys)
+        hits += h
+        since += 1
+        if on_progress is not None and since == 256:
+            on_progress(since)
+            since = 0
+    if on_progress is not None and since:
+        on_progress(since)
+    return PolicyResult(
+        policy=pool.policy.name,
+        hit_blocks=hits,
+        hit_rate=hits / total if total else 0.0,
+        stored_blocks=stored,
+        refused_blocks=refused,
+        evictions=pool.statistics().evictions,
+    )
+
+
+def optimal_hits(requests: Sequence[Sequence[int]], capacity: int) -> int:
+    """Prefix hits under Belady's rule, with bypass, in O(N log N).
+
+    Args:
+        requests: block ids per request, in arrival order.
+        capacity: cache size in blocks, >= 0.
+
+    Raises:
+        ValueError: ``capacity`` is negative.
+    """
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+    # The trace README's model: a request uses all its blocks at once, so a block's next
+    # use is the index of the next request holding it (len(requests) + its position when
+    # none, unique so that stale heap entries are told apart). Ties leave oldest first.
+    flat = [b for r in requests for b in r]
+    owner = [i for i, r in enumerate(requests) for _ in r]
+    n = len(flat)
+    never = len(requests)
+    next_use = [0] * n
+    last: dict[int, int] = {}
+    for i in range(n - 1, -1, -1):
+        b = flat[i]
+        nxt = last.get(b)
+        next_use[i] = nxt if nxt is not None else never + i
+        last[b] = owner[i]
+    resident: dict[int, int] = {}  # block -> next use
+    heap: list[tuple[int, int, int]] = []  # (-next use, insertion order, block), lazy
+    push, pop = heapq.heappush, heapq.heappop
+    hits = 0
+    pos = 0
+    for request in requests:
+        for b in request:
+            if b not in resident:
+                break
+            hits += 1
+        for b in request:
+            nu = next_use[pos]
+            pos += 1
+            if b in resident:
+                resident[b] = nu
+                push(heap, (-nu, pos, b))
+                continue
+            if capacity == 0:
+                continue
+            if len(resident) >= capacity:
+                while -heap[0][0] != resident.get(heap[0][2]):
+                    pop(heap)
+                if -heap[0][0] <= nu:
+                    continue  # the new block is needed last: do not cache it
+                del resident[pop(heap)[2]]
+            resident[b] = nu
+            push(heap, (-nu, pos, b))
+    return hits
+
+
+def ceiling_hits(requests: Iterable[Sequence[int]]) -> int:
+    """Prefix hits with an infinite cache: a block hits once it was seen before."""
+    seen: set[int] = set()
+    hits = 0
+    for request in requests:
+        for b in request:
+            if b not in seen:
+                break
+            hits += 1
+        seen.update(request)
+    return hits
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityRow:
+    """Every policy at one capacity, with the two references.
+
+    Attributes:
+        capacity: pool size in blocks.
+        results: one per policy, in the order asked for.
+        optimal_hit_rate: Belady's prefix hit rate at this capacity.
+    """
+
+    capacity: int
+    results: tuple[PolicyResult, ...]
+    optimal_hit_rate: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayReport:
+    """What ``kvoffload replay`` measured.
+
+    Attributes:
+        trace: the trace's path.
+        requests: requests in the trace.
+        blocks: block accesses in the trace.
+        unique_blocks: distinct blocks.
+        admission: the admission spec every policy ran with.
+        ceiling_hit_rate: the infinite-capacity prefix hit rate.
+        rows: one per capacity, in the order asked for.
+    """
+
+    trace: str
+    requests: int
+    blocks: int
+    unique_blocks: int
+    admission: str
+    ceiling_hit_rate: float
+    rows: tuple[CapacityRow, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON-ready data (schema `REPLAY_SCHEMA_VERSION`)."""
+        data = asdict(self)
+        data["schema_version"] = REPLAY_SCHEMA_VERSION
+        return data
+
+
+def run_replay(
+    trace: Trace,
+    capacities: Sequence[int],
+    policies: Sequence[str] = POLICY_NAMES,
+    admission: str = "always",
+    *,
+    on_progress: Callable[[int], None] | None = None,
+) -> ReplayReport:
+    """Replay ``trace`` with each policy at each capacity, plus the references.
+
+    Args:
+        trace: the trace.
+        capacities: pool sizes in blocks.
+        policies: registered policy names.
+        admission: the admission spec for every policy.
+        on_progress: called with requests replayed (policies x capacities x requests in all).
+
+    Raises:
+        ConfigError: unknown policy or admission spec (checked before anything runs).
+        ValueError: a capacity below 1.
+    """
+    for name in policies:
+        make_policy(name)
+    make_admission(admission)
+    if any(c < 1 for c in capacities):
+        raise ValueError(f"capacities must be >= 1, got {list(capacities)}")
+    keys = _keys(trace)
+    total = trace.num_blocks
+    rows = []
+    for capacity in capacities:
+        results = tuple(
+            replay_pool(keys, capacity, name, admission, on_progress=on_progress)
+            for name in policies
+        )
+        optimal = optimal_hits(trace.requests, capacity)
+        rows.append(CapacityRow(capacity, results, optimal / total if total else 0.0))
+    ceiling = ceiling_hits(trace.requests)
+    return ReplayReport(
+        trace=trace.path,
+        requests=len(trace.requests),
+        blocks=total,
+        unique_blocks=trace.num_unique,
+        admission=admission,
+        ceiling_hit_rate=ceiling / total if total else 0.0,
+        rows=tuple(rows),
+    )
+
+
+def smallest_capacity(
+    trace: Trace,
+    target: float,
+    policy: str = "lru",
+    admission: str = "always",
+    *,
+    on_progress: Callable[[int], None] | None = None,
+) -> tuple[int, float, float]:
+    """The smallest pool reaching ``target`` x the ceiling hit rate, by bisection.
+
+    Bisection assumes the hit rate grows with capacity (true of LRU and Belady; nearly
+    so of the others); the capacity returned is always one that was replayed and
+    reached the goal.
+
+    Args:
+        trace: the trace.
+        target: fraction of the ceiling, in (0, 1].
+        policy: eviction policy name.
+        admission: admission spec.
+        on_progress: as for `replay_pool`.
+
+    Returns:
+        ``(capacity, hit_rate, ceiling_hit_rate)``.
+
+    Raises:
+        ValueError: ``target`` outside (0, 1], or an empty trace.
+    """
+    if not 0.0 < target <= 1.0:
+        raise ValueError(f"target must be in (0, 1], got {target}")
+    total = trace.num_blocks
+    if not total:
+        raise ValueError("the trace has no blocks")
+    ceiling = ceiling_hits(trace.requests) / total
+    goal = target * ceiling
+    keys = _keys(trace)
+    lo, hi = 1, max(1, trace.num_unique)
+    rate_hi = replay_pool(keys, hi, policy, admission, on_progress=on_progress).hit_rate
+    while lo < hi:
+        mid = (lo + hi) // 2
+        rate = replay_pool(keys, mid, policy, admission, on_progress=on_progress).hit_rate
+        if rate >= goal:
+            hi, rate_hi = mid, rate
+        else:
+            lo = mid + 1
+    return hi, rate_hi, ceiling
