@@ -10,7 +10,15 @@ from collections.abc import Collection, Sequence
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvoffload.errors import ConfigError, LayoutMismatchError
@@ -274,6 +282,38 @@ class OffloadConfig(BaseSettings):
     enable_events: bool = Field(
         default=False, description="Record BlockStored/BlockRemoved events for KV-aware routers."
     )
+    eviction_policy: str = Field(
+        default="lru",
+        min_length=1,
+        max_length=64,
+        description="Which free CPU block is reused first: lru (default, fastest), arc, "
+        "s3fifo or prefix-freq (see docs/policies.md).",
+    )
+    store_admission: str = Field(
+        default="always",
+        min_length=1,
+        max_length=64,
+        description="Which computed blocks are stored (eager mode): always, seen_twice, or "
+        "seen:N[:WINDOW] (the N-th offer of a hash within the last WINDOW offers).",
+    )
+
+    @field_validator("eviction_policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        from kvoffload.pool.policies import POLICY_NAMES  # noqa: PLC0415 (import cycle)
+
+        name = value.strip().lower()
+        if name not in POLICY_NAMES:
+            raise ValueError(f"unknown eviction policy; known: {', '.join(POLICY_NAMES)}")
+        return name
+
+    @field_validator("store_admission")
+    @classmethod
+    def _known_admission(cls, value: str) -> str:
+        from kvoffload.pool.policies.admission import parse_admission  # noqa: PLC0415
+
+        parse_admission(value)
+        return value.strip().lower()
 
     def __init__(self, **values: Any) -> None:
         try:

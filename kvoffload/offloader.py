@@ -137,7 +137,9 @@ class KVOffloader:
         self._config = config
         self._layout = layout
         self._gpu_kv = tuple(gpu_kv)
-        self._pool = CpuBlockPool(num_cpu_blocks, enable_events=config.enable_events)
+        self._pool = CpuBlockPool(
+            num_cpu_blocks, enable_events=config.enable_events, policy=config.eviction_policy
+        )
         self._scheduler = OffloadScheduler(
             config, self._pool, bytes_per_block=layout.bytes_per_block
         )

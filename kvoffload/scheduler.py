@@ -23,6 +23,7 @@ from kvoffload.errors import InvariantError, RequestStateError, UnknownRequestEr
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.pool.free_queue import CpuBlock
+from kvoffload.pool.policies.admission import AlwaysAdmit, make_admission
 from kvoffload.request_state import RequestOffloadState
 from kvoffload.transfer.plan import LoadPlan, StorePlan, TransferPlan
 
@@ -183,6 +184,8 @@ class OffloadScheduler:
         self._bytes_per_block = bytes_per_block
         self._requests: dict[str, RequestOffloadState] = {}
         self._pending: dict[BlockHash, CpuBlock] = {}
+        admission = make_admission(config.store_admission)
+        self._admit = None if isinstance(admission, AlwaysAdmit) else admission.admit
         self._plans: dict[int, _InFlight] = {}
         self._live_refs: dict[BlockHash, int] = {}
         self._restore_needed = False
@@ -600,6 +603,7 @@ class OffloadScheduler:
         out_gpu = batch.gpu_ids
         owners = batch.owners
         free, left = batch.free, batch.left
+        admit = self._admit
         for state in self._requests.values():
             if state.finished or state.preempted:
                 continue
@@ -623,6 +627,10 @@ class OffloadScheduler:
                         batch.deferred = end - i
                         batch.deferred_request = rid
                         break
+                    if admit is not None and not admit(block_hash):
+                        live_refs[block_hash] = live_refs.get(block_hash, 0) + 1
+                        i += 1
+                        continue  # refused by OffloadConfig.store_admission
                     free -= 1
                     left -= 1
                     planned.add(block_hash)

@@ -1,0 +1,425 @@
+"""The ``kvoffload`` command line: replay traces through the pool, size a pool, benchmark.
+
+Needs the ``cli`` extra (``pip install 'kvoffload[cli]'``); ``--plot`` also needs the
+``plot`` extra. Every command takes ``--json PATH`` (``-`` for standard output) to write
+its figures as JSON, and prints a table otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+try:
+    import click
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    from rich.table import Table
+except ImportError as exc:  # pragma: no cover - exercised without the extra
+    raise ImportError(
+        "the kvoffload command line needs its extra: pip install 'kvoffload[cli]'"
+    ) from exc
+
+from kvoffload.config import KVLayout
+from kvoffload.errors import ConfigError
+from kvoffload.pool.policies import POLICY_NAMES
+from kvoffload.pool.policies.admission import ADMISSION_HELP, parse_admission
+from kvoffload.replay import ReplayReport, Trace, load_trace, run_replay, smallest_capacity
+
+__all__ = ["LAYOUT_PRESETS", "cli", "main"]
+
+LAYOUT_PRESETS: dict[str, dict[str, Any]] = {
+    "llama3-8b": {"num_layers": 32, "num_kv_heads": 8, "head_size": 128},
+    "llama3-70b": {"num_layers": 80, "num_kv_heads": 8, "head_size": 128},
+    "qwen2.5-7b": {"num_layers": 28, "num_kv_heads": 4, "head_size": 128},
+    "mistral-7b": {"num_layers": 32, "num_kv_heads": 8, "head_size": 128},
+}
+"""Model geometries ``kvoffload size --layout`` accepts by name (KV heads before any TP split)."""
+
+_GIB = 1 << 30
+
+
+# -- parameter types --------------------------------------------------------------------
+
+
+def _int_list(_ctx: click.Context | None, param: click.Parameter, value: str) -> list[int]:
+    try:
+        values = [int(v.strip().replace("_", "")) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"not a comma-separated list of integers: {value!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise click.BadParameter(f"every capacity must be an integer >= 1, got {value!r}")
+    return values
+
+
+def _policies(_ctx: click.Context | None, param: click.Parameter, value: str) -> list[str]:
+    names = [v.strip().lower() for v in value.split(",") if v.strip()]
+    if names == ["all"]:
+        return list(POLICY_NAMES)
+    unknown = [n for n in names if n not in POLICY_NAMES]
+    if unknown or not names:
+        raise click.BadParameter(
+            f"unknown policy {', '.join(unknown) or repr(value)}; "
+            f"known policies: {', '.join(POLICY_NAMES)} (or 'all')"
+        )
+    return list(dict.fromkeys(names))
+
+
+def _policy(ctx: click.Context | None, param: click.Parameter, value: str) -> str:
+    names = _policies(ctx, param, value)
+    if len(names) != 1:
+        raise click.BadParameter(f"give one policy, got {value!r}")
+    return names[0]
+
+
+def _admission(_ctx: click.Context | None, param: click.Parameter, value: str) -> str:
+    try:
+        parse_admission(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return value.strip().lower()
+
+
+def _layout(_ctx: click.Context | None, param: click.Parameter, value: str) -> dict[str, Any]:
+    preset = LAYOUT_PRESETS.get(value.strip().lower())
+    if preset is not None:
+        return dict(preset)
+    fields: dict[str, Any] = {}
+    for part in value.split(","):
+        key, sep, raw = part.partition("=")
+        key = key.strip()
+        if not sep or key not in {"num_layers", "num_kv_heads", "head_size"}:
+            raise click.BadParameter(
+                f"{value!r} is neither a preset ({', '.join(LAYOUT_PRESETS)}) nor "
+                "num_layers=N,num_kv_heads=N,head_size=N"
+            )
+        try:
+            fields[key] = int(raw)
+        except ValueError:
+            raise click.BadParameter(f"{key}={raw!r} is not an integer") from None
+    missing = {"num_layers", "num_kv_heads", "head_size"} - set(fields)
+    if missing:
+        raise click.BadParameter(f"layout {value!r} lacks {', '.join(sorted(missing))}")
+    return fields
+
+
+def _load(path: Path) -> Trace:
+    try:
+        return load_trace(path)
+    except FileNotFoundError as exc:
+        raise click.FileError(str(path), hint=str(exc)) from None
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _write_json(target: str, payload: dict[str, Any]) -> None:
+    text = json.dumps(payload, indent=2) + "\n"
+    if target == "-":
+        click.echo(text, nl=False)
+    else:
+        Path(target).write_text(text, encoding="utf-8")
+
+
+@contextmanager
+def _progress(enabled: bool, total: int, what: str) -> Iterator[Callable[[int], None]]:
+    console = Console(stderr=True)
+    if not enabled:
+        yield lambda _n: None
+        return
+    columns = (
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(what, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+_json_option = click.option(
+    "--json",
+    "json_out",
+    metavar="PATH",
+    default=None,
+    help="Also write the figures as JSON to PATH ('-': standard output, table suppressed).",
+)
+_progress_option = click.option(
+    "--progress/--no-progress", default=True, help="Show a progress bar on stderr."
+)
+
+
+# -- the commands ----------------------------------------------------------------------------
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kvoffload")
+def cli() -> None:
+    """kvoffload: replay request traces through the CPU block pool, size a pool, benchmark."""
+
+
+@cli.command()
+@click.argument("trace", type=click.Path(path_type=Path, dir_okay=False))
+@click.option(
+    "--capacity",
+    default="1000,6000,20000",
+    show_default=True,
+    callback=_int_list,
+    help="Comma-separated pool sizes in blocks.",
+)
+@click.option(
+    "--policy",
+    "policies",
+    default="all",
+    show_default=True,
+    callback=_policies,
+    help=f"Comma-separated eviction policies ({', '.join(POLICY_NAMES)}) or 'all'.",
+)
+@click.option(
+    "--admission",
+    default="always",
+    show_default=True,
+    callback=_admission,
+    help=f"Admission filter for every policy: {ADMISSION_HELP}.",
+)
+@click.option("--plot", metavar="PNG", default=None, help="Draw hit rate against capacity.")
+@_json_option
+@_progress_option
+def replay(
+    *,
+    trace: Path,
+    capacity: list[int],
+    policies: list[str],
+    admission: str,
+    plot: str | None,
+    json_out: str | None,
+    progress: bool,
+) -> None:
+    """Replay TRACE (Mooncake JSON lines) through CpuBlockPool with each policy.
+
+    Prints the prefix hit rate per capacity and policy next to the optimal bound
+    (Belady: evict the block used farthest in the future) and the infinite-capacity
+    ceiling.
+    """
+    data = _load(trace)
+    total = len(data.requests) * len(capacity) * len(policies)
+    with _progress(progress, total, "replaying") as advance:
+        report = run_replay(data, capacity, policies, admission, on_progress=advance)
+    if json_out is not None:
+        _write_json(json_out, report.to_json())
+    if json_out != "-":
+        Console().print(_replay_table(report))
+    if plot is not None:
+        _plot(report, Path(plot))
+
+
+def _replay_table(report: ReplayReport) -> Table:
+    names = [r.policy for r in report.rows[0].results] if report.rows else []
+    table = Table(
+        title=f"prefix hit rate, {report.trace} ({report.requests:,} requests, "
+        f"{report.blocks:,} blocks, admission {report.admission})",
+        title_justify="left",
+    )
+    table.add_column("capacity", justify="right")
+    for name in names:
+        table.add_column(name, justify="right")
+    table.add_column("optimal", justify="right", style="cyan")
+    table.add_column("ceiling", justify="right", style="cyan")
+    for row in report.rows:
+        best = max(r.hit_rate for r in row.results)
+        cells = [
+            f"[bold]{r.hit_rate:.4f}[/bold]" if r.hit_rate == best else f"{r.hit_rate:.4f}"
+            for r in row.results
+        ]
+        table.add_row(
+            f"{row.capacity:,}",
+            *cells,
+            f"{row.optimal_hit_rate:.4f}",
+            f"{report.ceiling_hit_rate:.4f}",
+        )
+    return table
+
+
+def _plot(report: ReplayReport, path: Path) -> None:
+    try:
+        import matplotlib  # noqa: PLC0415 (optional extra)
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        raise click.ClickException(
+            "--plot needs matplotlib: pip install 'kvoffload[plot]'"
+        ) from None
+    capacities = [row.capacity for row in report.rows]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = [r.policy for r in report.rows[0].results] if report.rows else []
+    for i, name in enumerate(names):
+        rates = [row.results[i].hit_rate for row in report.rows]
+        ax.plot(capacities, rates, marker="o", label=name)
+    ax.plot(
+        capacities,
+        [row.optimal_hit_rate for row in report.rows],
+        linestyle="--",
+        color="black",
+        label="optimal (Belady)",
+    )
+    ax.axhline(report.ceiling_hit_rate, linestyle=":", color="grey", label="ceiling (infinite)")
+    ax.set_xscale("log")
+    ax.set_xlabel("CPU pool capacity (blocks)")
+    ax.set_ylabel("prefix hit rate")
+    ax.set_ylim(0, min(1.0, report.ceiling_hit_rate * 1.15 + 0.02))
+    ax.set_title(f"{Path(report.trace).name}: hit rate by policy (admission {report.admission})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@cli.command()
+@click.option(
+    "--trace",
+    "trace_path",
+    required=True,
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Mooncake-format trace (JSON lines).",
+)
+@click.option(
+    "--layout",
+    required=True,
+    callback=_layout,
+    help=f"A preset ({', '.join(LAYOUT_PRESETS)}) or num_layers=N,num_kv_heads=N,head_size=N.",
+)
+@click.option(
+    "--dtype",
+    default="bfloat16",
+    show_default=True,
+    type=click.Choice(["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]),
+    help="KV element type.",
+)
+@click.option(
+    "--block-tokens",
+    default=512,
+    show_default=True,
+    type=click.IntRange(1, 1 << 20),
+    help="Tokens per trace block (Mooncake traces: 512).",
+)
+@click.option(
+    "--target",
+    default=0.9,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    help="Fraction of the infinite-capacity hit rate to reach.",
+)
+@click.option("--policy", default="lru", show_default=True, callback=_policy, help="Policy.")
+@click.option(
+    "--admission", default="always", show_default=True, callback=_admission, help=ADMISSION_HELP
+)
+@_json_option
+@_progress_option
+def size(
+    *,
+    trace_path: Path,
+    layout: dict[str, Any],
+    dtype: str,
+    block_tokens: int,
+    target: float,
+    policy: str,
+    admission: str,
+    json_out: str | None,
+    progress: bool,
+) -> None:
+    """The smallest pool that reaches TARGET x the ceiling hit rate with a policy.
+
+    Bisects the capacity, replaying the trace each time, and converts the answer to GiB
+    for the layout (one trace block holds --block-tokens tokens of KV).
+    """
+    try:
+        kv = KVLayout(dtype=dtype, block_size=block_tokens, **layout)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--layout") from None
+    data = _load(trace_path)
+    steps = max(1, data.num_unique).bit_length() + 1
+    with _progress(progress, steps * len(data.requests), "sizing") as advance:
+        capacity, rate, ceiling = smallest_capacity(
+            data, target, policy, admission, on_progress=advance
+        )
+    gib = capacity * kv.bytes_per_block / _GIB
+    payload = {
+        "trace": str(trace_path),
+        "policy": policy,
+        "admission": admission,
+        "target": target,
+        "ceiling_hit_rate": ceiling,
+        "capacity_blocks": capacity,
+        "hit_rate": rate,
+        "bytes_per_block": kv.bytes_per_block,
+        "gib": gib,
+        "layout": kv.model_dump(),
+    }
+    if json_out is not None:
+        _write_json(json_out, payload)
+    if json_out != "-":
+        table = Table(
+            title=f"pool size for {target:.0%} of the ceiling, {policy}", title_justify="left"
+        )
+        for col in ("blocks", "GiB", "hit rate", "ceiling", "bytes/block"):
+            table.add_column(col, justify="right")
+        table.add_row(
+            f"{capacity:,}",
+            f"{gib:,.2f}",
+            f"{rate:.4f}",
+            f"{ceiling:.4f}",
+            f"{kv.bytes_per_block:,}",
+        )
+        Console().print(table)
+
+
+_PASSTHROUGH = {"ignore_unknown_options": True, "help_option_names": []}
+
+
+@cli.group()
+def bench() -> None:
+    """Benchmarks (the same as ``python -m kvoffload.bench``): pool, copy, scheduler."""
+
+
+def _bench_command(name: str, summary: str) -> None:
+    @bench.command(name, context_settings=_PASSTHROUGH, add_help_option=False, help=summary)
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def command(args: tuple[str, ...]) -> None:
+        from kvoffload.bench.__main__ import main as bench_main  # noqa: PLC0415
+
+        try:
+            code = bench_main([name, *args])
+        except SystemExit as exc:  # argparse's --help and usage errors
+            code = exc.code if isinstance(exc.code, int) else 2
+        if code:
+            sys.exit(code)
+
+
+_bench_command("pool", "Replay a trace through CpuBlockPool against a textbook pool (--help).")
+_bench_command("copy", "Store/load bandwidth against a contiguous copy (--help).")
+_bench_command("scheduler", "Store planning against a plain per-block planner (--help).")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit code (the ``kvoffload`` console script)."""
+    try:
+        cli.main(args=list(argv) if argv is not None else None, standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except click.Abort:
+        click.echo("Aborted!", err=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
