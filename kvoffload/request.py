@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, final, overload
 
 from kvoffload.errors import ClosedError, RequestStateError
-from kvoffload.hashing import BlockHash, hash_block_tokens
+from kvoffload.hashing import BlockHash, _encode_tokens, hash_block_tokens
 from kvoffload.transfer.task import _NoPublicConstructor
 
 if TYPE_CHECKING:
@@ -206,18 +206,18 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         """
         if self._done:
             raise RequestStateError(f"request {self._request_id!r} is finished")
-        tokens, hashes, bs = self._tokens, self._hashes, self._block_size
-        old = len(tokens)
-        tokens.extend(token_ids)
         try:
-            parent = hashes[-1] if hashes else self._off.namespace.root
-            for start in range(len(hashes) * bs, len(tokens) - bs + 1, bs):
-                parent = hash_block_tokens(parent, tokens[start : start + bs])
-                hashes.append(parent)
-        except ValueError:
-            del tokens[old:]
-            del hashes[old // bs :]
-            raise
+            _encode_tokens(token_ids)  # what hashing will accept, checked before appending
+        except ValueError as exc:
+            raise ValueError(f"request {self._request_id!r}: {exc}") from None
+        tokens, hashes, bs = self._tokens, self._hashes, self._block_size
+        tokens.extend(token_ids)
+        if len(tokens) < (len(hashes) + 1) * bs:
+            return  # no block filled up (the common decode step)
+        parent = hashes[-1] if hashes else self._off.namespace.root
+        for start in range(len(hashes) * bs, len(tokens) - bs + 1, bs):
+            parent = hash_block_tokens(parent, tokens[start : start + bs])
+            hashes.append(parent)
 
     @property
     def request_id(self) -> str:
