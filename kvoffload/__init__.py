@@ -21,6 +21,7 @@ from kvoffload.errors import (
 )
 from kvoffload.hashing import BlockHash, HashNamespace, hash_block_tokens, hash_prompt
 from kvoffload.offloader import GpuBlockPinner, KVOffloader, NoOpPinner, OffloaderStatistics
+from kvoffload.pinner import RefCountPinner
 from kvoffload.pool import (
     AllBlocksCleared,
     BlockId,
@@ -32,6 +33,7 @@ from kvoffload.pool import (
     PoolEvent,
     PoolStatistics,
 )
+from kvoffload.request import OffloadRequest
 from kvoffload.request_state import RequestOffloadState
 from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
 from kvoffload.storage import HostKVBuffer
@@ -82,12 +84,14 @@ __all__ = [
     "LruFreeQueue",
     "NoOpPinner",
     "OffloadConfig",
+    "OffloadRequest",
     "OffloadScheduler",
     "OffloaderStatistics",
     "OutOfBlocksError",
     "PollerStatistics",
     "PoolEvent",
     "PoolStatistics",
+    "RefCountPinner",
     "RequestOffloadState",
     "RequestStateError",
     "SchedulerStatistics",

@@ -26,6 +26,7 @@ from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import ClosedError, ForkedProcessError
 from kvoffload.hashing import BlockHash, HashNamespace, hash_prompt
 from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
+from kvoffload.request import OffloadRequest
 from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.transfer.cuda_engine import CudaCopyEngine
@@ -282,6 +283,28 @@ class KVOffloader:
     def hash_prompt(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """Hash a prompt's full blocks in this offloader's namespace."""
         return hash_prompt(token_ids, self._config.block_size, self._namespace)
+
+    def request(
+        self, request_id: str, prompt_token_ids: Sequence[int], *, num_computed_tokens: int = 0
+    ) -> OffloadRequest:
+        """A handle for one request: its tokens, incremental block hashes and step calls.
+
+        Use it as ``with off.request(rid, prompt) as req:``; leaving the block finishes the
+        request. See `OffloadRequest`.
+
+        Args:
+            request_id: the engine's id for the request (unique among live requests).
+            prompt_token_ids: the prompt; its full blocks are hashed now.
+            num_computed_tokens: tokens of the prompt the engine's own prefix cache holds
+                (a multiple of the block size); the lookup starts after them.
+
+        Raises:
+            ClosedError: not open.
+            RequestStateError: ``request_id`` is still in use.
+            ValueError: ``num_computed_tokens`` out of range, or a token is not an int.
+        """
+        self._check()
+        return OffloadRequest._create(self, request_id, prompt_token_ids, num_computed_tokens)
 
     # -- the engine's step loop ----------------------------------------------------------------
 

@@ -1,0 +1,520 @@
+"""An HTTP server for a transformers model whose KV cache is offloaded with kvoffload.
+
+Routes (Starlette, served by uvicorn):
+
+* ``POST /v1/completions``: the OpenAI completions shape. ``prompt`` is a string (encoded
+  by a byte-level toy tokenizer) or a list of token ids; ``max_tokens``; greedy only
+  (``temperature`` absent or 0); ``stream`` for server-sent events. The answer carries the
+  generated ``token_ids`` and, under ``kvoffload``, the request's timings and where its
+  prompt's KV came from (GPU prefix cache, loaded from CPU, computed).
+* ``GET /stats``: the offloader's, the engine's and the server's counters as JSON.
+* ``GET /metrics``: Prometheus text: `kvoffload.metrics.OffloaderCollector` plus the
+  server's own counters and a time-to-first-token histogram.
+
+Requests are batched continuously by `kvoffload.integrations.transformers.PagedEngine`,
+driven by `engine_loop.EngineLoop`. Shutting down (Ctrl-C) stops admissions, ends every
+request, waits for the copies in flight, and checks that the offloader is whole:
+invariants hold, no CPU block is referenced, no GPU block is pinned or held.
+
+    python examples/server/app.py --port 8000
+    python examples/server/client.py --url http://127.0.0.1:8000
+
+Needs ``pip install 'kvoffload[examples]'``; see docs/server.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import torch
+import uvicorn
+from anyio.streams.memory import MemoryObjectReceiveStream
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_loop import EngineLoop, Event, ServerClosed, ShutdownReport
+
+from kvoffload import KVOffloader, OffloadConfig
+from kvoffload.integrations.transformers import GenerationResult, PagedEngine
+from kvoffload.metrics import OffloaderCollector
+from kvoffload.storage import HostKVBuffer
+from kvoffload.transfer import ThreadCopyEngine
+from kvoffload.transfer.thread_engine import CopyHook
+
+QUICK = os.environ.get("KVOFFLOAD_EXAMPLE_QUICK") == "1"  # CI and tests: a smaller model
+
+# -- the toy tokenizer ----------------------------------------------------------------------
+
+
+class ByteTokenizer:
+    """Text to token ids and back: token ``b`` (0-255) is the byte ``b`` of UTF-8.
+
+    Ids of 256 and above (a model's vocabulary may be larger) decode to U+FFFD.
+    """
+
+    def encode(self, text: str) -> list[int]:
+        """UTF-8 bytes as token ids."""
+        return list(text.encode("utf-8"))
+
+    def decoder(self) -> codecs.IncrementalDecoder:
+        """A decoder for a stream of tokens (a character may span tokens)."""
+        return codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def decode_one(self, decoder: codecs.IncrementalDecoder, token_id: int) -> str:
+        """Feed one token to ``decoder``; the text it completes."""
+        if token_id >= 256:
+            return decoder.decode(b"", final=True) + "\ufffd"
+        return decoder.decode(bytes([token_id]))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Decode a whole sequence."""
+        decoder = self.decoder()
+        text = "".join(self.decode_one(decoder, t) for t in token_ids)
+        return text + decoder.decode(b"", final=True)
+
+
+# -- the request body ------------------------------------------------------------------------
+
+
+class CompletionRequest(BaseModel):
+    """The body of ``POST /v1/completions`` (the OpenAI fields this server supports)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt: str | list[StrictInt] = Field(min_length=1)
+    max_tokens: int = Field(default=16, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=0.0)
+    stream: bool = False
+    n: Literal[1] = 1
+    model: str | None = None
+    user: str | None = None
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first["loc"]) or None
+    if param == "temperature":
+        return "only greedy decoding is supported: temperature must be 0 or absent", param
+    return f"{param}: {first['msg']} (got {first.get('input')!r})", param
+
+
+# -- the server's state and metrics -------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What the routes reach through ``app.state.server``."""
+
+    engine: PagedEngine
+    model_name: str
+    tokenizer: ByteTokenizer
+    registry: CollectorRegistry
+    ttft: Histogram
+    loop: EngineLoop | None = None
+    offloader: KVOffloader | None = None
+    report: ShutdownReport | None = None
+    rejected: int = 0
+
+
+class _ServerCollector(Collector):
+    """The engine's and the loop's counters as Prometheus metrics, read at each scrape."""
+
+    def __init__(self, state: ServerState) -> None:
+        self._state = state
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # families depend on nothing; do not collect at registration
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._state
+        es = state.engine.statistics()
+        requests = CounterMetricFamily(
+            "kvoffload_server_requests", "Requests by how they ended.", labels=["outcome"]
+        )
+        if state.loop is not None:
+            ls = state.loop.statistics()
+            for outcome, value in (
+                ("completed", ls.completed),
+                ("aborted", ls.aborted),
+                ("failed", ls.failed),
+            ):
+                requests.add_metric([outcome], value)
+        requests.add_metric(["rejected"], state.rejected)
+        yield requests
+        tokens = CounterMetricFamily(
+            "kvoffload_server_prompt_tokens",
+            "Prompt tokens by where their KV came from.",
+            labels=["source"],
+        )
+        tokens.add_metric(["gpu_cache"], es.gpu_cached_tokens)
+        tokens.add_metric(["cpu_load"], es.loaded_tokens)
+        yield tokens
+        yield CounterMetricFamily(
+            "kvoffload_server_computed_tokens",
+            "Tokens the model computed (prompt and generated).",
+            value=es.computed_tokens,
+        )
+        yield CounterMetricFamily("kvoffload_server_steps", "Engine steps run.", value=es.steps)
+        yield CounterMetricFamily(
+            "kvoffload_server_preemptions",
+            "Running requests preempted for lack of GPU blocks.",
+            value=es.preemptions,
+        )
+        queue = GaugeMetricFamily(
+            "kvoffload_server_requests_in_engine", "Requests by state.", labels=["state"]
+        )
+        queue.add_metric(["waiting"], es.waiting)
+        queue.add_metric(["running"], es.running)
+        yield queue
+        blocks = GaugeMetricFamily(
+            "kvoffload_server_gpu_blocks", "GPU KV blocks by state.", labels=["state"]
+        )
+        a = es.allocator
+        for name, value in (
+            ("used", a.num_used),
+            ("free", a.num_free),
+            ("held", a.num_held),
+            ("cached", a.num_cached),
+        ):
+            blocks.add_metric([name], value)
+        yield blocks
+
+
+# -- routes ----------------------------------------------------------------------------------
+
+
+def _state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.server
+    return state
+
+
+class _EngineStream(StreamingResponse):
+    """A server-sent-event response that aborts its request however the response ends,
+    even when the client left before the first event (the body was never iterated)."""
+
+    def __init__(self, stack: AsyncExitStack, body: AsyncIterator[str]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self._stack = stack
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._stack.aclose()
+
+
+async def completions(request: Request) -> Response:
+    """``POST /v1/completions``."""
+    state = _state(request)
+    try:
+        body = CompletionRequest.model_validate_json(await request.body())
+    except ValidationError as exc:
+        state.rejected += 1
+        return _error(400, *_validation_message(exc))
+    prompt = state.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+    cid = f"cmpl-{uuid.uuid4().hex[:24]}"
+    if state.loop is None:
+        return _error(503, "the server is not running")
+    stack = AsyncExitStack()
+    try:
+        events = await stack.enter_async_context(state.loop.submit(prompt, body.max_tokens))
+    except ServerClosed as exc:
+        return _error(503, str(exc))
+    except ValueError as exc:
+        state.rejected += 1
+        param = "max_tokens" if "max_new_tokens" in str(exc) else "prompt"
+        return _error(400, str(exc).replace("max_new_tokens", "max_tokens"), param)
+    if body.stream:
+        return _EngineStream(stack, _stream(state, cid, events))
+    async with stack:
+        return await _complete(request, state, cid, events)
+
+
+async def _complete(
+    request: Request, state: ServerState, cid: str, events: MemoryObjectReceiveStream[Event]
+) -> Response:
+    result: GenerationResult | None = None
+    async with anyio.create_task_group() as tg:
+
+        async def watch_disconnect() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()  # the client left: leaving submit() aborts the request
+
+        tg.start_soon(watch_disconnect)
+        async for event in events:
+            if isinstance(event, GenerationResult):
+                result = event
+        tg.cancel_scope.cancel()
+    if result is None:
+        return _error(503, "the server shut down before the request ended")
+    if result.finish_reason == "error":
+        return _error(500, f"the model failed on this request: {result.error}")
+    if result.finish_reason == "aborted":
+        return _error(503, "the request was aborted (the server is shutting down)")
+    if result.ttft_s is not None:
+        state.ttft.observe(result.ttft_s)
+    return JSONResponse(_body(state, cid, result))
+
+
+async def _stream(
+    state: ServerState, cid: str, events: MemoryObjectReceiveStream[Event]
+) -> AsyncIterator[str]:
+    decoder = state.tokenizer.decoder()
+    async for event in events:
+        if isinstance(event, int):
+            text = state.tokenizer.decode_one(decoder, event)
+            yield _sse(_chunk(state, cid, text, [event], None))
+        elif event.finish_reason in ("error", "aborted"):
+            message = event.error or "the request was aborted (the server is shutting down)"
+            yield _sse({"error": {"message": message, "type": "server_error"}})
+        else:
+            if event.ttft_s is not None:
+                state.ttft.observe(event.ttft_s)
+            final = _chunk(state, cid, "", [], event.finish_reason)
+            final["usage"] = _usage(event)
+            final["kvoffload"] = _timings(event)
+            yield _sse(final)
+    yield "data: [DONE]\n\n"
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _chunk(
+    state: ServerState, cid: str, text: str, ids: list[int], finish: str | None
+) -> dict[str, Any]:
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": state.model_name,
+        "choices": [
+            {"index": 0, "text": text, "token_ids": ids, "logprobs": None, "finish_reason": finish}
+        ],
+    }
+
+
+def _usage(r: GenerationResult) -> dict[str, int]:
+    n = len(r.output_token_ids)
+    return {
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": n,
+        "total_tokens": r.prompt_tokens + n,
+    }
+
+
+def _timings(r: GenerationResult) -> dict[str, Any]:
+    return {
+        "request_id": r.request_id,
+        "ttft_s": r.ttft_s,
+        "total_s": r.total_s,
+        "gpu_cached_tokens": r.gpu_cached_tokens,
+        "loaded_tokens": r.loaded_tokens,
+        "computed_tokens": r.computed_tokens,
+        "preemptions": r.preemptions,
+    }
+
+
+def _body(state: ServerState, cid: str, r: GenerationResult) -> dict[str, Any]:
+    text = state.tokenizer.decode(r.output_token_ids)
+    body = _chunk(state, cid, text, list(r.output_token_ids), r.finish_reason)
+    body["usage"] = _usage(r)
+    body["kvoffload"] = _timings(r)
+    return body
+
+
+async def stats(request: Request) -> Response:
+    """``GET /stats``: the offloader's, the engine's and the server's counters as JSON."""
+    state = _state(request)
+    if state.loop is None or state.offloader is None:
+        return _error(503, "the server is not running")
+    return JSONResponse(
+        {
+            "offloader": dataclasses.asdict(state.offloader.statistics()),
+            "engine": dataclasses.asdict(state.engine.statistics()),
+            "server": {**dataclasses.asdict(state.loop.statistics()), "rejected": state.rejected},
+        }
+    )
+
+
+async def metrics(request: Request) -> Response:
+    """``GET /metrics``: Prometheus text format (collected on the event loop)."""
+    return Response(generate_latest(_state(request).registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# -- the application ----------------------------------------------------------------------------
+
+
+def create_app(
+    engine: PagedEngine,
+    config: OffloadConfig,
+    *,
+    model_name: str = "tiny-llama",
+    copy_hook: CopyHook | None = None,
+) -> Starlette:
+    """The Starlette app; the offloader and the step loop live in its lifespan.
+
+    After shutdown, ``app.state.server.report`` holds the `ShutdownReport`.
+
+    Args:
+        engine: the engine, with no offloader attached and no request in progress.
+        config: the offloader's settings (``block_size`` must be the engine's).
+        model_name: reported in answers.
+        copy_hook: run before each copy in the copy worker (tests slow copies with it).
+    """
+    registry = CollectorRegistry()
+    ttft = Histogram(
+        "kvoffload_server_ttft_seconds",
+        "Time from a request's arrival to its first generated token.",
+        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, math.inf),
+        registry=registry,
+    )
+    state = ServerState(engine, model_name, ByteTokenizer(), registry, ttft)
+    registry.register(_ServerCollector(state))
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        host: HostKVBuffer | None = None
+        copy_engine: ThreadCopyEngine | None = None
+        if copy_hook is not None:
+            host = HostKVBuffer(
+                engine.layout, config.resolve_num_cpu_blocks(engine.layout), pin_memory="never"
+            )
+            copy_engine = ThreadCopyEngine(engine.layout, engine.kv, host, copy_hook=copy_hook)
+        try:
+            off = KVOffloader(
+                config,
+                engine.kv,
+                layout=engine.layout,
+                pinner=engine.pinner,
+                copy_engine=copy_engine,
+            )
+            async with off:
+                engine.attach(off)
+                loop = EngineLoop(engine)
+                state.offloader, state.loop = off, loop
+                registry.register(OffloaderCollector(off))
+                in_flight = 0
+                try:
+                    async with anyio.create_task_group() as tg:
+                        await tg.start(loop.run)
+                        yield
+                        in_flight = off.statistics().scheduler.in_flight_transfers
+                        tg.cancel_scope.cancel()
+                finally:
+                    state.loop = None
+            # Leaving `async with off` waited for every copy in flight.
+            state.report = ShutdownReport.check(off, loop, in_flight)
+            engine.attach(None)
+        finally:
+            if host is not None:
+                host.close()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/stats", stats, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.server = state
+    return app
+
+
+# -- the command line -------------------------------------------------------------------------
+
+
+def build_model(path: str | None, *, seed: int = 0) -> Any:
+    """A causal LM: the checkpoint at ``path``, or a small Llama with random weights
+    (smaller still with ``KVOFFLOAD_EXAMPLE_QUICK=1``)."""
+    torch.manual_seed(seed)
+    if path is not None:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hidden = 64 if QUICK else 256
+    config = LlamaConfig(
+        vocab_size=256,  # the byte tokenizer's
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2 if QUICK else 4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+    )
+    return LlamaForCausalLM(config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model", help="a checkpoint directory (default: random weights)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--gpu-blocks", type=int, default=256, help="the engine's KV cache")
+    parser.add_argument("--cpu-blocks", type=int, default=4096, help="kvoffload's CPU pool")
+    parser.add_argument("--max-batch-tokens", type=int, default=512)
+    parser.add_argument("--max-running", type=int, default=16)
+    args = parser.parse_args(argv)
+    model = build_model(args.model)
+    engine = PagedEngine(
+        model,
+        num_gpu_blocks=args.gpu_blocks,
+        block_size=args.block_size,
+        max_batch_tokens=args.max_batch_tokens,
+        max_running=args.max_running,
+    )
+    config = OffloadConfig(
+        block_size=args.block_size,
+        num_cpu_blocks=args.cpu_blocks,
+        model_id=args.model or "random-llama",
+    )
+    app = create_app(engine, config, model_name=args.model or "random-llama")
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5)
+    )
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C after shutdown
+        server.run()
+    report = app.state.server.report
+    if report is None:
+        print("the server did not start", file=sys.stderr)
+        return 1
+    print(f"shutdown: {report.describe()}", flush=True)
+    return 0 if report.whole else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Hugging Face ``transformers`` integration: a paged-KV engine that offloads with kvoffload.
+
+Install with ``pip install 'kvoffload[transformers]'``. Public API::
+
+    from kvoffload.integrations.transformers import PagedEngine
+
+    engine = PagedEngine(model, num_gpu_blocks=256, block_size=16, max_batch_tokens=512)
+    config = OffloadConfig(block_size=16, num_cpu_blocks=4096, model_id="my-model@rev")
+    async with KVOffloader(config, engine.kv, layout=engine.layout, pinner=engine.pinner) as off:
+        engine.attach(off)
+        engine.add_request("r1", prompt_ids, max_new_tokens=64)  # any number of requests
+        while engine.has_work:
+            for out in await engine.step():  # one forward pass over several requests
+                ...  # out.token_id; out.result (a GenerationResult) when the request ended
+        # or: results = await engine.run_until_done()
+        engine.abort("r2")  # ends a request now or right after the step in progress
+
+- `PagedEngine`: continuous batching (decodes, chunked prefills and admissions packed into
+  one forward pass per `PagedEngine.step`), greedy sampling, preemption when blocks run
+  out; ``engine.kv`` / ``engine.layout`` / ``engine.pinner`` are what `KVOffloader` takes;
+  `PagedEngine.statistics` returns `EngineStatistics`.
+- `GpuBlockAllocator`: reference-counted blocks with an LRU GPU prefix cache, never handing
+  out a block a transfer pins (`kvoffload.RefCountPinner`).
+- `paged_attention`: the glue, registered with ``transformers.AttentionInterface`` as
+  ``"kvoffload_paged"``: writes each step's keys and values into the blocks and attends
+  over each request's block table.
+
+Supported: decoder-only models with rotary embeddings and full causal attention, whose
+``config.model_type`` is in `SUPPORTED_MODEL_TYPES` (Llama architecture, grouped-query
+attention included). Sliding-window, encoder-decoder, multimodal and state-space models are
+refused with a `kvoffload.ConfigError`.
+"""
+
+from __future__ import annotations
+
+try:
+    import transformers as _transformers  # noqa: F401
+except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
+    raise ImportError(
+        "kvoffload.integrations.transformers needs the 'transformers' package: "
+        "pip install 'kvoffload[transformers]'"
+    ) from exc
+
+from kvoffload.integrations.transformers.allocator import AllocatorStatistics, GpuBlockAllocator
+from kvoffload.integrations.transformers.attention import (
+    ATTENTION_NAME,
+    PagedBatch,
+    Segment,
+    paged_attention,
+)
+from kvoffload.integrations.transformers.engine import (
+    SUPPORTED_MODEL_TYPES,
+    EngineStatistics,
+    FinishReason,
+    GenerationResult,
+    PagedEngine,
+    StepOutput,
+)
+
+__all__ = [
+    "ATTENTION_NAME",
+    "SUPPORTED_MODEL_TYPES",
+    "AllocatorStatistics",
+    "EngineStatistics",
+    "FinishReason",
+    "GenerationResult",
+    "GpuBlockAllocator",
+    "PagedBatch",
+    "PagedEngine",
+    "Segment",
+    "StepOutput",
+    "paged_attention",
+]

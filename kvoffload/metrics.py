@@ -1,0 +1,259 @@
+"""Prometheus metrics for a `KVOffloader`: `OffloaderCollector`.
+
+Needs the optional extra ``prometheus`` (``pip install 'kvoffload[prometheus]'``, which
+brings ``prometheus_client``)::
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from kvoffload.metrics import OffloaderCollector
+
+    registry = CollectorRegistry()
+    registry.register(OffloaderCollector(off))
+    body = generate_latest(registry)  # text exposition format, on the offloader's thread
+
+The collector reads `KVOffloader.statistics()` at every scrape and nothing else: it holds
+no counters of its own and never reaches into the pool, scheduler or poller. Each field of
+`OffloaderStatistics` becomes one metric named ``kvoffload_<part>_<field>``: counters
+(monotonic since the offloader was made, exposed with a ``_total`` suffix) and gauges (a
+current value). `METRICS` lists them; ``docs/metrics.md`` documents each.
+
+`KVOffloader.statistics()` is not thread-safe, so collect on the thread that drives the
+offloader (an ASGI ``/metrics`` route on the event loop does). To serve metrics from another
+thread (``prometheus_client.start_http_server``), give the collector a function that
+returns the latest snapshot, and refresh that snapshot from the event loop.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Literal, Protocol, final, runtime_checkable
+
+try:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+    from prometheus_client.registry import Collector
+except ImportError as exc:  # pragma: no cover - exercised by a test that hides the module
+    raise ImportError(
+        "kvoffload.metrics needs prometheus_client, which is not installed; "
+        "install the extra with: pip install 'kvoffload[prometheus]'"
+    ) from exc
+
+from kvoffload.offloader import OffloaderStatistics
+
+__all__ = ["METRICS", "MetricSpec", "OffloaderCollector", "Source", "StatisticsSource"]
+
+
+_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+@runtime_checkable
+class StatisticsSource(Protocol):
+    """Anything with a ``statistics()`` like `KVOffloader.statistics()`."""
+
+    def statistics(self) -> OffloaderStatistics:
+        """A snapshot of the offloader's counters."""
+        ...
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One exported metric and the statistics field it reads.
+
+    Attributes:
+        name: the metric family's name without the ``kvoffload_`` prefix (and, for a
+            counter, without the ``_total`` suffix the exposition adds).
+        kind: ``"counter"`` (never decreases) or ``"gauge"`` (a current value).
+        part: the field of `OffloaderStatistics` it reads: ``pool``, ``scheduler``
+            or ``poller``.
+        field: the attribute of that part's statistics.
+        documentation: the HELP text.
+    """
+
+    name: str
+    kind: Literal["counter", "gauge"]
+    part: Literal["pool", "scheduler", "poller"]
+    field: str
+    documentation: str
+
+
+def _c(part: Literal["pool", "scheduler", "poller"], field: str, name: str, doc: str) -> MetricSpec:
+    return MetricSpec(f"{part}_{name}", "counter", part, field, doc)
+
+
+def _g(part: Literal["pool", "scheduler", "poller"], field: str, name: str, doc: str) -> MetricSpec:
+    return MetricSpec(f"{part}_{name}", "gauge", part, field, doc)
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    # -- the CPU block pool (PoolStatistics) --
+    _g("pool", "num_blocks", "blocks", "CPU blocks in the pool."),
+    _g("pool", "num_free", "free_blocks", "CPU blocks with no reference (evictable or empty)."),
+    _g("pool", "num_cached", "cached_blocks", "CPU blocks whose hash is published for lookup."),
+    _c("pool", "lookups", "lookups", "Prefix lookups the pool answered."),
+    _c("pool", "hit_blocks", "hit_blocks", "Blocks those pool lookups returned."),
+    _c("pool", "evictions", "evictions", "Published blocks unpublished to be reused."),
+    # -- the scheduler (SchedulerStatistics) --
+    _c("scheduler", "lookups", "lookups", "Calls to lookup."),
+    _c("scheduler", "hit_tokens", "hit_tokens", "Prompt tokens lookups found on CPU."),
+    _c(
+        "scheduler",
+        "miss_tokens",
+        "miss_tokens",
+        "Prompt tokens past the engine's own prefix that lookups did not find.",
+    ),
+    _c(
+        "scheduler",
+        "deferred_lookups",
+        "deferred_lookups",
+        "Lookups answered 'ask again' because the next block was still in flight.",
+    ),
+    _c("scheduler", "store_plans", "store_plans", "Store plans made."),
+    _c("scheduler", "stored_blocks", "stored_blocks", "Blocks stored and published."),
+    _c(
+        "scheduler",
+        "deferred_blocks",
+        "deferred_blocks",
+        "Blocks a store step could not allocate CPU space for (counted per step).",
+    ),
+    _c("scheduler", "deferred_steps", "deferred_steps", "Store steps that deferred a block."),
+    _c(
+        "scheduler",
+        "evicted_while_live",
+        "evicted_while_live_blocks",
+        "CPU blocks evicted while a running request's store cursor was past them.",
+    ),
+    _c(
+        "scheduler",
+        "restored_blocks",
+        "restored_blocks",
+        "Evicted blocks of running requests stored again (restore_evicted).",
+    ),
+    _c("scheduler", "load_plans", "load_plans", "Load plans made."),
+    _c("scheduler", "loaded_blocks", "loaded_blocks", "Blocks loaded from CPU."),
+    _c("scheduler", "failed_stores", "failed_stores", "Store transfers that failed."),
+    _c("scheduler", "failed_loads", "failed_loads", "Load transfers that failed."),
+    _c(
+        "scheduler",
+        "abandoned_transfers",
+        "abandoned_transfers",
+        "Transfers that completed after a reset (nothing published).",
+    ),
+    _c(
+        "scheduler",
+        "ignored_completions",
+        "ignored_completions",
+        "Completions of unknown or already completed plans, ignored.",
+    ),
+    _c("scheduler", "bytes_stored", "stored_bytes", "Bytes of completed stores."),
+    _c("scheduler", "bytes_loaded", "loaded_bytes", "Bytes of completed loads."),
+    _g("scheduler", "live_requests", "live_requests", "Requests the scheduler holds state for."),
+    _g(
+        "scheduler",
+        "in_flight_transfers",
+        "in_flight_transfers",
+        "Transfer plans not completed yet.",
+    ),
+    # -- the completion poller (PollerStatistics) --
+    _g("poller", "in_flight", "in_flight_tasks", "Transfers the poller waits on."),
+    _c("poller", "completed", "completed", "Transfers delivered as done."),
+    _c("poller", "failed", "failed", "Transfers delivered as failed."),
+    _c("poller", "abandoned", "abandoned", "Transfers delivered as abandoned."),
+    _c("poller", "callback_errors", "callback_errors", "Completion callbacks that raised."),
+    _c("poller", "polls", "polls", "Query rounds the poller made."),
+    _g(
+        "poller",
+        "observe_latency_median_s",
+        "observe_latency_median_seconds",
+        "Median time from a copy's end to the poller seeing it, over recent copies.",
+    ),
+    _g(
+        "poller",
+        "observe_latency_p99_s",
+        "observe_latency_p99_seconds",
+        "99th percentile of the time from a copy's end to the poller seeing it.",
+    ),
+)
+
+
+Source = StatisticsSource | Callable[[], OffloaderStatistics]
+"""What a collector reads: an offloader, or a function returning its statistics."""
+
+
+@final
+class OffloaderCollector(Collector):
+    """A Prometheus collector over offloaders' `statistics()`.
+
+    Register it with a ``prometheus_client`` registry; every scrape calls each source's
+    ``statistics()`` once and yields one family per entry of `METRICS`. A gauge whose
+    value is unknown (the poller's latencies before any copy) has no sample.
+
+    Several offloaders in one process (one per engine or GPU) go into one collector, told
+    apart by a label: ``OffloaderCollector({"0": off0, "1": off1}, label="engine")``. A
+    registry refuses two collectors that export the same metric names.
+
+    Args:
+        sources: the offloader (anything with ``statistics() -> OffloaderStatistics``,
+            or a function returning the statistics), or a mapping from a label value to
+            such a source.
+        label: the label name that tells the sources of a mapping apart.
+        namespace: the prefix of every metric name.
+
+    Raises:
+        ValueError: ``label`` is not a valid Prometheus label name, ``namespace`` is not
+            a valid metric name prefix, or the mapping is empty.
+    """
+
+    __slots__ = ("_label_names", "_namespace", "_sources")
+
+    def __init__(
+        self,
+        sources: Source | Mapping[str, Source],
+        *,
+        label: str = "engine",
+        namespace: str = "kvoffload",
+    ) -> None:
+        if not _NAME.fullmatch(namespace):
+            raise ValueError(f"namespace {namespace!r} is not a valid Prometheus metric name")
+        if isinstance(sources, Mapping):
+            if not _NAME.fullmatch(label) or label.startswith("__"):
+                raise ValueError(f"label name {label!r} is not a valid Prometheus label name")
+            if not sources:
+                raise ValueError("sources is an empty mapping: give at least one offloader")
+            self._label_names = [label]
+            items = [([str(value)], source) for value, source in sources.items()]
+        else:
+            self._label_names = []
+            items = [([], sources)]
+        self._sources = [(values, _reader(source)) for values, source in items]
+        self._namespace = namespace
+
+    def describe(self) -> Iterator[Metric]:
+        """The metric families without samples (registration does not read statistics)."""
+        for spec in METRICS:
+            yield self._family(spec)
+
+    def collect(self) -> Iterator[Metric]:
+        """Read each source's statistics once and yield every metric family."""
+        snapshots = []
+        for values, read in self._sources:
+            stats = read()
+            parts = {"pool": stats.pool, "scheduler": stats.scheduler, "poller": stats.poller}
+            snapshots.append((values, parts))
+        for spec in METRICS:
+            family = self._family(spec)
+            for values, parts in snapshots:
+                value = getattr(parts[spec.part], spec.field)
+                if value is not None:
+                    family.add_metric(values, float(value))
+            yield family
+
+    def _family(self, spec: MetricSpec) -> CounterMetricFamily | GaugeMetricFamily:
+        name = f"{self._namespace}_{spec.name}"
+        if spec.kind == "counter":
+            return CounterMetricFamily(name, spec.documentation, labels=self._label_names)
+        return GaugeMetricFamily(name, spec.documentation, labels=self._label_names)
+
+
+def _reader(source: Source) -> Callable[[], OffloaderStatistics]:
+    return source.statistics if isinstance(source, StatisticsSource) else source

@@ -1,0 +1,418 @@
+"""`OffloadRequest`: one request's handle on a `KVOffloader`.
+
+An engine gets one from `KVOffloader.request()` when it admits a request and keeps it until
+the request ends. The handle owns what every engine would otherwise rewrite around the
+low-level calls (`KVOffloader.lookup`, `load`, `update`, `finish`, `preempt`,
+`release`), and calls exactly those:
+
+- the request's tokens and the chained hashes of its full blocks, computed incrementally:
+  the prompt's blocks when the handle is made, then each block that `extend()` fills
+  with generated tokens, chained from the previous block's hash;
+- which of those hashes may be reported: `advance()` passes ``update`` the hashes of the
+  blocks that are full *and* computed, never a stale prompt-only list;
+- the lookup's hit, for `load()`;
+- the end of the request: leaving ``with off.request(...) as req:`` finishes it, also on
+  an exception or a cancellation, so no lookup pin or request state outlives it.
+
+Block-table arithmetic lives here too: `blocks_for()`, `blocks_needed()`, `table_slice()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal, final, overload
+
+from kvoffload.errors import ClosedError, RequestStateError
+from kvoffload.hashing import BlockHash, _encode_tokens, hash_block_tokens
+from kvoffload.transfer.task import _NoPublicConstructor
+
+if TYPE_CHECKING:
+    from kvoffload.offloader import KVOffloader
+    from kvoffload.transfer.task import TransferTask
+
+__all__ = ["OffloadRequest", "ReadOnlyList", "blocks_for", "table_slice"]
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """How many blocks hold ``num_tokens`` tokens (a partial last block counts).
+
+    Raises:
+        ValueError: a negative ``num_tokens`` or a ``block_size`` below 1.
+    """
+    if num_tokens < 0 or block_size < 1:
+        raise ValueError(
+            f"need num_tokens >= 0 and block_size >= 1, got {num_tokens} and {block_size}"
+        )
+    return -(-num_tokens // block_size)
+
+
+def table_slice(
+    block_table: Sequence[int], start_token: int, end_token: int, block_size: int
+) -> Sequence[int]:
+    """The entries of ``block_table`` that hold tokens ``[start_token, end_token)``.
+
+    Returns:
+        A slice of the table (empty when the range is).
+
+    Raises:
+        ValueError: a bad range, or a table too short for it (the message names both).
+    """
+    if not 0 <= start_token <= end_token:
+        raise ValueError(f"need 0 <= start_token ({start_token}) <= end_token ({end_token})")
+    if start_token == end_token:
+        return block_table[0:0]
+    first, last = start_token // block_size, blocks_for(end_token, block_size)
+    if last > len(block_table):
+        raise ValueError(
+            f"tokens [{start_token}, {end_token}) need {last} blocks; "
+            f"the block table has {len(block_table)}"
+        )
+    return block_table[first:last]
+
+
+@final
+class ReadOnlyList(Sequence[Any]):
+    """A read-only view of a list that grows (no copy is made)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: list[Any]) -> None:
+        self._items = items
+
+    @overload
+    def __getitem__(self, index: int) -> Any: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Any]: ...
+
+    def __getitem__(self, index: int | slice) -> Any:
+        return self._items[index]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._items)
+
+    def __repr__(self) -> str:
+        return f"ReadOnlyList({self._items!r})"
+
+
+@final
+class OffloadRequest(metaclass=_NoPublicConstructor):
+    """One request's handle on a `KVOffloader`; made by `KVOffloader.request()`.
+
+    Use it as a context manager: leaving the ``with`` block finishes the request (releasing
+    a lookup pin the engine did not load), whatever ends the block. A typical step loop::
+
+        with off.request(rid, prompt) as req:
+            hit = req.lookup()
+            table = allocate(req.blocks_for(req.num_tokens))
+            if hit and (task := req.load(table)) is not None:
+                await task
+            done = hit
+            while not finished:
+                done = compute(table, req.token_ids, done)  # one step
+                req.advance(table, done)
+                off.store()
+                req.extend([next_token])
+
+    The handle is not thread-safe; use it from the thread that drives the offloader.
+    """
+
+    __slots__ = (
+        "_block_size",
+        "_done",
+        "_engine_prefix",
+        "_hashes",
+        "_hit",
+        "_num_computed",
+        "_off",
+        "_request_id",
+        "_tokens",
+    )
+
+    def __init__(
+        self,
+        offloader: KVOffloader,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        num_computed_tokens: int,
+    ) -> None:
+        block_size = offloader.config.block_size
+        if num_computed_tokens < 0 or num_computed_tokens % block_size:
+            raise ValueError(
+                f"request {request_id!r}: num_computed_tokens={num_computed_tokens} must be "
+                f">= 0 and a multiple of block_size={block_size}"
+            )
+        if num_computed_tokens > len(prompt_token_ids):
+            raise ValueError(
+                f"request {request_id!r}: num_computed_tokens={num_computed_tokens} exceeds "
+                f"the prompt's {len(prompt_token_ids)} tokens"
+            )
+        if offloader.scheduler.has_request(request_id):
+            raise RequestStateError(
+                f"request id {request_id!r} is in use (a request with that id has not "
+                "finished, or its last transfer is still in flight)"
+            )
+        self._off = offloader
+        self._request_id = request_id
+        self._block_size = block_size
+        self._tokens: list[int] = []
+        self._hashes: list[BlockHash] = []
+        self._engine_prefix = num_computed_tokens
+        self._num_computed = num_computed_tokens
+        self._hit = 0
+        self._done = False
+        self.extend(prompt_token_ids)
+
+    def __repr__(self) -> str:
+        state = "finished" if self._done else "live"
+        return (
+            f"OffloadRequest({self._request_id!r}, {state}, tokens={len(self._tokens)}, "
+            f"computed={self._num_computed}, hit={self._hit})"
+        )
+
+    # -- context manager ---------------------------------------------------------------------
+
+    def __enter__(self) -> OffloadRequest:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._done:
+            return
+        try:
+            self.finish()
+        except ClosedError:
+            # The offloader closed first: it dropped every request's references itself.
+            self._done = True
+
+    # -- tokens and hashes -------------------------------------------------------------------
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Append tokens (generated ones, or more prompt) and hash each block they fill.
+
+        Each new full block is hashed once, chained from the previous block's hash.
+
+        Raises:
+            RequestStateError: the request is finished.
+            ValueError: a token is not a 64-bit int (nothing is appended then).
+        """
+        if self._done:
+            raise RequestStateError(f"request {self._request_id!r} is finished")
+        try:
+            _encode_tokens(token_ids)  # what hashing will accept, checked before appending
+        except ValueError as exc:
+            raise ValueError(f"request {self._request_id!r}: {exc}") from None
+        tokens, hashes, bs = self._tokens, self._hashes, self._block_size
+        tokens.extend(token_ids)
+        if len(tokens) < (len(hashes) + 1) * bs:
+            return  # no block filled up (the common decode step)
+        parent = hashes[-1] if hashes else self._off.namespace.root
+        for start in range(len(hashes) * bs, len(tokens) - bs + 1, bs):
+            parent = hash_block_tokens(parent, tokens[start : start + bs])
+            hashes.append(parent)
+
+    @property
+    def request_id(self) -> str:
+        """The engine's id for the request."""
+        return self._request_id
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._block_size
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        """Every token so far, prompt and generated (read-only)."""
+        return ReadOnlyList(self._tokens)
+
+    @property
+    def block_hashes(self) -> Sequence[BlockHash]:
+        """The chained hashes of the full blocks so far (read-only)."""
+        return ReadOnlyList(self._hashes)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens so far, prompt and generated."""
+        return len(self._tokens)
+
+    @property
+    def num_full_blocks(self) -> int:
+        """Full blocks so far (those that have a hash)."""
+        return len(self._hashes)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens with KV, as last given to `advance()` (or to the lookup)."""
+        return self._num_computed
+
+    @property
+    def hit_tokens(self) -> int:
+        """Tokens the last `lookup()` found on the CPU (0 before a lookup)."""
+        return self._hit
+
+    @property
+    def finished(self) -> bool:
+        """Whether `finish()` was called (or the ``with`` block was left)."""
+        return self._done
+
+    # -- block-table arithmetic --------------------------------------------------------------
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """How many blocks hold ``num_tokens`` tokens. See `blocks_for()`."""
+        return blocks_for(num_tokens, self._block_size)
+
+    def blocks_needed(self, num_tokens: int | None = None, *, have: int = 0) -> int:
+        """How many blocks a table of ``have`` blocks must gain to hold ``num_tokens``.
+
+        Args:
+            num_tokens: tokens the table must hold (default: `num_tokens`).
+            have: blocks the table has.
+        """
+        n = len(self._tokens) if num_tokens is None else num_tokens
+        return max(0, blocks_for(n, self._block_size) - have)
+
+    def table_slice(
+        self, block_table: Sequence[int], start_token: int, end_token: int
+    ) -> Sequence[int]:
+        """The blocks of ``block_table`` holding tokens ``[start_token, end_token)``."""
+        return table_slice(block_table, start_token, end_token, self._block_size)
+
+    # -- the step loop ------------------------------------------------------------------------
+
+    @overload
+    def lookup(
+        self, *, num_computed_tokens: int | None = None, allow_defer: Literal[False] = False
+    ) -> int: ...
+
+    @overload
+    def lookup(
+        self, *, num_computed_tokens: int | None = None, allow_defer: bool
+    ) -> int | None: ...
+
+    def lookup(
+        self, *, num_computed_tokens: int | None = None, allow_defer: bool = False
+    ) -> int | None:
+        """Tokens of the request loadable from CPU past the engine's own prefix; pins them.
+
+        Args:
+            num_computed_tokens: tokens the engine's own prefix cache holds (a multiple of
+                the block size; default: the value the handle was made with).
+            allow_defer: return ``None`` when the block after the hit is being stored right
+                now (ask again after ``await off.drain()`` for a longer hit).
+
+        Returns:
+            The hit in tokens (see `KVOffloader.lookup()`), or ``None`` as above.
+
+        Raises:
+            RequestStateError: the request is finished.
+            ValueError: ``num_computed_tokens`` out of range or not block aligned.
+        """
+        if num_computed_tokens is not None:
+            self._engine_prefix = num_computed_tokens
+        hit = self._off.lookup(
+            self._request_id,
+            self._hashes,
+            len(self._tokens),
+            self._engine_prefix,
+            allow_defer=allow_defer,
+        )
+        self._hit = hit or 0
+        self._num_computed = self._engine_prefix
+        return hit
+
+    def load(
+        self, block_table: Sequence[int], num_tokens: int | None = None
+    ) -> TransferTask | None:
+        """Start loading the last lookup's hit into the request's blocks.
+
+        Args:
+            block_table: the request's whole block table (block ``i`` of the request in
+                entry ``i``; the hit lands after the engine's prefix).
+            num_tokens: load only this many of the hit's tokens (whole blocks); the rest of
+                the pin is released. Default: the whole hit.
+
+        Returns:
+            The transfer (compute on the loaded tokens must wait for it), or ``None`` when
+            there is nothing to load.
+
+        Raises:
+            ValueError: ``num_tokens`` above the hit or not whole blocks, or a table too
+                short.
+        """
+        n = self._hit if num_tokens is None else num_tokens
+        task = self._off.load(self._request_id, block_table, n)
+        self._hit = n
+        return task
+
+    def advance(self, block_table: Sequence[int], num_computed_tokens: int) -> None:
+        """Report a step: the table and how many tokens now have KV.
+
+        Calls `KVOffloader.update()` with exactly the hashes of the blocks that are full and
+        computed, so each such block may be stored by the next `KVOffloader.store()`.
+
+        Raises:
+            ValueError: ``num_computed_tokens`` above `num_tokens`, or a table that shrank
+                or changed.
+            RequestStateError: the request is finished.
+        """
+        if num_computed_tokens > len(self._tokens):
+            raise ValueError(
+                f"request {self._request_id!r}: num_computed_tokens={num_computed_tokens} "
+                f"exceeds its {len(self._tokens)} tokens"
+            )
+        hashes = self._hashes
+        n = num_computed_tokens // self._block_size
+        self._off.update(
+            self._request_id,
+            block_table,
+            hashes if n >= len(hashes) else hashes[:n],
+            num_computed_tokens,
+        )
+        self._num_computed = num_computed_tokens
+
+    def release(self) -> None:
+        """Drop the last lookup's pin without loading it (the engine will not take it)."""
+        if self._off.scheduler.has_request(self._request_id) and not self._done:
+            self._off.release(self._request_id)
+        self._hit = 0
+
+    def preempt(self) -> None:
+        """The engine freed the request's GPU blocks; it will be re-admitted later.
+
+        The tokens and hashes are kept. To resume, call `lookup()` again (with the engine's
+        new prefix), allocate a fresh table, `load()` and compute from there.
+
+        Raises:
+            RequestStateError: the request is finished.
+        """
+        if self._done:
+            raise RequestStateError(f"request {self._request_id!r} is finished")
+        if self._off.scheduler.has_request(self._request_id):
+            self._off.preempt(self._request_id)
+        self._hit = 0
+        self._engine_prefix = 0
+        self._num_computed = 0
+
+    def finish(self) -> None:
+        """End the request: nothing more is stored for it and its lookup pin is released.
+
+        Its stores in flight complete on their own. Idempotent only through the context
+        manager; a second call raises.
+
+        Raises:
+            RequestStateError: already finished.
+        """
+        if self._done:
+            raise RequestStateError(f"request {self._request_id!r} is already finished")
+        self._done = True
+        if self._off.scheduler.has_request(self._request_id):
+            self._off.finish(self._request_id)

@@ -1,0 +1,58 @@
+"""examples/hf_chat.py at its quick size: tokens identical both ways, loads, and a mismatch fails."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from example_loader import load_example
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def example(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.setenv("KVOFFLOAD_EXAMPLE_QUICK", "1")  # read when the module is loaded
+    return load_example("hf_chat")
+
+
+def test_chat_runs_both_ways_with_identical_tokens(
+    example: ModuleType, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    png = tmp_path / "ttft.png"
+    assert example.main(["--no-progress", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "tokens identical with offload and with a full recompute: 9 requests" in out
+    rows = re.findall(r"^\s+(\d) +(\d+) +(\d+) +(\d+) +(\d+) ", out, re.MULTILINE)
+    assert [int(r[0]) for r in rows] == [1, 2, 3]
+    for _, prompt, computed, gpu, loaded in rows:
+        assert int(computed) + int(gpu) + int(loaded) == int(prompt)
+    assert int(rows[2][4]) > 0  # turn 3 loads from the CPU pool
+    stored = re.search(r"offloader: stored (\d+) blocks, loaded (\d+),", out)
+    assert stored
+    assert int(stored.group(1)) > 0
+    assert int(stored.group(2)) > 0
+    assert re.search(r"^median TTFT ratio, turns >= 3: \d+\.\dx$", out, re.MULTILINE)
+    assert png.stat().st_size > 0
+
+
+def test_a_token_difference_fails_the_run(
+    example: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = example.run_once
+    calls = 0
+
+    async def tampered(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        result = await real(*args)
+        if calls == 4:  # the full recompute of the second request
+            result.output_token_ids[-1] += 1
+        return result
+
+    monkeypatch.setattr(example, "run_once", tampered)
+    assert example.main(["--no-progress"]) == 1
+    assert "TOKEN MISMATCH: c1-t1" in capsys.readouterr().err

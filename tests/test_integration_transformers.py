@@ -1,0 +1,276 @@
+"""kvoffload.integrations.transformers: the paged engine over a random Llama, with offload."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from kvoffload import ConfigError, KVOffloader, OffloadConfig
+
+transformers = pytest.importorskip("transformers")
+
+from kvoffload.integrations.transformers import (  # noqa: E402
+    GenerationResult,
+    GpuBlockAllocator,
+    PagedEngine,
+)
+
+pytestmark = pytest.mark.anyio
+
+BS = 8
+VOCAB = 300
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def llama(seed: int = 0) -> Any:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
+        max_position_embeddings=2048,
+    )
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return llama()
+
+
+@pytest.fixture(scope="module")
+def reference_model() -> Any:
+    return llama()  # the same weights, the stock attention
+
+
+def reference(model: Any, prompt: Sequence[int], n: int) -> list[int]:
+    """Greedy tokens from the stock model, recomputing everything each step."""
+    ids = torch.tensor([list(prompt)])
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            token = int(model(input_ids=ids).logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out
+
+
+def prompts(n: int, length: int, seed: int = 1) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (length + 3 * i,), generator=gen).tolist() for i in range(n)]
+
+
+def config(num_cpu_blocks: int = 256) -> OffloadConfig:
+    return OffloadConfig(block_size=BS, num_cpu_blocks=num_cpu_blocks, model_id="test-llama")
+
+
+async def test_batched_requests_match_the_stock_model(model: Any, reference_model: Any) -> None:
+    engine = PagedEngine(model, num_gpu_blocks=64, block_size=BS, max_batch_tokens=24)
+    ps = prompts(3, 20)
+    for i, p in enumerate(ps):
+        engine.add_request(f"r{i}", p, max_new_tokens=4)
+    batch_sizes: list[int] = []
+    results: dict[str, GenerationResult] = {}
+    while engine.has_work:
+        outs = await engine.step()
+        batch_sizes.append(sum(o.token_id is not None for o in outs))
+        results.update({o.request_id: o.result for o in outs if o.result is not None})
+    assert max(batch_sizes) == 3  # several requests decoded in one step
+    for i, p in enumerate(ps):
+        assert results[f"r{i}"].output_token_ids == reference(reference_model, p, 4)
+        assert results[f"r{i}"].finish_reason == "length"
+    stats = engine.statistics()
+    assert stats.running == stats.waiting == 0
+    assert stats.allocator.num_used == 0
+    engine.allocator.check_invariants()
+
+
+async def test_offload_loads_evicted_turns_and_tokens_equal_a_recompute(
+    model: Any, reference_model: Any
+) -> None:
+    # A GPU cache that holds one request: every other conversation is evicted from it.
+    engine = PagedEngine(model, num_gpu_blocks=16, block_size=BS, max_batch_tokens=64)
+    convs = prompts(3, 40, seed=2)
+    async with KVOffloader(config(), engine.kv, layout=engine.layout, pinner=engine.pinner) as off:
+        engine.attach(off)
+        loaded = 0
+        for turn in range(3):
+            for c in range(len(convs)):
+                conv = convs[c]
+                conv += [(7 * turn + c + k) % VOCAB for k in range(5)]
+                engine.add_request(f"c{c}t{turn}", conv, max_new_tokens=6)
+                (res,) = await engine.run_until_done()
+                assert res.output_token_ids == reference(reference_model, conv, 6), (c, turn)
+                assert res.computed_tokens + res.gpu_cached_tokens + res.loaded_tokens == len(conv)
+                loaded += res.loaded_tokens
+                if turn:
+                    # the previous turn and its answer come from a cache, not recompute
+                    assert res.computed_tokens <= 5 + 6 + BS
+                conv += res.output_token_ids
+        await off.drain()
+        assert loaded > 0
+        assert off.statistics().scheduler.loaded_blocks * BS == loaded
+        assert off.statistics().scheduler.live_requests == 0
+        off.scheduler.check_invariants()
+        assert engine.pinner.num_pinned == 0
+    engine.allocator.check_invariants()
+    assert engine.allocator.statistics().num_held == 0
+
+
+async def test_preemption_keeps_tokens_right(model: Any, reference_model: Any) -> None:
+    # Room for the prompts but not for every answer at once: someone gets preempted.
+    engine = PagedEngine(model, num_gpu_blocks=10, block_size=BS, max_batch_tokens=64)
+    ps = prompts(3, 12, seed=3)
+    async with KVOffloader(config(), engine.kv, layout=engine.layout, pinner=engine.pinner) as off:
+        engine.attach(off)
+        for i, p in enumerate(ps):
+            engine.add_request(f"r{i}", p, max_new_tokens=14)
+        results = {r.request_id: r for r in await engine.run_until_done()}
+        await off.drain()
+        off.scheduler.check_invariants()
+    assert engine.statistics().preemptions > 0
+    for i, p in enumerate(ps):
+        assert results[f"r{i}"].output_token_ids == reference(reference_model, p, 14)
+    engine.allocator.check_invariants()
+    assert engine.allocator.statistics().num_used == 0
+
+
+async def test_abort_and_a_failing_step_leave_nothing_behind(model: Any) -> None:
+    engine = PagedEngine(model, num_gpu_blocks=32, block_size=BS)
+    async with KVOffloader(config(), engine.kv, layout=engine.layout, pinner=engine.pinner) as off:
+        engine.attach(off)
+        engine.add_request("a", prompts(1, 30)[0], max_new_tokens=50)
+        engine.add_request("b", prompts(1, 20, seed=9)[0], max_new_tokens=50)
+        await engine.step()
+        res = engine.abort("a")
+        assert res is not None
+        assert res.finish_reason == "aborted"
+        assert engine.abort("nobody") is None
+
+        def boom(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("model exploded")
+
+        real = engine._forward
+        engine._forward = boom  # type: ignore[method-assign]
+        outs = await engine.step()
+        engine._forward = real  # type: ignore[method-assign]
+        (failed,) = [o.result for o in outs if o.result is not None]
+        assert failed.request_id == "b"
+        assert failed.finish_reason == "error"
+        assert "model exploded" in (failed.error or "")
+        assert not engine.has_work
+        # The engine keeps serving after a failed step.
+        engine.add_request("c", prompts(1, 20, seed=9)[0], max_new_tokens=2)
+        (ok,) = await engine.run_until_done()
+        assert ok.finish_reason == "length"
+        await off.drain()
+        assert off.statistics().scheduler.live_requests == 0
+        assert off.pool.statistics().num_free == off.pool.num_blocks
+        off.scheduler.check_invariants()
+    engine.allocator.check_invariants()
+    assert engine.allocator.statistics().num_used == 0
+
+
+async def test_cancelling_a_step_ends_its_requests(model: Any) -> None:
+    engine = PagedEngine(model, num_gpu_blocks=32, block_size=BS)
+    async with KVOffloader(config(), engine.kv, layout=engine.layout, pinner=engine.pinner) as off:
+        engine.attach(off)
+        engine.add_request("a", prompts(1, 30)[0], max_new_tokens=50)
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await engine.step()
+        assert not engine.has_work
+        await off.drain()
+        assert off.statistics().scheduler.live_requests == 0
+    engine.allocator.check_invariants()
+    assert engine.allocator.statistics().num_used == 0
+
+
+def test_bad_requests_are_refused(model: Any) -> None:
+    engine = PagedEngine(model, num_gpu_blocks=4, block_size=BS)
+    with pytest.raises(ValueError, match=r"token id 300 is outside the vocabulary \[0, 300\)"):
+        engine.add_request("a", [1, 300], max_new_tokens=1)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request("a", [], max_new_tokens=1)
+    with pytest.raises(ValueError, match="needs 5 blocks; the cache has 4"):
+        engine.add_request("a", [1] * 30, max_new_tokens=10)
+    engine.add_request("a", [1, 2], max_new_tokens=1)
+    with pytest.raises(ValueError, match="'a' is in use"):
+        engine.add_request("a", [1, 2], max_new_tokens=1)
+
+
+def test_unsupported_architectures_are_refused() -> None:
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)
+    model = transformers.GPT2LMHeadModel(config)
+    with pytest.raises(ConfigError, match="model_type='gpt2' is not supported"):
+        PagedEngine(model, num_gpu_blocks=4)
+
+
+async def test_an_offloader_with_another_layout_is_refused(model: Any) -> None:
+    engine = PagedEngine(model, num_gpu_blocks=8, block_size=BS)
+    other = PagedEngine(model, num_gpu_blocks=8, block_size=2 * BS)
+    cfg = OffloadConfig(block_size=2 * BS, num_cpu_blocks=8)
+    async with KVOffloader(cfg, other.kv, layout=other.layout) as off:
+        with pytest.raises(ConfigError, match="layout"):
+            engine.attach(off)
+
+
+def test_allocator_prefix_cache_lru_and_pins() -> None:
+    alloc = GpuBlockAllocator(4)
+    h = [bytes([i]) * 32 for i in range(4)]
+    a = alloc.allocate(2)
+    assert a is not None
+    for hh, b in zip(h, a, strict=False):
+        alloc.cache(hh, b)  # type: ignore[arg-type]
+    alloc.pinner.pin([a[1]])  # a store still reads it
+    alloc.free(a)
+    assert alloc.statistics().num_held == 1
+    assert alloc.match(h, 4) == a  # a prefix hit takes both back, pinned or not
+    alloc.free(a)
+    b = alloc.allocate(3)  # the held block is not handed out
+    assert b is not None
+    assert a[1] not in b
+    assert alloc.allocate(1) is None
+    alloc.pinner.unpin([a[1]])  # the hook makes it free
+    c = alloc.allocate(1)
+    assert c == [a[1]]
+    assert alloc.match(h, 4) == []  # both cached blocks were handed out: evicted
+    assert alloc.statistics().evicted_blocks == 2
+    alloc.check_invariants()
+
+
+def test_import_without_the_extra_names_it() -> None:
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import kvoffload\n"
+        "try:\n"
+        "    import kvoffload.integrations.transformers\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert "pip install 'kvoffload[transformers]'" in out
+
+
+def test_the_core_never_imports_integrations() -> None:
+    code = (
+        "import kvoffload, sys\n"
+        "print(any(m.startswith('kvoffload.integrations') for m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

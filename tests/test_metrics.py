@@ -1,0 +1,226 @@
+"""kvoffload.metrics: the Prometheus collector over KVOffloader.statistics()."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("prometheus_client", reason="needs the 'prometheus' extra")
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvoffload import KVLayout, KVOffloader, OffloadConfig
+from kvoffload.metrics import METRICS, OffloaderCollector
+from kvoffload.offloader import OffloaderStatistics
+from kvoffload.pool import PoolStatistics
+from kvoffload.scheduler import SchedulerStatistics
+from kvoffload.transfer import PollerStatistics
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+BS = 4
+
+PARTS = {"pool": PoolStatistics, "scheduler": SchedulerStatistics, "poller": PollerStatistics}
+
+
+def full_name(name: str, kind: str, namespace: str = "kvoffload") -> str:
+    return f"{namespace}_{name}" + ("_total" if kind == "counter" else "")
+
+
+def scrape(
+    registry: CollectorRegistry,
+) -> dict[str, tuple[str, list[tuple[dict[str, str], float]]]]:
+    """Parse the exposition text: family name -> (type, [(labels, value)])."""
+    text = generate_latest(registry).decode()
+    out: dict[str, tuple[str, list[tuple[dict[str, str], float]]]] = {}
+    for family in text_string_to_metric_families(text):
+        samples = [
+            (dict(s.labels), s.value) for s in family.samples if not s.name.endswith("_created")
+        ]
+        out[family.name] = (family.type, samples)
+    return out
+
+
+def fake_statistics(base: int) -> OffloaderStatistics:
+    """Statistics whose every field has a distinct value (the latencies given)."""
+    values = iter(range(base, base + 1000))
+
+    def build(cls: type) -> object:
+        return cls(**{f.name: next(values) for f in dataclasses.fields(cls)})
+
+    return OffloaderStatistics(
+        pool=build(PoolStatistics),  # type: ignore[arg-type]
+        scheduler=build(SchedulerStatistics),  # type: ignore[arg-type]
+        poller=build(PollerStatistics),  # type: ignore[arg-type]
+    )
+
+
+def test_every_statistics_field_is_exported_exactly_once() -> None:
+    assert {f.name for f in dataclasses.fields(OffloaderStatistics)} == set(PARTS)
+    exported = [(spec.part, spec.field) for spec in METRICS]
+    assert len(exported) == len(set(exported))
+    expected = {(part, f.name) for part, cls in PARTS.items() for f in dataclasses.fields(cls)}
+    assert set(exported) == expected
+    names = [spec.name for spec in METRICS]
+    assert len(names) == len(set(names))
+    for spec in METRICS:
+        assert re.fullmatch(r"[a-z][a-z0-9_]*", spec.name), spec
+        assert spec.documentation.endswith("."), spec
+
+
+def test_docs_list_every_metric_with_its_type() -> None:
+    text = DOCS.read_text()
+    rows = dict(re.findall(r"^\| `(kvoffload_[a-z0-9_]+)` \| (counter|gauge) \|", text, re.M))
+    expected = {full_name(spec.name, spec.kind): spec.kind for spec in METRICS}
+    assert rows == expected
+
+
+def test_collect_reports_each_field_of_the_statistics() -> None:
+    stats = fake_statistics(7)
+    registry = CollectorRegistry()
+    registry.register(OffloaderCollector(lambda: stats))
+    families = scrape(registry)
+    assert len(families) == len(METRICS)
+    parts = {"pool": stats.pool, "scheduler": stats.scheduler, "poller": stats.poller}
+    for spec in METRICS:
+        kind, samples = families[f"kvoffload_{spec.name}"]
+        assert kind == spec.kind
+        assert samples == [({}, float(getattr(parts[spec.part], spec.field)))], spec
+    text = generate_latest(registry).decode()
+    assert "# TYPE kvoffload_scheduler_stored_blocks_total counter" in text
+    assert "# TYPE kvoffload_pool_free_blocks gauge" in text
+
+
+def test_unknown_latency_has_no_sample() -> None:
+    stats = fake_statistics(1)
+    stats = dataclasses.replace(
+        stats,
+        poller=dataclasses.replace(
+            stats.poller, observe_latency_median_s=None, observe_latency_p99_s=None
+        ),
+    )
+    registry = CollectorRegistry()
+    registry.register(OffloaderCollector(lambda: stats))
+    families = scrape(registry)
+    assert families["kvoffload_poller_observe_latency_median_seconds"] == ("gauge", [])
+    assert families["kvoffload_poller_observe_latency_p99_seconds"] == ("gauge", [])
+    assert families["kvoffload_poller_polls"][1] == [({}, float(stats.poller.polls))]
+
+
+def test_a_label_tells_several_offloaders_apart() -> None:
+    a, b = fake_statistics(10), fake_statistics(500)
+    registry = CollectorRegistry()
+    registry.register(OffloaderCollector({"a": lambda: a, "b": lambda: b}, label="gpu"))
+    families = scrape(registry)
+    assert families["kvoffload_pool_evictions"] == (
+        "counter",
+        [({"gpu": "a"}, float(a.pool.evictions)), ({"gpu": "b"}, float(b.pool.evictions))],
+    )
+    assert families["kvoffload_scheduler_live_requests"] == (
+        "gauge",
+        [
+            ({"gpu": "a"}, float(a.scheduler.live_requests)),
+            ({"gpu": "b"}, float(b.scheduler.live_requests)),
+        ],
+    )
+
+
+def test_namespace_prefixes_every_name() -> None:
+    registry = CollectorRegistry()
+    registry.register(OffloaderCollector(lambda: fake_statistics(0), namespace="kv"))
+    names = set(scrape(registry))
+    assert names == {f"kv_{spec.name}" for spec in METRICS}
+
+
+def test_a_registry_refuses_a_second_collector_of_the_same_names() -> None:
+    registry = CollectorRegistry()
+    registry.register(OffloaderCollector(lambda: fake_statistics(0)))
+    with pytest.raises(ValueError, match="Duplicated"):
+        registry.register(OffloaderCollector(lambda: fake_statistics(0)))
+
+
+@pytest.mark.parametrize("label", ["", "1engine", "engine-id", "__reserved", "naïve"])
+def test_bad_label_names_are_refused(label: str) -> None:
+    with pytest.raises(ValueError, match="label name"):
+        OffloaderCollector({"0": lambda: fake_statistics(0)}, label=label)
+
+
+@pytest.mark.parametrize("namespace", ["", "kv-offload", "9kv"])
+def test_bad_namespaces_are_refused(namespace: str) -> None:
+    with pytest.raises(ValueError, match="namespace"):
+        OffloaderCollector(lambda: fake_statistics(0), namespace=namespace)
+
+
+def test_an_empty_mapping_is_refused() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        OffloaderCollector({})
+
+
+def test_registration_does_not_read_statistics() -> None:
+    reads = 0
+
+    def source() -> OffloaderStatistics:
+        nonlocal reads
+        reads += 1
+        return fake_statistics(0)
+
+    registry = CollectorRegistry()
+    registry.register(OffloaderCollector(source))
+    assert reads == 0
+    generate_latest(registry)
+    assert reads == 1  # one snapshot per scrape, not one per metric
+
+
+@pytest.mark.anyio
+async def test_a_live_offloader_scrapes_to_its_statistics() -> None:
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32", block_size=BS)
+    kv = [torch.randn(layout.tensor_shape(16)) for _ in range(layout.num_layers)]
+    registry = CollectorRegistry()
+    cfg = OffloadConfig(block_size=BS, num_cpu_blocks=8, pin_memory="never")
+    async with KVOffloader(cfg, kv, layout=layout) as off:
+        registry.register(OffloaderCollector({"0": off}))
+        tokens = list(range(3 * BS))
+        hashes = off.hash_prompt(tokens)
+        assert off.lookup("a", hashes, len(tokens)) == 0
+        off.update("a", [0, 1, 2], hashes, len(tokens))
+        for task in off.store():
+            await task
+        off.finish("a")
+        assert off.lookup("b", hashes, len(tokens) + 1) == len(tokens)
+        load = off.load("b", [3, 4, 5, 6], len(tokens))
+        assert load is not None
+        await load
+        off.finish("b")
+        await off.drain()
+        families = scrape(registry)
+        stats = off.statistics()
+    assert stats.scheduler.stored_blocks == 3
+    assert stats.scheduler.loaded_blocks == 3
+    label = {"engine": "0"}
+    assert families["kvoffload_scheduler_stored_blocks"] == ("counter", [(label, 3.0)])
+    assert families["kvoffload_scheduler_loaded_blocks"] == ("counter", [(label, 3.0)])
+    assert families["kvoffload_scheduler_hit_tokens"] == ("counter", [(label, 12.0)])
+    assert families["kvoffload_scheduler_stored_bytes"] == (
+        "counter",
+        [(label, float(3 * layout.bytes_per_block))],
+    )
+    assert families["kvoffload_pool_cached_blocks"] == ("gauge", [(label, 3.0)])
+    assert families["kvoffload_pool_blocks"] == ("gauge", [(label, 8.0)])
+    assert families["kvoffload_scheduler_in_flight_transfers"] == ("gauge", [(label, 0.0)])
+    assert families["kvoffload_poller_completed"] == ("counter", [(label, 2.0)])
+
+
+def test_import_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(sys.modules):
+        if name == "prometheus_client" or name.startswith("prometheus_client."):
+            monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    monkeypatch.delitem(sys.modules, "kvoffload.metrics")
+    with pytest.raises(ImportError, match=re.escape("pip install 'kvoffload[prometheus]'")):
+        importlib.import_module("kvoffload.metrics")

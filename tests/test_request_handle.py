@@ -1,0 +1,298 @@
+"""OffloadRequest: incremental hashing, the step calls it makes, and the context manager."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvoffload.request as request_module
+from kvoffload import (
+    HashNamespace,
+    KVLayout,
+    KVOffloader,
+    OffloadConfig,
+    OffloadRequest,
+    RequestStateError,
+    hash_prompt,
+)
+from kvoffload.request import blocks_for, table_slice
+
+pytestmark = pytest.mark.anyio
+
+BS = 4
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=4, dtype="float32", block_size=BS)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def make_kv(num_blocks: int = 32) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(LAYOUT.tensor_shape(num_blocks), generator=gen) for _ in range(2)]
+
+
+def offloader(kv: Sequence[torch.Tensor]) -> KVOffloader:
+    return KVOffloader(OffloadConfig(block_size=BS, num_cpu_blocks=32, model_id="m"), kv)
+
+
+def test_block_table_helpers() -> None:
+    assert [blocks_for(n, 4) for n in (0, 1, 4, 5, 8)] == [0, 1, 1, 2, 2]
+    table = [10, 11, 12, 13]
+    assert list(table_slice(table, 0, 4, 4)) == [10]
+    assert list(table_slice(table, 3, 9, 4)) == [10, 11, 12]
+    assert list(table_slice(table, 8, 16, 4)) == [12, 13]
+    assert list(table_slice(table, 5, 5, 4)) == []
+    with pytest.raises(ValueError, match=r"need 5 blocks; the block table has 4"):
+        table_slice(table, 0, 17, 4)
+    with pytest.raises(ValueError, match="start_token"):
+        table_slice(table, 3, 2, 4)
+    with pytest.raises(ValueError, match="num_tokens"):
+        blocks_for(-1, 4)
+
+
+async def test_the_handle_has_no_public_constructor() -> None:
+    async with offloader(make_kv()) as off:
+        with pytest.raises(TypeError, match="no public constructor"):
+            OffloadRequest(off, "r", [1, 2, 3], 0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.integers(0, 1000), max_size=30),
+    st.lists(st.lists(st.integers(0, 1000), max_size=9), max_size=6),
+)
+def test_incremental_hashes_equal_hashing_everything(
+    prompt: list[int], chunks: list[list[int]]
+) -> None:
+    async def run() -> None:
+        async with offloader(make_kv()) as off:
+            with off.request("r", prompt) as req:
+                tokens = list(prompt)
+                for chunk in chunks:
+                    req.extend(chunk)
+                    tokens += chunk
+                    assert list(req.block_hashes) == hash_prompt(tokens, BS, off.namespace)
+                    assert list(req.token_ids) == tokens
+                    assert req.num_tokens == len(tokens)
+                    assert req.num_full_blocks == len(tokens) // BS
+
+    anyio.run(run)
+
+
+async def test_extend_hashes_each_new_block_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = request_module.hash_block_tokens
+
+    def counting(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
+        calls.append(len(tokens))
+        return real(parent, tokens, extra)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(request_module, "hash_block_tokens", counting)
+    async with offloader(make_kv()) as off:
+        with off.request("r", list(range(10))) as req:
+            assert len(calls) == 2  # the prompt's two full blocks
+            for t in range(14):  # one generated token at a time
+                req.extend([100 + t])
+            assert len(calls) == 6  # 24 tokens: four more blocks, each hashed once
+            assert calls == [BS] * 6
+
+
+async def test_a_bad_token_appends_nothing() -> None:
+    async with offloader(make_kv()) as off:
+        with off.request("r", [1, 2, 3]) as req:
+            with pytest.raises(ValueError, match="64-bit int"):
+                req.extend([4, 5, 1 << 70, 6, 7])
+            assert list(req.token_ids) == [1, 2, 3]
+            assert req.num_full_blocks == 0
+            req.extend([4])
+            assert list(req.block_hashes) == hash_prompt([1, 2, 3, 4], BS, off.namespace)
+
+
+async def test_advance_reports_exactly_the_full_computed_blocks() -> None:
+    kv = make_kv()
+    async with offloader(kv) as off:
+        with off.request("r", list(range(10))) as req:
+            table = [5, 6, 7]
+            req.advance(table, 6)  # one full block computed
+            state = off.scheduler.request_state("r")
+            assert state.block_hashes == list(req.block_hashes[:1])
+            req.advance(table, 10)  # two full blocks computed, half of a third
+            assert state.block_hashes == list(req.block_hashes[:2])
+            req.extend([10, 11])  # block 2 is full but its last two tokens are not computed
+            assert req.num_full_blocks == 3
+            req.advance(table, 10)
+            assert len(state.block_hashes) == 2
+            req.advance(table, 12)
+            assert state.block_hashes == list(req.block_hashes)
+            assert req.num_computed_tokens == 12
+            with pytest.raises(ValueError, match="exceeds its 12 tokens"):
+                req.advance(table, 13)
+
+
+async def test_generated_tokens_are_stored_and_hit_by_the_next_turn() -> None:
+    """The trap of hashing the prompt once: the handle stores the generated blocks too."""
+    kv = make_kv()
+    prompt = list(range(100, 110))  # 2 full blocks + 2 tokens
+    async with offloader(kv) as off:
+        with off.request("turn1", prompt) as req:
+            assert req.lookup() == 0
+            table = [0, 1, 2]
+            req.advance(table, len(prompt))
+            off.store()
+            for t in range(6):  # decode 6 tokens: the request reaches 16 tokens
+                req.extend([500 + t])
+                table += [3 + len(table)] * req.blocks_needed(have=len(table))
+                req.advance(table, req.num_tokens - 1)  # the newest token has no KV yet
+                off.store()
+            assert req.num_tokens == 16
+        await off.drain()
+        turn2 = [*prompt, *range(500, 506), 7, 8, 9]
+        with off.request("turn2", turn2) as req2:
+            # All four full blocks of turn 1 (two of them generated) are on the CPU, but
+            # the last one was full only after the last step: three computed blocks.
+            assert req2.lookup() == 3 * BS
+            assert req2.hit_tokens == 12
+    assert off.statistics().scheduler.live_requests == 0
+
+
+async def test_load_and_release() -> None:
+    kv = make_kv()
+    prompt = list(range(17))
+    async with offloader(kv) as off:
+        with off.request("a", prompt) as a:
+            a.lookup()
+            a.advance(list(range(5)), 17)
+            off.store()
+        await off.drain()
+        want = [kv[0][b].clone() for b in range(4)]
+        with off.request("b", prompt) as b:
+            assert b.lookup() == 16
+            task = b.load([20, 21, 22, 23, 24], num_tokens=8)
+            assert task is not None
+            await task
+            assert b.hit_tokens == 8
+            assert torch.equal(kv[0][20], want[0])
+            assert torch.equal(kv[0][21], want[1])
+        with off.request("c", prompt) as c:
+            assert c.lookup() == 16
+            assert off.pool.num_free == off.pool.num_blocks - 4  # the pin
+            c.release()
+            assert c.hit_tokens == 0
+            assert off.pool.num_free == off.pool.num_blocks
+            assert c.load([0] * 5) is None  # nothing pinned any more
+        await off.drain()
+        assert off.pool.statistics().num_free == off.pool.num_blocks
+
+
+async def test_leaving_the_block_finishes_on_an_exception() -> None:
+    kv = make_kv()
+    async with offloader(kv) as off:
+        with off.request("a", list(range(9))) as a:
+            a.advance([0, 1, 2], 9)
+            off.store()
+        await off.drain()
+        handles: list[OffloadRequest] = []
+
+        def serve() -> None:
+            with off.request("b", list(range(9))) as b:
+                handles.append(b)
+                assert b.lookup() == 8  # pins two CPU blocks
+                raise RuntimeError("engine failed")
+
+        with pytest.raises(RuntimeError, match="engine failed"):
+            serve()
+        (b,) = handles
+        assert b.finished
+        assert not off.scheduler.has_request("b")
+        assert off.pool.statistics().num_free == off.pool.num_blocks
+        off.scheduler.check_invariants()
+
+
+async def test_leaving_the_block_finishes_on_a_cancellation() -> None:
+    kv = make_kv()
+    async with offloader(kv) as off:
+        with off.request("a", list(range(9))) as a:
+            a.advance([0, 1, 2], 9)
+            off.store()
+        await off.drain()
+        handles: list[OffloadRequest] = []
+        with anyio.move_on_after(0.01):
+            with off.request("b", list(range(9))) as b:
+                handles.append(b)
+                assert b.lookup() == 8
+                await anyio.sleep_forever()
+        assert handles[0].finished
+        assert off.statistics().scheduler.live_requests == 0
+        assert off.pool.statistics().num_free == off.pool.num_blocks
+
+
+async def test_a_request_id_in_use_is_refused_and_finish_twice_raises() -> None:
+    async with offloader(make_kv()) as off:
+        with off.request("a", [1, 2, 3, 4, 5]) as a:
+            a.lookup()
+            with pytest.raises(RequestStateError, match="request id 'a' is in use"):
+                off.request("a", [1])
+            a.finish()
+            with pytest.raises(RequestStateError, match="already finished"):
+                a.finish()
+            with pytest.raises(RequestStateError, match="finished"):
+                a.extend([6])
+        with off.request("a", [1]) as again:  # the id is free once finished
+            assert again.lookup() == 0
+
+
+async def test_bad_engine_prefix_is_refused() -> None:
+    async with offloader(make_kv()) as off:
+        with pytest.raises(ValueError, match="multiple of block_size=4"):
+            off.request("a", list(range(9)), num_computed_tokens=3)
+        with pytest.raises(ValueError, match="exceeds the prompt's 9 tokens"):
+            off.request("a", list(range(9)), num_computed_tokens=12)
+
+
+async def test_preempt_and_resume() -> None:
+    kv = make_kv()
+    async with offloader(kv) as off:
+        with off.request("a", list(range(13))) as a:
+            a.lookup()
+            a.advance([0, 1, 2, 3], 13)
+            off.store()
+            await off.drain()
+            a.preempt()
+            assert a.num_computed_tokens == 0
+            assert a.hit_tokens == 0
+            assert off.scheduler.request_state("a").preempted
+            # Re-admission: the blocks it stored before are on the CPU now.
+            assert a.lookup() == 12
+            task = a.load([9, 10, 11, 12])
+            assert task is not None
+            await task
+            a.advance([9, 10, 11, 12], 13)
+            assert not off.scheduler.request_state("a").preempted
+        await off.drain()
+        assert off.pool.statistics().num_free == off.pool.num_blocks
+
+
+async def test_a_closed_offloader_lets_the_handle_go_quietly() -> None:
+    off = offloader(make_kv())
+    async with off:
+        req = off.request("a", list(range(9)))
+        req.lookup()
+    req.__exit__(None, None, None)
+    assert req.finished
+
+
+async def test_namespace_is_the_offloaders() -> None:
+    kv = make_kv()
+    async with offloader(kv) as off:
+        with off.request("a", list(range(8))) as a:
+            other = HashNamespace(model_id="other")
+            assert list(a.block_hashes) == hash_prompt(list(range(8)), BS, off.namespace)
+            assert list(a.block_hashes) != hash_prompt(list(range(8)), BS, other)
+            assert "OffloadRequest('a', live" in repr(a)

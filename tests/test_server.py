@@ -1,0 +1,362 @@
+"""The example server, examples/server/: HTTP on 127.0.0.1, continuous batching, and an
+offloader left whole by disconnects, model errors and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs the 'transformers' extra")
+pytest.importorskip("starlette", reason="needs the 'examples' extra")
+pytest.importorskip("uvicorn", reason="needs the 'examples' extra")
+pytest.importorskip("httpx", reason="needs the 'examples' extra")
+pytest.importorskip("prometheus_client", reason="needs the 'prometheus' extra")
+
+import httpx
+import torch
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvoffload import OffloadConfig
+from kvoffload.integrations.transformers import PagedEngine
+from kvoffload.testing import CopyFaults
+
+SERVER = Path(__file__).resolve().parents[1] / "examples" / "server"
+BLOCK = 4
+MARKER = 255  # a prompt holding this token fails inside the model (see fail_on_marker)
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # uvicorn runs on asyncio
+
+
+def load(name: str) -> ModuleType:
+    """Import ``examples/server/<name>.py`` (it finds its sibling modules itself)."""
+    spec = importlib.util.spec_from_file_location(
+        f"kvoffload_example_server_{name}", SERVER / f"{name}.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+app_module = load("app")
+client_module = load("client")
+
+
+def tiny_model(seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    return LlamaForCausalLM(config)
+
+
+def tiny_engine(num_gpu_blocks: int = 48, seed: int = 0) -> PagedEngine:
+    return PagedEngine(
+        tiny_model(seed),
+        num_gpu_blocks=num_gpu_blocks,
+        block_size=BLOCK,
+        max_batch_tokens=96,
+        max_running=8,
+    )
+
+
+def offload_config() -> OffloadConfig:
+    return OffloadConfig(block_size=BLOCK, num_cpu_blocks=512, model_id="tiny-test")
+
+
+@asynccontextmanager
+async def serving(
+    app: Any, *, graceful_s: float = 2.0
+) -> AsyncIterator[tuple[str, uvicorn.Server]]:
+    """Serve ``app`` on 127.0.0.1 on a free port; shut it down cleanly on exit (requests
+    still open after ``graceful_s`` are cancelled)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful_s)
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        for _ in range(500):
+            if server.started or task.done():
+                break
+            await asyncio.sleep(0.01)
+        assert server.started, "the server did not start"
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 30)
+        sock.close()
+
+
+def assert_whole(app: Any) -> Any:
+    report = app.state.server.report
+    assert report is not None, "shutdown did not run"
+    assert report.invariant_error is None
+    assert report.requests.live == 0
+    assert report.cpu_blocks_referenced == 0
+    assert report.live_requests == 0
+    assert report.in_flight_transfers == 0
+    assert report.gpu_blocks_pinned == 0
+    assert report.gpu_blocks_in_use == 0
+    assert report.whole
+    return report
+
+
+async def stats(client: httpx.AsyncClient) -> dict[str, Any]:
+    response = await client.get("/stats")
+    assert response.status_code == 200
+    body: dict[str, Any] = response.json()
+    return body
+
+
+async def until(client: httpx.AsyncClient, check: Any) -> dict[str, Any]:
+    """Poll ``/stats`` until ``check(stats)`` holds (a few seconds at most)."""
+    for _ in range(300):
+        body = await stats(client)
+        if check(body):
+            return body
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never reached: {json.dumps(body)}")
+
+
+async def test_concurrent_conversations_match_the_engine_in_process() -> None:
+    app = app_module.create_app(tiny_engine(num_gpu_blocks=48), offload_config())
+    async with serving(app) as (url, _server):
+        results = await client_module.replay(
+            url, conversations=3, turns=3, user_tokens=24, max_tokens=6, vocab=MARKER
+        )
+        async with httpx.AsyncClient(base_url=url) as client:
+            body = await stats(client)
+            metrics = (await client.get("/metrics")).text
+    assert len(results) == 9
+    # Answers equal the engine's own, run in-process one request at a time, without
+    # offload and without prefix caching (every prompt computed in full).
+    reference = PagedEngine(
+        tiny_model(), num_gpu_blocks=64, block_size=BLOCK, enable_prefix_caching=False
+    )
+    expected = []
+    for r in sorted(results, key=lambda r: (r.conversation, r.turn)):
+        reference.add_request("ref", r.prompt_ids, max_new_tokens=6)
+        (ref,) = await reference.run_until_done()
+        assert ref.computed_tokens == r.prompt_tokens
+        expected.append((r.conversation, r.turn, ref.output_token_ids))
+    got = [
+        (r.conversation, r.turn, r.output_ids)
+        for r in sorted(results, key=lambda r: (r.conversation, r.turn))
+    ]
+    assert got == expected
+    # Later turns took their prefix from a cache, some of it loaded from the CPU pool.
+    summary = client_module.summarize(results)
+    assert summary.hit_rate > 0
+    assert summary.loaded_tokens > 0
+    assert body["offloader"]["scheduler"]["loaded_blocks"] * BLOCK == summary.loaded_tokens
+    # Several requests per step: 9 requests x 6 tokens take fewer steps one by one would.
+    generated = sum(len(r.output_ids) for r in results)
+    assert body["engine"]["steps"] < generated
+    assert body["server"] == {
+        "submitted": 9,
+        "completed": 9,
+        "aborted": 0,
+        "failed": 0,
+        "live": 0,
+        "rejected": 0,
+    }
+    families = {f.name: f for f in text_string_to_metric_families(metrics)}
+    loaded = families["kvoffload_scheduler_loaded_blocks"].samples[0].value
+    assert loaded * BLOCK == summary.loaded_tokens
+    ttft = families["kvoffload_server_ttft_seconds"]
+    assert [s.value for s in ttft.samples if s.name.endswith("_count")] == [9.0]
+    assert_whole(app)
+
+
+async def test_a_client_that_disconnects_mid_stream_is_aborted() -> None:
+    app = app_module.create_app(tiny_engine(), offload_config())
+    async with serving(app) as (url, _server), httpx.AsyncClient(base_url=url) as client:
+        body = {"prompt": list(range(40)), "max_tokens": 150, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            seen = 0
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    seen += len(json.loads(line[6:])["choices"][0]["token_ids"])
+                if seen >= 2:
+                    break  # leave mid-stream: the connection closes
+        after = await until(client, lambda s: s["server"]["aborted"] == 1)
+        assert after["server"]["completed"] == 0
+        await until(client, lambda s: s["engine"]["running"] + s["engine"]["waiting"] == 0)
+        # The server goes on serving.
+        ok = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+        assert ok.status_code == 200
+        assert len(ok.json()["choices"][0]["token_ids"]) == 3
+    assert_whole(app)
+
+
+async def test_a_request_that_fails_in_the_model_is_ended_cleanly() -> None:
+    engine = tiny_engine()
+    embed = engine._model.model.embed_tokens  # the test's own model
+
+    def fail_on_marker(module: Any, args: tuple[Any, ...]) -> None:
+        if bool((args[0] == MARKER).any()):
+            raise RuntimeError("injected model failure")
+
+    hook = embed.register_forward_pre_hook(fail_on_marker)
+    app = app_module.create_app(engine, offload_config())
+    try:
+        async with serving(app) as (url, _server), httpx.AsyncClient(base_url=url) as client:
+            bad = await client.post(
+                "/v1/completions", json={"prompt": [1, 2, 3, MARKER, 5] * 4, "max_tokens": 4}
+            )
+            assert bad.status_code == 500
+            assert "injected model failure" in bad.json()["error"]["message"]
+            body = await stats(client)
+            assert body["server"]["failed"] == 1
+            ok = await client.post("/v1/completions", json={"prompt": [7] * 20, "max_tokens": 4})
+            assert ok.status_code == 200
+    finally:
+        hook.remove()
+    assert_whole(app)
+
+
+async def test_shutdown_with_transfers_in_flight_leaves_the_offloader_whole() -> None:
+    slow = CopyFaults(delay_s=0.3)  # every copy waits 0.3 s in the copy worker
+    app = app_module.create_app(tiny_engine(num_gpu_blocks=160), offload_config(), copy_hook=slow)
+    async with (
+        serving(app, graceful_s=0.2) as (url, _server),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        done = await client.post(
+            "/v1/completions", json={"prompt": list(range(60)), "max_tokens": 2}
+        )
+        assert done.status_code == 200
+        # A streaming request still running when shutdown begins.
+        body = {"prompt": list(range(100, 140)), "max_tokens": 500, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    break
+            assert (await stats(client))["offloader"]["scheduler"]["in_flight_transfers"] > 0
+            # leaving `serving` shuts down with the stream open and copies in flight
+    report = assert_whole(app)
+    assert report.in_flight_at_shutdown > 0
+    assert slow.calls > 0
+    assert report.requests.completed == 1
+    assert report.requests.aborted == 1  # the stream still open at shutdown
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        ({"prompt": [1, 2], "temperature": 0.7}, 400, "greedy"),
+        ({"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": [1, 999]}, 400, "999"),
+        ({"prompt": []}, 400, "prompt"),
+        ({"prompt": [1, 2], "top_k": 3}, 400, "top_k"),
+        ({"prompt": [1, 2], "n": 2}, 400, "n"),
+        ({"prompt": [[1, 2]]}, 400, "prompt"),
+        ({"prompt": [1, 2], "max_tokens": 10_000}, 400, "blocks"),
+    ],
+)
+async def test_bad_requests_get_a_clear_error(
+    body: dict[str, Any], status: int, words: str
+) -> None:
+    app = app_module.create_app(tiny_engine(), offload_config())
+    async with serving(app) as (url, _server), httpx.AsyncClient(base_url=url) as client:
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == status
+        assert words in response.json()["error"]["message"]
+        assert (await stats(client))["server"]["rejected"] == 1
+    assert_whole(app)
+
+
+async def test_text_prompts_go_through_the_byte_tokenizer() -> None:
+    tokenizer = app_module.ByteTokenizer()
+    assert tokenizer.encode("hé") == [104, 195, 169]
+    assert tokenizer.decode([104, 195, 169, 300]) == "hé\ufffd"
+    app = app_module.create_app(tiny_engine(), offload_config())
+    async with serving(app) as (url, _server), httpx.AsyncClient(base_url=url) as client:
+        by_text = (
+            await client.post("/v1/completions", json={"prompt": "hé!", "max_tokens": 4})
+        ).json()
+        by_ids = (
+            await client.post(
+                "/v1/completions", json={"prompt": [104, 195, 169, 33], "max_tokens": 4}
+            )
+        ).json()
+    assert by_text["choices"][0]["token_ids"] == by_ids["choices"][0]["token_ids"]
+    assert by_text["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    assert by_text["object"] == "text_completion"
+    assert set(by_text["kvoffload"]) >= {"ttft_s", "loaded_tokens", "gpu_cached_tokens"}
+    assert_whole(app)
+
+
+@pytest.mark.slow
+def test_the_command_line_serves_replays_and_shuts_down(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``python examples/server/app.py`` in a subprocess, ``client.py`` against it, then
+    Ctrl-C: the server exits 0 after reporting the offloader whole."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, str(SERVER / "app.py"), "--port", str(port)]
+    argv += ["--block-size", "4", "--gpu-blocks", "48", "--cpu-blocks", "256"]
+    env = {**os.environ, "KVOFFLOAD_EXAMPLE_QUICK": "1"}
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            try:
+                if httpx.get(f"{url}/stats", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.1)
+        argv = ["--url", url, "--conversations", "2", "--turns", "2", "--user-tokens", "20"]
+        assert client_module.main([*argv, "--max-tokens", "3"]) == 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+    printed = capsys.readouterr().out
+    assert "requests: 4" in printed
+    assert re.search(r"^hit rate: 0\.\d{3} \(from CPU: 0\.\d{3}\)$", printed, re.M), printed
+    assert re.search(r"^TTFT p50 [\d.]+ ms, p90 [\d.]+ ms, p99 [\d.]+ ms$", printed, re.M)
+    assert proc.returncode == 0, out
+    assert "shutdown: offloader whole" in out
+    assert "requests: 4 completed, 0 aborted, 0 failed" in out
