@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from vllm import SamplingParams
@@ -39,6 +39,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvoffload.integrations.vllm import KVOffloadConnector
+from kvoffload.transfer.plan import TransferPlan
 
 BLOCK_SIZE = 16
 NUM_LAYERS = 2
@@ -122,6 +123,7 @@ def vllm_config(
             kv_connector_module_path=module,
             kv_role="kv_both",
             kv_connector_extra_config=extra,
+            kv_load_failure_policy="recompute",
         ),
         device_config=DeviceConfig("cpu"),
     )
@@ -158,13 +160,21 @@ def slot_value(token: int, position: int, layer: int, rank: int) -> float:
 
 
 class TestConnector(KVOffloadConnector):
-    """The connector with a rank chosen by the test."""
+    """The connector with a rank chosen by the test, and copies that fail on demand."""
 
     __test__ = False
     next_rank: int = 0
+    fail_kinds: ClassVar[set[str]] = set()
 
     def _worker_rank(self) -> int | None:
         return TestConnector.next_rank
+
+    def _copy_hook(self) -> Callable[[TransferPlan], None]:
+        def hook(plan: TransferPlan) -> None:
+            if plan.kind in TestConnector.fail_kinds:
+                raise OSError(f"injected failure of {plan.kind} plan {plan.plan_id}")
+
+        return hook
 
 
 @dataclass
