@@ -1,0 +1,219 @@
+"""`KVOffloadConnector`: the vLLM v1 KV connector vLLM loads by module path."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from kvoffload.errors import InvariantError
+from kvoffload.hashing import HashNamespace
+from kvoffload.integrations.vllm.metadata import KVOffloadConnectorMetadata
+from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
+from kvoffload.integrations.vllm.setup import (
+    layout_from_kv_cache_config,
+    model_namespace_id,
+    offload_config,
+)
+from kvoffload.integrations.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.attention.backends.abstract import AttentionMetadata
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from kvoffload.transfer.thread_engine import CopyHook
+
+__all__ = ["KVOffloadConnector"]
+
+
+class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """Offloads vLLM's KV blocks to a CPU pool with kvoffload and loads them back.
+
+    vLLM builds one instance in its scheduler process (``role=SCHEDULER``: the decisions,
+    by `OffloadScheduler`) and one in every worker (``role=WORKER``: the copies, by
+    `ThreadCopyEngine` on CPU tensors or `CudaCopyEngine` on CUDA tensors). Settings come
+    from ``kv_connector_extra_config``: every `OffloadConfig` field under its own name.
+
+    Args:
+        vllm_config: vLLM's configuration (its ``kv_transfer_config`` names this class).
+        role: scheduler or worker.
+        kv_cache_config: the KV cache layout vLLM allocated.
+
+    Raises:
+        ConfigError: an unknown or invalid setting, or a model whose KV cache is not one
+            group of full-attention layers.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if kv_cache_config is None:
+            raise InvariantError("KVOffloadConnector needs vLLM's kv_cache_config")
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self.offload_config = offload_config(extra, block_size=vllm_config.cache_config.block_size)
+        self.layout, layer_names = layout_from_kv_cache_config(kv_cache_config)
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            namespace = HashNamespace.from_layout(
+                self.layout,
+                model_id=model_namespace_id(vllm_config, self.offload_config),
+                salt=self.offload_config.hash_salt,
+            )
+            self.scheduler_side = SchedulerSide(
+                self.offload_config,
+                self.layout,
+                namespace,
+                world_size=vllm_config.parallel_config.world_size,
+            )
+        else:
+            self.worker_side = WorkerSide(
+                self.offload_config,
+                self.layout,
+                layer_names,
+                kv_cache_config.num_blocks,
+                rank=self._worker_rank(),
+                copy_hook=self._copy_hook(),
+            )
+
+    # -- extension points (tests) ------------------------------------------------------
+
+    def _worker_rank(self) -> int | None:
+        """This worker's rank; ``None`` reads it from vLLM's process groups."""
+        return None
+
+    def _copy_hook(self) -> CopyHook | None:
+        """A hook run before each CPU copy (fault injection); ``None`` by default."""
+        return None
+
+    def _sched(self) -> SchedulerSide:
+        if self.scheduler_side is None:
+            raise InvariantError("a scheduler-side method was called on a worker connector")
+        return self.scheduler_side
+
+    def _worker(self) -> WorkerSide:
+        if self.worker_side is None:
+            raise InvariantError("a worker-side method was called on a scheduler connector")
+        return self.worker_side
+
+    # -- scheduler side ----------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        """Keep vLLM's cache manager: block tables, and GPU block references for stores."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._sched().bind(kv_cache_manager)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens past vLLM's prefix that the CPU pool holds (``None``: ask again)."""
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Plan the load of ``num_external_tokens`` into the request's new blocks."""
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Record the step, plan its stores, and send every plan to the workers."""
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Complete the plans every worker reported."""
+        self._sched().update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Finish the request in kvoffload; stores in flight keep their GPU blocks
+        referenced themselves, so vLLM frees the rest now."""
+        return self._sched().request_finished(request), None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """CPU pool events (with ``enable_events``) for vLLM's event publisher."""
+        return self._sched().take_events()
+
+    def reset_cache(self) -> bool:
+        """Empty the CPU prefix cache."""
+        return self._sched().reset_cache()
+
+    def has_pending_block_frees(self) -> bool:
+        """Whether stores in flight hold GPU blocks they will release."""
+        return bool(self._sched().pinned_gpu_block_ids())
+
+    # -- worker side -------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Build the host buffer and the copy engine over vLLM's KV caches."""
+        self._worker().register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Take the step's plans."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker_side is not None and isinstance(
+            connector_metadata, KVOffloadConnectorMetadata
+        ):
+            self.worker_side.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        """Drop the step's plans."""
+        super().clear_connector_metadata()
+        if self.worker_side is not None:
+            self.worker_side.clear()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Run the step's loads before the forward reads them."""
+        self._worker().start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: loads ended (or were ordered) in `start_load_kv`."""
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """Nothing per layer: whole blocks are stored after the forward."""
+
+    def wait_for_save(self) -> None:
+        """Start the step's stores."""
+        self._worker().wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """No request waits on this connector (loads are synchronous, frees are not
+        delayed)."""
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """GPU blocks whose load failed: vLLM recomputes them."""
+        return self._worker().take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """This rank's finished copies, for the scheduler side."""
+        return self._worker().take_reports()
+
+    def shutdown(self) -> None:
+        """Wait for copies in flight and release host memory."""
+        if self.worker_side is not None:
+            self.worker_side.shutdown()

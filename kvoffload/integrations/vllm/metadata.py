@@ -1,0 +1,63 @@
+"""What travels between vLLM's scheduler process and its workers.
+
+Scheduler → workers: the `KVOffloadConnectorMetadata` of a step (its load and store
+plans). Workers → scheduler: `KVOffloadWorkerMetadata`, the outcome of every copy a
+rank finished, keyed by plan and rank; vLLM merges the ranks' reports of one step with
+`KVOffloadWorkerMetadata.aggregate`, and the scheduler side publishes a plan only once
+every rank reported it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from kvoffload.transfer.plan import LoadPlan, StorePlan
+
+__all__ = ["KVOffloadConnectorMetadata", "KVOffloadWorkerMetadata"]
+
+
+@dataclass
+class KVOffloadConnectorMetadata(KVConnectorMetadata):
+    """One step's work for every worker.
+
+    Attributes:
+        loads: CPU → GPU copies that this step's forward pass reads; a worker finishes
+            them before the forward starts.
+        stores: GPU → CPU copies of blocks that exist once this step's forward ran; a
+            worker starts them after the forward.
+    """
+
+    loads: tuple[LoadPlan, ...] = ()
+    stores: tuple[StorePlan, ...] = ()
+
+
+@dataclass
+class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
+    """Copies finished on workers since their last report.
+
+    Attributes:
+        reports: ``plan_id -> {rank: ok}``; ``ok`` is whether that rank's copy succeeded.
+    """
+
+    reports: dict[int, dict[int, bool]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVOffloadWorkerMetadata:
+        """Merge another worker's report into a new one (a rank reporting a plan twice
+        keeps its first outcome unless one of them failed).
+
+        Raises:
+            TypeError: ``other`` is not a `KVOffloadWorkerMetadata`.
+        """
+        if not isinstance(other, KVOffloadWorkerMetadata):
+            raise TypeError(f"cannot aggregate KVOffloadWorkerMetadata with {type(other).__name__}")
+        merged = {plan_id: dict(ranks) for plan_id, ranks in self.reports.items()}
+        for plan_id, ranks in other.reports.items():
+            into = merged.setdefault(plan_id, {})
+            for rank, ok in ranks.items():
+                into[rank] = into.get(rank, True) and ok
+        return KVOffloadWorkerMetadata(merged)

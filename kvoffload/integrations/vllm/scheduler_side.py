@@ -1,0 +1,350 @@
+"""The connector's scheduler side: vLLM's scheduler events mapped onto `OffloadScheduler`.
+
+It runs in vLLM's scheduler process, owns the CPU block pool's bookkeeping and never
+touches a tensor. Every plan it makes travels to the workers in the step's metadata;
+a plan is completed (published, or released) only once every worker reported it.
+
+GPU blocks a store reads are referenced in vLLM's GPU block pool from the moment the
+store is planned until every worker finished copying them, so neither a finished or
+preempted request nor an eviction can hand them to another request while they are read.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvoffload._logging import get_logger
+from kvoffload.config import KVLayout, OffloadConfig
+from kvoffload.errors import ConfigError, InvariantError
+from kvoffload.hashing import BlockHash, HashNamespace, hash_block_tokens
+from kvoffload.integrations.vllm.metadata import (
+    KVOffloadConnectorMetadata,
+    KVOffloadWorkerMetadata,
+)
+from kvoffload.pool import AllBlocksCleared, BlockRemoved, BlockStored, CpuBlockPool
+from kvoffload.scheduler import OffloadScheduler
+from kvoffload.transfer.plan import LoadPlan, StorePlan, TransferPlan
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["SchedulerSide"]
+
+_log = get_logger("integrations.vllm")
+
+
+@dataclass(slots=True, eq=False)
+class _Tracked:
+    """A plan sent to the workers and not yet reported by all of them."""
+
+    plan: TransferPlan
+    pinned_gpu_blocks: list[Any]
+    reports: dict[int, bool] = field(default_factory=dict)
+
+
+@dataclass(slots=True, eq=False)
+class _RequestHashes:
+    """The kvoffload block hashes of one request's tokens, grown as it runs."""
+
+    request: Request
+    extra: bytes
+    hashes: list[BlockHash] = field(default_factory=list)
+
+
+class _FreeQueueView:
+    """vLLM's cached, unreferenced GPU blocks, next to be evicted first (lazy mode)."""
+
+    __slots__ = ("_known", "_pool")
+
+    def __init__(self, pool: BlockPool, known: dict[int, tuple[object, BlockHash]]) -> None:
+        self._pool = pool
+        self._known = known
+
+    def iter_eviction_order(self) -> Iterator[tuple[int, BlockHash]]:
+        known = self._known
+        for block in self._pool.free_block_queue.iter_blocks_after(None):
+            entry = known.get(block.block_id)
+            # Only blocks still holding what we hashed: a reused block has a new vLLM hash.
+            if entry is not None and block.block_hash is not None and entry[0] == block.block_hash:
+                yield block.block_id, entry[1]
+
+
+class SchedulerSide:
+    """kvoffload's decisions for one vLLM scheduler.
+
+    Args:
+        config: the settings from ``kv_connector_extra_config``.
+        layout: one CPU block's geometry (one rank's shard of every layer).
+        namespace: what block hashes are namespaced by.
+        world_size: workers that copy every plan (tensor and pipeline parallel ranks).
+
+    Raises:
+        ConfigError: the pool size does not fit the layout.
+    """
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        layout: KVLayout,
+        namespace: HashNamespace,
+        *,
+        world_size: int,
+    ) -> None:
+        if world_size < 1:
+            raise ConfigError(f"world_size must be >= 1, got {world_size}")
+        self.config = config
+        self.layout = layout
+        self.world_size = world_size
+        num_blocks = config.resolve_num_cpu_blocks(layout)
+        self.pool = CpuBlockPool(num_blocks, enable_events=config.enable_events)
+        self.scheduler = OffloadScheduler(
+            config, self.pool, bytes_per_block=layout.bytes_per_block * world_size
+        )
+        self._root = namespace.root
+        self._block_size = layout.block_size
+        self._requests: dict[str, _RequestHashes] = {}
+        self._loads: list[LoadPlan] = []
+        self._tracked: dict[int, _Tracked] = {}
+        self._gpu_pool: BlockPool | None = None
+        self._manager: KVCacheManager | None = None
+        # Lazy mode: GPU block id -> (vLLM's hash when we saw it computed, our hash).
+        self._gpu_hashes: dict[int, tuple[object, BlockHash]] = {}
+        # For KV events: our hash -> (parent hash, token ids) of blocks planned for a store.
+        self._block_tokens: dict[BlockHash, tuple[BlockHash, tuple[int, ...]]] = {}
+        self.load_failures = 0
+
+    # -- binding -----------------------------------------------------------------------
+
+    def bind(self, manager: KVCacheManager) -> None:
+        """Use vLLM's KV cache manager (block tables and GPU block references)."""
+        self._manager = manager
+        self._gpu_pool = manager.block_pool
+
+    # -- hashing -----------------------------------------------------------------------
+
+    def _offloadable(self, request: Request) -> bool:
+        return not request.mm_features and request.prompt_embeds is None
+
+    def _hashes(self, request: Request, num_tokens: int) -> list[BlockHash]:
+        """Hashes of the request's full blocks below ``num_tokens``."""
+        entry = self._requests.get(request.request_id)
+        if entry is None or entry.request is not request:
+            parts = []
+            if request.lora_request is not None:
+                parts.append(f"lora:{request.lora_request.lora_name}")
+            if request.cache_salt:
+                parts.append(f"salt:{request.cache_salt}")
+            entry = _RequestHashes(request, "\x00".join(parts).encode())
+            self._requests[request.request_id] = entry
+        hashes = entry.hashes
+        bs = self._block_size
+        want = min(num_tokens, request.num_tokens) // bs
+        if len(hashes) < want:
+            tokens = request.all_token_ids
+            parent = hashes[-1] if hashes else self._root
+            for i in range(len(hashes), want):
+                parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], entry.extra)
+                hashes.append(parent)
+        return hashes[:want]
+
+    # -- vLLM scheduler hooks ----------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens past vLLM's own prefix that can be loaded from CPU (loaded before the
+        step's forward, so never asynchronously); ``None`` while the next block's store
+        is still in flight."""
+        if not self._offloadable(request):
+            return 0, False
+        rid = request.request_id
+        hashes = self._hashes(request, request.num_tokens)
+        hit = self.scheduler.lookup(
+            rid,
+            hashes,
+            request.num_tokens,
+            num_computed_tokens,
+            allow_defer=True,
+            no_read=bool(getattr(request, "skip_reading_prefix_cache", False)),
+        )
+        return hit, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Plan the load of the accepted part of the hit into the allocated blocks."""
+        rid = request.request_id
+        if not self.scheduler.has_request(rid):
+            return
+        if num_external_tokens == 0:
+            self.scheduler.release(rid)
+            return
+        block_ids = blocks.get_block_ids()[0]
+        plan = self.scheduler.plan_load(rid, block_ids, num_external_tokens)
+        if plan is not None:
+            self._loads.append(plan)
+            self._tracked[plan.plan_id] = _Tracked(plan, [])
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVOffloadConnectorMetadata:
+        """Record what vLLM scheduled, plan this step's stores, and hand out the plans."""
+        sched = self.scheduler
+        for rid in scheduler_output.preempted_req_ids or ():
+            if sched.has_request(rid) and not sched.request_state(rid).finished:
+                sched.preempt(rid)
+        manager = self._manager
+        if manager is None:
+            raise InvariantError("KVOffloadConnector: the KV cache manager was never bound")
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        lazy = self.config.store_mode == "lazy"
+        for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            entry = self._requests.get(rid)
+            if entry is None or not self._offloadable(entry.request):
+                continue
+            request = entry.request
+            computed = request.num_computed_tokens + num_scheduled - len(spec_tokens.get(rid, ()))
+            hashes = self._hashes(request, computed)
+            block_ids = manager.get_block_ids(rid)[0]
+            sched.update(rid, block_ids, hashes, computed)
+            if lazy:
+                self._remember_gpu_hashes(block_ids, hashes)
+        if lazy:
+            if self._gpu_pool is None:
+                raise InvariantError("KVOffloadConnector: the GPU block pool was never bound")
+            plan = sched.plan_stores(_FreeQueueView(self._gpu_pool, self._gpu_hashes))
+        else:
+            plan = sched.plan_stores()
+        stores: tuple[StorePlan, ...] = ()
+        if plan is not None:
+            stores = (plan,)
+            self._tracked[plan.plan_id] = _Tracked(plan, self._pin_gpu_blocks(plan))
+            if self.config.enable_events:
+                self._remember_tokens(plan)
+        loads, self._loads = tuple(self._loads), []
+        return KVOffloadConnectorMetadata(loads=loads, stores=stores)
+
+    def _remember_gpu_hashes(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
+        pool = self._gpu_pool
+        if pool is None:
+            return
+        known = self._gpu_hashes
+        for gpu_id, block_hash in zip(block_ids, hashes, strict=False):
+            vllm_hash = pool.blocks[gpu_id].block_hash
+            if vllm_hash is not None:
+                known[gpu_id] = (vllm_hash, block_hash)
+
+    def _remember_tokens(self, plan: StorePlan) -> None:
+        wanted = set(plan.block_hashes)
+        bs = self._block_size
+        for entry in self._requests.values():
+            tokens = entry.request.all_token_ids
+            for i, block_hash in enumerate(entry.hashes):
+                if block_hash in wanted:
+                    parent = entry.hashes[i - 1] if i else self._root
+                    self._block_tokens[block_hash] = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
+                    wanted.discard(block_hash)
+            if not wanted:
+                return
+
+    def _pin_gpu_blocks(self, plan: StorePlan) -> list[Any]:
+        """Reference the GPU blocks a store reads in vLLM's block pool until it is done."""
+        pool = self._gpu_pool
+        if pool is None:
+            return []
+        blocks = [pool.blocks[i] for i in plan.gpu_block_ids]
+        pool.touch(blocks)
+        return blocks
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Complete every plan that all workers have now reported."""
+        meta = connector_output.kv_connector_worker_meta
+        if meta is None:
+            return
+        if not isinstance(meta, KVOffloadWorkerMetadata):
+            raise TypeError(f"KVOffloadConnector got worker metadata of type {type(meta).__name__}")
+        for plan_id, ranks in meta.reports.items():
+            tracked = self._tracked.get(plan_id)
+            if tracked is None:
+                _log.debug("late_report_ignored", plan_id=plan_id)
+                continue
+            for rank, ok in ranks.items():
+                tracked.reports[rank] = tracked.reports.get(rank, True) and ok
+            if len(tracked.reports) < self.world_size:
+                continue
+            del self._tracked[plan_id]
+            ok = all(tracked.reports.values())
+            if not ok and tracked.plan.kind == "load":
+                self.load_failures += 1
+            self.scheduler.complete(tracked.plan, ok)
+            if tracked.pinned_gpu_blocks and self._gpu_pool is not None:
+                self._gpu_pool.free_blocks(tracked.pinned_gpu_blocks)
+
+    def request_finished(self, request: Request) -> bool:
+        """The request left vLLM. Its store copies keep their GPU blocks referenced on
+        their own, so vLLM may free the request's blocks now (always ``False``)."""
+        rid = request.request_id
+        self._requests.pop(rid, None)
+        sched = self.scheduler
+        if sched.has_request(rid) and not sched.request_state(rid).finished:
+            sched.finish(rid)
+        return False
+
+    def reset_cache(self) -> bool:
+        """Empty the CPU prefix cache (copies in flight publish nothing)."""
+        self.scheduler.reset()
+        self._gpu_hashes.clear()
+        return True
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The pool's events as vLLM KV cache events (medium ``"CPU"``)."""
+        if not self.config.enable_events:
+            return ()
+        from vllm.distributed import kv_events  # noqa: PLC0415
+
+        out: list[KVCacheEvent] = []
+        for event in self.pool.take_events():
+            if isinstance(event, BlockStored):
+                parent, tokens = self._block_tokens.get(event.block_hash, (None, ()))
+                out.append(
+                    kv_events.BlockStored(
+                        block_hashes=[event.block_hash],
+                        parent_block_hash=None if parent == self._root else parent,
+                        token_ids=list(tokens),
+                        block_size=self._block_size,
+                        lora_id=None,
+                        medium=kv_events.MEDIUM_CPU,
+                        lora_name=None,
+                    )
+                )
+            elif isinstance(event, BlockRemoved):
+                self._block_tokens.pop(event.block_hash, None)
+                out.append(
+                    kv_events.BlockRemoved(
+                        block_hashes=[event.block_hash], medium=kv_events.MEDIUM_CPU
+                    )
+                )
+            elif isinstance(event, AllBlocksCleared):
+                self._block_tokens.clear()
+                out.append(kv_events.AllBlocksCleared())
+        return out
+
+    # -- observation -------------------------------------------------------------------
+
+    def in_flight_plan_ids(self) -> list[int]:
+        """Plans sent to workers and not reported by all of them yet."""
+        return list(self._tracked)
+
+    def pinned_gpu_block_ids(self) -> list[int]:
+        """GPU blocks referenced by stores in flight (with repetitions)."""
+        return list(
+            itertools.chain.from_iterable(
+                (b.block_id for b in t.pinned_gpu_blocks) for t in self._tracked.values()
+            )
+        )

@@ -1,0 +1,262 @@
+"""KVOffloadConnector against vLLM's real Scheduler on CPU, with a fake model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from harness import (
+    BLOCK_SIZE,
+    Harness,
+    TestConnector,
+    kv_cache_config,
+    make_request,
+    vllm_config,
+)
+
+from kvoffload.errors import ConfigError
+
+
+def prompt(prefix_blocks: int, tail: int, seed: int) -> list[int]:
+    """Shared-prefix tokens (``prefix_blocks`` full blocks) then a distinct tail."""
+    shared = [(7 * i) % 500 + 2 for i in range(prefix_blocks * BLOCK_SIZE)]
+    return shared + [(seed * 31 + i) % 500 + 2 for i in range(tail)]
+
+
+def make(model_dir: Path, *, gpu_blocks: int = 64, world: int = 1, **extra: object) -> Harness:
+    extra.setdefault("num_cpu_blocks", 32)
+    config = vllm_config(
+        model_dir,
+        dict(extra),
+        num_gpu_blocks=gpu_blocks,
+        world_size=world,
+        connector="TestConnector",
+        module="harness",
+    )
+    return Harness(config, kv_cache_config(gpu_blocks), world_size=world)
+
+
+def test_prefix_stored_by_a_is_loaded_by_b_after_gpu_reset(model_dir: Path) -> None:
+    h = make(model_dir)
+    a = make_request("a", prompt(4, 5, seed=1), max_tokens=2)
+    h.run(a)
+    h.settle()
+    h.check()
+    stats = h.side.scheduler.statistics()
+    assert stats.stored_blocks >= 4
+    assert h.scheduler.reset_prefix_cache()  # vLLM's own prefix cache forgets the prefix
+
+    b = make_request("b", prompt(4, 7, seed=2), max_tokens=2)
+    h.scheduler.add_request(b)
+    out = h.step()
+    # Only the tail is computed; the 4 prefix blocks came from the CPU pool.
+    assert out.num_scheduled_tokens["b"] == len(b.prompt_token_ids) - 4 * BLOCK_SIZE
+    assert h.loaded_tokens["b"] == 4 * BLOCK_SIZE
+    assert h.wrong_slots(b) == []
+    layout = h.side.layout
+    worker = h.workers[0].connector.worker_side
+    assert worker is not None
+    assert worker.bytes_loaded == 4 * layout.bytes_per_block
+    assert worker.bytes_stored >= worker.bytes_loaded
+    for _ in range(10):
+        if b.is_finished():
+            break
+        h.step()
+    h.settle()
+    h.check()
+    after = h.side.scheduler.statistics()
+    assert after.loaded_blocks == 4
+    assert after.bytes_loaded == 4 * layout.bytes_per_block
+    assert after.live_requests == 0
+    assert h.side.pinned_gpu_block_ids() == []
+
+
+def test_unknown_setting_is_rejected_by_name(model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="num_cpu_blokcs"):
+        make(model_dir, num_cpu_blokcs=4)
+
+
+def test_two_kv_cache_groups_are_refused(model_dir: Path) -> None:
+    config = vllm_config(model_dir, {"num_cpu_blocks": 8}, num_gpu_blocks=16)
+    with pytest.raises(ConfigError, match="group 1"):
+        Harness(config, kv_cache_config(16, groups=2))
+
+
+@pytest.fixture(autouse=True)
+def _no_injected_failures() -> Iterator[None]:
+    yield
+    TestConnector.fail_kinds = set()
+
+
+def gpu_refs(h: Harness, block_ids: list[int]) -> list[int]:
+    pool = h.scheduler.kv_cache_manager.block_pool
+    return [pool.blocks[i].ref_cnt for i in block_ids]
+
+
+def test_small_cpu_pool_defers_stores_without_evicting_in_flight_blocks(model_dir: Path) -> None:
+    h = make(model_dir, num_cpu_blocks=3)
+    h.workers[0].hold_reports = True  # every store stays in flight
+    a = make_request("a", prompt(6, 3, seed=1), max_tokens=2)
+    h.scheduler.add_request(a)
+    h.step()
+    stats = h.side.scheduler.statistics()
+    assert stats.store_plans == 1
+    assert stats.deferred_blocks == 3  # 6 full blocks computed, 3 CPU blocks
+    assert h.side.pool.num_free == 0
+    h.check()  # in-flight blocks keep their references: nothing evicted, nothing lost
+    for _ in range(3):
+        h.step()
+        h.check()
+        # The pool stays full of the in-flight store; later steps defer again.
+        assert h.side.scheduler.statistics().store_plans == 1
+    h.workers[0].hold_reports = False
+    h.settle()
+    h.check()
+    after = h.side.scheduler.statistics()
+    assert after.stored_blocks >= 3
+    assert after.deferred_steps >= 2
+    assert after.failed_stores == 0
+
+
+def test_preemption_resets_the_store_cursor(model_dir: Path) -> None:
+    h = make(model_dir)
+    sched = h.side.scheduler
+    cursors: list[tuple[int, bool]] = []
+    original = sched.preempt
+
+    def preempt(request_id: str) -> None:
+        original(request_id)
+        state = sched.request_state(request_id)
+        cursors.append((state.num_stored_blocks, state.preempted))
+
+    sched.preempt = preempt  # type: ignore[method-assign]
+    a = make_request("a", prompt(3, 4, seed=3), max_tokens=6)
+    h.scheduler.add_request(a)
+    h.step()
+    assert sched.request_state("a").num_stored_blocks == 3
+    # vLLM's reset refuses while any GPU block is referenced, stores in flight included.
+    h.drain_copies()
+    h.step()
+    assert h.side.pinned_gpu_block_ids() == []
+    assert h.scheduler.reset_prefix_cache(reset_running_requests=True)  # preempts "a"
+    h.step()
+    assert cursors == [(0, True)]
+    # Re-admitted, it rescans from block 0 (its blocks are already on CPU: skipped).
+    assert sched.request_state("a").num_stored_blocks == 3
+    assert h.wrong_slots(a) == []
+    h.check()
+
+
+def test_finished_request_keeps_gpu_blocks_until_its_store_completes(model_dir: Path) -> None:
+    h = make(model_dir)
+    h.workers[0].hold_reports = True
+    a = make_request("a", prompt(4, 3, seed=4), max_tokens=1)
+    h.scheduler.add_request(a)
+    out = h.step()
+    blocks = list(out.scheduled_new_reqs[0].block_ids[0][:4])
+    assert len(blocks) == 4
+    assert a.is_finished()
+    assert "a" not in h.scheduler.requests  # vLLM is done with it...
+    assert all(ref >= 1 for ref in gpu_refs(h, blocks))  # ...but the store still reads these
+    free = h.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    h.drain_copies()
+    h.step()  # the report is held: still pinned
+    assert all(ref >= 1 for ref in gpu_refs(h, blocks))
+    h.workers[0].hold_reports = False
+    h.settle()
+    assert gpu_refs(h, blocks) == [0, 0, 0, 0]
+    assert h.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free + 4
+    assert h.side.pinned_gpu_block_ids() == []
+    h.check()
+
+
+def test_failed_load_makes_vllm_recompute_exactly_those_blocks(model_dir: Path) -> None:
+    h = make(model_dir)
+    a = make_request("a", prompt(4, 5, seed=5), max_tokens=1)
+    h.run(a)
+    h.settle()
+    assert h.scheduler.reset_prefix_cache()
+    # Put block 0 back into vLLM's own cache, so that B hits it locally and loads 1..3.
+    c = make_request("c", prompt(1, 3, seed=11), max_tokens=1)
+    h.run(c)
+    h.settle()
+    TestConnector.fail_kinds = {"load"}
+    b = make_request("b", prompt(4, 9, seed=6), max_tokens=3)
+    h.scheduler.add_request(b)
+    out = h.step()
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 4 * BLOCK_SIZE  # 1 local + 3 loaded
+    assert h.loaded_tokens["b"] == 3 * BLOCK_SIZE
+    assert out.num_scheduled_tokens["b"] == len(b.prompt_token_ids) - 4 * BLOCK_SIZE
+    TestConnector.fail_kinds = set()
+    recomputed = 0
+    for _ in range(5):
+        if b.num_computed_tokens >= len(b.prompt_token_ids):
+            break
+        out = h.step()
+        recomputed += out.num_scheduled_tokens.get("b", 0)
+    # vLLM recomputes from the first block that failed to load: block 0 (its own) is kept.
+    assert recomputed == len(b.prompt_token_ids) - BLOCK_SIZE
+    assert h.wrong_slots(b) == []
+    stats = h.side.scheduler.statistics()
+    assert stats.failed_loads == 1
+    assert h.side.load_failures == 1
+    h.settle()
+    h.check()
+    # The blocks that failed were unpublished: a new lookup stops before them.
+    d = make_request("d", prompt(4, 2, seed=12), max_tokens=1)
+    assert h.side.get_num_new_matched_tokens(d, 0) == (BLOCK_SIZE, False)
+    h.side.scheduler.release("d")
+
+
+def test_abort_mid_load_leaks_nothing(model_dir: Path) -> None:
+    from vllm.v1.request import RequestStatus
+
+    h = make(model_dir)
+    a = make_request("a", prompt(4, 5, seed=7), max_tokens=1)
+    h.run(a)
+    h.settle()
+    assert h.scheduler.reset_prefix_cache()
+    h.workers[0].hold_reports = True  # the load's completion has not reached the scheduler
+    b = make_request("b", prompt(4, 6, seed=8), max_tokens=8)
+    h.scheduler.add_request(b)
+    h.step()
+    assert h.loaded_tokens["b"] == 4 * BLOCK_SIZE
+    assert h.side.in_flight_plan_ids()
+    h.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    h.check()
+    h.workers[0].hold_reports = False
+    h.settle()
+    h.check()
+    sched = h.side.scheduler
+    assert sched.statistics().live_requests == 0
+    assert sched.num_in_flight == 0
+    assert all(h.side.pool.block(i).ref_cnt == 0 for i in range(h.side.pool.num_blocks))
+    assert h.side.pinned_gpu_block_ids() == []
+    pool = h.scheduler.kv_cache_manager.block_pool
+    assert all(block.ref_cnt == 0 for block in pool.blocks if not block.is_null)
+
+
+def test_two_tensor_parallel_workers_publish_only_when_both_finished(model_dir: Path) -> None:
+    h = make(model_dir, world=2)
+    h.workers[1].hold_reports = True  # rank 1 is slower
+    a = make_request("a", prompt(3, 2, seed=9), max_tokens=1)
+    h.run(a)
+    h.drain_copies()
+    h.step()
+    h.step()
+    stats = h.side.scheduler.statistics()
+    assert stats.stored_blocks == 0  # rank 0 finished long ago; rank 1 has not reported
+    assert h.side.in_flight_plan_ids()
+    h.workers[1].hold_reports = False
+    h.settle()
+    assert h.side.scheduler.statistics().stored_blocks == 3
+    # Each rank holds its own shard: a later load brings each rank its own bytes back.
+    assert h.scheduler.reset_prefix_cache()
+    b = make_request("b", prompt(3, 5, seed=10), max_tokens=3)
+    h.scheduler.add_request(b)
+    h.step()
+    assert h.loaded_tokens["b"] == 3 * BLOCK_SIZE
+    assert h.wrong_slots(b) == []
+    h.settle()
+    h.check()
