@@ -14,6 +14,7 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, mo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvoffload.errors import ConfigError, LayoutMismatchError
+from kvoffload.tiers.settings import TierSettings
 
 __all__ = ["DTypeName", "KVLayout", "LayoutKind", "OffloadConfig"]
 
@@ -273,6 +274,12 @@ class OffloadConfig(BaseSettings):
     )
     enable_events: bool = Field(
         default=False, description="Record BlockStored/BlockRemoved events for KV-aware routers."
+    )
+    tiers: tuple[TierSettings, ...] = Field(
+        default=(),
+        max_length=8,
+        description="Secondary tiers below the CPU pool (disk, redis), fastest first; JSON "
+        "in the environment.",
     )
 
     def __init__(self, **values: Any) -> None:
