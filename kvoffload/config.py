@@ -22,6 +22,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvoffload.errors import ConfigError, LayoutMismatchError
+from kvoffload.tiers.settings import TierSettings
 
 __all__ = ["DTypeName", "KVLayout", "LayoutKind", "OffloadConfig"]
 
@@ -314,6 +315,13 @@ class OffloadConfig(BaseSettings):
 
         parse_admission(value)
         return value.strip().lower()
+
+    tiers: tuple[TierSettings, ...] = Field(
+        default=(),
+        max_length=8,
+        description="Secondary tiers below the CPU pool (disk, redis), fastest first; JSON "
+        "in the environment.",
+    )
 
     def __init__(self, **values: Any) -> None:
         try:

@@ -15,7 +15,9 @@ library raised on purpose::
     ├── TransferError                     a copy failed; the cause is chained
     ├── TransferNotFinishedError          result()/exception() asked of a pending transfer
     ├── ClosedError                       an object was used after aclose()
-    └── ForkedProcessError                an object was used in a process forked after it was made
+    ├── ForkedProcessError                an object was used in a process forked after it was made
+    └── TierError                         a secondary tier (disk, Redis) failed or is unreachable
+        └── IntegrityError                a block read from a tier failed its verification
 
 torch and CUDA errors are translated only at the transfer boundary
 (``raise TransferError(...) from exc``); everywhere else they propagate unchanged.
@@ -29,11 +31,13 @@ __all__ = [
     "ConfigError",
     "ForkedProcessError",
     "HostMemoryError",
+    "IntegrityError",
     "InvariantError",
     "KvOffloadError",
     "LayoutMismatchError",
     "OutOfBlocksError",
     "RequestStateError",
+    "TierError",
     "TransferError",
     "TransferNotFinishedError",
     "UnknownRequestError",
@@ -106,3 +110,24 @@ class ClosedError(KvOffloadError):
 
 class ForkedProcessError(KvOffloadError):
     """An object was used in a child process forked after it was created."""
+
+
+class TierError(KvOffloadError):
+    """A secondary tier failed: unreachable, timed out, out of space, or misconfigured.
+
+    Tier errors never reach the engine's step loop: the tier manager counts them, marks
+    the tier unhealthy and retries it with backoff.
+    """
+
+
+class IntegrityError(TierError):
+    """A block read from a tier failed its check (header, namespace, hash, length, checksum).
+
+    Attributes:
+        reason: which check failed (``"header"``, ``"namespace"``, ``"hash"``,
+            ``"length"`` or ``"checksum"``).
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"block failed its {reason} check: {detail}")
+        self.reason = reason

@@ -23,15 +23,16 @@ import torch
 
 from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout, OffloadConfig
-from kvoffload.errors import ClosedError, ForkedProcessError
+from kvoffload.errors import ClosedError, ConfigError, ForkedProcessError
 from kvoffload.hashing import BlockHash, HashNamespace, hash_prompt
 from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
 from kvoffload.request import OffloadRequest
 from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
 from kvoffload.storage.host_buffer import HostKVBuffer
+from kvoffload.tiers.manager import TierManager, TierManagerStatistics, build_tier
 from kvoffload.transfer.cuda_engine import CudaCopyEngine
 from kvoffload.transfer.engine import CopyEngine
-from kvoffload.transfer.plan import TransferPlan
+from kvoffload.transfer.plan import StorePlan, TransferPlan
 from kvoffload.transfer.poller import CompletionPoller, PollerStatistics
 from kvoffload.transfer.task import TransferStatus, TransferTask
 from kvoffload.transfer.thread_engine import ThreadCopyEngine
@@ -80,6 +81,7 @@ class OffloaderStatistics:
     pool: PoolStatistics
     scheduler: SchedulerStatistics
     poller: PollerStatistics
+    tiers: TierManagerStatistics | None = None
 
 
 class _State(enum.Enum):
@@ -153,6 +155,7 @@ class KVOffloader:
         self._tasks: dict[int, TransferTask] = {}
         self._host: HostKVBuffer | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
+        self._tiers: TierManager | None = None
         self._state = _State.CREATED
         self._pid = os.getpid()
 
@@ -181,6 +184,9 @@ class KVOffloader:
             self._task_group = anyio.create_task_group()
             await self._task_group.__aenter__()
             await self._task_group.start(self._poller.run)
+            if self._config.tiers:
+                self._tiers = self._make_tiers()
+                await self._task_group.start(self._tiers.run)
         except BaseException:
             self._state = _State.CLOSING
             await self._shutdown()
@@ -225,6 +231,8 @@ class KVOffloader:
                     await self._engine.aclose()
                 if self._task_group is not None:
                     await self._poller.drain()
+                if self._tiers is not None:
+                    await self._tiers.aclose()
         finally:
             try:
                 if self._task_group is not None:
@@ -236,6 +244,25 @@ class KVOffloader:
                     self._host.close()
                 self._state = _State.CLOSED
                 _log.info("offloader_closed", **_counts(self._scheduler.statistics()))
+
+    def _make_tiers(self) -> TierManager:
+        if self._host is None:
+            raise ConfigError(
+                "tiers need the host buffer this offloader makes; they cannot be used with "
+                "a copy_engine given by the caller"
+            )
+        digest = self._namespace.root
+        nbytes = self._layout.bytes_per_block
+        tiers = [
+            (build_tier(s, i, namespace=digest, block_nbytes=nbytes), s)
+            for i, s in enumerate(self._config.tiers)
+        ]
+        return TierManager(tiers, scheduler=self._scheduler, host=self._host, namespace=digest)
+
+    @property
+    def tiers(self) -> TierManager | None:
+        """The tier manager, when ``config.tiers`` is set (for inspection)."""
+        return self._tiers
 
     def _check(self) -> CopyEngine:
         if os.getpid() != self._pid:
@@ -350,13 +377,23 @@ class KVOffloader:
             ClosedError: not open. ForkedProcessError: used in a forked child.
         """
         self._check()
-        return self._scheduler.lookup(
+        hit = self._scheduler.lookup(
             request_id,
             block_hashes,
             num_tokens,
             num_computed_tokens,
             allow_defer=allow_defer,
             no_read=no_read,
+        )
+        if self._tiers is None or no_read:
+            return hit
+        return self._tiers.after_lookup(
+            request_id,
+            block_hashes,
+            num_tokens,
+            num_computed_tokens,
+            hit,
+            allow_defer=allow_defer,
         )
 
     def load(
@@ -456,6 +493,8 @@ class KVOffloader:
         """
         self._check()
         self._scheduler.reset()
+        if self._tiers is not None:
+            self._tiers.reset()
         for task in self._tasks.values():
             task._abandon()  # the owner's reset is what _abandon is for
         await self._poller.drain()
@@ -467,6 +506,7 @@ class KVOffloader:
             pool=self._pool.statistics(),
             scheduler=self._scheduler.statistics(),
             poller=self._poller.statistics(),
+            tiers=self._tiers.statistics() if self._tiers is not None else None,
         )
 
     def take_events(self) -> list[PoolEvent]:
@@ -490,7 +530,10 @@ class KVOffloader:
     def _on_complete(self, task: TransferTask) -> None:
         self._tasks.pop(task.plan.plan_id, None)
         try:
-            self._scheduler.complete(task, ok=task.status is TransferStatus.DONE)
+            ok = task.status is TransferStatus.DONE
+            self._scheduler.complete(task, ok=ok)
+            if ok and self._tiers is not None and isinstance(task.plan, StorePlan):
+                self._tiers.on_stored(task.plan)
         finally:
             self._pinner.unpin(task.gpu_block_ids)
 

@@ -13,7 +13,7 @@ flight holds a reference, so it is never evicted to make room (DESIGN.md invaria
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar, final, overload
 
@@ -189,6 +189,7 @@ class OffloadScheduler:
         self._plans: dict[int, _InFlight] = {}
         self._live_refs: dict[BlockHash, int] = {}
         self._restore_needed = False
+        self._ref_holders: list[Callable[[], Mapping[int, int]]] = []
         self._plan_ids = itertools.count()
         self._epoch = 0
         self._lookups = 0
@@ -230,6 +231,15 @@ class OffloadScheduler:
     def num_in_flight(self) -> int:
         """Transfers planned and not yet completed."""
         return len(self._plans)
+
+    def add_ref_holder(self, holder: Callable[[], Mapping[int, int]]) -> None:
+        """Count references taken outside the scheduler in `check_invariants()`.
+
+        Args:
+            holder: returns CPU block id → references it holds now (the tier manager's
+                write-downs and promotions).
+        """
+        self._ref_holders.append(holder)
 
     def request_state(self, request_id: str) -> RequestOffloadState:
         """The state kept for ``request_id`` (read it, do not change it).
@@ -806,6 +816,9 @@ class OffloadScheduler:
                         f"ref_cnt {block.ref_cnt}"
                     )
                 expected_refs[block.block_id] = expected_refs.get(block.block_id, 0) + 1
+        for holder in self._ref_holders:
+            for block_id, n in holder().items():
+                expected_refs[block_id] = expected_refs.get(block_id, 0) + n
         live_refs: dict[BlockHash, int] = {}
         for rid, state in self._requests.items():
             if state.request_id != rid:

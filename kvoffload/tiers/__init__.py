@@ -1,0 +1,36 @@
+"""Secondary tiers below the CPU pool: a local disk file and a shared Redis.
+
+Blocks cascade down from the CPU pool once their store completed, and are promoted back
+into CPU blocks when a lookup finds them only in a tier. See ``docs/tiers.md``.
+"""
+
+from __future__ import annotations
+
+from kvoffload.tiers.base import BlockRead, BlockWrite, SecondaryTier
+from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.format import HEADER_SIZE, BlockHeader, encode_header, verify_block
+from kvoffload.tiers.manager import (
+    TierManager,
+    TierManagerStatistics,
+    TierStatistics,
+    build_tier,
+)
+from kvoffload.tiers.settings import DiskTierSettings, RedisTierSettings, TierSettings
+
+__all__ = [
+    "HEADER_SIZE",
+    "BlockHeader",
+    "BlockRead",
+    "BlockWrite",
+    "DiskTier",
+    "DiskTierSettings",
+    "RedisTierSettings",
+    "SecondaryTier",
+    "TierManager",
+    "TierManagerStatistics",
+    "TierSettings",
+    "TierStatistics",
+    "build_tier",
+    "encode_header",
+    "verify_block",
+]

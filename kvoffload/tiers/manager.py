@@ -1,0 +1,887 @@
+"""`TierManager`: cascades stored CPU blocks down to the tiers and promotes them back.
+
+Decisions are synchronous and made on the event loop thread, like the scheduler's: which
+blocks to write down (and which to skip because a tier's queue is full or the tier is
+unhealthy), which lookups start a promotion, which CPU blocks a promotion may take. Bytes
+move in tasks of the manager's own task group: one or more writers and one health loop per
+tier, and one task per promotion.
+
+The rules, extending DESIGN.md's invariants to tiers:
+
+* A CPU block queued for or being written to a tier holds a reference (invariant 2), so
+  it is neither evicted nor reused while a write reads it; each tier holds at most
+  ``max_queued_writes`` such blocks, and write-downs beyond that are skipped and counted.
+* A promotion allocates its CPU blocks like a store: only free blocks, never one with a
+  copy in flight, and never the blocks of the prefix it extends. If none is free it is
+  skipped (the lookup is answered from the CPU pool).
+* Every block read from a tier is checked by `verify_block()` before it is published; a
+  block that fails is a miss, is deleted from its tier and is counted (invariant 3).
+* Reads (promotions) take precedence over write-downs: a write waits while a read waits,
+  and writes never fill a tier's last operation slot.
+* A tier error (refused connection, timeout, I/O error ...) marks the tier unhealthy;
+  write-downs to it are skipped, lookups ignore it, and it is pinged with exponential
+  backoff until it answers. No tier error reaches the engine's step loop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, final
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+
+from kvoffload._logging import get_logger
+from kvoffload.errors import ConfigError, IntegrityError, InvariantError
+from kvoffload.hashing import BlockHash
+from kvoffload.tiers.base import BlockRead, BlockWrite, SecondaryTier
+from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.format import encode_header, verify_block
+from kvoffload.tiers.settings import DiskTierSettings, RedisTierSettings
+
+if TYPE_CHECKING:
+    from kvoffload.pool.block_pool import CpuBlockPool
+    from kvoffload.pool.free_queue import CpuBlock
+    from kvoffload.scheduler import OffloadScheduler
+    from kvoffload.storage.host_buffer import HostKVBuffer
+    from kvoffload.tiers.settings import TierSettings
+    from kvoffload.transfer.plan import StorePlan
+
+__all__ = ["TierManager", "TierManagerStatistics", "TierStatistics", "build_tier"]
+
+_log = get_logger("tiers")
+
+_ABSENT_TTL_S = 1.0
+"""How long a probe that found nothing keeps lookups from probing the same block again."""
+_ABSENT_MAX = 4096
+_PROMOTION_MAX_BLOCKS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class TierStatistics:
+    """Counters of one tier, as the manager saw it.
+
+    Attributes:
+        name: the tier's name.
+        kind: ``"disk"``, ``"redis"`` or the class name of a custom tier.
+        healthy: whether the tier is in use now.
+        blocks_written: blocks the tier reported stored.
+        bytes_written: their payload bytes.
+        writes_skipped_full: write-downs skipped because the queue was full (back-pressure).
+        writes_skipped_unhealthy: write-downs skipped (or dropped from the queue) because
+            the tier was unhealthy.
+        writes_failed: blocks of write operations that failed.
+        writes_held: write-downs queued or running now (each holds a CPU block).
+        max_writes_held: the most ever held at once (never above ``max_queued_writes``).
+        blocks_read: blocks read and verified.
+        bytes_read: their payload bytes.
+        blocks_promoted: of those, blocks published into the CPU pool.
+        read_misses: blocks the probe found but the read did not (evicted meanwhile).
+        failed_checks: blocks that failed verification (deleted from the tier).
+        errors: operations that failed (each also marks the tier unhealthy).
+        unhealthy_events: times the tier went from healthy to unhealthy.
+        recoveries: times it came back.
+        write_seconds: total time of write operations.
+        read_seconds: total time of read operations.
+        last_error: the last error's message ("" if none).
+        details: the tier's own figures (`SecondaryTier.statistics()`).
+    """
+
+    name: str
+    kind: str
+    healthy: bool
+    blocks_written: int
+    bytes_written: int
+    writes_skipped_full: int
+    writes_skipped_unhealthy: int
+    writes_failed: int
+    writes_held: int
+    max_writes_held: int
+    blocks_read: int
+    bytes_read: int
+    blocks_promoted: int
+    read_misses: int
+    failed_checks: int
+    errors: int
+    unhealthy_events: int
+    recoveries: int
+    write_seconds: float
+    read_seconds: float
+    last_error: str
+    details: Mapping[str, int | float | str | bool]
+
+
+@dataclass(frozen=True, slots=True)
+class TierManagerStatistics:
+    """Counters of a `TierManager`.
+
+    Attributes:
+        tiers: one entry per tier, in order.
+        promotions: promotion jobs started by lookups.
+        promotions_no_space: promotions that found blocks but no free CPU block.
+        deferred_lookups: lookups answered ``None`` because a promotion was in flight.
+        promotions_in_flight: promotion jobs running now.
+        refs_held: CPU block references the manager holds now.
+    """
+
+    tiers: tuple[TierStatistics, ...]
+    promotions: int
+    promotions_no_space: int
+    deferred_lookups: int
+    promotions_in_flight: int
+    refs_held: int
+
+
+@final
+class _PriorityGate:
+    """At most ``limit`` operations at once; reads go first and writes leave one slot free."""
+
+    __slots__ = ("_active", "_limit", "_reads_waiting", "_waiters")
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._active = 0
+        self._reads_waiting = 0
+        self._waiters: list[anyio.Event] = []
+
+    def _can(self, read: bool) -> bool:
+        if read:
+            return self._active < self._limit
+        write_limit = self._limit - 1 if self._limit > 1 else 1
+        return self._reads_waiting == 0 and self._active < write_limit
+
+    async def acquire(self, read: bool) -> None:
+        if read:
+            self._reads_waiting += 1
+        try:
+            while not self._can(read):
+                event = anyio.Event()
+                self._waiters.append(event)
+                try:
+                    await event.wait()
+                finally:
+                    if event in self._waiters:
+                        self._waiters.remove(event)
+        finally:
+            if read:
+                self._reads_waiting -= 1
+        self._active += 1
+        if read:
+            self._wake()  # a write may have been held back only by this read waiting
+
+    def release(self) -> None:
+        self._active -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for event in waiters:
+            event.set()
+
+
+@dataclass(slots=True, eq=False)
+class _Tier:
+    tier: SecondaryTier
+    kind: str
+    max_queued: int
+    max_batch: int
+    timeout_s: float
+    retry_initial_s: float
+    retry_max_s: float
+    gate: _PriorityGate
+    queue: deque[CpuBlock] = field(default_factory=deque)
+    wake: anyio.Event = field(default_factory=anyio.Event)
+    sick: anyio.Event = field(default_factory=anyio.Event)
+    opened: bool = False
+    healthy: bool = False
+    backoff_s: float = 0.0
+    retry_at: float = 0.0
+    held: int = 0
+    max_held: int = 0
+    blocks_written: int = 0
+    bytes_written: int = 0
+    skipped_full: int = 0
+    skipped_unhealthy: int = 0
+    writes_failed: int = 0
+    blocks_read: int = 0
+    bytes_read: int = 0
+    promoted: int = 0
+    read_misses: int = 0
+    failed_checks: int = 0
+    errors: int = 0
+    unhealthy_events: int = 0
+    recoveries: int = 0
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
+    last_error: str = ""
+
+
+@dataclass(slots=True, eq=False)
+class _Promotion:
+    hashes: tuple[BlockHash, ...]
+    protect: tuple[CpuBlock, ...]
+    epoch: int
+
+
+def build_tier(
+    settings: TierSettings, index: int, *, namespace: bytes, block_nbytes: int
+) -> SecondaryTier:
+    """Make the tier that ``settings`` describes (not opened yet).
+
+    Args:
+        settings: one entry of ``OffloadConfig.tiers``.
+        index: its position (names it when ``settings.name`` is unset).
+        namespace: the 32-byte namespace digest.
+        block_nbytes: bytes of one CPU block.
+
+    Raises:
+        ConfigError: the settings do not fit (a disk capacity below one slot), or the
+            Redis extra is not installed.
+    """
+    name = settings.name or f"{settings.kind}{index}"
+    if isinstance(settings, DiskTierSettings):
+        return DiskTier(
+            settings.path,
+            int(settings.capacity_bytes),
+            block_nbytes=block_nbytes,
+            namespace=namespace,
+            persist=settings.persist,
+            direct_io=settings.direct_io,
+            name=name,
+            io_threads=settings.max_in_flight,
+        )
+    if isinstance(settings, RedisTierSettings):
+        try:
+            from kvoffload.tiers.redis import RedisTier  # noqa: PLC0415 - optional extra
+        except ImportError as exc:
+            raise ConfigError(
+                f"tiers[{index}] ({name!r}): the redis tier needs the redis extra: "
+                f"pip install 'kvoffload[redis]' ({exc})"
+            ) from exc
+        return RedisTier(
+            settings.url,
+            block_nbytes=block_nbytes,
+            namespace=namespace,
+            key_prefix=settings.key_prefix,
+            ttl_s=settings.ttl_s,
+            max_connections=settings.max_in_flight,
+            name=name,
+        )
+    raise ConfigError(f"tiers[{index}]: unknown tier settings {settings!r}")  # pragma: no cover
+
+
+@final
+class TierManager:
+    """Moves blocks between the CPU pool and the secondary tiers.
+
+    Built and driven by `KVOffloader` when ``OffloadConfig.tiers`` is set; tests may build
+    one directly around their own tiers.
+
+    Args:
+        tiers: ``(tier, settings)`` pairs, in lookup order (fastest first).
+        scheduler: the offloader's scheduler (its pool's references are shared; the
+            manager registers the ones it holds for ``check_invariants``).
+        host: the host buffer whose blocks are read and written.
+        namespace: the 32-byte namespace digest written into every block header.
+
+    Call `run()` through ``task_group.start`` and `aclose()` before the host buffer is
+    freed. The synchronous methods must be called on the event loop thread.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[tuple[SecondaryTier, DiskTierSettings | RedisTierSettings]],
+        *,
+        scheduler: OffloadScheduler,
+        host: HostKVBuffer,
+        namespace: bytes,
+    ) -> None:
+        self._scheduler = scheduler
+        self._pool: CpuBlockPool = scheduler.pool
+        self._block_size = scheduler.config.block_size
+        self._namespace = namespace
+        self._nbytes = host.layout.bytes_per_block
+        raw = host.raw
+        buffer = (ctypes.c_ubyte * (raw.numel() * raw.element_size())).from_address(raw.data_ptr())
+        self._host = host  # keeps the memory the view below points at alive
+        self._memory = memoryview(buffer).cast("B")
+        self._tiers = [
+            _Tier(
+                tier=tier,
+                kind=getattr(s, "kind", type(tier).__name__),
+                max_queued=s.max_queued_writes,
+                max_batch=s.max_batch_blocks,
+                timeout_s=s.op_timeout_s,
+                retry_initial_s=s.retry_initial_s,
+                retry_max_s=max(s.retry_max_s, s.retry_initial_s),
+                gate=_PriorityGate(s.max_in_flight),
+            )
+            for tier, s in tiers
+        ]
+        self._refs: dict[int, int] = {}
+        self._jobs: dict[BlockHash, _Promotion] = {}
+        self._num_jobs = 0
+        self._absent: OrderedDict[BlockHash, float] = OrderedDict()
+        self._landed: OrderedDict[BlockHash, CpuBlock] = OrderedDict()
+        self._epoch = 0
+        self._promotions = 0
+        self._no_space = 0
+        self._deferred_lookups = 0
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._stopped = anyio.Event()
+        self._closing = False
+        scheduler.add_ref_holder(self.held_refs)
+
+    def __repr__(self) -> str:
+        names = ",".join(t.tier.name for t in self._tiers)
+        return f"TierManager(tiers=[{names}], refs={sum(self._refs.values())})"
+
+    @property
+    def tiers(self) -> tuple[SecondaryTier, ...]:
+        """The tiers, in lookup order."""
+        return tuple(t.tier for t in self._tiers)
+
+    def block_view(self, block_id: int) -> memoryview:
+        """The bytes of CPU block ``block_id`` (no copy)."""
+        n = self._nbytes
+        return self._memory[block_id * n : (block_id + 1) * n]
+
+    # -- references ------------------------------------------------------------------------
+
+    def held_refs(self) -> Mapping[int, int]:
+        """CPU block id → references the manager holds (for ``check_invariants``)."""
+        return self._refs
+
+    def _hold(self, blocks: Sequence[CpuBlock], *, taken: bool = False) -> None:
+        if not taken:
+            self._pool.touch(blocks)
+        refs = self._refs
+        for block in blocks:
+            refs[block.block_id] = refs.get(block.block_id, 0) + 1
+
+    def _unhold(self, blocks: Sequence[CpuBlock]) -> None:
+        refs = self._refs
+        for block in blocks:
+            left = refs[block.block_id] - 1
+            if left:
+                refs[block.block_id] = left
+            else:
+                del refs[block.block_id]
+        self._pool.free(blocks)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Open the tiers and run the writers and health loops until `aclose()`.
+
+        A tier that cannot be opened starts unhealthy and is retried with backoff.
+        """
+        try:
+            async with anyio.create_task_group() as tg:
+                self._task_group = tg
+                for t in self._tiers:
+                    try:
+                        with anyio.fail_after(t.timeout_s):
+                            await t.tier.open()
+                    except Exception as exc:
+                        self._fault(t, exc, "open")
+                    else:
+                        t.opened = t.healthy = True
+                    tg.start_soon(self._health_loop, t)
+                    for _ in range(max(1, t.gate._limit - 1)):
+                        tg.start_soon(self._writer, t)
+                task_status.started()
+        finally:
+            self._task_group = None
+            with anyio.CancelScope(shield=True):
+                self._drop_all_queues()
+                for t in self._tiers:
+                    try:
+                        await t.tier.close()
+                    except Exception as exc:
+                        _log.warning("tier_close_failed", tier=t.tier.name, error=repr(exc))
+            self._stopped.set()
+
+    async def aclose(self) -> None:
+        """Stop: drop queued write-downs, end running operations, close the tiers.
+
+        Shielded; safe to call more than once. References the manager held are all
+        released on return.
+        """
+        self._closing = True
+        self._drop_all_queues()
+        tg = self._task_group
+        if tg is not None:
+            tg.cancel_scope.cancel()
+            with anyio.CancelScope(shield=True):
+                await self._stopped.wait()
+
+    def _drop_all_queues(self) -> None:
+        for t in self._tiers:
+            self._drop_queue(t)
+
+    def _drop_queue(self, t: _Tier) -> int:
+        dropped = list(t.queue)
+        t.queue.clear()
+        t.held -= len(dropped)
+        if dropped:
+            self._unhold(dropped[::-1])
+        return len(dropped)
+
+    def reset(self) -> None:
+        """The CPU cache was reset: promotions in flight publish nothing."""
+        self._epoch += 1
+        self._absent.clear()
+        self._landed.clear()
+
+    # -- health ----------------------------------------------------------------------------
+
+    def _fault(self, t: _Tier, exc: BaseException, op: str) -> None:
+        t.errors += 1
+        t.last_error = f"{op}: {type(exc).__name__}: {exc}"
+        now = time.monotonic()
+        if t.healthy or not t.backoff_s:
+            t.backoff_s = t.retry_initial_s
+        else:
+            t.backoff_s = min(t.backoff_s * 2, t.retry_max_s)
+        t.retry_at = now + t.backoff_s
+        if t.healthy:
+            t.healthy = False
+            t.unhealthy_events += 1
+            _log.warning(
+                "tier_unhealthy",
+                tier=t.tier.name,
+                op=op,
+                error=t.last_error,
+                retry_in_s=round(t.backoff_s, 3),
+            )
+        t.sick.set()
+        t.skipped_unhealthy += self._drop_queue(t)
+
+    async def _health_loop(self, t: _Tier) -> None:
+        while True:
+            if t.healthy:
+                await t.sick.wait()
+                t.sick = anyio.Event()
+                continue
+            await anyio.sleep(max(0.0, t.retry_at - time.monotonic()))
+            try:
+                with anyio.fail_after(t.timeout_s):
+                    if t.opened:
+                        await t.tier.ping()
+                    else:
+                        await t.tier.open()
+            except Exception as exc:
+                self._fault(t, exc, "ping" if t.opened else "open")
+                continue
+            t.opened = t.healthy = True
+            t.backoff_s = 0.0
+            t.recoveries += 1
+            t.sick = anyio.Event()
+            _log.info("tier_recovered", tier=t.tier.name)
+
+    # -- cascade on store -------------------------------------------------------------------
+
+    def on_stored(self, plan: StorePlan) -> None:
+        """A CPU store completed: queue its newly published blocks for every tier.
+
+        Each queued block takes a reference. A full queue or an unhealthy tier skips the
+        block for that tier (counted); nothing waits.
+        """
+        if self._closing or not self._tiers:
+            return
+        get_cached = self._pool.get_cached
+        blocks = []
+        for block_id, block_hash in zip(plan.cpu_block_ids, plan.block_hashes, strict=True):
+            block = get_cached(block_hash)
+            if block is not None and block.block_id == block_id:
+                blocks.append(block)
+                self._absent.pop(block_hash, None)
+        if not blocks:
+            return
+        for t in self._tiers:
+            if not t.healthy:
+                t.skipped_unhealthy += len(blocks)
+                continue
+            room = max(0, t.max_queued - t.held)
+            take = blocks[:room]
+            t.skipped_full += len(blocks) - len(take)
+            if not take:
+                continue
+            self._hold(take)
+            t.queue.extend(take)
+            t.held += len(take)
+            t.max_held = max(t.max_held, t.held)
+            t.wake.set()
+
+    async def _writer(self, t: _Tier) -> None:
+        while True:
+            while not t.queue:
+                t.wake = anyio.Event()
+                await t.wake.wait()
+            batch = [t.queue.popleft() for _ in range(min(t.max_batch, len(t.queue)))]
+            try:
+                await self._write(t, batch)
+            finally:
+                t.held -= len(batch)
+                self._unhold(batch[::-1])
+
+    async def _write(self, t: _Tier, batch: list[CpuBlock]) -> None:
+        hashes: list[BlockHash] = []
+        views: list[memoryview] = []
+        for block in batch:
+            # A reference is held, so the block cannot be reused; it can be unpublished
+            # (a reset, a failed load) - then it is not written.
+            if block.block_hash is not None:
+                hashes.append(block.block_hash)
+                views.append(self.block_view(block.block_id))
+        if not hashes:
+            return
+        namespace = self._namespace
+
+        def headers() -> list[bytes]:
+            return [encode_header(namespace, h, v) for h, v in zip(hashes, views, strict=True)]
+
+        await t.gate.acquire(read=False)
+        start = time.perf_counter()
+        try:
+            if not t.healthy:
+                t.skipped_unhealthy += len(hashes)
+                return
+            with anyio.fail_after(t.timeout_s):
+                encoded = await anyio.to_thread.run_sync(headers)
+                writes = [
+                    BlockWrite(h, e, v) for h, e, v in zip(hashes, encoded, views, strict=True)
+                ]
+                stored = await t.tier.put(writes)
+        except Exception as exc:
+            t.writes_failed += len(hashes)
+            self._fault(t, exc, "put")
+        else:
+            t.blocks_written += stored
+            t.bytes_written += stored * self._nbytes
+        finally:
+            t.write_seconds += time.perf_counter() - start
+            t.gate.release()
+
+    # -- promotion on lookup ----------------------------------------------------------------
+
+    def after_lookup(
+        self,
+        request_id: str,
+        block_hashes: Sequence[BlockHash],
+        num_tokens: int,
+        num_computed_tokens: int,
+        hit_tokens: int | None,
+        *,
+        allow_defer: bool,
+    ) -> int | None:
+        """Extend a CPU lookup with the tiers: start a promotion of what follows the hit.
+
+        Args:
+            request_id: the request the scheduler just looked up (its hit is pinned).
+            block_hashes, num_tokens, num_computed_tokens: the lookup's arguments.
+            hit_tokens: the scheduler's answer.
+            allow_defer: answer ``None`` (releasing the pin) while a promotion of the
+                block after the hit is in flight.
+
+        Returns:
+            ``hit_tokens``, or ``None`` as above.
+        """
+        if hit_tokens is None or not self._tiers or self._task_group is None or self._closing:
+            return hit_tokens
+        bs = self._block_size
+        start = num_computed_tokens // bs
+        end = start + hit_tokens // bs
+        limit = min(len(block_hashes), (num_tokens - 1) // bs) if num_tokens else 0
+        for block_hash in block_hashes[start:end]:
+            self._landed.pop(block_hash, None)
+        if end >= limit:
+            return hit_tokens
+        first = block_hashes[end]
+        job = self._jobs.get(first)
+        if job is None and not self._is_absent(first) and any(t.healthy for t in self._tiers):
+            state = self._scheduler.request_state(request_id)
+            job = _Promotion(
+                hashes=tuple(block_hashes[end : min(limit, end + _PROMOTION_MAX_BLOCKS)]),
+                protect=tuple(state.pinned),
+                epoch=self._epoch,
+            )
+            for block_hash in job.hashes:
+                self._jobs.setdefault(block_hash, job)
+            self._promotions += 1
+            self._num_jobs += 1
+            self._task_group.start_soon(self._promote, job)
+        if job is not None and allow_defer:
+            self._scheduler.release(request_id)
+            self._deferred_lookups += 1
+            return None
+        return hit_tokens
+
+    def is_promoting(self, block_hash: BlockHash) -> bool:
+        """Whether a promotion covering ``block_hash`` is in flight."""
+        return block_hash in self._jobs
+
+    def _is_absent(self, block_hash: BlockHash) -> bool:
+        expiry = self._absent.get(block_hash)
+        if expiry is None:
+            return False
+        if expiry > time.monotonic():
+            return True
+        del self._absent[block_hash]
+        return False
+
+    def _mark_absent(self, block_hash: BlockHash) -> None:
+        self._absent[block_hash] = time.monotonic() + _ABSENT_TTL_S
+        self._absent.move_to_end(block_hash)
+        while len(self._absent) > _ABSENT_MAX:
+            self._absent.popitem(last=False)
+
+    async def _promote(self, job: _Promotion) -> None:
+        blocks: list[CpuBlock] = []
+        try:
+            sources = await self._probe(job.hashes)
+            run = sources[-1][2] if sources else 0
+            if run == 0:
+                self._mark_absent(job.hashes[0])
+                return
+            if job.epoch != self._epoch or self._closing:
+                return
+            blocks, wanted = self._allocate(job, run)
+            if not blocks:
+                return
+            ok = await self._read_into(sources, wanted, blocks)
+            if job.epoch != self._epoch or self._closing:
+                return
+            pool = self._pool
+            for (i, block_hash), block, good in zip(wanted, blocks, ok, strict=True):
+                if good and pool.publish(block, block_hash):
+                    self._landed[block_hash] = block
+                    self._tier_of(sources, i).promoted += 1
+            while len(self._landed) > max(1, self._pool.num_blocks // 4):
+                self._landed.popitem(last=False)
+        finally:
+            for block_hash in job.hashes:
+                if self._jobs.get(block_hash) is job:
+                    del self._jobs[block_hash]
+            self._num_jobs -= 1
+            if blocks:
+                self._unhold(blocks[::-1])
+
+    @staticmethod
+    def _tier_of(sources: list[tuple[_Tier, int, int]], i: int) -> _Tier:
+        for t, lo, hi in sources:
+            if lo <= i < hi:
+                return t
+        raise IndexError(i)  # pragma: no cover - wanted blocks all lie in a source
+
+    async def _probe(self, hashes: tuple[BlockHash, ...]) -> list[tuple[_Tier, int, int]]:
+        """Find, tier by tier, the leading run of ``hashes`` the tiers hold together."""
+        sources: list[tuple[_Tier, int, int]] = []
+        run = 0
+        progress = True
+        while progress and run < len(hashes):
+            progress = False
+            for t in self._tiers:
+                if not t.healthy or run >= len(hashes):
+                    continue
+                await t.gate.acquire(read=True)
+                try:
+                    with anyio.fail_after(t.timeout_s):
+                        k = await t.tier.exists(hashes[run:])
+                except Exception as exc:
+                    self._fault(t, exc, "exists")
+                    continue
+                finally:
+                    t.gate.release()
+                k = max(0, min(k, len(hashes) - run))
+                if k:
+                    sources.append((t, run, run + k))
+                    run += k
+                    progress = True
+        return sources
+
+    def _allocate(
+        self, job: _Promotion, run: int
+    ) -> tuple[list[CpuBlock], list[tuple[int, BlockHash]]]:
+        """Take free CPU blocks for the part of the run not cached yet (deferring, never
+        evicting a referenced block, the prefix being extended or a block just promoted)."""
+        pool = self._pool
+        wanted = [(i, h) for i, h in enumerate(job.hashes[:run]) if not pool.is_cached(h)]
+        if not wanted:
+            return [], []
+        protect = {b for b in job.protect if b.block_hash is not None}
+        protect.update(b for h, b in self._landed.items() if b.block_hash == h)
+        available = pool.num_free - sum(1 for b in protect if b.ref_cnt == 0)
+        if available <= 0:
+            self._no_space += 1
+            _log.debug("promotion_deferred", blocks=len(wanted), free=pool.num_free)
+            return [], []
+        wanted = wanted[:available]
+        blocks = pool.allocate(len(wanted), protect=protect)
+        self._hold(blocks, taken=True)
+        return blocks, wanted
+
+    async def _read_into(
+        self,
+        sources: list[tuple[_Tier, int, int]],
+        wanted: list[tuple[int, BlockHash]],
+        blocks: list[CpuBlock],
+    ) -> list[bool]:
+        ok = [False] * len(wanted)
+        for t, lo, hi in sources:
+            picks = [j for j, (i, _) in enumerate(wanted) if lo <= i < hi]
+            for at in range(0, len(picks), t.max_batch):
+                chunk = picks[at : at + t.max_batch]
+                if not t.healthy:
+                    break
+                hashes = [wanted[j][1] for j in chunk]
+                views = [self.block_view(blocks[j].block_id) for j in chunk]
+                for j, good in zip(chunk, await self._read_chunk(t, hashes, views), strict=True):
+                    ok[j] = good
+        return ok
+
+    async def _read_chunk(
+        self, t: _Tier, hashes: list[BlockHash], views: list[memoryview]
+    ) -> list[bool]:
+        await t.gate.acquire(read=True)
+        start = time.perf_counter()
+        try:
+            with anyio.fail_after(t.timeout_s):
+                reads = await t.tier.get(hashes, views)
+        except Exception as exc:
+            self._fault(t, exc, "get")
+            return [False] * len(hashes)
+        finally:
+            t.read_seconds += time.perf_counter() - start
+            t.gate.release()
+        reasons = await anyio.to_thread.run_sync(self._verify_all, hashes, views, reads)
+        good: list[bool] = []
+        bad: list[BlockHash] = []
+        for block_hash, reason in zip(hashes, reasons, strict=True):
+            if reason is None:
+                t.blocks_read += 1
+                t.bytes_read += self._nbytes
+                good.append(True)
+                continue
+            good.append(False)
+            if reason == "miss":
+                t.read_misses += 1
+                continue
+            t.failed_checks += 1
+            bad.append(block_hash)
+            _log.warning(
+                "tier_block_rejected",
+                tier=t.tier.name,
+                block_hash=block_hash.hex()[:16],
+                reason=reason,
+            )
+        if bad:
+            await t.gate.acquire(read=True)
+            try:
+                with anyio.fail_after(t.timeout_s):
+                    await t.tier.delete(bad)
+            except Exception as exc:
+                self._fault(t, exc, "delete")
+            finally:
+                t.gate.release()
+        return good
+
+    def _verify_all(
+        self,
+        hashes: list[BlockHash],
+        views: list[memoryview],
+        reads: list[BlockRead | None],
+    ) -> list[str | None]:
+        if len(reads) != len(hashes):
+            return ["length"] * len(hashes)
+        reasons: list[str | None] = []
+        for block_hash, view, read in zip(hashes, views, reads, strict=True):
+            if read is None:
+                reasons.append("miss")
+                continue
+            try:
+                verify_block(
+                    read.header,
+                    namespace=self._namespace,
+                    block_hash=block_hash,
+                    expected_length=self._nbytes,
+                    received_length=read.payload_length,
+                    payload=view,
+                )
+            except IntegrityError as exc:
+                reasons.append(exc.reason)
+            else:
+                reasons.append(None)
+        return reasons
+
+    # -- observation -------------------------------------------------------------------------
+
+    def statistics(self) -> TierManagerStatistics:
+        """A snapshot of every tier's counters and the promotion counters."""
+        return TierManagerStatistics(
+            tiers=tuple(
+                TierStatistics(
+                    name=t.tier.name,
+                    kind=t.kind,
+                    healthy=t.healthy,
+                    blocks_written=t.blocks_written,
+                    bytes_written=t.bytes_written,
+                    writes_skipped_full=t.skipped_full,
+                    writes_skipped_unhealthy=t.skipped_unhealthy,
+                    writes_failed=t.writes_failed,
+                    writes_held=t.held,
+                    max_writes_held=t.max_held,
+                    blocks_read=t.blocks_read,
+                    bytes_read=t.bytes_read,
+                    blocks_promoted=t.promoted,
+                    read_misses=t.read_misses,
+                    failed_checks=t.failed_checks,
+                    errors=t.errors,
+                    unhealthy_events=t.unhealthy_events,
+                    recoveries=t.recoveries,
+                    write_seconds=t.write_seconds,
+                    read_seconds=t.read_seconds,
+                    last_error=t.last_error,
+                    details=dict(t.tier.statistics()),
+                )
+                for t in self._tiers
+            ),
+            promotions=self._promotions,
+            promotions_no_space=self._no_space,
+            deferred_lookups=self._deferred_lookups,
+            promotions_in_flight=self._num_jobs,
+            refs_held=sum(self._refs.values()),
+        )
+
+    def check_invariants(self) -> None:
+        """Check the manager's own bookkeeping (queues within bounds, refs consistent).
+
+        Raises:
+            InvariantError: naming the breach.
+        """
+        queued: dict[int, int] = {}
+        for t in self._tiers:
+            if t.held > t.max_queued or t.held < len(t.queue):
+                raise InvariantError(
+                    f"tier {t.tier.name!r}: {t.held} write-downs held, {len(t.queue)} queued, "
+                    f"bound {t.max_queued}"
+                )
+            for block in t.queue:
+                queued[block.block_id] = queued.get(block.block_id, 0) + 1
+        for block_id, n in queued.items():
+            if self._refs.get(block_id, 0) < n:
+                raise InvariantError(f"queued block {block_id} holds fewer refs than queued")
+        for block_id, n in self._refs.items():
+            if n < 1 or self._pool.block(block_id).ref_cnt < n:
+                raise InvariantError(
+                    f"tier manager holds {n} refs on block {block_id} with ref_cnt "
+                    f"{self._pool.block(block_id).ref_cnt}"
+                )

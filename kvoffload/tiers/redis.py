@@ -1,0 +1,214 @@
+"""`RedisTier`: one key per block on a Redis or Valkey server (``kvoffload[redis]``).
+
+A block is one value: the 96-byte header (format version, namespace digest, block hash,
+payload length, checksum) followed by the payload, written with a single ``SET`` so a
+reader sees the whole old value or the whole new one, never half a block. Keys are
+``<key_prefix><namespace digest, 16 hex>:<block hash, 64 hex>``; several blocks move in one
+pipeline. Expiry is ``ttl_s`` or the server's ``maxmemory`` policy; a missing key is a
+miss. Runs on asyncio (``redis.asyncio`` with the hiredis parser).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, final
+from urllib.parse import urlsplit, urlunsplit
+
+import anyio
+import anyio.to_thread
+
+try:
+    import redis.asyncio as aioredis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+except ImportError as exc:  # pragma: no cover - exercised without the extra
+    raise ImportError(
+        "kvoffload.tiers.redis needs the redis extra: pip install 'kvoffload[redis]'"
+    ) from exc
+
+from kvoffload.errors import TierError
+from kvoffload.hashing import BlockHash
+from kvoffload.tiers.base import BlockRead, BlockWrite
+from kvoffload.tiers.format import HEADER_SIZE
+
+__all__ = ["RedisTier"]
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+@final
+class RedisTier:
+    """A `SecondaryTier` on a Redis 7 or Valkey server.
+
+    Args:
+        url: ``redis://host:port/db`` (``rediss://`` and ``unix://`` too).
+        block_nbytes: size of one block's payload.
+        namespace: the 32-byte namespace digest (part of every key).
+        key_prefix: prefix of every key.
+        ttl_s: expiry of each key in seconds (``None``: none).
+        max_connections: connections in the pool (one per operation in flight).
+        name: the name in statistics and logs.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        block_nbytes: int,
+        namespace: bytes,
+        key_prefix: str = "kvoffload:",
+        ttl_s: int | None = None,
+        max_connections: int = 8,
+        name: str = "redis",
+    ) -> None:
+        self._url = url
+        self._nbytes = block_nbytes
+        self._prefix = f"{key_prefix}{namespace.hex()[:16]}:".encode()
+        self._ttl = ttl_s
+        self._max_connections = max_connections
+        self._name = name
+        self._client: aioredis.Redis | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"RedisTier(name={self._name!r}, url={_redact(self._url)!r})"
+
+    @property
+    def name(self) -> str:
+        """The tier's name."""
+        return self._name
+
+    def key(self, block_hash: BlockHash) -> bytes:
+        """The key a block is stored under."""
+        return self._prefix + block_hash.hex().encode()
+
+    def _get_client(self) -> aioredis.Redis:
+        if self._client is None:
+            raise TierError(f"redis tier {self._name!r} is not open")
+        return self._client
+
+    async def open(self) -> None:
+        """Create the connection pool and check the server answers.
+
+        Raises:
+            TierError: the URL is invalid. Connection errors propagate (the manager
+                marks the tier unhealthy and retries).
+        """
+        if self._client is None:
+            try:
+                pool = aioredis.BlockingConnectionPool.from_url(
+                    self._url,
+                    max_connections=self._max_connections + 1,
+                    retry=Retry(NoBackoff(), 0),
+                    socket_keepalive=True,
+                )
+            except ValueError as exc:
+                raise TierError(f"redis tier {self._name!r}: bad url: {exc}") from exc
+            self._client = aioredis.Redis(connection_pool=pool)
+        await self.ping()
+
+    async def ping(self) -> None:
+        """Send ``PING``."""
+        await self._get_client().ping()
+
+    async def exists(self, block_hashes: Sequence[BlockHash]) -> int:
+        """The leading run of ``block_hashes`` whose keys exist (one pipelined round trip)."""
+        if not block_hashes:
+            return 0
+        async with self._get_client().pipeline(transaction=False) as pipe:
+            for block_hash in block_hashes:
+                pipe.exists(self.key(block_hash))
+            found: list[Any] = await pipe.execute()
+        n = 0
+        for present in found:
+            if not present:
+                break
+            n += 1
+        return n
+
+    async def put(self, blocks: Sequence[BlockWrite]) -> int:
+        """``SET`` each block (header and payload as one value) in one pipeline.
+
+        Returns:
+            Blocks the server acknowledged.
+        """
+        if not blocks:
+            return 0
+        client = self._get_client()
+
+        def build() -> list[bytearray]:
+            values = []
+            for block in blocks:
+                value = bytearray(len(block.header) + len(block.payload))
+                value[: len(block.header)] = block.header
+                value[len(block.header) :] = block.payload
+                values.append(value)
+            return values
+
+        values = await anyio.to_thread.run_sync(build)
+        async with client.pipeline(transaction=False) as pipe:
+            for block, value in zip(blocks, values, strict=True):
+                pipe.set(self.key(block.block_hash), value, ex=self._ttl)
+            acks: list[Any] = await pipe.execute()
+        return sum(1 for ack in acks if ack)
+
+    async def get(
+        self, block_hashes: Sequence[BlockHash], into: Sequence[memoryview]
+    ) -> list[BlockRead | None]:
+        """``GET`` blocks in one pipeline and copy their payloads into ``into``.
+
+        A value shorter or longer than a block is delivered as it is (the caller's check
+        rejects it); a missing key is ``None``.
+        """
+        if len(block_hashes) != len(into):
+            raise ValueError(f"{len(block_hashes)} hashes but {len(into)} buffers")
+        if not block_hashes:
+            return []
+        async with self._get_client().pipeline(transaction=False) as pipe:
+            for block_hash in block_hashes:
+                pipe.get(self.key(block_hash))
+            values: list[bytes | None] = await pipe.execute()
+
+        def unpack() -> list[BlockRead | None]:
+            out: list[BlockRead | None] = []
+            for value, buffer in zip(values, into, strict=True):
+                if value is None:
+                    out.append(None)
+                    continue
+                view = memoryview(value)
+                payload = view[HEADER_SIZE:]
+                n = min(len(payload), len(buffer))
+                buffer[:n] = payload[:n]
+                out.append(BlockRead(bytes(view[:HEADER_SIZE]), len(payload)))
+            return out
+
+        return await anyio.to_thread.run_sync(unpack)
+
+    async def delete(self, block_hashes: Sequence[BlockHash]) -> None:
+        """``DEL`` the blocks' keys."""
+        if block_hashes:
+            await self._get_client().delete(*(self.key(h) for h in block_hashes))
+
+    async def close(self) -> None:
+        """Close the connection pool. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    def statistics(self) -> Mapping[str, int | float | str | bool]:
+        """The server URL (password hidden), key prefix and expiry."""
+        return {
+            "url": _redact(self._url),
+            "key_prefix": self._prefix.decode(),
+            "ttl_s": self._ttl or 0,
+        }

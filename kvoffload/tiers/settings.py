@@ -1,0 +1,107 @@
+"""Settings of the secondary tiers: the entries of ``OffloadConfig.tiers``.
+
+A tier is chosen by its ``kind``; pydantic picks the model from that field, so an error
+names the tier's position, its kind and the field (``tiers.0.disk.capacity_bytes``). In
+the environment the whole list is JSON::
+
+    KVOFFLOAD_TIERS='[{"kind": "disk", "path": "/mnt/nvme/kv.bin", "capacity_bytes": "64GiB"}]'
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field
+
+__all__ = ["DiskTierSettings", "RedisTierSettings", "TierSettings"]
+
+
+class _TierSettingsBase(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=64,
+        description="Name in statistics and logs (default: the kind and the position).",
+    )
+    max_queued_writes: int = Field(
+        default=64,
+        ge=1,
+        le=1 << 16,
+        description="Most write-downs queued or in flight; each holds a CPU block. When full, "
+        "new write-downs are skipped and counted.",
+    )
+    max_in_flight: int = Field(
+        default=4,
+        ge=1,
+        le=1024,
+        description="Most tier operations running at once; reads always keep one for themselves.",
+    )
+    max_batch_blocks: int = Field(
+        default=16, ge=1, le=4096, description="Most blocks one tier operation moves."
+    )
+    op_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=3600,
+        description="An operation running longer marks the tier unhealthy.",
+    )
+    retry_initial_s: float = Field(
+        default=0.5, gt=0, le=3600, description="First wait before an unhealthy tier is retried."
+    )
+    retry_max_s: float = Field(
+        default=30.0, gt=0, le=86400, description="Longest wait between retries (backoff cap)."
+    )
+
+
+class DiskTierSettings(_TierSettingsBase):
+    """A `DiskTier`: one preallocated file on a local disk.
+
+    Attributes:
+        path: the file (created; its directory must exist).
+        capacity_bytes: file size; whole slots of one header page plus one block.
+        persist: keep the file on close and reuse its blocks at the next start.
+        direct_io: ``auto`` uses ``O_DIRECT`` where the file system and the buffers allow
+            it; ``never`` always goes through the page cache.
+    """
+
+    kind: Literal["disk"] = "disk"
+    path: Path = Field(description="The tier's file; its directory must exist.")
+    capacity_bytes: ByteSize = Field(
+        ge=1 << 20, le=1 << 50, description="File size (e.g. '64GiB'), turned into whole slots."
+    )
+    persist: bool = Field(
+        default=False,
+        description="Keep the file on close; rebuild the index from slot headers at start-up.",
+    )
+    direct_io: Literal["auto", "never"] = Field(
+        default="auto", description="Use O_DIRECT where possible (auto) or never."
+    )
+
+
+class RedisTierSettings(_TierSettingsBase):
+    """A `RedisTier`: one key per block on a Redis or Valkey server.
+
+    Attributes:
+        url: ``redis://host:port/db`` (or ``rediss://``, ``unix://``).
+        key_prefix: prefix of every key.
+        ttl_s: expiry of each key in seconds; ``None`` leaves eviction to ``maxmemory``.
+    """
+
+    kind: Literal["redis"] = "redis"
+    url: str = Field(min_length=1, max_length=4096, description="Server URL, redis://host:port/db.")
+    key_prefix: str = Field(
+        default="kvoffload:", max_length=256, description="Prefix of every key this tier writes."
+    )
+    ttl_s: int | None = Field(
+        default=None, ge=1, le=365 * 86400, description="Key expiry in seconds (None: none)."
+    )
+    max_in_flight: int = Field(
+        default=8, ge=1, le=1024, description="Most commands or pipelines running at once."
+    )
+
+
+TierSettings = Annotated[DiskTierSettings | RedisTierSettings, Field(discriminator="kind")]
+"""One entry of ``OffloadConfig.tiers``: a `DiskTierSettings` or a `RedisTierSettings`."""

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from tier_helpers import REDIS_URL_ENV, RedisServer, redis_missing
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """The shared server that scripts/with_redis.sh started (CI fails without one)."""
+    url = os.environ.get(REDIS_URL_ENV)
+    if not url:
+        redis_missing(f"{REDIS_URL_ENV} is not set")
+    pytest.importorskip("redis")
+    return str(url)
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A redis-server of this test's own, started, that the test may stop and restart."""
+    pytest.importorskip("redis")
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()

@@ -1,0 +1,206 @@
+"""DiskTier against real files: slots, LRU, persistence, torn and foreign slots, faults."""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+from tier_helpers import patch_file
+
+from kvoffload.errors import ConfigError, IntegrityError, TierError
+from kvoffload.hashing import BlockHash
+from kvoffload.tiers.base import BlockWrite
+from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.format import encode_header, verify_block
+
+pytestmark = pytest.mark.anyio
+
+NS = hashlib.sha256(b"namespace").digest()
+NBYTES = 8192
+SLOT = 4096 + NBYTES
+
+
+def h(i: int) -> BlockHash:
+    return BlockHash(hashlib.sha256(f"block{i}".encode()).digest())
+
+
+def payload(i: int) -> bytes:
+    return hashlib.sha256(f"payload{i}".encode()).digest() * (NBYTES // 32)
+
+
+def write(i: int) -> BlockWrite:
+    data = payload(i)
+    return BlockWrite(h(i), encode_header(NS, h(i), data), memoryview(bytearray(data)))
+
+
+def tier(path: Path, slots: int = 4, **kw: object) -> DiskTier:
+    return DiskTier(path, 4096 + slots * SLOT, block_nbytes=NBYTES, namespace=NS, **kw)  # type: ignore[arg-type]
+
+
+async def read_ok(t: DiskTier, i: int) -> bool:
+    buf = memoryview(bytearray(NBYTES))
+    (read,) = await t.get([h(i)], [buf])
+    if read is None:
+        return False
+    verify_block(
+        read.header,
+        namespace=NS,
+        block_hash=h(i),
+        expected_length=NBYTES,
+        received_length=read.payload_length,
+        payload=buf,
+    )
+    assert bytes(buf) == payload(i)
+    return True
+
+
+async def test_put_get_exists_delete(tmp_path: Path) -> None:
+    t = tier(tmp_path / "kv.bin")
+    await t.open()
+    assert await t.put([write(0), write(1)]) == 2
+    assert await t.exists([h(0), h(1), h(2), h(0)]) == 2
+    assert await read_ok(t, 0)
+    assert await read_ok(t, 1)
+    assert not await read_ok(t, 2)
+    await t.delete([h(0), h(7)])
+    assert await t.exists([h(0)]) == 0
+    assert t.statistics()["slots_used"] == 1
+    await t.close()
+    assert not (tmp_path / "kv.bin").exists()
+
+
+async def test_lru_eviction_keeps_capacity(tmp_path: Path) -> None:
+    t = tier(tmp_path / "kv.bin", slots=3)
+    await t.open()
+    await t.put([write(0), write(1), write(2)])
+    assert await read_ok(t, 0)  # 0 becomes the most recently used
+    await t.put([write(3)])  # evicts 1, the least recently used
+    assert await t.exists([h(1)]) == 0
+    for i in (0, 2, 3):
+        assert await read_ok(t, i)
+    assert t.statistics()["slots_used"] == 3
+    await t.close()
+
+
+async def test_direct_io_with_aligned_buffers(tmp_path: Path) -> None:
+    t = tier(tmp_path / "kv.bin")
+    await t.open()
+    if not t.direct_io:
+        pytest.skip("this file system refuses O_DIRECT")
+    mem = mmap.mmap(-1, NBYTES * 2)
+    view = memoryview(mem)
+    view[:NBYTES] = payload(5)
+    try:
+        await t.put([BlockWrite(h(5), encode_header(NS, h(5), payload(5)), view[:NBYTES])])
+        (read,) = await t.get([h(5)], [view[NBYTES:]])
+        assert read is not None
+        assert bytes(view[NBYTES:]) == payload(5)
+        assert t.statistics()["direct_ios"] == 2
+    finally:
+        view.release()
+        mem.close()
+        await t.close()
+
+
+async def test_capacity_below_one_slot_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="holds no slot"):
+        DiskTier(tmp_path / "x", 8192, block_nbytes=NBYTES, namespace=NS)
+
+
+async def test_persist_rebuilds_the_index(tmp_path: Path) -> None:
+    path = tmp_path / "kv.bin"
+    t = tier(path, persist=True)
+    await t.open()
+    await t.put([write(0), write(1)])
+    await t.close()
+    assert path.exists()
+    again = tier(path, persist=True)
+    await again.open()
+    assert await again.exists([h(0), h(1)]) == 2
+    assert await read_ok(again, 1)
+    await again.close()
+    # Another namespace (or block size) finds no block of it: the file is reformatted.
+    other = DiskTier(path, 4096 + 4 * SLOT, block_nbytes=NBYTES, namespace=b"\1" * 32, persist=True)
+    await other.open()
+    assert await other.exists([h(0)]) == 0
+    await other.close()
+
+
+async def test_torn_header_is_discarded_at_open(tmp_path: Path) -> None:
+    path = tmp_path / "kv.bin"
+    t = tier(path, persist=True)
+    await t.open()
+    await t.put([write(0), write(1)])
+    await t.close()
+    # A crash in the middle of slot 0's header page.
+    patch_file(path, 4096 + 20, lambda old: b"\xff" * 30, size=30)
+    again = tier(path, persist=True)
+    await again.open()
+    assert again.statistics()["discarded_at_open"] == 1
+    assert await again.exists([h(0)]) == 0
+    assert await again.exists([h(1)]) == 1
+    await again.close()
+
+
+async def test_torn_payload_fails_its_check_on_read(tmp_path: Path) -> None:
+    path = tmp_path / "kv.bin"
+    t = tier(path, persist=True)
+    await t.open()
+    await t.put([write(0)])
+    await t.close()
+    # The payload half written: the header looks fine.
+    patch_file(path, 4096 + 4096 + NBYTES // 2, lambda old: b"\0" * len(old), NBYTES // 2)
+    again = tier(path, persist=True)
+    await again.open()
+    assert await again.exists([h(0)]) == 1
+    with pytest.raises(IntegrityError) as info:
+        await read_ok(again, 0)
+    assert info.value.reason == "checksum"
+    await again.close()
+
+
+async def test_truncated_file_reads_short(tmp_path: Path) -> None:
+    path = tmp_path / "kv.bin"
+    t = tier(path)
+    await t.open()
+    await t.put([write(0)])
+    os.truncate(path, 4096 + 4096 + 100)
+    with pytest.raises(IntegrityError) as info:
+        await read_ok(t, 0)
+    assert info.value.reason == "length"
+    await t.close()
+
+
+async def test_deleted_file_fails_writes_until_recreated(tmp_path: Path) -> None:
+    path = tmp_path / "kv.bin"
+    t = tier(path)
+    await t.open()
+    await t.put([write(0)])
+    path.unlink()
+    with pytest.raises(TierError, match="gone"):
+        await t.put([write(1)])
+    path.mkdir()  # something else sits at the path now: it cannot be recreated
+    with pytest.raises(TierError, match="cannot open"):
+        await t.ping()
+    path.rmdir()
+    await t.ping()  # recreated, empty
+    assert t.statistics()["recreated"] == 1
+    assert await t.exists([h(0)]) == 0
+    assert await t.put([write(1)]) == 1
+    assert await read_ok(t, 1)
+    await t.close()
+    assert not path.exists()
+
+
+async def test_slot_being_read_is_not_reused(tmp_path: Path) -> None:
+    t = tier(tmp_path / "kv.bin", slots=1)
+    await t.open()
+    await t.put([write(0)])
+    t._readers[t._index[h(0)]] = 1  # a read of block 0 in flight
+    assert await t.put([write(1)]) == 0
+    t._readers.clear()
+    assert await t.put([write(1)]) == 1
+    await t.close()
