@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up the dev environment (once) and run every check CI runs, stopping at the first
-# failure: the test suite, ruff (lint and format), mypy --strict, the docs site built
-# with --strict, and every script in examples/.
+# failure: the test suite (next to a throwaway redis-server on 127.0.0.1, installed from
+# the system package manager when missing), ruff (lint and format), mypy --strict, the
+# docs site built with --strict, every script in examples/, and the vLLM integration
+# tests on a real vLLM engine on CPU in their own environment (.venv-vllm).
 #
 # Usage: bash scripts/test.sh        (from any directory; no prompts)
 set -euo pipefail
@@ -16,9 +18,9 @@ section() {
     printf '\n==> %s\n' "$*"
 }
 
-section "pytest"
+section "pytest (next to a throwaway redis-server)"
 rc=0
-"$PY" -m pytest || rc=$?
+bash scripts/with_redis.sh "$PY" -m pytest || rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests: treating that as a failure" >&2
     exit 1
@@ -54,5 +56,8 @@ for example in "${examples[@]}"; do
     echo "--- $example"
     KVOFFLOAD_EXAMPLE_QUICK=1 "$PY" "$example" </dev/null
 done
+
+section "vLLM integration tests (own environment, .venv-vllm)"
+bash scripts/test_vllm.sh
 
 section "all checks passed in $((SECONDS - start))s"
