@@ -398,7 +398,7 @@ def _bench_command(name: str, summary: str) -> None:
         except SystemExit as exc:  # argparse's --help and usage errors
             code = exc.code if isinstance(exc.code, int) else 2
         if code:
-            sys.exit(code)
+            click.get_current_context().exit(code)
 
 
 _bench_command("pool", "Replay a trace through CpuBlockPool against a textbook pool (--help).")
@@ -409,7 +409,8 @@ _bench_command("scheduler", "Store planning against a plain per-block planner (-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit code (the ``kvoffload`` console script)."""
     try:
-        cli.main(args=list(argv) if argv is not None else None, standalone_mode=False)
+        # Without standalone mode, click returns an exit requested by ctx.exit() as an int.
+        result = cli.main(args=list(argv) if argv is not None else None, standalone_mode=False)
     except click.exceptions.Exit as exc:
         return exc.exit_code
     except click.ClickException as exc:
@@ -418,7 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except click.Abort:
         click.echo("Aborted!", err=True)
         return 1
-    return 0
+    return result if isinstance(result, int) else 0
 
 
 if __name__ == "__main__":

@@ -301,7 +301,9 @@ class CpuBlockPool:
         tail._prev = last
         free._len += linked
         if linked and self._hooked is not None:
-            self._hooked.on_free([b for b in dict.fromkeys(blocks) if b.ref_cnt == 0])
+            # In the order they reached 0: a block listed twice does so at its last listing.
+            zeroed = dict.fromkeys(reversed(blocks))
+            self._hooked.on_free([b for b in reversed(zeroed) if b.ref_cnt == 0])
 
     def _undo_free(self, blocks: Sequence[CpuBlock], done: int) -> None:
         remove = self._free.remove

@@ -81,11 +81,13 @@ class ArcPolicy(PolicyBase):
             self._empty[block_id] = None
             return
         b1, b2 = self._b1, self._b2
-        if b1.discard(block_hash):
-            self._p = min(float(self._capacity), self._p + max(len(b2) / max(len(b1), 1), 1.0))
+        if block_hash in b1:
+            self._p = min(float(self._capacity), self._p + max(len(b2) / len(b1), 1.0))
+            b1.discard(block_hash)
             self._t2[block_id] = None
-        elif b2.discard(block_hash):
-            self._p = max(0.0, self._p - max(len(b1) / max(len(b2), 1), 1.0))
+        elif block_hash in b2:
+            self._p = max(0.0, self._p - max(len(b1) / len(b2), 1.0))
+            b2.discard(block_hash)
             self._t2[block_id] = None
         else:
             self._t1[block_id] = None
