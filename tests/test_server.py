@@ -201,9 +201,9 @@ async def test_concurrent_conversations_match_the_engine_in_process() -> None:
 
 
 async def test_a_client_that_disconnects_mid_stream_is_aborted() -> None:
-    app = app_module.create_app(tiny_engine(), offload_config())
+    app = app_module.create_app(tiny_engine(num_gpu_blocks=160), offload_config())
     async with serving(app) as (url, _server), httpx.AsyncClient(base_url=url) as client:
-        body = {"prompt": list(range(40)), "max_tokens": 150, "stream": True}
+        body = {"prompt": list(range(40)), "max_tokens": 600, "stream": True}
         async with client.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
             seen = 0
@@ -212,6 +212,22 @@ async def test_a_client_that_disconnects_mid_stream_is_aborted() -> None:
                     seen += len(json.loads(line[6:])["choices"][0]["token_ids"])
                 if seen >= 2:
                     break  # leave mid-stream: the connection closes
+        after = await until(client, lambda s: s["server"]["aborted"] == 1)
+        assert after["server"]["completed"] == 0
+        await until(client, lambda s: s["engine"]["running"] + s["engine"]["waiting"] == 0)
+        # The server goes on serving.
+        ok = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+        assert ok.status_code == 200
+        assert len(ok.json()["choices"][0]["token_ids"]) == 3
+    assert_whole(app)
+
+
+async def test_a_client_that_gives_up_waiting_is_aborted() -> None:
+    app = app_module.create_app(tiny_engine(num_gpu_blocks=160), offload_config())
+    async with serving(app) as (url, _server), httpx.AsyncClient(base_url=url) as client:
+        body = {"prompt": list(range(40)), "max_tokens": 600}  # one JSON answer at the end
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post("/v1/completions", json=body, timeout=0.5)
         after = await until(client, lambda s: s["server"]["aborted"] == 1)
         assert after["server"]["completed"] == 0
         await until(client, lambda s: s["engine"]["running"] + s["engine"]["waiting"] == 0)
@@ -360,3 +376,19 @@ def test_the_command_line_serves_replays_and_shuts_down(
     assert proc.returncode == 0, out
     assert "shutdown: offloader whole" in out
     assert "requests: 4 completed, 0 aborted, 0 failed" in out
+
+
+async def test_without_offload_the_same_answers_come_back() -> None:
+    """``create_app(engine, None)`` serves without kvoffload (``--no-offload``)."""
+    prompt = {"prompt": list(range(30)), "max_tokens": 5}
+    answers = []
+    for config in (offload_config(), None):
+        app = app_module.create_app(tiny_engine(), config)
+        async with serving(app) as (url, _server), httpx.AsyncClient(base_url=url) as client:
+            answers.append((await client.post("/v1/completions", json=prompt)).json())
+            body = await stats(client)
+            assert (body["offloader"] is None) == (config is None)
+            metrics = (await client.get("/metrics")).text
+            assert ("kvoffload_scheduler_lookups_total" in metrics) == (config is not None)
+        assert_whole(app)
+    assert answers[0]["choices"][0]["token_ids"] == answers[1]["choices"][0]["token_ids"]

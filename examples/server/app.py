@@ -360,11 +360,12 @@ def _body(state: ServerState, cid: str, r: GenerationResult) -> dict[str, Any]:
 async def stats(request: Request) -> Response:
     """``GET /stats``: the offloader's, the engine's and the server's counters as JSON."""
     state = _state(request)
-    if state.loop is None or state.offloader is None:
+    if state.loop is None:
         return _error(503, "the server is not running")
+    off = state.offloader
     return JSONResponse(
         {
-            "offloader": dataclasses.asdict(state.offloader.statistics()),
+            "offloader": dataclasses.asdict(off.statistics()) if off is not None else None,
             "engine": dataclasses.asdict(state.engine.statistics()),
             "server": {**dataclasses.asdict(state.loop.statistics()), "rejected": state.rejected},
         }
@@ -381,7 +382,7 @@ async def metrics(request: Request) -> Response:
 
 def create_app(
     engine: PagedEngine,
-    config: OffloadConfig,
+    config: OffloadConfig | None,
     *,
     model_name: str = "tiny-llama",
     copy_hook: CopyHook | None = None,
@@ -392,7 +393,8 @@ def create_app(
 
     Args:
         engine: the engine, with no offloader attached and no request in progress.
-        config: the offloader's settings (``block_size`` must be the engine's).
+        config: the offloader's settings (``block_size`` must be the engine's); ``None``
+            serves without offloading, to measure what offloading changes.
         model_name: reported in answers.
         copy_hook: run before each copy in the copy worker (tests slow copies with it).
     """
@@ -408,41 +410,26 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        host: HostKVBuffer | None = None
-        copy_engine: ThreadCopyEngine | None = None
-        if copy_hook is not None:
-            host = HostKVBuffer(
-                engine.layout, config.resolve_num_cpu_blocks(engine.layout), pin_memory="never"
-            )
-            copy_engine = ThreadCopyEngine(engine.layout, engine.kv, host, copy_hook=copy_hook)
-        try:
-            off = KVOffloader(
-                config,
-                engine.kv,
-                layout=engine.layout,
-                pinner=engine.pinner,
-                copy_engine=copy_engine,
-            )
-            async with off:
+        off: KVOffloader | None = None
+        loop = EngineLoop(engine)
+        in_flight = 0
+        async with AsyncExitStack() as stack:
+            if config is not None:
+                off = await stack.enter_async_context(_offloader(engine, config, copy_hook))
                 engine.attach(off)
-                loop = EngineLoop(engine)
-                state.offloader, state.loop = off, loop
+                stack.callback(engine.attach, None)
                 registry.register(OffloaderCollector(off))
-                in_flight = 0
-                try:
-                    async with anyio.create_task_group() as tg:
-                        await tg.start(loop.run)
-                        yield
-                        in_flight = off.statistics().scheduler.in_flight_transfers
-                        tg.cancel_scope.cancel()
-                finally:
-                    state.loop = None
-            # Leaving `async with off` waited for every copy in flight.
-            state.report = ShutdownReport.check(off, loop, in_flight)
-            engine.attach(None)
-        finally:
-            if host is not None:
-                host.close()
+            state.offloader, state.loop = off, loop
+            try:
+                async with anyio.create_task_group() as tg:
+                    await tg.start(loop.run)
+                    yield
+                    in_flight = off.statistics().scheduler.in_flight_transfers if off else 0
+                    tg.cancel_scope.cancel()
+            finally:
+                state.loop = None
+        # The offloader is closed: it waited for every copy in flight.
+        state.report = ShutdownReport.check(off, loop, in_flight)
 
     app = Starlette(
         routes=[
@@ -454,6 +441,29 @@ def create_app(
     )
     app.state.server = state
     return app
+
+
+@asynccontextmanager
+async def _offloader(
+    engine: PagedEngine, config: OffloadConfig, copy_hook: CopyHook | None
+) -> AsyncIterator[KVOffloader]:
+    """One `KVOffloader` for the process, over the engine's KV cache."""
+    host: HostKVBuffer | None = None
+    copy_engine: ThreadCopyEngine | None = None
+    if copy_hook is not None:
+        host = HostKVBuffer(
+            engine.layout, config.resolve_num_cpu_blocks(engine.layout), pin_memory="never"
+        )
+        copy_engine = ThreadCopyEngine(engine.layout, engine.kv, host, copy_hook=copy_hook)
+    try:
+        off = KVOffloader(
+            config, engine.kv, layout=engine.layout, pinner=engine.pinner, copy_engine=copy_engine
+        )
+        async with off:
+            yield off
+    finally:
+        if host is not None:
+            host.close()
 
 
 # -- the command line -------------------------------------------------------------------------
@@ -488,6 +498,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cpu-blocks", type=int, default=4096, help="kvoffload's CPU pool")
     parser.add_argument("--max-batch-tokens", type=int, default=512)
     parser.add_argument("--max-running", type=int, default=16)
+    parser.add_argument(
+        "--no-offload", action="store_true", help="serve without kvoffload (for comparison)"
+    )
     args = parser.parse_args(argv)
     model = build_model(args.model)
     engine = PagedEngine(
@@ -497,11 +510,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_batch_tokens=args.max_batch_tokens,
         max_running=args.max_running,
     )
-    config = OffloadConfig(
-        block_size=args.block_size,
-        num_cpu_blocks=args.cpu_blocks,
-        model_id=args.model or "random-llama",
-    )
+    config = None
+    if not args.no_offload:
+        config = OffloadConfig(
+            block_size=args.block_size,
+            num_cpu_blocks=args.cpu_blocks,
+            model_id=args.model or "random-llama",
+        )
     app = create_app(engine, config, model_name=args.model or "random-llama")
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5)

@@ -203,25 +203,31 @@ class ShutdownReport:
         )
 
     @classmethod
-    def check(cls, off: KVOffloader, loop: EngineLoop, in_flight: int) -> ShutdownReport:
-        """Check a closed offloader and the engine of a stopped loop."""
+    def check(cls, off: KVOffloader | None, loop: EngineLoop, in_flight: int) -> ShutdownReport:
+        """Check a closed offloader (if any) and the engine of a stopped loop."""
         engine = loop.engine
         error = None
         try:
-            off.pool.check_invariants()
-            off.scheduler.check_invariants()
+            if off is not None:
+                off.pool.check_invariants()
+                off.scheduler.check_invariants()
             engine.allocator.check_invariants()
         except Exception as exc:
             error = repr(exc)
-        stats = off.statistics()
         alloc = engine.allocator.statistics()
+        referenced = live = transfers = 0
+        if off is not None:
+            stats = off.statistics()
+            referenced = stats.pool.num_blocks - stats.pool.num_free
+            live = stats.scheduler.live_requests
+            transfers = stats.scheduler.in_flight_transfers
         return cls(
             requests=loop.statistics(),
             in_flight_at_shutdown=in_flight,
             invariant_error=error,
-            cpu_blocks_referenced=stats.pool.num_blocks - stats.pool.num_free,
-            live_requests=stats.scheduler.live_requests + loop.statistics().live,
-            in_flight_transfers=stats.scheduler.in_flight_transfers,
+            cpu_blocks_referenced=referenced,
+            live_requests=live + loop.statistics().live,
+            in_flight_transfers=transfers,
             gpu_blocks_pinned=engine.pinner.num_pinned,
             gpu_blocks_in_use=alloc.num_used + alloc.num_held,
         )
