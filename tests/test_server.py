@@ -374,7 +374,7 @@ def test_the_command_line_serves_replays_and_shuts_down(
     assert re.search(r"^hit rate: 0\.\d{3} \(from CPU: 0\.\d{3}\)$", printed, re.M), printed
     assert re.search(r"^TTFT p50 [\d.]+ ms, p90 [\d.]+ ms, p99 [\d.]+ ms$", printed, re.M)
     assert proc.returncode == 0, out
-    assert "shutdown: offloader whole" in out
+    assert "shutdown: engine and offloader whole" in out
     assert "requests: 4 completed, 0 aborted, 0 failed" in out
 
 

@@ -194,7 +194,7 @@ class ShutdownReport:
         r = self.requests
         state = "whole" if self.whole else "NOT whole"
         return (
-            f"offloader {state}: invariants "
+            f"engine and offloader {state}: invariants "
             f"{'hold' if self.invariant_error is None else 'broken: ' + self.invariant_error}, "
             f"{self.cpu_blocks_referenced} CPU blocks referenced, "
             f"{self.gpu_blocks_pinned} GPU blocks pinned, {self.gpu_blocks_in_use} in use, "
