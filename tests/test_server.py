@@ -151,7 +151,8 @@ async def until(client: httpx.AsyncClient, check: Any) -> dict[str, Any]:
 
 
 async def test_concurrent_conversations_match_the_engine_in_process() -> None:
-    app = app_module.create_app(tiny_engine(num_gpu_blocks=48), offload_config())
+    # 40 blocks of 4 tokens: too few to keep earlier turns while other conversations run.
+    app = app_module.create_app(tiny_engine(num_gpu_blocks=40), offload_config())
     async with serving(app) as (url, _server):
         results = await client_module.replay(
             url, conversations=3, turns=3, user_tokens=24, max_tokens=6, vocab=MARKER

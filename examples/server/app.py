@@ -469,12 +469,13 @@ async def _offloader(
 # -- the command line -------------------------------------------------------------------------
 
 
-def build_model(path: str | None, *, seed: int = 0) -> Any:
-    """A causal LM: the checkpoint at ``path``, or a small Llama with random weights
-    (smaller still with ``KVOFFLOAD_EXAMPLE_QUICK=1``)."""
+def build_model(path: str | None, *, device: str = "cpu", seed: int = 0) -> Any:
+    """A causal LM on ``device``: the checkpoint at ``path``, or a small Llama with random
+    weights (smaller still with ``KVOFFLOAD_EXAMPLE_QUICK=1``)."""
     torch.manual_seed(seed)
     if path is not None:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return model.to(device)
     hidden = 64 if QUICK else 256
     config = LlamaConfig(
         vocab_size=256,  # the byte tokenizer's
@@ -485,7 +486,8 @@ def build_model(path: str | None, *, seed: int = 0) -> Any:
         num_key_value_heads=2,
         max_position_embeddings=8192,
     )
-    return LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)
+    return model.to(device)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -493,6 +495,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", help="a checkpoint directory (default: random weights)")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device"
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gpu-blocks", type=int, default=256, help="the engine's KV cache")
     parser.add_argument("--cpu-blocks", type=int, default=4096, help="kvoffload's CPU pool")
@@ -502,7 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-offload", action="store_true", help="serve without kvoffload (for comparison)"
     )
     args = parser.parse_args(argv)
-    model = build_model(args.model)
+    model = build_model(args.model, device=args.device)
     engine = PagedEngine(
         model,
         num_gpu_blocks=args.gpu_blocks,
