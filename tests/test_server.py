@@ -27,13 +27,14 @@ pytest.importorskip("uvicorn", reason="needs the 'examples' extra")
 pytest.importorskip("httpx", reason="needs the 'examples' extra")
 pytest.importorskip("prometheus_client", reason="needs the 'prometheus' extra")
 
+import anyio
 import httpx
 import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvoffload import OffloadConfig
+from kvoffload import KVOffloader, OffloadConfig
 from kvoffload.integrations.transformers import PagedEngine
 from kvoffload.testing import CopyFaults
 
@@ -292,28 +293,39 @@ async def test_shutdown_with_transfers_in_flight_leaves_the_offloader_whole() ->
     assert report.requests.aborted == 1  # the stream still open at shutdown
 
 
-@pytest.mark.parametrize(
-    ("body", "status", "words"),
-    [
-        ({"prompt": [1, 2], "temperature": 0.7}, 400, "greedy"),
-        ({"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
-        ({"prompt": [1, 999]}, 400, "999"),
-        ({"prompt": []}, 400, "prompt"),
-        ({"prompt": [1, 2], "top_k": 3}, 400, "top_k"),
-        ({"prompt": [1, 2], "n": 2}, 400, "n"),
-        ({"prompt": [[1, 2]]}, 400, "prompt"),
-        ({"prompt": [1, 2], "max_tokens": 10_000}, 400, "blocks"),
-    ],
-)
-async def test_bad_requests_get_a_clear_error(
-    body: dict[str, Any], status: int, words: str
-) -> None:
+BAD_REQUESTS: list[tuple[Any, str, str | None]] = [
+    ({"prompt": [1, 2], "temperature": 0.7}, "temperature=0.7: only greedy", "temperature"),
+    ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens", "max_tokens"),
+    ({"prompt": [1, 999]}, "token id 999 is outside the vocabulary [0, 256)", "prompt"),
+    ({"prompt": []}, "prompt", "prompt"),
+    ({"prompt": [1, 2], "top_k": 3}, "top_k: Extra inputs are not permitted", "top_k"),
+    ({"prompt": [1, 2], "n": 2}, "n: Input should be 1 (got 2)", "n"),
+    ({"prompt": [[1, 2]]}, "list of integer token ids, got [[1, 2]]", "prompt"),
+    ({"prompt": [1, True]}, "list of integer token ids", "prompt"),
+    (
+        {"prompt": [1, 2], "max_tokens": 10_000},
+        "needs 2501 blocks; the cache has 48 (a prompt of 2 tokens plus max_tokens=10000)",
+        "max_tokens",
+    ),
+    ({}, "prompt: Field required", "prompt"),
+    ("not json", "not a valid request", None),
+]
+
+
+async def test_bad_requests_get_a_400_naming_the_field_and_value() -> None:
     app = app_module.create_app(tiny_engine(), offload_config())
     async with serving(app) as (url, _server), httpx.AsyncClient(base_url=url) as client:
-        response = await client.post("/v1/completions", json=body)
-        assert response.status_code == status
-        assert words in response.json()["error"]["message"]
-        assert (await stats(client))["server"]["rejected"] == 1
+        for body, words, param in BAD_REQUESTS:
+            content = body if isinstance(body, str) else json.dumps(body)
+            response = await client.post("/v1/completions", content=content)
+            assert response.status_code == 400, body
+            error = response.json()["error"]
+            assert words in error["message"], (body, error)
+            assert error["param"] == param, (body, error)
+            assert error["type"] == "invalid_request_error"
+        body = await stats(client)
+        assert body["server"]["rejected"] == len(BAD_REQUESTS)
+        assert body["server"]["submitted"] == 0
     assert_whole(app)
 
 
@@ -393,3 +405,36 @@ async def test_without_offload_the_same_answers_come_back() -> None:
             assert ("kvoffload_scheduler_lookups_total" in metrics) == (config is not None)
         assert_whole(app)
     assert answers[0]["choices"][0]["token_ids"] == answers[1]["choices"][0]["token_ids"]
+
+
+async def test_cancelling_the_step_loop_aborts_every_request_it_holds() -> None:
+    """The loop's own shutdown path, for requests whose handlers are still waiting."""
+    engine = tiny_engine(num_gpu_blocks=160)
+    async with KVOffloader(
+        offload_config(), engine.kv, layout=engine.layout, pinner=engine.pinner
+    ) as off:
+        engine.attach(off)
+        loop = app_module.EngineLoop(engine)
+        ends: list[Any] = []
+
+        async def client(prompt: list[int]) -> None:
+            async with loop.submit(prompt, 500) as events:
+                ends.extend([e async for e in events if not isinstance(e, int)])
+
+        async with anyio.create_task_group() as clients, anyio.create_task_group() as tg:
+            await tg.start(loop.run)
+            clients.start_soon(client, list(range(40)))
+            clients.start_soon(client, list(range(50, 90)))
+            while engine.statistics().steps < 3:
+                await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()  # as the lifespan does at shutdown
+        in_flight = off.statistics().scheduler.in_flight_transfers
+    engine.attach(None)
+    report = app_module.ShutdownReport.check(off, loop, in_flight)
+    assert report.whole, report.describe()
+    assert report.requests.aborted == 2
+    assert report.requests.completed == 0
+    assert all(r.finish_reason == "aborted" for r in ends)
+    with pytest.raises(app_module.ServerClosed):
+        async with loop.submit([1, 2, 3], 2):
+            pass

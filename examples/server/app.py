@@ -122,11 +122,17 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    """The first error as a message naming the field and the value, and the field."""
     first = exc.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
+    if not first["loc"]:
+        return f"the body is not a valid request: {first['msg']}", None
+    param = str(first["loc"][0])
+    got = first.get("input")
     if param == "temperature":
-        return "only greedy decoding is supported: temperature must be 0 or absent", param
-    return f"{param}: {first['msg']} (got {first.get('input')!r})", param
+        return f"temperature={got!r}: only greedy decoding (0 or absent) is supported", param
+    if param == "prompt" and len(first["loc"]) > 1:  # neither of the union's types
+        return f"prompt must be a string or a list of integer token ids, got {got!r}", param
+    return f"{param}: {first['msg']} (got {got!r})", param
 
 
 # -- the server's state and metrics -------------------------------------------------------------
@@ -252,10 +258,13 @@ async def completions(request: Request) -> Response:
         events = await stack.enter_async_context(state.loop.submit(prompt, body.max_tokens))
     except ServerClosed as exc:
         return _error(503, str(exc))
-    except ValueError as exc:
+    except ValueError as exc:  # the engine refused it; its message names the value
         state.rejected += 1
-        param = "max_tokens" if "max_new_tokens" in str(exc) else "prompt"
-        return _error(400, str(exc).replace("max_new_tokens", "max_tokens"), param)
+        message = str(exc).replace("max_new_tokens", "max_tokens")
+        if "blocks" in message:  # too long for the GPU cache
+            message += f" (a prompt of {len(prompt)} tokens plus max_tokens={body.max_tokens})"
+            return _error(400, message, "max_tokens")
+        return _error(400, message, "max_tokens" if "max_tokens" in message else "prompt")
     if body.stream:
         return _EngineStream(stack, _stream(state, cid, events))
     async with stack:

@@ -118,6 +118,7 @@ class EngineLoop:
             self._closed = True
             for rid, send in list(self._streams.items()):
                 result = self.engine.abort(rid)
+                self._aborted += 1
                 if result is not None:
                     send.send_nowait(result)  # finish_reason "aborted"
                 send.close()
