@@ -438,3 +438,26 @@ async def test_cancelling_the_step_loop_aborts_every_request_it_holds() -> None:
     with pytest.raises(app_module.ServerClosed):
         async with loop.submit([1, 2, 3], 2):
             pass
+
+
+async def test_a_client_that_leaves_while_its_prefix_loads_is_aborted() -> None:
+    """Abort with a CPU-to-GPU load in flight: the blocks stay pinned until the copy ends,
+    then everything comes back."""
+    slow = CopyFaults(delay_s=0.4)
+    engine = PagedEngine(
+        tiny_model(), num_gpu_blocks=160, block_size=BLOCK, enable_prefix_caching=False
+    )
+    app = app_module.create_app(engine, offload_config(), copy_hook=slow)
+    prompt = list(range(40))
+    async with serving(app) as (url, _server), httpx.AsyncClient(base_url=url) as client:
+        first = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        assert first.status_code == 200
+        await until(client, lambda s: s["offloader"]["scheduler"]["in_flight_transfers"] == 0)
+        body = {"prompt": [*prompt, 7, 7, 7, 7], "max_tokens": 50}
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post("/v1/completions", json=body, timeout=0.2)
+        after = await until(client, lambda s: s["server"]["aborted"] == 1)
+        assert after["offloader"]["scheduler"]["load_plans"] == 1  # it was loading
+        await until(client, lambda s: s["offloader"]["scheduler"]["in_flight_transfers"] == 0)
+        assert (await stats(client))["offloader"]["scheduler"]["loaded_blocks"] == 10
+    assert_whole(app)
