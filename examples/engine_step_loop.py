@@ -4,10 +4,14 @@ A toy engine keeps its KV cache in per-layer CPU tensors (the shapes a real engi
 on the GPU) and "computes" KV with a deterministic formula. Two requests share a prefix:
 
 1. request ``a`` misses, computes its prompt in chunks and decodes a few tokens; after
-   every step the engine reports what it computed (``update``) and starts the stores
-   (``store``); at the end it calls ``finish``;
-2. request ``b`` starts with the same 20 tokens: ``lookup`` finds them on the CPU, ``load``
-   copies them into ``b``'s GPU blocks, and the engine computes only the rest.
+   every step the engine reports what it computed (``req.advance``) and starts the stores
+   (``off.store``); leaving the ``with`` block finishes the request;
+2. request ``b`` starts with the same 20 tokens: ``req.lookup`` finds them on the CPU,
+   ``req.load`` copies them into ``b``'s GPU blocks, and the engine computes only the rest.
+
+Each request goes through an ``OffloadRequest`` handle (``off.request(...)``): it hashes
+the prompt and every generated token's block incrementally and makes the low-level calls
+(``lookup``, ``load``, ``update``, ``finish``) with the right arguments.
 
 The script checks that the loaded bytes equal the KV request ``a`` computed, that ``b``
 computed only the tokens past the hit, and that every pin and reference was released.
@@ -20,7 +24,6 @@ It takes well under a second, so ``KVOFFLOAD_EXAMPLE_QUICK=1`` (set by CI) chang
 from __future__ import annotations
 
 import os
-from collections import Counter
 from collections.abc import Sequence
 
 import anyio
@@ -33,6 +36,7 @@ from kvoffload import (
     KVLayout,
     KVOffloader,
     OffloadConfig,
+    RefCountPinner,
     TransferTask,
 )
 
@@ -44,54 +48,35 @@ DECODE_STEPS = 3  # tokens request "a" generates after its prompt
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32", block_size=BLOCK_SIZE)
 
 
-class PinCounter:
-    """The engine's ``GpuBlockPinner``: a pin count per GPU block.
-
-    kvoffload pins a transfer's GPU blocks right before submitting it and unpins them once
-    its completion was observed. The engine must not hand a pinned block to another
-    request; the same block may be pinned by two transfers at once, hence a count.
-    """
-
-    def __init__(self) -> None:
-        self.counts: Counter[int] = Counter()
-
-    def pin(self, gpu_block_ids: Sequence[int]) -> None:
-        self.counts.update(gpu_block_ids)
-
-    def unpin(self, gpu_block_ids: Sequence[int]) -> None:
-        self.counts.subtract(gpu_block_ids)
-
-    def is_pinned(self, gpu_block_id: int) -> bool:
-        return self.counts[gpu_block_id] > 0
-
-
 class ToyEngine:
     """Just enough of an inference engine: a KV cache, a block allocator, "compute"."""
 
-    def __init__(self, pinner: PinCounter) -> None:
+    def __init__(self) -> None:
         # One tensor per layer, blocks_first: [num_blocks, 2 (K, V), block_size, heads, dim].
         self.kv = [torch.zeros(LAYOUT.tensor_shape(NUM_GPU_BLOCKS)) for _ in range(2)]
         self.free_blocks = list(range(NUM_GPU_BLOCKS))
-        self.released: list[int] = []  # freed by requests, maybe still pinned by a copy
-        self.pinner = pinner
+        self.released: list[int] = []  # freed by requests, still pinned by a copy
+        # The GpuBlockPinner: kvoffload pins a transfer's GPU blocks until the copy is done
+        # (a count per block); when a block's last pin goes, reclaim() runs.
+        self.pinner = RefCountPinner(on_release=self.reclaim)
         self.computed_tokens = 0  # tokens this engine ran through its "model"
 
-    def allocate(self, table: list[int], num_tokens: int) -> None:
-        """Grow a request's block table to hold ``num_tokens`` tokens."""
-        self.reclaim()
-        while len(table) * BLOCK_SIZE < num_tokens:
-            table.append(self.free_blocks.pop(0))
+    def allocate(self, table: list[int], num_blocks: int) -> None:
+        """Grow a request's block table by ``num_blocks`` blocks."""
+        table += [self.free_blocks.pop(0) for _ in range(num_blocks)]
 
     def free(self, table: Sequence[int]) -> None:
-        """A request is done with its blocks; they are reused once no copy pins them."""
-        self.released.extend(table)
-        self.reclaim()
+        """A request is done with its blocks. A block a copy still reads (a store of the
+        request's last blocks, say) must not be reused before the copy is done."""
+        for b in table:
+            (self.released if self.pinner.is_pinned(b) else self.free_blocks).append(b)
 
-    def reclaim(self) -> None:
-        """Return released blocks that no transfer pins any more to the free list."""
-        still_pinned = [b for b in self.released if self.pinner.is_pinned(b)]
-        self.free_blocks.extend(b for b in self.released if not self.pinner.is_pinned(b))
-        self.released = still_pinned
+    def reclaim(self, unpinned: Sequence[int]) -> None:
+        """The pinner's release hook: released blocks whose last pin went are free."""
+        for b in unpinned:
+            if b in self.released:
+                self.released.remove(b)
+                self.free_blocks.append(b)
 
     def compute(self, tokens: Sequence[int], table: Sequence[int], start: int, end: int) -> None:
         """Write the KV of tokens ``start..end-1``: a fixed function of token and position."""
@@ -122,69 +107,66 @@ async def run_request(
 ) -> tuple[list[int], int]:
     """Serve one request with the offloader; return its block table and the hit (tokens)."""
     table: list[int] = []
+    # The handle hashes the prompt's full blocks now and each block that generated tokens
+    # fill later. Leaving the "with" block finishes the request (also on an exception or a
+    # cancellation): nothing more is stored for it and its lookup pin is released.
+    with off.request(request_id, prompt, num_computed_tokens=0) as req:
+        # -- admission: how much of the prompt can be loaded instead of computed? --------
+        # num_computed_tokens above is what the engine's own (GPU) prefix cache holds for
+        # this prompt: 0 here. The hit starts after it, is a multiple of the block size and
+        # never covers the prompt's last token (that token's logits must be computed).
+        hit = req.lookup()
+        engine.allocate(table, req.blocks_for(len(prompt)))
+        if hit:
+            # The hit is pinned on the CPU. Give the load the whole block table: block i of
+            # the request lands in table[i]. An engine that cannot take the hit after all
+            # calls req.release() instead, or loads fewer tokens.
+            task = req.load(table)
+            assert task is not None
+            # On CUDA: task.wait_on(compute_stream) orders the compute after the copy
+            # without blocking the host. Here we simply await it; a failed load raises
+            # TransferError and the engine would recompute those tokens instead.
+            result = await task
+            print(f"[{request_id}] loaded {result.num_blocks} blocks ({result.nbytes} bytes)")
 
-    # -- admission: how much of the prompt can be loaded instead of computed? ------------
-    # num_computed_tokens is what the engine's own (GPU) prefix cache already holds for
-    # this prompt: 0 here. The hit starts after it, is a multiple of the block size and
-    # never covers the prompt's last token (that token's logits must be computed).
-    hit = off.lookup(request_id, off.hash_prompt(prompt), len(prompt), num_computed_tokens=0)
-    num_computed = 0
-    if hit:
-        # The hit is pinned on the CPU. Give the load the whole block table: block i of
-        # the request lands in table[i]. An engine that cannot take the hit after all
-        # calls off.release(request_id) instead, or loads fewer tokens.
-        engine.allocate(table, len(prompt))
-        task = off.load(request_id, table, hit)
-        assert task is not None
-        # On CUDA: task.wait_on(compute_stream) orders the compute after the copy without
-        # blocking the host. Here we simply await it; a failed load raises TransferError
-        # and the engine would recompute those tokens instead.
-        result = await task
-        print(f"[{request_id}] loaded {result.num_blocks} blocks ({result.nbytes} bytes)")
+        # -- the step loop: chunked prefill, then decode ----------------------------------
         num_computed = hit
+        steps = 0
+        while True:
+            if num_computed < len(prompt):  # prefill, one chunk per step
+                end = min(len(prompt), num_computed + CHUNK_TOKENS)
+            elif steps < decode_steps:  # decode: the model "generates" one token per step
+                req.extend([9000 + steps])  # hashes the block the token fills, if any
+                steps += 1
+                end = req.num_tokens
+            else:
+                break
+            engine.allocate(table, req.blocks_needed(end, have=len(table)))
+            engine.compute(req.token_ids, table, num_computed, end)
+            num_computed = end
+            # On CUDA: event = torch.cuda.Event(); event.record(compute_stream) here.
 
-    # -- the step loop: chunked prefill, then decode --------------------------------------
-    tokens = list(prompt)
-    steps = 0
-    while True:
-        if num_computed < len(prompt):  # prefill, one chunk per step
-            end = min(len(prompt), num_computed + CHUNK_TOKENS)
-        elif steps < decode_steps:  # decode: the model "generates" one token per step
-            tokens.append(9000 + steps)
-            steps += 1
-            end = len(tokens)
-        else:
-            break
-        engine.allocate(table, end)
-        engine.compute(tokens, table, num_computed, end)
-        num_computed = end
-        # On CUDA: event = torch.cuda.Event(); event.record(compute_stream) here.
+            # After the step: advance, then store. advance() reports the whole block table
+            # and how many tokens have KV (it calls off.update with the hashes of exactly
+            # the full, computed blocks); only those blocks are ever stored.
+            req.advance(table, num_computed)
+            # store: one batched transfer for every live request's new full blocks. On CUDA
+            # pass after=event so the copy waits for the compute that wrote the blocks.
+            # Awaiting the tasks is optional: the completion poller publishes the blocks.
+            tasks: list[TransferTask] = off.store()
+            for task in tasks:
+                print(f"[{request_id}] step stores {task.plan.num_blocks} block(s)")
 
-        # After the step, in this order: update -> store -> (finish, when the request ends).
-        # update: the whole block table, the hashes of every full block so far, and how many
-        # tokens have KV. Only full blocks entirely below num_computed are ever stored.
-        # (A real engine hashes incrementally with kvoffload.hash_block_tokens.)
-        off.update(request_id, table, off.hash_prompt(tokens), num_computed)
-        # store: one batched transfer for every live request's new full blocks. On CUDA pass
-        # after=event so the copy waits for the compute that wrote the blocks. Awaiting the
-        # tasks is optional: the completion poller publishes the blocks either way.
-        tasks: list[TransferTask] = off.store()
-        for task in tasks:
-            print(f"[{request_id}] step stores {task.plan.num_blocks} block(s)")
-
-    # -- the request ends -------------------------------------------------------------------
-    # finish: nothing more is stored for it; its state goes once its last copy completed.
+    # -- the request ended (the "with" block called req.finish()) -------------------------
     # The engine frees its GPU blocks; the pinner keeps those of running copies from reuse.
-    # (A preempted request calls off.preempt(request_id) instead and starts over later.)
-    off.finish(request_id)
+    # (A preempted request calls req.preempt() instead, and req.lookup() when resumed.)
     engine.free(table)
     return table, hit
 
 
 async def main() -> None:
     quick = os.environ.get("KVOFFLOAD_EXAMPLE_QUICK") == "1"  # nothing to shorten here
-    pinner = PinCounter()
-    engine = ToyEngine(pinner)
+    engine = ToyEngine()
     config = OffloadConfig(
         block_size=BLOCK_SIZE,
         num_cpu_blocks=64,
@@ -195,7 +177,8 @@ async def main() -> None:
     # Entering the offloader allocates the host buffer (in a worker thread), picks the copy
     # engine (worker threads for CPU tensors, CUDA streams for CUDA tensors) and starts the
     # completion poller in a task group it owns. Leaving it waits for every copy in flight.
-    async with KVOffloader(config, gpu_kv=engine.kv, pinner=pinner) as off:
+    # One KVOffloader per engine process, opened once, for every request it serves.
+    async with KVOffloader(config, gpu_kv=engine.kv, pinner=engine.pinner) as off:
         shared = [100 + i for i in range(5 * BLOCK_SIZE)]  # 5 blocks both prompts share
         prompt_a = [*shared, 1, 2, 3, 4, 5, 6, 7]  # 27 tokens: 6 full blocks + 3
         prompt_b = [*shared, 50, 51, 52, 53, 54, 55]  # 26 tokens: diverges in block 5
@@ -232,7 +215,8 @@ async def main() -> None:
         assert stored == stats.scheduler.stored_blocks
         assert stats.pool.num_free == stats.pool.num_blocks  # no reference left behind
         assert stats.scheduler.live_requests == 0
-        assert not +pinner.counts  # every pin was released
+        assert engine.pinner.num_pinned == 0  # every pin was released
+        assert not engine.released  # and every block the pins held back is free again
         off.scheduler.check_invariants()
 
         # reset: drop the whole CPU prefix cache (e.g. after a weight update).

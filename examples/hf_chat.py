@@ -11,7 +11,8 @@ prompt, the earlier questions and the model's own answers) plus a new question, 
 prompts grow to thousands of tokens. Each request runs twice, side by side:
 
 - with offload: the engine's GPU prefix cache, then kvoffload's CPU pool, then compute;
-- with a full recompute: a second engine without prefix cache or offload.
+- with the GPU prefix cache only: a second engine of the same size without offload;
+- with a full recompute: a third engine without prefix cache or offload.
 
 The generated tokens must be identical (greedy, float32; a difference exits with status
 1). A table per turn shows the prompt tokens, how many were computed, taken from the GPU
@@ -108,6 +109,7 @@ class Turn:
     turn: int
     prompt_tokens: int
     offload: GenerationResult
+    gpu_only: GenerationResult
     recompute: GenerationResult
 
     @property
@@ -142,6 +144,7 @@ async def chat(args: argparse.Namespace, size: dict[str, int]) -> tuple[list[Tur
     # of the other conversations do not stay on the GPU.
     gpu_blocks = max(args.gpu_blocks or 0, -(-max_tokens // BLOCK) + 4)
     engine = PagedEngine(model, num_gpu_blocks=gpu_blocks, block_size=BLOCK)
+    gpu_only = PagedEngine(model, num_gpu_blocks=gpu_blocks, block_size=BLOCK)
     full = PagedEngine(
         model,
         num_gpu_blocks=-(-max_tokens // BLOCK) + 2,
@@ -162,13 +165,15 @@ async def chat(args: argparse.Namespace, size: dict[str, int]) -> tuple[list[Tur
                 conv += [rng.randrange(vocab) for _ in range(size["question"])]
                 rid = f"c{c}-t{t}"
                 offload = await run_once(engine, rid, conv, size["answer"])
+                gpu = await run_once(gpu_only, rid, conv, size["answer"])
                 recompute = await run_once(full, rid, conv, size["answer"])
-                if offload.output_token_ids != recompute.output_token_ids:
-                    raise TokenMismatchError(
-                        f"{rid}: offload generated {offload.output_token_ids}, full "
-                        f"recompute {recompute.output_token_ids}"
-                    )
-                turns.append(Turn(t, len(conv), offload, recompute))
+                for other, name in ((gpu, "the GPU cache only"), (recompute, "a full recompute")):
+                    if offload.output_token_ids != other.output_token_ids:
+                        raise TokenMismatchError(
+                            f"{rid}: offload generated {offload.output_token_ids}, "
+                            f"{name} {other.output_token_ids}"
+                        )
+                turns.append(Turn(t, len(conv), offload, gpu, recompute))
                 conv += offload.output_token_ids
                 bar.update()
         bar.close()
@@ -193,7 +198,7 @@ def report(turns: list[Turn], stats_line: str) -> float | None:
     """Print the per-turn table; return the median TTFT ratio of turns >= 3."""
     print(
         f"{'turn':>4} {'prompt':>7} {'computed':>8} {'gpu hit':>8} {'loaded':>7} "
-        f"{'TTFT offload':>13} {'TTFT full':>10} {'ratio':>6}"
+        f"{'TTFT offload':>13} {'GPU cache only':>14} {'TTFT full':>10} {'ratio':>6}"
     )
     for t in sorted({x.turn for x in turns}):
         rows = [x for x in turns if x.turn == t]
@@ -207,11 +212,15 @@ def report(turns: list[Turn], stats_line: str) -> float | None:
             f"{med([x.offload.gpu_cached_tokens for x in rows]):>8.0f} "
             f"{med([x.offload.loaded_tokens for x in rows]):>7.0f} "
             f"{med([(x.offload.ttft_s or 0) * 1e3 for x in rows]):>10.1f} ms "
+            f"{med([(x.gpu_only.ttft_s or 0) * 1e3 for x in rows]):>11.1f} ms "
             f"{med([(x.recompute.ttft_s or 0) * 1e3 for x in rows]):>7.1f} ms "
             f"{med([x.ratio for x in rows]):>5.1f}x"
         )
-    print("(medians over the conversations; computed + gpu hit + loaded = prompt)")
-    print(f"tokens identical with offload and with a full recompute: {len(turns)} requests")
+    print("(medians over the conversations; computed + gpu hit + loaded = prompt;")
+    print(" ratio = TTFT full recompute / TTFT with offload)")
+    print(
+        f"tokens identical with offload, GPU cache only and full recompute: {len(turns)} requests"
+    )
     print(stats_line)
     later = [x.ratio for x in turns if x.turn >= 3]
     if later:
@@ -231,7 +240,11 @@ def plot(turns: list[Turn], path: Path) -> None:
         raise SystemExit("--plot needs matplotlib: pip install 'kvoffload[plot]'") from None
     xs = sorted({x.turn for x in turns})
     fig, ax = plt.subplots(figsize=(6, 4))
-    for label, way in (("with offload", "offload"), ("full recompute", "recompute")):
+    for label, way in (
+        ("with offload", "offload"),
+        ("GPU prefix cache only", "gpu_only"),
+        ("full recompute", "recompute"),
+    ):
         ys = [
             statistics.median((getattr(x, way).ttft_s or 0) * 1e3 for x in turns if x.turn == t)
             for t in xs

@@ -1,12 +1,15 @@
 """A small serving loop on CPU that offloads its KV cache with `KVOffloader`.
 
 The toy engine below has what a real one has, in miniature: a paged KV cache (one tensor
-per layer, 16-token blocks), a block allocator with a pin count per block, and a forward
+per layer, 16-token blocks), a block allocator that keeps blocks a copy reads from reuse
+(through kvoffload's ``RefCountPinner``), and a forward
 pass that computes each block's K and V with real matrix products: its cost grows with the
 tokens, and recomputing a block gives bit-identical KV. Each request goes through the step
-loop kvoffload documents: ``off.lookup`` (how much of the prompt the CPU pool holds; pins
-it), allocate a block table, ``off.load`` into it and await the load, prefill the rest in
-chunks with ``off.update`` and ``off.store`` after each, decode, ``off.finish``.
+loop kvoffload documents, through an ``OffloadRequest`` handle: ``req.lookup`` (how much of
+the prompt the CPU pool holds; pins it), allocate a block table, ``req.load`` into it and
+await the load, prefill the rest in chunks with ``req.advance`` and ``off.store`` after
+each, decode (``req.extend`` hashes the answer's blocks as they fill), and leave the
+``with`` block, which finishes the request.
 
 For a sample of requests that loaded from CPU, the demo recomputes the prompt from scratch,
 compares the KV in the cache bit for bit (a mismatch exits with status 1) and times that
@@ -37,7 +40,7 @@ import anyio.to_thread
 import torch
 from tqdm import tqdm
 
-from kvoffload import KVOffloader, OffloadConfig, TransferError
+from kvoffload import KVOffloader, OffloadConfig, OffloadRequest, RefCountPinner, TransferError
 from kvoffload.bench.trace import read_trace
 from kvoffload.bench.workload import WorkloadSpec, generate_workload
 
@@ -53,16 +56,14 @@ QUICK = os.environ.get("KVOFFLOAD_EXAMPLE_QUICK") == "1"  # CI: shrink everythin
 
 
 class BlockAllocator:
-    """GPU block allocator; also the offloader's ``GpuBlockPinner``.
-
-    A block that a copy in flight names has a pin count above 0. Freeing such a block
-    only marks it released: it rejoins the free list when its last pin goes.
-    """
+    """GPU block allocator. A block that a copy in flight names is pinned (its
+    ``RefCountPinner``, the offloader's ``GpuBlockPinner``); freeing such a block only
+    marks it released: it rejoins the free list when its last pin goes."""
 
     def __init__(self, num_blocks: int) -> None:
         self._free: deque[int] = deque(range(num_blocks))
-        self._pins = [0] * num_blocks
         self._released: set[int] = set()
+        self.pinner = RefCountPinner(on_release=self._unpinned)
 
     def allocate(self, n: int) -> list[int] | None:
         if n > len(self._free):
@@ -71,21 +72,14 @@ class BlockAllocator:
 
     def free(self, block_ids: Sequence[int]) -> None:
         for b in block_ids:
-            if self._pins[b]:
+            if self.pinner.is_pinned(b):
                 self._released.add(b)  # a store still reads it: hand it out later
             else:
                 self._free.append(b)
 
-    def pin(self, gpu_block_ids: Sequence[int]) -> None:
-        for b in gpu_block_ids:
-            self._pins[b] += 1
-
-    def unpin(self, gpu_block_ids: Sequence[int]) -> None:
-        for b in gpu_block_ids:
-            if self._pins[b] <= 0:
-                raise RuntimeError(f"GPU block {b} unpinned more often than pinned")
-            self._pins[b] -= 1
-            if not self._pins[b] and b in self._released:
+    def _unpinned(self, block_ids: Sequence[int]) -> None:
+        for b in block_ids:
+            if b in self._released:
                 self._released.remove(b)
                 self._free.append(b)
 
@@ -263,56 +257,57 @@ class Server:
             raise RuntimeError(f"{n} more blocks do not fit the GPU KV cache")
         return blocks
 
-    async def run_steps(
-        self, rid: str, table: list[int], tokens: list[int], start: int, step: int
-    ) -> None:
-        """Compute ``tokens[start:]``, ``step`` tokens per engine step; after each step
-        tell the offloader what is computed and let it store the new full blocks."""
-        hashes = self.off.hash_prompt(tokens)  # chained hashes of the full blocks
+    async def run_steps(self, req: OffloadRequest, table: list[int], start: int, step: int) -> None:
+        """Compute ``req``'s tokens from ``start`` on, ``step`` tokens per engine step; after
+        each step tell the offloader what is computed and let it store the new full blocks."""
         done = start
-        while done < len(tokens):
-            end = min(done + step, len(tokens))
+        while done < req.num_tokens:
+            end = min(done + step, req.num_tokens)
             # The forward pass runs off the event loop, as a GPU kernel would.
-            await anyio.to_thread.run_sync(self.engine.compute, table, tokens, done, end)
+            await anyio.to_thread.run_sync(self.engine.compute, table, req.token_ids, done, end)
             done = end
-            self.off.update(rid, table, hashes, done)
+            req.advance(table, done)  # update() with the hashes of the computed full blocks
             self.off.store()  # copies the newly computed full blocks in the background
 
-    async def serve(self, rid: str, req: Request) -> Served:
+    async def serve(self, rid: str, request: Request) -> Served:
         """Serve one request through the step loop kvoffload documents."""
-        off, prompt = self.off, req.prompt
+        off, prompt = self.off, request.prompt
         t0 = time.perf_counter()
-        # 1. Lookup. With allow_defer, None means "the next block is being stored right
-        #    now": waiting for the copies in flight and asking again gives a longer hit.
-        hashes = off.hash_prompt(prompt)
-        hit = off.lookup(rid, hashes, len(prompt), allow_defer=True)
-        if hit is None:
-            await off.drain()
-            hit = off.lookup(rid, hashes, len(prompt))
-        # 2. The block table: one GPU block per 16 tokens, the partial last one included.
-        table = await self.allocate(-(-len(prompt) // BLOCK))
-        # 3. Load the hit into the first blocks of the table; compute must wait for it.
-        t1 = time.perf_counter()
-        if hit and (task := off.load(rid, table, hit)) is not None:
-            try:
-                await task
-            except TransferError:
-                hit = 0  # a failed load is recomputed, never used
-        t2 = time.perf_counter()
-        # 4. Prefill the rest of the prompt in chunks; then the first token is ready.
-        await self.run_steps(rid, table, prompt, hit, CHUNK)
-        t3 = time.perf_counter()
-        served = Served(req.group, len(prompt), hit, t3 - t0, t2 - t1, t3 - t2, len(req.answer))
-        if hit:
-            await self.verify(rid, table, prompt, served)
-        # 5. Decode the answer, a block per step here (a token per step in a real engine),
-        #    so that the next turn loads it too. The last turn's answer is never reused.
-        if req.answer:
-            tokens = prompt + req.answer
-            table += await self.allocate(-(-len(tokens) // BLOCK) - len(table))
-            await self.run_steps(rid, table, tokens, len(prompt) // BLOCK * BLOCK, BLOCK)
-        # 6. Finish. Blocks that a store still reads stay pinned until it completes.
-        off.finish(rid)
+        # The handle hashes the prompt's blocks now; leaving the "with" block finishes the
+        # request (blocks that a store still reads stay pinned until it completes).
+        with off.request(rid, prompt) as req:
+            # 1. Lookup. With allow_defer, None means "the next block is being stored right
+            #    now": waiting for the copies in flight and asking again gives a longer hit.
+            hit = req.lookup(allow_defer=True)
+            if hit is None:
+                await off.drain()
+                hit = req.lookup()
+            # 2. The block table: one GPU block per 16 tokens, the partial last one included.
+            table = await self.allocate(req.blocks_for(len(prompt)))
+            # 3. Load the hit into the first blocks of the table; compute must wait for it.
+            t1 = time.perf_counter()
+            if hit and (task := req.load(table)) is not None:
+                try:
+                    await task
+                except TransferError:
+                    hit = 0  # a failed load is recomputed, never used
+            t2 = time.perf_counter()
+            # 4. Prefill the rest of the prompt in chunks; then the first token is ready.
+            await self.run_steps(req, table, hit, CHUNK)
+            t3 = time.perf_counter()
+            served = Served(
+                request.group, len(prompt), hit, t3 - t0, t2 - t1, t3 - t2, len(request.answer)
+            )
+            if hit:
+                await self.verify(rid, table, prompt, served)
+            # 5. Decode the answer, a block per step here (a token per step in a real
+            #    engine); extend() hashes each block the answer fills, so the next turn
+            #    loads it too. The last turn's answer is never reused.
+            if request.answer:
+                req.extend(request.answer)
+                table += await self.allocate(req.blocks_needed(have=len(table)))
+                await self.run_steps(req, table, len(prompt) // BLOCK * BLOCK, BLOCK)
+        # 6. The request is finished; free its GPU blocks (pinned ones wait for their copy).
         self.engine.allocator.free(table)
         return served
 
@@ -335,7 +330,7 @@ async def serve(args: argparse.Namespace, requests: list[Request]) -> tuple[list
     longest = max(-(-(len(r.prompt) + len(r.answer)) // BLOCK) for r in requests)
     engine = ToyEngine(max(args.gpu_blocks, longest))
     config = OffloadConfig(block_size=BLOCK, num_cpu_blocks=args.cpu_blocks, model_id="toy@v1")
-    async with KVOffloader(config, engine.kv, pinner=engine.allocator) as off:
+    async with KVOffloader(config, engine.kv, pinner=engine.allocator.pinner) as off:
         server = Server(off, engine, args.verify_every)
         served = [
             await server.serve(f"req-{i}", req)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import re
@@ -16,6 +17,7 @@ pytest.importorskip("prometheus_client", reason="needs the 'prometheus' extra")
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+import kvoffload as kvoffload_package
 from kvoffload import KVLayout, KVOffloader, OffloadConfig
 from kvoffload.metrics import METRICS, OffloaderCollector
 from kvoffload.offloader import OffloaderStatistics
@@ -224,3 +226,22 @@ def test_import_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.delitem(sys.modules, "kvoffload.metrics")
     with pytest.raises(ImportError, match=re.escape("pip install 'kvoffload[prometheus]'")):
         importlib.import_module("kvoffload.metrics")
+
+
+def test_only_the_metrics_module_imports_prometheus_client() -> None:
+    """``import kvoffload`` never needs the extra: no other module imports it."""
+    package = Path(kvoffload_package.__file__).parent
+    importers = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            if any(
+                n.split(".")[0] == "prometheus_client" or n == "kvoffload.metrics" for n in names
+            ):
+                importers.append(path.relative_to(package).as_posix())
+    assert sorted(set(importers)) == ["metrics.py"]

@@ -27,13 +27,14 @@ pytest.importorskip("uvicorn", reason="needs the 'examples' extra")
 pytest.importorskip("httpx", reason="needs the 'examples' extra")
 pytest.importorskip("prometheus_client", reason="needs the 'prometheus' extra")
 
+import anyio
 import httpx
 import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvoffload import OffloadConfig
+from kvoffload import KVOffloader, OffloadConfig
 from kvoffload.integrations.transformers import PagedEngine
 from kvoffload.testing import CopyFaults
 
@@ -151,7 +152,8 @@ async def until(client: httpx.AsyncClient, check: Any) -> dict[str, Any]:
 
 
 async def test_concurrent_conversations_match_the_engine_in_process() -> None:
-    app = app_module.create_app(tiny_engine(num_gpu_blocks=48), offload_config())
+    # 40 blocks of 4 tokens: too few to keep earlier turns while other conversations run.
+    app = app_module.create_app(tiny_engine(num_gpu_blocks=40), offload_config())
     async with serving(app) as (url, _server):
         results = await client_module.replay(
             url, conversations=3, turns=3, user_tokens=24, max_tokens=6, vocab=MARKER
@@ -201,9 +203,9 @@ async def test_concurrent_conversations_match_the_engine_in_process() -> None:
 
 
 async def test_a_client_that_disconnects_mid_stream_is_aborted() -> None:
-    app = app_module.create_app(tiny_engine(), offload_config())
+    app = app_module.create_app(tiny_engine(num_gpu_blocks=160), offload_config())
     async with serving(app) as (url, _server), httpx.AsyncClient(base_url=url) as client:
-        body = {"prompt": list(range(40)), "max_tokens": 150, "stream": True}
+        body = {"prompt": list(range(40)), "max_tokens": 600, "stream": True}
         async with client.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
             seen = 0
@@ -212,6 +214,22 @@ async def test_a_client_that_disconnects_mid_stream_is_aborted() -> None:
                     seen += len(json.loads(line[6:])["choices"][0]["token_ids"])
                 if seen >= 2:
                     break  # leave mid-stream: the connection closes
+        after = await until(client, lambda s: s["server"]["aborted"] == 1)
+        assert after["server"]["completed"] == 0
+        await until(client, lambda s: s["engine"]["running"] + s["engine"]["waiting"] == 0)
+        # The server goes on serving.
+        ok = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+        assert ok.status_code == 200
+        assert len(ok.json()["choices"][0]["token_ids"]) == 3
+    assert_whole(app)
+
+
+async def test_a_client_that_gives_up_waiting_is_aborted() -> None:
+    app = app_module.create_app(tiny_engine(num_gpu_blocks=160), offload_config())
+    async with serving(app) as (url, _server), httpx.AsyncClient(base_url=url) as client:
+        body = {"prompt": list(range(40)), "max_tokens": 600}  # one JSON answer at the end
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post("/v1/completions", json=body, timeout=0.5)
         after = await until(client, lambda s: s["server"]["aborted"] == 1)
         assert after["server"]["completed"] == 0
         await until(client, lambda s: s["engine"]["running"] + s["engine"]["waiting"] == 0)
@@ -275,28 +293,39 @@ async def test_shutdown_with_transfers_in_flight_leaves_the_offloader_whole() ->
     assert report.requests.aborted == 1  # the stream still open at shutdown
 
 
-@pytest.mark.parametrize(
-    ("body", "status", "words"),
-    [
-        ({"prompt": [1, 2], "temperature": 0.7}, 400, "greedy"),
-        ({"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
-        ({"prompt": [1, 999]}, 400, "999"),
-        ({"prompt": []}, 400, "prompt"),
-        ({"prompt": [1, 2], "top_k": 3}, 400, "top_k"),
-        ({"prompt": [1, 2], "n": 2}, 400, "n"),
-        ({"prompt": [[1, 2]]}, 400, "prompt"),
-        ({"prompt": [1, 2], "max_tokens": 10_000}, 400, "blocks"),
-    ],
-)
-async def test_bad_requests_get_a_clear_error(
-    body: dict[str, Any], status: int, words: str
-) -> None:
+BAD_REQUESTS: list[tuple[Any, str, str | None]] = [
+    ({"prompt": [1, 2], "temperature": 0.7}, "temperature=0.7: only greedy", "temperature"),
+    ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens", "max_tokens"),
+    ({"prompt": [1, 999]}, "token id 999 is outside the vocabulary [0, 256)", "prompt"),
+    ({"prompt": []}, "prompt", "prompt"),
+    ({"prompt": [1, 2], "top_k": 3}, "top_k: Extra inputs are not permitted", "top_k"),
+    ({"prompt": [1, 2], "n": 2}, "n: Input should be 1 (got 2)", "n"),
+    ({"prompt": [[1, 2]]}, "list of integer token ids, got [[1, 2]]", "prompt"),
+    ({"prompt": [1, True]}, "list of integer token ids", "prompt"),
+    (
+        {"prompt": [1, 2], "max_tokens": 10_000},
+        "needs 2501 blocks; the cache has 48 (a prompt of 2 tokens plus max_tokens=10000)",
+        "max_tokens",
+    ),
+    ({}, "prompt: Field required", "prompt"),
+    ("not json", "not a valid request", None),
+]
+
+
+async def test_bad_requests_get_a_400_naming_the_field_and_value() -> None:
     app = app_module.create_app(tiny_engine(), offload_config())
     async with serving(app) as (url, _server), httpx.AsyncClient(base_url=url) as client:
-        response = await client.post("/v1/completions", json=body)
-        assert response.status_code == status
-        assert words in response.json()["error"]["message"]
-        assert (await stats(client))["server"]["rejected"] == 1
+        for body, words, param in BAD_REQUESTS:
+            content = body if isinstance(body, str) else json.dumps(body)
+            response = await client.post("/v1/completions", content=content)
+            assert response.status_code == 400, body
+            error = response.json()["error"]
+            assert words in error["message"], (body, error)
+            assert error["param"] == param, (body, error)
+            assert error["type"] == "invalid_request_error"
+        body = await stats(client)
+        assert body["server"]["rejected"] == len(BAD_REQUESTS)
+        assert body["server"]["submitted"] == 0
     assert_whole(app)
 
 
@@ -358,5 +387,77 @@ def test_the_command_line_serves_replays_and_shuts_down(
     assert re.search(r"^hit rate: 0\.\d{3} \(from CPU: 0\.\d{3}\)$", printed, re.M), printed
     assert re.search(r"^TTFT p50 [\d.]+ ms, p90 [\d.]+ ms, p99 [\d.]+ ms$", printed, re.M)
     assert proc.returncode == 0, out
-    assert "shutdown: offloader whole" in out
+    assert "shutdown: engine and offloader whole" in out
     assert "requests: 4 completed, 0 aborted, 0 failed" in out
+
+
+async def test_without_offload_the_same_answers_come_back() -> None:
+    """``create_app(engine, None)`` serves without kvoffload (``--no-offload``)."""
+    prompt = {"prompt": list(range(30)), "max_tokens": 5}
+    answers = []
+    for config in (offload_config(), None):
+        app = app_module.create_app(tiny_engine(), config)
+        async with serving(app) as (url, _server), httpx.AsyncClient(base_url=url) as client:
+            answers.append((await client.post("/v1/completions", json=prompt)).json())
+            body = await stats(client)
+            assert (body["offloader"] is None) == (config is None)
+            metrics = (await client.get("/metrics")).text
+            assert ("kvoffload_scheduler_lookups_total" in metrics) == (config is not None)
+        assert_whole(app)
+    assert answers[0]["choices"][0]["token_ids"] == answers[1]["choices"][0]["token_ids"]
+
+
+async def test_cancelling_the_step_loop_aborts_every_request_it_holds() -> None:
+    """The loop's own shutdown path, for requests whose handlers are still waiting."""
+    engine = tiny_engine(num_gpu_blocks=160)
+    async with KVOffloader(
+        offload_config(), engine.kv, layout=engine.layout, pinner=engine.pinner
+    ) as off:
+        engine.attach(off)
+        loop = app_module.EngineLoop(engine)
+        ends: list[Any] = []
+
+        async def client(prompt: list[int]) -> None:
+            async with loop.submit(prompt, 500) as events:
+                ends.extend([e async for e in events if not isinstance(e, int)])
+
+        async with anyio.create_task_group() as clients, anyio.create_task_group() as tg:
+            await tg.start(loop.run)
+            clients.start_soon(client, list(range(40)))
+            clients.start_soon(client, list(range(50, 90)))
+            while engine.statistics().steps < 3:
+                await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()  # as the lifespan does at shutdown
+        in_flight = off.statistics().scheduler.in_flight_transfers
+    engine.attach(None)
+    report = app_module.ShutdownReport.check(off, loop, in_flight)
+    assert report.whole, report.describe()
+    assert report.requests.aborted == 2
+    assert report.requests.completed == 0
+    assert all(r.finish_reason == "aborted" for r in ends)
+    with pytest.raises(app_module.ServerClosed):
+        async with loop.submit([1, 2, 3], 2):
+            pass
+
+
+async def test_a_client_that_leaves_while_its_prefix_loads_is_aborted() -> None:
+    """Abort with a CPU-to-GPU load in flight: the blocks stay pinned until the copy ends,
+    then everything comes back."""
+    slow = CopyFaults(delay_s=0.4)
+    engine = PagedEngine(
+        tiny_model(), num_gpu_blocks=160, block_size=BLOCK, enable_prefix_caching=False
+    )
+    app = app_module.create_app(engine, offload_config(), copy_hook=slow)
+    prompt = list(range(40))
+    async with serving(app) as (url, _server), httpx.AsyncClient(base_url=url) as client:
+        first = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        assert first.status_code == 200
+        await until(client, lambda s: s["offloader"]["scheduler"]["in_flight_transfers"] == 0)
+        body = {"prompt": [*prompt, 7, 7, 7, 7], "max_tokens": 50}
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post("/v1/completions", json=body, timeout=0.2)
+        after = await until(client, lambda s: s["server"]["aborted"] == 1)
+        assert after["offloader"]["scheduler"]["load_plans"] == 1  # it was loading
+        await until(client, lambda s: s["offloader"]["scheduler"]["in_flight_transfers"] == 0)
+        assert (await stats(client))["offloader"]["scheduler"]["loaded_blocks"] == 10
+    assert_whole(app)

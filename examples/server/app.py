@@ -122,11 +122,17 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    """The first error as a message naming the field and the value, and the field."""
     first = exc.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
+    if not first["loc"]:
+        return f"the body is not a valid request: {first['msg']}", None
+    param = str(first["loc"][0])
+    got = first.get("input")
     if param == "temperature":
-        return "only greedy decoding is supported: temperature must be 0 or absent", param
-    return f"{param}: {first['msg']} (got {first.get('input')!r})", param
+        return f"temperature={got!r}: only greedy decoding (0 or absent) is supported", param
+    if param == "prompt" and len(first["loc"]) > 1:  # neither of the union's types
+        return f"prompt must be a string or a list of integer token ids, got {got!r}", param
+    return f"{param}: {first['msg']} (got {got!r})", param
 
 
 # -- the server's state and metrics -------------------------------------------------------------
@@ -252,10 +258,13 @@ async def completions(request: Request) -> Response:
         events = await stack.enter_async_context(state.loop.submit(prompt, body.max_tokens))
     except ServerClosed as exc:
         return _error(503, str(exc))
-    except ValueError as exc:
+    except ValueError as exc:  # the engine refused it; its message names the value
         state.rejected += 1
-        param = "max_tokens" if "max_new_tokens" in str(exc) else "prompt"
-        return _error(400, str(exc).replace("max_new_tokens", "max_tokens"), param)
+        message = str(exc).replace("max_new_tokens", "max_tokens")
+        if "blocks" in message:  # too long for the GPU cache
+            message += f" (a prompt of {len(prompt)} tokens plus max_tokens={body.max_tokens})"
+            return _error(400, message, "max_tokens")
+        return _error(400, message, "max_tokens" if "max_tokens" in message else "prompt")
     if body.stream:
         return _EngineStream(stack, _stream(state, cid, events))
     async with stack:
@@ -360,11 +369,12 @@ def _body(state: ServerState, cid: str, r: GenerationResult) -> dict[str, Any]:
 async def stats(request: Request) -> Response:
     """``GET /stats``: the offloader's, the engine's and the server's counters as JSON."""
     state = _state(request)
-    if state.loop is None or state.offloader is None:
+    if state.loop is None:
         return _error(503, "the server is not running")
+    off = state.offloader
     return JSONResponse(
         {
-            "offloader": dataclasses.asdict(state.offloader.statistics()),
+            "offloader": dataclasses.asdict(off.statistics()) if off is not None else None,
             "engine": dataclasses.asdict(state.engine.statistics()),
             "server": {**dataclasses.asdict(state.loop.statistics()), "rejected": state.rejected},
         }
@@ -381,7 +391,7 @@ async def metrics(request: Request) -> Response:
 
 def create_app(
     engine: PagedEngine,
-    config: OffloadConfig,
+    config: OffloadConfig | None,
     *,
     model_name: str = "tiny-llama",
     copy_hook: CopyHook | None = None,
@@ -392,7 +402,8 @@ def create_app(
 
     Args:
         engine: the engine, with no offloader attached and no request in progress.
-        config: the offloader's settings (``block_size`` must be the engine's).
+        config: the offloader's settings (``block_size`` must be the engine's); ``None``
+            serves without offloading, to measure what offloading changes.
         model_name: reported in answers.
         copy_hook: run before each copy in the copy worker (tests slow copies with it).
     """
@@ -408,41 +419,26 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        host: HostKVBuffer | None = None
-        copy_engine: ThreadCopyEngine | None = None
-        if copy_hook is not None:
-            host = HostKVBuffer(
-                engine.layout, config.resolve_num_cpu_blocks(engine.layout), pin_memory="never"
-            )
-            copy_engine = ThreadCopyEngine(engine.layout, engine.kv, host, copy_hook=copy_hook)
-        try:
-            off = KVOffloader(
-                config,
-                engine.kv,
-                layout=engine.layout,
-                pinner=engine.pinner,
-                copy_engine=copy_engine,
-            )
-            async with off:
+        off: KVOffloader | None = None
+        loop = EngineLoop(engine)
+        in_flight = 0
+        async with AsyncExitStack() as stack:
+            if config is not None:
+                off = await stack.enter_async_context(_offloader(engine, config, copy_hook))
                 engine.attach(off)
-                loop = EngineLoop(engine)
-                state.offloader, state.loop = off, loop
+                stack.callback(engine.attach, None)
                 registry.register(OffloaderCollector(off))
-                in_flight = 0
-                try:
-                    async with anyio.create_task_group() as tg:
-                        await tg.start(loop.run)
-                        yield
-                        in_flight = off.statistics().scheduler.in_flight_transfers
-                        tg.cancel_scope.cancel()
-                finally:
-                    state.loop = None
-            # Leaving `async with off` waited for every copy in flight.
-            state.report = ShutdownReport.check(off, loop, in_flight)
-            engine.attach(None)
-        finally:
-            if host is not None:
-                host.close()
+            state.offloader, state.loop = off, loop
+            try:
+                async with anyio.create_task_group() as tg:
+                    await tg.start(loop.run)
+                    yield
+                    in_flight = off.statistics().scheduler.in_flight_transfers if off else 0
+                    tg.cancel_scope.cancel()
+            finally:
+                state.loop = None
+        # The offloader is closed: it waited for every copy in flight.
+        state.report = ShutdownReport.check(off, loop, in_flight)
 
     app = Starlette(
         routes=[
@@ -456,15 +452,39 @@ def create_app(
     return app
 
 
+@asynccontextmanager
+async def _offloader(
+    engine: PagedEngine, config: OffloadConfig, copy_hook: CopyHook | None
+) -> AsyncIterator[KVOffloader]:
+    """One `KVOffloader` for the process, over the engine's KV cache."""
+    host: HostKVBuffer | None = None
+    copy_engine: ThreadCopyEngine | None = None
+    if copy_hook is not None:
+        host = HostKVBuffer(
+            engine.layout, config.resolve_num_cpu_blocks(engine.layout), pin_memory="never"
+        )
+        copy_engine = ThreadCopyEngine(engine.layout, engine.kv, host, copy_hook=copy_hook)
+    try:
+        off = KVOffloader(
+            config, engine.kv, layout=engine.layout, pinner=engine.pinner, copy_engine=copy_engine
+        )
+        async with off:
+            yield off
+    finally:
+        if host is not None:
+            host.close()
+
+
 # -- the command line -------------------------------------------------------------------------
 
 
-def build_model(path: str | None, *, seed: int = 0) -> Any:
-    """A causal LM: the checkpoint at ``path``, or a small Llama with random weights
-    (smaller still with ``KVOFFLOAD_EXAMPLE_QUICK=1``)."""
+def build_model(path: str | None, *, device: str = "cpu", seed: int = 0) -> Any:
+    """A causal LM on ``device``: the checkpoint at ``path``, or a small Llama with random
+    weights (smaller still with ``KVOFFLOAD_EXAMPLE_QUICK=1``)."""
     torch.manual_seed(seed)
     if path is not None:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return model.to(device)
     hidden = 64 if QUICK else 256
     config = LlamaConfig(
         vocab_size=256,  # the byte tokenizer's
@@ -475,7 +495,8 @@ def build_model(path: str | None, *, seed: int = 0) -> Any:
         num_key_value_heads=2,
         max_position_embeddings=8192,
     )
-    return LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)
+    return model.to(device)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -483,13 +504,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", help="a checkpoint directory (default: random weights)")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device"
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gpu-blocks", type=int, default=256, help="the engine's KV cache")
     parser.add_argument("--cpu-blocks", type=int, default=4096, help="kvoffload's CPU pool")
     parser.add_argument("--max-batch-tokens", type=int, default=512)
     parser.add_argument("--max-running", type=int, default=16)
+    parser.add_argument(
+        "--no-offload", action="store_true", help="serve without kvoffload (for comparison)"
+    )
     args = parser.parse_args(argv)
-    model = build_model(args.model)
+    model = build_model(args.model, device=args.device)
     engine = PagedEngine(
         model,
         num_gpu_blocks=args.gpu_blocks,
@@ -497,11 +524,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_batch_tokens=args.max_batch_tokens,
         max_running=args.max_running,
     )
-    config = OffloadConfig(
-        block_size=args.block_size,
-        num_cpu_blocks=args.cpu_blocks,
-        model_id=args.model or "random-llama",
-    )
+    config = None
+    if not args.no_offload:
+        config = OffloadConfig(
+            block_size=args.block_size,
+            num_cpu_blocks=args.cpu_blocks,
+            model_id=args.model or "random-llama",
+        )
     app = create_app(engine, config, model_name=args.model or "random-llama")
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5)

@@ -118,6 +118,7 @@ class EngineLoop:
             self._closed = True
             for rid, send in list(self._streams.items()):
                 result = self.engine.abort(rid)
+                self._aborted += 1
                 if result is not None:
                     send.send_nowait(result)  # finish_reason "aborted"
                 send.close()
@@ -194,7 +195,7 @@ class ShutdownReport:
         r = self.requests
         state = "whole" if self.whole else "NOT whole"
         return (
-            f"offloader {state}: invariants "
+            f"engine and offloader {state}: invariants "
             f"{'hold' if self.invariant_error is None else 'broken: ' + self.invariant_error}, "
             f"{self.cpu_blocks_referenced} CPU blocks referenced, "
             f"{self.gpu_blocks_pinned} GPU blocks pinned, {self.gpu_blocks_in_use} in use, "
@@ -203,25 +204,31 @@ class ShutdownReport:
         )
 
     @classmethod
-    def check(cls, off: KVOffloader, loop: EngineLoop, in_flight: int) -> ShutdownReport:
-        """Check a closed offloader and the engine of a stopped loop."""
+    def check(cls, off: KVOffloader | None, loop: EngineLoop, in_flight: int) -> ShutdownReport:
+        """Check a closed offloader (if any) and the engine of a stopped loop."""
         engine = loop.engine
         error = None
         try:
-            off.pool.check_invariants()
-            off.scheduler.check_invariants()
+            if off is not None:
+                off.pool.check_invariants()
+                off.scheduler.check_invariants()
             engine.allocator.check_invariants()
         except Exception as exc:
             error = repr(exc)
-        stats = off.statistics()
         alloc = engine.allocator.statistics()
+        referenced = live = transfers = 0
+        if off is not None:
+            stats = off.statistics()
+            referenced = stats.pool.num_blocks - stats.pool.num_free
+            live = stats.scheduler.live_requests
+            transfers = stats.scheduler.in_flight_transfers
         return cls(
             requests=loop.statistics(),
             in_flight_at_shutdown=in_flight,
             invariant_error=error,
-            cpu_blocks_referenced=stats.pool.num_blocks - stats.pool.num_free,
-            live_requests=stats.scheduler.live_requests + loop.statistics().live,
-            in_flight_transfers=stats.scheduler.in_flight_transfers,
+            cpu_blocks_referenced=referenced,
+            live_requests=live + loop.statistics().live,
+            in_flight_transfers=transfers,
             gpu_blocks_pinned=engine.pinner.num_pinned,
             gpu_blocks_in_use=alloc.num_used + alloc.num_held,
         )
