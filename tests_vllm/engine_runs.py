@@ -140,6 +140,7 @@ def kvoffload_config(
 ) -> dict[str, Any]:
     """A ``kv_transfer_config`` that enables kvoffload."""
     return {
+        "kv_load_failure_policy": "recompute",
         "kv_connector": connector,
         "kv_connector_module_path": module or "kvoffload.integrations.vllm",
         "kv_role": "kv_both",

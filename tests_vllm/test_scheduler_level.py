@@ -14,6 +14,7 @@ from harness import (
     make_request,
     vllm_config,
 )
+from vllm.v1.request import RequestStatus
 
 from kvoffload.errors import ConfigError
 
@@ -210,8 +211,6 @@ def test_failed_load_makes_vllm_recompute_exactly_those_blocks(model_dir: Path) 
 
 
 def test_abort_mid_load_leaks_nothing(model_dir: Path) -> None:
-    from vllm.v1.request import RequestStatus
-
     h = make(model_dir)
     a = make_request("a", prompt(4, 5, seed=7), max_tokens=1)
     h.run(a)
