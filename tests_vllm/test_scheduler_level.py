@@ -14,6 +14,7 @@ from harness import (
     make_request,
     vllm_config,
 )
+from vllm.distributed import kv_events
 from vllm.v1.request import RequestStatus
 
 from kvoffload.errors import ConfigError
@@ -259,3 +260,31 @@ def test_two_tensor_parallel_workers_publish_only_when_both_finished(model_dir: 
     assert h.wrong_slots(b) == []
     h.settle()
     h.check()
+
+
+def test_kv_events_reach_vllm_with_the_cpu_medium(model_dir: Path) -> None:
+    h = make(model_dir, enable_events=True)
+    published: list[object] = []
+
+    class Publisher:
+        def publish(self, batch: kv_events.KVEventBatch) -> None:
+            published.extend(batch.events)
+
+    h.scheduler.kv_event_publisher = Publisher()
+    a = make_request("a", prompt(2, 3, seed=13), max_tokens=1)
+    h.run(a)
+    h.settle()
+    events = [e for e in published if getattr(e, "medium", None) == kv_events.MEDIUM_CPU]
+    stored = [e for e in events if isinstance(e, kv_events.BlockStored)]
+    assert len(stored) == 2
+    assert all(e.medium == kv_events.MEDIUM_CPU for e in stored)
+    assert stored[0].token_ids == a.prompt_token_ids[:BLOCK_SIZE]
+    assert stored[1].parent_block_hash == stored[0].block_hashes[0]
+    assert h.connector.reset_cache()
+    after = list(h.connector.take_events())
+    assert after
+    assert all(isinstance(e, kv_events.BlockRemoved | kv_events.AllBlocksCleared) for e in after)
+    assert h.side.get_num_new_matched_tokens(make_request("b", prompt(2, 3, seed=14)), 0) == (
+        0,
+        False,
+    )
