@@ -79,6 +79,44 @@ def test_unknown_setting_is_rejected_by_name(model_dir: Path) -> None:
         make(model_dir, num_cpu_blokcs=4)
 
 
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"store_mode": "sometimes"}, "store_mode"),
+        ({"num_cpu_blocks": 0}, "num_cpu_blocks"),
+        ({"num_cpu_blocks": None}, "exactly one of num_cpu_blocks"),
+        ({"block_size": 32}, "block_size=32"),
+    ],
+)
+def test_invalid_settings_are_refused_with_the_field_named(
+    model_dir: Path, extra: dict[str, object], named: str
+) -> None:
+    with pytest.raises(ConfigError, match=named):
+        make(model_dir, **extra)
+
+
+def test_every_offload_config_field_is_accepted(model_dir: Path) -> None:
+    h = make(
+        model_dir,
+        num_cpu_blocks=None,
+        cpu_bytes="1MiB",
+        store_mode="lazy",
+        lazy_offload_blocks=8,
+        restore_evicted=True,
+        max_store_blocks_per_step=16,
+        pin_memory="never",
+        pin_chunk_bytes="64MiB",
+        poll_interval_s=0.001,
+        model_id="tiny-llama@test",
+        hash_salt="tenant-a",
+        enable_events=True,
+    )
+    config = h.side.config
+    assert config.store_mode == "lazy"
+    assert config.model_id == "tiny-llama@test"
+    assert h.side.pool.num_blocks == (1 << 20) // h.side.layout.bytes_per_block
+
+
 def test_two_kv_cache_groups_are_refused(model_dir: Path) -> None:
     config = vllm_config(model_dir, {"num_cpu_blocks": 8}, num_gpu_blocks=16)
     with pytest.raises(ConfigError, match="group 1"):
