@@ -14,6 +14,8 @@ from harness import (
     make_request,
     vllm_config,
 )
+from vllm.distributed import kv_events
+from vllm.v1.request import RequestStatus
 
 from kvoffload.errors import ConfigError
 
@@ -75,6 +77,44 @@ def test_prefix_stored_by_a_is_loaded_by_b_after_gpu_reset(model_dir: Path) -> N
 def test_unknown_setting_is_rejected_by_name(model_dir: Path) -> None:
     with pytest.raises(ConfigError, match="num_cpu_blokcs"):
         make(model_dir, num_cpu_blokcs=4)
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"store_mode": "sometimes"}, "store_mode"),
+        ({"num_cpu_blocks": 0}, "num_cpu_blocks"),
+        ({"num_cpu_blocks": None}, "exactly one of num_cpu_blocks"),
+        ({"block_size": 32}, "block_size=32"),
+    ],
+)
+def test_invalid_settings_are_refused_with_the_field_named(
+    model_dir: Path, extra: dict[str, object], named: str
+) -> None:
+    with pytest.raises(ConfigError, match=named):
+        make(model_dir, **extra)
+
+
+def test_every_offload_config_field_is_accepted(model_dir: Path) -> None:
+    h = make(
+        model_dir,
+        num_cpu_blocks=None,
+        cpu_bytes="1MiB",
+        store_mode="lazy",
+        lazy_offload_blocks=8,
+        restore_evicted=True,
+        max_store_blocks_per_step=16,
+        pin_memory="never",
+        pin_chunk_bytes="64MiB",
+        poll_interval_s=0.001,
+        model_id="tiny-llama@test",
+        hash_salt="tenant-a",
+        enable_events=True,
+    )
+    config = h.side.config
+    assert config.store_mode == "lazy"
+    assert config.model_id == "tiny-llama@test"
+    assert h.side.pool.num_blocks == (1 << 20) // h.side.layout.bytes_per_block
 
 
 def test_two_kv_cache_groups_are_refused(model_dir: Path) -> None:
@@ -210,8 +250,6 @@ def test_failed_load_makes_vllm_recompute_exactly_those_blocks(model_dir: Path) 
 
 
 def test_abort_mid_load_leaks_nothing(model_dir: Path) -> None:
-    from vllm.v1.request import RequestStatus
-
     h = make(model_dir)
     a = make_request("a", prompt(4, 5, seed=7), max_tokens=1)
     h.run(a)
@@ -260,3 +298,31 @@ def test_two_tensor_parallel_workers_publish_only_when_both_finished(model_dir: 
     assert h.wrong_slots(b) == []
     h.settle()
     h.check()
+
+
+def test_kv_events_reach_vllm_with_the_cpu_medium(model_dir: Path) -> None:
+    h = make(model_dir, enable_events=True)
+    published: list[object] = []
+
+    class Publisher:
+        def publish(self, batch: kv_events.KVEventBatch) -> None:
+            published.extend(batch.events)
+
+    h.scheduler.kv_event_publisher = Publisher()
+    a = make_request("a", prompt(2, 3, seed=13), max_tokens=1)
+    h.run(a)
+    h.settle()
+    events = [e for e in published if getattr(e, "medium", None) == kv_events.MEDIUM_CPU]
+    stored = [e for e in events if isinstance(e, kv_events.BlockStored)]
+    assert len(stored) == 2
+    assert all(e.medium == kv_events.MEDIUM_CPU for e in stored)
+    assert stored[0].token_ids == a.prompt_token_ids[:BLOCK_SIZE]
+    assert stored[1].parent_block_hash == stored[0].block_hashes[0]
+    assert h.connector.reset_cache()
+    after = list(h.connector.take_events())
+    assert after
+    assert all(isinstance(e, kv_events.BlockRemoved | kv_events.AllBlocksCleared) for e in after)
+    assert h.side.get_num_new_matched_tokens(make_request("b", prompt(2, 3, seed=14)), 0) == (
+        0,
+        False,
+    )

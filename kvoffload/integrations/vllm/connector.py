@@ -56,6 +56,10 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
     Raises:
         ConfigError: an unknown or invalid setting, or a model whose KV cache is not one
             group of full-attention layers.
+
+    The class is not final: vLLM instantiates whatever class the configuration names, and
+    tests subclass it to choose a worker's rank (`_worker_rank`) or to inject copy
+    failures (`_copy_hook`).
     """
 
     def __init__(
@@ -93,6 +97,11 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 rank=self._worker_rank(),
                 copy_hook=self._copy_hook(),
             )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """``False``: the CPU pool is a best-effort cache; a dropped store is a later miss."""
+        return False
 
     # -- extension points (tests) ------------------------------------------------------
 

@@ -10,6 +10,7 @@ every rank reported it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import final
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -21,6 +22,7 @@ from kvoffload.transfer.plan import LoadPlan, StorePlan
 __all__ = ["KVOffloadConnectorMetadata", "KVOffloadWorkerMetadata"]
 
 
+@final
 @dataclass
 class KVOffloadConnectorMetadata(KVConnectorMetadata):
     """One step's work for every worker.
@@ -36,6 +38,7 @@ class KVOffloadConnectorMetadata(KVConnectorMetadata):
     stores: tuple[StorePlan, ...] = ()
 
 
+@final
 @dataclass
 class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
     """Copies finished on workers since their last report.

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, final
 
 from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout, OffloadConfig
@@ -77,6 +77,7 @@ class _FreeQueueView:
                 yield block.block_id, entry[1]
 
 
+@final
 class SchedulerSide:
     """kvoffload's decisions for one vLLM scheduler.
 
@@ -212,7 +213,14 @@ class SchedulerSide:
             computed = request.num_computed_tokens + num_scheduled - len(spec_tokens.get(rid, ()))
             hashes = self._hashes(request, computed)
             block_ids = manager.get_block_ids(rid)[0]
-            sched.update(rid, block_ids, hashes, computed)
+            try:
+                sched.update(rid, block_ids, hashes, computed)
+            except ValueError:
+                # vLLM replaced a block of the table (a copy-on-write of a shared partial
+                # block): start the request over, as after a preemption.
+                _log.debug("block_table_changed", request_id=rid)
+                sched.preempt(rid)
+                sched.update(rid, block_ids, hashes, computed)
             if lazy:
                 self._remember_gpu_hashes(block_ids, hashes)
         if lazy:

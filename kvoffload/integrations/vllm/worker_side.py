@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, final
 
 import anyio
 import torch
@@ -96,6 +96,7 @@ def _worker_rank() -> int:
         return 0
 
 
+@final
 class WorkerSide:
     """One vLLM worker's copies.
 
