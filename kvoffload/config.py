@@ -11,10 +11,10 @@ from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from kvoffload.errors import ConfigError, LayoutMismatchError
-from kvoffload.tiers.settings import TierSettings
+from kvoffload.tiers.settings import TierSettingsList
 
 __all__ = ["DTypeName", "KVLayout", "LayoutKind", "OffloadConfig"]
 
@@ -275,7 +275,7 @@ class OffloadConfig(BaseSettings):
     enable_events: bool = Field(
         default=False, description="Record BlockStored/BlockRemoved events for KV-aware routers."
     )
-    tiers: tuple[TierSettings, ...] = Field(
+    tiers: TierSettingsList = Field(
         default=(),
         max_length=8,
         description="Secondary tiers below the CPU pool (disk, redis), fastest first; JSON "
@@ -290,6 +290,8 @@ class OffloadConfig(BaseSettings):
             raise ConfigError(
                 f"invalid OffloadConfig: {_describe(exc, fields, 'KVOFFLOAD_')}"
             ) from exc
+        except SettingsError as exc:  # e.g. KVOFFLOAD_TIERS that is not JSON
+            raise ConfigError(f"invalid OffloadConfig: {exc} (list fields take JSON)") from exc
 
     @model_validator(mode="after")
     def _exactly_one_size(self) -> OffloadConfig:
