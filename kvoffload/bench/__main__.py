@@ -1,4 +1,4 @@
-"""``python -m kvoffload.bench {pool,copy,scheduler}``: the benchmarks behind docs/benchmarks.md."""
+"""``python -m kvoffload.bench {pool,copy,scheduler,tier}``: the benchmarks in the docs."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ _SUBCOMMANDS = {
     "pool": "kvoffload.bench.pool",
     "copy": "kvoffload.bench.copy",
     "scheduler": "kvoffload.bench.scheduler",
+    "tier": "kvoffload.bench.tier",
 }
 
 
