@@ -125,6 +125,7 @@ class TierManagerStatistics:
         promotions: promotion jobs started by lookups.
         promotions_no_space: promotions that found blocks but no free CPU block.
         deferred_lookups: lookups answered ``None`` because a promotion was in flight.
+        promotion_errors: promotions ended by an unexpected error (logged; nothing published).
         promotions_in_flight: promotion jobs running now.
         refs_held: CPU block references the manager holds now.
     """
@@ -133,6 +134,7 @@ class TierManagerStatistics:
     promotions: int
     promotions_no_space: int
     deferred_lookups: int
+    promotion_errors: int
     promotions_in_flight: int
     refs_held: int
 
@@ -332,6 +334,7 @@ class TierManager:
         self._promotions = 0
         self._no_space = 0
         self._deferred_lookups = 0
+        self._promotion_errors = 0
         self._task_group: anyio.abc.TaskGroup | None = None
         self._stopped = anyio.Event()
         self._closing = False
@@ -449,9 +452,10 @@ class TierManager:
         now = time.monotonic()
         if t.healthy or not t.backoff_s:
             t.backoff_s = t.retry_initial_s
-        else:
+            t.retry_at = now + t.backoff_s
+        elif op in {"ping", "open"}:  # a retry failed: wait longer (other ops keep the wait)
             t.backoff_s = min(t.backoff_s * 2, t.retry_max_s)
-        t.retry_at = now + t.backoff_s
+            t.retry_at = now + t.backoff_s
         if t.healthy:
             t.healthy = False
             t.unhealthy_events += 1
@@ -647,26 +651,10 @@ class TierManager:
     async def _promote(self, job: _Promotion) -> None:
         blocks: list[CpuBlock] = []
         try:
-            sources = await self._probe(job.hashes)
-            run = sources[-1][2] if sources else 0
-            if run == 0:
-                self._mark_absent(job.hashes[0])
-                return
-            if job.epoch != self._epoch or self._closing:
-                return
-            blocks, wanted = self._allocate(job, run)
-            if not blocks:
-                return
-            ok = await self._read_into(sources, wanted, blocks)
-            if job.epoch != self._epoch or self._closing:
-                return
-            pool = self._pool
-            for (i, block_hash), block, good in zip(wanted, blocks, ok, strict=True):
-                if good and pool.publish(block, block_hash):
-                    self._landed[block_hash] = block
-                    self._tier_of(sources, i).promoted += 1
-            while len(self._landed) > max(1, self._pool.num_blocks // 4):
-                self._landed.popitem(last=False)
+            await self._promote_job(job, blocks)
+        except Exception as exc:  # never let a bug here end the offloader's task group
+            self._promotion_errors += 1
+            _log.error("promotion_failed", error=repr(exc), blocks=len(job.hashes))
         finally:
             for block_hash in job.hashes:
                 if self._jobs.get(block_hash) is job:
@@ -674,6 +662,30 @@ class TierManager:
             self._num_jobs -= 1
             if blocks:
                 self._unhold(blocks[::-1])
+
+    async def _promote_job(self, job: _Promotion, blocks: list[CpuBlock]) -> None:
+        """Probe, allocate into ``blocks`` (the caller releases them), read, verify, publish."""
+        sources = await self._probe(job.hashes)
+        run = sources[-1][2] if sources else 0
+        if run == 0:
+            self._mark_absent(job.hashes[0])
+            return
+        if job.epoch != self._epoch or self._closing:
+            return
+        taken, wanted = self._allocate(job, run)
+        blocks.extend(taken)
+        if not blocks:
+            return
+        ok = await self._read_into(sources, wanted, blocks)
+        if job.epoch != self._epoch or self._closing:
+            return
+        pool = self._pool
+        for (i, block_hash), block, good in zip(wanted, blocks, ok, strict=True):
+            if good and pool.publish(block, block_hash):
+                self._landed[block_hash] = block
+                self._tier_of(sources, i).promoted += 1
+        while len(self._landed) > max(1, self._pool.num_blocks // 4):
+            self._landed.popitem(last=False)
 
     @staticmethod
     def _tier_of(sources: list[tuple[_Tier, int, int]], i: int) -> _Tier:
@@ -857,6 +869,7 @@ class TierManager:
             promotions=self._promotions,
             promotions_no_space=self._no_space,
             deferred_lookups=self._deferred_lookups,
+            promotion_errors=self._promotion_errors,
             promotions_in_flight=self._num_jobs,
             refs_held=sum(self._refs.values()),
         )
