@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import ConfigError
+from kvoffload.tiers.build import build_tier
 from kvoffload.tiers.settings import DiskTierSettings, RedisTierSettings
 
 R: dict[str, object] = {"kind": "redis", "url": "redis://h"}
@@ -90,3 +93,16 @@ def test_env_error_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVOFFLOAD_TIERS", "not json")
     with pytest.raises(ConfigError, match="tiers"):
         OffloadConfig(num_cpu_blocks=4)
+
+
+def test_redis_tier_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = [m for m in sys.modules if m.startswith(("redis.", "kvoffload.tiers.redis"))]
+    for name in [*loaded, "redis"]:
+        if name in sys.modules:
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "redis", None)  # what an absent package looks like
+    with pytest.raises(ImportError, match=r"pip install 'kvoffload\[redis\]'"):
+        importlib.import_module("kvoffload.tiers.redis")
+    settings = RedisTierSettings(url="redis://127.0.0.1:1/0")
+    with pytest.raises(ConfigError, match=r"tiers\[0\] \('redis0'\).*kvoffload\[redis\]"):
+        build_tier(settings, 0, namespace=b"\0" * 32, block_nbytes=1024)
