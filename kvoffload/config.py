@@ -19,10 +19,10 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from kvoffload.errors import ConfigError, LayoutMismatchError
-from kvoffload.tiers.settings import TierSettings
+from kvoffload.tiers.settings import TierSettingsList
 
 __all__ = ["DTypeName", "KVLayout", "LayoutKind", "OffloadConfig"]
 
@@ -316,7 +316,7 @@ class OffloadConfig(BaseSettings):
         parse_admission(value)
         return value.strip().lower()
 
-    tiers: tuple[TierSettings, ...] = Field(
+    tiers: TierSettingsList = Field(
         default=(),
         max_length=8,
         description="Secondary tiers below the CPU pool (disk, redis), fastest first; JSON "
@@ -331,6 +331,8 @@ class OffloadConfig(BaseSettings):
             raise ConfigError(
                 f"invalid OffloadConfig: {_describe(exc, fields, 'KVOFFLOAD_')}"
             ) from exc
+        except SettingsError as exc:  # e.g. KVOFFLOAD_TIERS that is not JSON
+            raise ConfigError(f"invalid OffloadConfig: {exc} (list fields take JSON)") from exc
 
     @model_validator(mode="after")
     def _exactly_one_size(self) -> OffloadConfig:

@@ -29,7 +29,9 @@ from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
 from kvoffload.request import OffloadRequest
 from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
 from kvoffload.storage.host_buffer import HostKVBuffer
-from kvoffload.tiers.manager import TierManager, TierManagerStatistics, build_tier
+from kvoffload.tiers.build import build_tier
+from kvoffload.tiers.manager import TierManager
+from kvoffload.tiers.stats import TierManagerStatistics
 from kvoffload.transfer.cuda_engine import CudaCopyEngine
 from kvoffload.transfer.engine import CopyEngine
 from kvoffload.transfer.plan import StorePlan, TransferPlan

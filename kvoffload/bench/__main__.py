@@ -1,4 +1,4 @@
-"""``python -m kvoffload.bench {pool,copy,scheduler,handle}``: the benchmarks of the docs."""
+"""``python -m kvoffload.bench {pool,copy,scheduler,handle,tier}``: the benchmarks of the docs."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ _SUBCOMMANDS = {
     "copy": "kvoffload.bench.copy",
     "scheduler": "kvoffload.bench.scheduler",
     "handle": "kvoffload.bench.handle",
+    "tier": "kvoffload.bench.tier",
 }
 
 

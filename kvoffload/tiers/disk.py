@@ -390,9 +390,8 @@ class DiskTier:
         page = mmap.mmap(-1, _PAGE)
         try:
             for block, slot in jobs:
-                page.seek(0)
-                page.write(block.header)
-                page.write(b"\0" * (_PAGE - len(block.header)))
+                # Headers have one fixed size, so the rest of the page stays zero.
+                page[: len(block.header)] = block.header
                 want = _PAGE + len(block.payload)
                 try:
                     n = self._io(os.pwritev, [page, block.payload], self._offset(slot))

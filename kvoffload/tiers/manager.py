@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, final
 
 import anyio
@@ -37,22 +37,22 @@ import anyio.abc
 import anyio.to_thread
 
 from kvoffload._logging import get_logger
-from kvoffload.errors import ConfigError, IntegrityError, InvariantError
+from kvoffload.errors import IntegrityError, InvariantError
 from kvoffload.hashing import BlockHash
+from kvoffload.tiers._state import PriorityGate, TierState
 from kvoffload.tiers.base import BlockRead, BlockWrite, SecondaryTier
-from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.format import encode_header, verify_block
 from kvoffload.tiers.settings import DiskTierSettings, RedisTierSettings
+from kvoffload.tiers.stats import TierManagerStatistics, TierStatistics
 
 if TYPE_CHECKING:
     from kvoffload.pool.block_pool import CpuBlockPool
     from kvoffload.pool.free_queue import CpuBlock
     from kvoffload.scheduler import OffloadScheduler
     from kvoffload.storage.host_buffer import HostKVBuffer
-    from kvoffload.tiers.settings import TierSettings
     from kvoffload.transfer.plan import StorePlan
 
-__all__ = ["TierManager", "TierManagerStatistics", "TierStatistics", "build_tier"]
+__all__ = ["TierManager"]
 
 _log = get_logger("tiers")
 
@@ -62,217 +62,11 @@ _ABSENT_MAX = 4096
 _PROMOTION_MAX_BLOCKS = 256
 
 
-@dataclass(frozen=True, slots=True)
-class TierStatistics:
-    """Counters of one tier, as the manager saw it.
-
-    Attributes:
-        name: the tier's name.
-        kind: ``"disk"``, ``"redis"`` or the class name of a custom tier.
-        healthy: whether the tier is in use now.
-        blocks_written: blocks the tier reported stored.
-        bytes_written: their payload bytes.
-        writes_skipped_full: write-downs skipped because the queue was full (back-pressure).
-        writes_skipped_unhealthy: write-downs skipped (or dropped from the queue) because
-            the tier was unhealthy.
-        writes_failed: blocks of write operations that failed.
-        writes_held: write-downs queued or running now (each holds a CPU block).
-        max_writes_held: the most ever held at once (never above ``max_queued_writes``).
-        blocks_read: blocks read and verified.
-        bytes_read: their payload bytes.
-        blocks_promoted: of those, blocks published into the CPU pool.
-        read_misses: blocks the probe found but the read did not (evicted meanwhile).
-        failed_checks: blocks that failed verification (deleted from the tier).
-        errors: operations that failed (each also marks the tier unhealthy).
-        unhealthy_events: times the tier went from healthy to unhealthy.
-        recoveries: times it came back.
-        write_seconds: total time of write operations.
-        read_seconds: total time of read operations.
-        last_error: the last error's message ("" if none).
-        details: the tier's own figures (`SecondaryTier.statistics()`).
-    """
-
-    name: str
-    kind: str
-    healthy: bool
-    blocks_written: int
-    bytes_written: int
-    writes_skipped_full: int
-    writes_skipped_unhealthy: int
-    writes_failed: int
-    writes_held: int
-    max_writes_held: int
-    blocks_read: int
-    bytes_read: int
-    blocks_promoted: int
-    read_misses: int
-    failed_checks: int
-    errors: int
-    unhealthy_events: int
-    recoveries: int
-    write_seconds: float
-    read_seconds: float
-    last_error: str
-    details: Mapping[str, int | float | str | bool]
-
-
-@dataclass(frozen=True, slots=True)
-class TierManagerStatistics:
-    """Counters of a `TierManager`.
-
-    Attributes:
-        tiers: one entry per tier, in order.
-        promotions: promotion jobs started by lookups.
-        promotions_no_space: promotions that found blocks but no free CPU block.
-        deferred_lookups: lookups answered ``None`` because a promotion was in flight.
-        promotions_in_flight: promotion jobs running now.
-        refs_held: CPU block references the manager holds now.
-    """
-
-    tiers: tuple[TierStatistics, ...]
-    promotions: int
-    promotions_no_space: int
-    deferred_lookups: int
-    promotions_in_flight: int
-    refs_held: int
-
-
-@final
-class _PriorityGate:
-    """At most ``limit`` operations at once; reads go first and writes leave one slot free."""
-
-    __slots__ = ("_active", "_limit", "_reads_waiting", "_waiters")
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._active = 0
-        self._reads_waiting = 0
-        self._waiters: list[anyio.Event] = []
-
-    def _can(self, read: bool) -> bool:
-        if read:
-            return self._active < self._limit
-        write_limit = self._limit - 1 if self._limit > 1 else 1
-        return self._reads_waiting == 0 and self._active < write_limit
-
-    async def acquire(self, read: bool) -> None:
-        if read:
-            self._reads_waiting += 1
-        try:
-            while not self._can(read):
-                event = anyio.Event()
-                self._waiters.append(event)
-                try:
-                    await event.wait()
-                finally:
-                    if event in self._waiters:
-                        self._waiters.remove(event)
-        finally:
-            if read:
-                self._reads_waiting -= 1
-        self._active += 1
-        if read:
-            self._wake()  # a write may have been held back only by this read waiting
-
-    def release(self) -> None:
-        self._active -= 1
-        self._wake()
-
-    def _wake(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for event in waiters:
-            event.set()
-
-
-@dataclass(slots=True, eq=False)
-class _Tier:
-    tier: SecondaryTier
-    kind: str
-    max_queued: int
-    max_batch: int
-    timeout_s: float
-    retry_initial_s: float
-    retry_max_s: float
-    gate: _PriorityGate
-    queue: deque[CpuBlock] = field(default_factory=deque)
-    wake: anyio.Event = field(default_factory=anyio.Event)
-    sick: anyio.Event = field(default_factory=anyio.Event)
-    opened: bool = False
-    healthy: bool = False
-    backoff_s: float = 0.0
-    retry_at: float = 0.0
-    held: int = 0
-    max_held: int = 0
-    blocks_written: int = 0
-    bytes_written: int = 0
-    skipped_full: int = 0
-    skipped_unhealthy: int = 0
-    writes_failed: int = 0
-    blocks_read: int = 0
-    bytes_read: int = 0
-    promoted: int = 0
-    read_misses: int = 0
-    failed_checks: int = 0
-    errors: int = 0
-    unhealthy_events: int = 0
-    recoveries: int = 0
-    write_seconds: float = 0.0
-    read_seconds: float = 0.0
-    last_error: str = ""
-
-
 @dataclass(slots=True, eq=False)
 class _Promotion:
     hashes: tuple[BlockHash, ...]
     protect: tuple[CpuBlock, ...]
     epoch: int
-
-
-def build_tier(
-    settings: TierSettings, index: int, *, namespace: bytes, block_nbytes: int
-) -> SecondaryTier:
-    """Make the tier that ``settings`` describes (not opened yet).
-
-    Args:
-        settings: one entry of ``OffloadConfig.tiers``.
-        index: its position (names it when ``settings.name`` is unset).
-        namespace: the 32-byte namespace digest.
-        block_nbytes: bytes of one CPU block.
-
-    Raises:
-        ConfigError: the settings do not fit (a disk capacity below one slot), or the
-            Redis extra is not installed.
-    """
-    name = settings.name or f"{settings.kind}{index}"
-    if isinstance(settings, DiskTierSettings):
-        return DiskTier(
-            settings.path,
-            int(settings.capacity_bytes),
-            block_nbytes=block_nbytes,
-            namespace=namespace,
-            persist=settings.persist,
-            direct_io=settings.direct_io,
-            name=name,
-            io_threads=settings.max_in_flight,
-        )
-    if isinstance(settings, RedisTierSettings):
-        try:
-            from kvoffload.tiers.redis import RedisTier  # noqa: PLC0415 - optional extra
-        except ImportError as exc:
-            raise ConfigError(
-                f"tiers[{index}] ({name!r}): the redis tier needs the redis extra: "
-                f"pip install 'kvoffload[redis]' ({exc})"
-            ) from exc
-        return RedisTier(
-            settings.url,
-            block_nbytes=block_nbytes,
-            namespace=namespace,
-            key_prefix=settings.key_prefix,
-            ttl_s=settings.ttl_s,
-            max_connections=settings.max_in_flight,
-            name=name,
-        )
-    raise ConfigError(f"tiers[{index}]: unknown tier settings {settings!r}")  # pragma: no cover
 
 
 @final
@@ -311,7 +105,7 @@ class TierManager:
         self._host = host  # keeps the memory the view below points at alive
         self._memory = memoryview(buffer).cast("B")
         self._tiers = [
-            _Tier(
+            TierState(
                 tier=tier,
                 kind=getattr(s, "kind", type(tier).__name__),
                 max_queued=s.max_queued_writes,
@@ -319,7 +113,7 @@ class TierManager:
                 timeout_s=s.op_timeout_s,
                 retry_initial_s=s.retry_initial_s,
                 retry_max_s=max(s.retry_max_s, s.retry_initial_s),
-                gate=_PriorityGate(s.max_in_flight),
+                gate=PriorityGate(s.max_in_flight),
             )
             for tier, s in tiers
         ]
@@ -332,6 +126,7 @@ class TierManager:
         self._promotions = 0
         self._no_space = 0
         self._deferred_lookups = 0
+        self._promotion_errors = 0
         self._task_group: anyio.abc.TaskGroup | None = None
         self._stopped = anyio.Event()
         self._closing = False
@@ -427,7 +222,7 @@ class TierManager:
         for t in self._tiers:
             self._drop_queue(t)
 
-    def _drop_queue(self, t: _Tier) -> int:
+    def _drop_queue(self, t: TierState) -> int:
         dropped = list(t.queue)
         t.queue.clear()
         t.held -= len(dropped)
@@ -443,15 +238,16 @@ class TierManager:
 
     # -- health ----------------------------------------------------------------------------
 
-    def _fault(self, t: _Tier, exc: BaseException, op: str) -> None:
+    def _fault(self, t: TierState, exc: BaseException, op: str) -> None:
         t.errors += 1
         t.last_error = f"{op}: {type(exc).__name__}: {exc}"
         now = time.monotonic()
         if t.healthy or not t.backoff_s:
             t.backoff_s = t.retry_initial_s
-        else:
+            t.retry_at = now + t.backoff_s
+        elif op in {"ping", "open"}:  # a retry failed: wait longer (other ops keep the wait)
             t.backoff_s = min(t.backoff_s * 2, t.retry_max_s)
-        t.retry_at = now + t.backoff_s
+            t.retry_at = now + t.backoff_s
         if t.healthy:
             t.healthy = False
             t.unhealthy_events += 1
@@ -465,7 +261,7 @@ class TierManager:
         t.sick.set()
         t.skipped_unhealthy += self._drop_queue(t)
 
-    async def _health_loop(self, t: _Tier) -> None:
+    async def _health_loop(self, t: TierState) -> None:
         while True:
             if t.healthy:
                 await t.sick.wait()
@@ -521,7 +317,7 @@ class TierManager:
             t.max_held = max(t.max_held, t.held)
             t.wake.set()
 
-    async def _writer(self, t: _Tier) -> None:
+    async def _writer(self, t: TierState) -> None:
         while True:
             while not t.queue:
                 t.wake = anyio.Event()
@@ -533,7 +329,7 @@ class TierManager:
                 t.held -= len(batch)
                 self._unhold(batch[::-1])
 
-    async def _write(self, t: _Tier, batch: list[CpuBlock]) -> None:
+    async def _write(self, t: TierState, batch: list[CpuBlock]) -> None:
         hashes: list[BlockHash] = []
         views: list[memoryview] = []
         for block in batch:
@@ -647,26 +443,10 @@ class TierManager:
     async def _promote(self, job: _Promotion) -> None:
         blocks: list[CpuBlock] = []
         try:
-            sources = await self._probe(job.hashes)
-            run = sources[-1][2] if sources else 0
-            if run == 0:
-                self._mark_absent(job.hashes[0])
-                return
-            if job.epoch != self._epoch or self._closing:
-                return
-            blocks, wanted = self._allocate(job, run)
-            if not blocks:
-                return
-            ok = await self._read_into(sources, wanted, blocks)
-            if job.epoch != self._epoch or self._closing:
-                return
-            pool = self._pool
-            for (i, block_hash), block, good in zip(wanted, blocks, ok, strict=True):
-                if good and pool.publish(block, block_hash):
-                    self._landed[block_hash] = block
-                    self._tier_of(sources, i).promoted += 1
-            while len(self._landed) > max(1, self._pool.num_blocks // 4):
-                self._landed.popitem(last=False)
+            await self._promote_job(job, blocks)
+        except Exception as exc:  # never let a bug here end the offloader's task group
+            self._promotion_errors += 1
+            _log.error("promotion_failed", error=repr(exc), blocks=len(job.hashes))
         finally:
             for block_hash in job.hashes:
                 if self._jobs.get(block_hash) is job:
@@ -675,16 +455,40 @@ class TierManager:
             if blocks:
                 self._unhold(blocks[::-1])
 
+    async def _promote_job(self, job: _Promotion, blocks: list[CpuBlock]) -> None:
+        """Probe, allocate into ``blocks`` (the caller releases them), read, verify, publish."""
+        sources = await self._probe(job.hashes)
+        run = sources[-1][2] if sources else 0
+        if run == 0:
+            self._mark_absent(job.hashes[0])
+            return
+        if job.epoch != self._epoch or self._closing:
+            return
+        taken, wanted = self._allocate(job, run)
+        blocks.extend(taken)
+        if not blocks:
+            return
+        ok = await self._read_into(sources, wanted, blocks)
+        if job.epoch != self._epoch or self._closing:
+            return
+        pool = self._pool
+        for (i, block_hash), block, good in zip(wanted, blocks, ok, strict=True):
+            if good and pool.publish(block, block_hash):
+                self._landed[block_hash] = block
+                self._tier_of(sources, i).promoted += 1
+        while len(self._landed) > max(1, self._pool.num_blocks // 4):
+            self._landed.popitem(last=False)
+
     @staticmethod
-    def _tier_of(sources: list[tuple[_Tier, int, int]], i: int) -> _Tier:
+    def _tier_of(sources: list[tuple[TierState, int, int]], i: int) -> TierState:
         for t, lo, hi in sources:
             if lo <= i < hi:
                 return t
         raise IndexError(i)  # pragma: no cover - wanted blocks all lie in a source
 
-    async def _probe(self, hashes: tuple[BlockHash, ...]) -> list[tuple[_Tier, int, int]]:
+    async def _probe(self, hashes: tuple[BlockHash, ...]) -> list[tuple[TierState, int, int]]:
         """Find, tier by tier, the leading run of ``hashes`` the tiers hold together."""
-        sources: list[tuple[_Tier, int, int]] = []
+        sources: list[tuple[TierState, int, int]] = []
         run = 0
         progress = True
         while progress and run < len(hashes):
@@ -731,7 +535,7 @@ class TierManager:
 
     async def _read_into(
         self,
-        sources: list[tuple[_Tier, int, int]],
+        sources: list[tuple[TierState, int, int]],
         wanted: list[tuple[int, BlockHash]],
         blocks: list[CpuBlock],
     ) -> list[bool]:
@@ -749,7 +553,7 @@ class TierManager:
         return ok
 
     async def _read_chunk(
-        self, t: _Tier, hashes: list[BlockHash], views: list[memoryview]
+        self, t: TierState, hashes: list[BlockHash], views: list[memoryview]
     ) -> list[bool]:
         await t.gate.acquire(read=True)
         start = time.perf_counter()
@@ -857,6 +661,7 @@ class TierManager:
             promotions=self._promotions,
             promotions_no_space=self._no_space,
             deferred_lookups=self._deferred_lookups,
+            promotion_errors=self._promotion_errors,
             promotions_in_flight=self._num_jobs,
             refs_held=sum(self._refs.values()),
         )

@@ -203,7 +203,7 @@ class RedisTier:
         self._closed = True
         client, self._client = self._client, None
         if client is not None:
-            await client.aclose()
+            await client.aclose(close_connection_pool=True)
 
     def statistics(self) -> Mapping[str, int | float | str | bool]:
         """The server URL (password hidden), key prefix and expiry."""

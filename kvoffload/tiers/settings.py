@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ByteSize, ConfigDict, Field, model_validator
 
-__all__ = ["DiskTierSettings", "RedisTierSettings", "TierSettings"]
+__all__ = ["DiskTierSettings", "RedisTierSettings", "TierSettings", "TierSettingsList"]
 
 
 class _TierSettingsBase(BaseModel):
@@ -54,6 +54,14 @@ class _TierSettingsBase(BaseModel):
     retry_max_s: float = Field(
         default=30.0, gt=0, le=86400, description="Longest wait between retries (backoff cap)."
     )
+
+    @model_validator(mode="after")
+    def _retry_order(self) -> _TierSettingsBase:
+        if self.retry_max_s < self.retry_initial_s:
+            raise ValueError(
+                f"retry_max_s={self.retry_max_s} is below retry_initial_s={self.retry_initial_s}"
+            )
+        return self
 
 
 class DiskTierSettings(_TierSettingsBase):
@@ -105,3 +113,25 @@ class RedisTierSettings(_TierSettingsBase):
 
 TierSettings = Annotated[DiskTierSettings | RedisTierSettings, Field(discriminator="kind")]
 """One entry of ``OffloadConfig.tiers``: a `DiskTierSettings` or a `RedisTierSettings`."""
+
+
+def _check_tiers(
+    tiers: tuple[DiskTierSettings | RedisTierSettings, ...],
+) -> tuple[DiskTierSettings | RedisTierSettings, ...]:
+    names: dict[str, int] = {}
+    paths: dict[Path, int] = {}
+    for i, tier in enumerate(tiers):
+        name = tier.name or f"{tier.kind}{i}"
+        if name in names:
+            raise ValueError(f"tiers[{i}] and tiers[{names[name]}] are both named {name!r}")
+        names[name] = i
+        if isinstance(tier, DiskTierSettings):
+            path = tier.path.expanduser().absolute()
+            if path in paths:
+                raise ValueError(f"tiers[{i}] and tiers[{paths[path]}] share the path {path}")
+            paths[path] = i
+    return tiers
+
+
+TierSettingsList = Annotated[tuple[TierSettings, ...], AfterValidator(_check_tiers)]
+"""The type of ``OffloadConfig.tiers``: tier settings with unique names and disk paths."""

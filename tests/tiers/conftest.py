@@ -7,6 +7,13 @@ import pytest
 from tier_helpers import REDIS_URL_ENV, RedisServer, redis_missing
 
 
+def _need_client() -> None:
+    try:
+        import redis.asyncio  # noqa: F401, PLC0415
+    except ImportError:
+        redis_missing("the redis package is not installed (pip install 'kvoffload[redis]')")
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
@@ -18,14 +25,14 @@ def redis_url() -> str:
     url = os.environ.get(REDIS_URL_ENV)
     if not url:
         redis_missing(f"{REDIS_URL_ENV} is not set")
-    pytest.importorskip("redis")
+    _need_client()
     return str(url)
 
 
 @pytest.fixture
 def own_redis() -> Iterator[RedisServer]:
     """A redis-server of this test's own, started, that the test may stop and restart."""
-    pytest.importorskip("redis")
+    _need_client()
     server = RedisServer()
     server.start()
     try:

@@ -212,6 +212,8 @@ async def test_write_downs_hold_refs_and_respect_the_bound(tmp_path: Path) -> No
         stats = tier_stats(off)
         assert stats.writes_held == 3
         assert stats.writes_skipped_full == 2
+        # A block being written is invisible to lookups of the tier until its write ended.
+        assert await tier.exists(off.hash_prompt(tokens(12, 5))) == 0
         check(off)  # the three held blocks are counted as referenced
         assert off.pool.num_free == 16 - 3
         # Loads still proceed while writes are stuck.
@@ -253,3 +255,66 @@ async def test_close_releases_every_ref(tmp_path: Path) -> None:
     assert off.pool.num_free == off.pool.num_blocks
     assert off.tiers.statistics().refs_held == 0  # type: ignore[union-attr]
     assert not (tmp_path / "kv.bin").exists()
+
+
+async def test_promotion_never_evicts_a_pinned_block(tmp_path: Path) -> None:
+    kv = make_kv()
+    async with KVOffloader(config([disk(tmp_path / "kv.bin")], num_cpu_blocks=4), kv) as off:
+        a = tokens(14, 4)
+        await compute_and_store(off, kv, "a", a, range(4))
+        await settle(off)
+        await off.reset()
+        b = tokens(15, 4)
+        hashes_b = await compute_and_store(off, kv, "b", b, range(4, 8))
+        await settle(off)
+        assert off.lookup("pin", hashes_b, len(b)) == 4 * BS  # pins all four CPU blocks
+        assert off.lookup("x", off.hash_prompt(a), len(a)) == 0
+        await settle(off)
+        stats = off.statistics().tiers
+        assert stats is not None
+        assert stats.promotions_no_space == 1
+        assert all(off.pool.get_cached(h) is not None for h in hashes_b)
+        check(off)
+        off.release("pin")
+        off.finish("pin")
+        off.finish("x")
+        assert await lookup_load(off, kv, "y", a, range(8, 12)) == 4 * BS
+        check(off)
+
+
+async def test_close_during_a_promotion_releases_its_blocks(tmp_path: Path) -> None:
+    kv = make_kv()
+    gate = anyio.Event()
+    off = KVOffloader(config([disk(tmp_path / "kv.bin")]), kv)
+    async with off:
+        prompt = tokens(16, 4)
+        hashes = await compute_and_store(off, kv, "a", prompt, range(4))
+        await settle(off)
+        await off.reset()
+        tier = off.tiers.tiers[0]  # type: ignore[union-attr]
+        real_get = tier.get
+
+        async def stuck_get(block_hashes, into):  # type: ignore[no-untyped-def]
+            await gate.wait()
+            return await real_get(block_hashes, into)
+
+        tier.get = stuck_get  # type: ignore[method-assign]
+        assert off.lookup("b", hashes, len(prompt), allow_defer=True) is None
+        await wait_until(lambda: off.tiers.statistics().refs_held == 4)  # type: ignore[union-attr]
+        check(off)
+    assert off.pool.num_free == off.pool.num_blocks
+    assert off.pool.num_cached == 0
+    assert off.tiers.statistics().refs_held == 0  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_cascade_and_promotion_on_trio(tmp_path: Path) -> None:
+    kv = make_kv()
+    async with KVOffloader(config([disk(tmp_path / "kv.bin")]), kv) as off:
+        prompt = tokens(17, 3)
+        await compute_and_store(off, kv, "a", prompt, range(3))
+        await settle(off)
+        await off.reset()
+        assert await lookup_load(off, kv, "b", prompt, range(3, 6)) == 3 * BS
+        assert tier_stats(off).blocks_promoted == 3
+        check(off)

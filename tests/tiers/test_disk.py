@@ -5,8 +5,11 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import signal
+import sys
 from pathlib import Path
 
+import anyio
 import pytest
 from tier_helpers import patch_file
 
@@ -204,3 +207,54 @@ async def test_slot_being_read_is_not_reused(tmp_path: Path) -> None:
     t._readers.clear()
     assert await t.put([write(1)]) == 1
     await t.close()
+
+
+async def test_process_killed_mid_write_never_serves_a_torn_block(tmp_path: Path) -> None:
+    path = tmp_path / "kv.bin"
+    nbytes = 4 << 20  # large blocks: a kill often lands inside a write
+    writer = Path(__file__).with_name("disk_writer.py")
+    env = {**os.environ, "PYTHONPATH": str(writer.parent)}
+    proc = await anyio.open_process(
+        [sys.executable, str(writer), str(path), "4", str(nbytes)], env=env
+    )
+    try:
+        assert proc.stdout is not None
+        with anyio.fail_after(60):
+            await proc.stdout.receive()  # "ready"
+        await anyio.sleep(0.5)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+    ns = hashlib.sha256(b"kill-test").digest()
+    t = DiskTier(path, 4096 + 4 * (4096 + nbytes), block_nbytes=nbytes, namespace=ns, persist=True)
+    await t.open()
+    served = rejected = 0
+    buf = memoryview(bytearray(nbytes))
+    for block_hash in list(t._index):
+        (read,) = await t.get([block_hash], [buf])
+        assert read is not None
+        try:
+            verify_block(
+                read.header,
+                namespace=ns,
+                block_hash=block_hash,
+                expected_length=nbytes,
+                received_length=read.payload_length,
+                payload=buf,
+            )
+        except IntegrityError:
+            rejected += 1
+            continue
+        served += 1
+        i = next(i for i in range(1_000_000) if writer_hash(i) == block_hash)
+        assert bytes(buf) == writer_payload(i, nbytes)
+    assert served + rejected + t.statistics()["discarded_at_open"] >= 1
+    await t.close()
+
+
+def writer_hash(i: int) -> BlockHash:
+    return BlockHash(hashlib.sha256(f"block{i}".encode()).digest())
+
+
+def writer_payload(i: int, nbytes: int) -> bytes:
+    return hashlib.sha256(f"payload{i}".encode()).digest() * (nbytes // 32)

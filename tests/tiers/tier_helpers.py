@@ -19,7 +19,7 @@ import torch
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.hashing import BlockHash
 from kvoffload.offloader import KVOffloader
-from kvoffload.tiers.manager import TierStatistics
+from kvoffload.tiers.stats import TierStatistics
 
 BS = 4
 NUM_GPU_BLOCKS = 32

@@ -1,0 +1,293 @@
+"""``python -m kvoffload.bench tier --kind disk|redis``: a tier's store and load GB/s.
+
+For each block size it writes ``--total-mib`` of random blocks through the tier and reads
+them back, the way the tier manager does: headers with the payload checksum built off the
+event loop, ``put`` in batches of ``--batch`` blocks with ``--concurrency`` operations in
+flight, then ``get`` into the host blocks and `verify_block()` on every block. In the
+same run, with the same bytes, batches and concurrency, it measures a baseline:
+
+* disk: raw ``os.pwrite`` / ``os.pread`` of the payloads into a second file opened the
+  same way (``O_DIRECT`` when the tier uses it), in as many threads;
+* redis: a bare pipelined ``redis.asyncio`` client doing ``SET`` / ``GET`` of the
+  payloads (no header, no checksum, no copy into host blocks).
+
+It prints the median GB/s of ``--reps`` repetitions of each and the ratio (tier over
+baseline; 1.0 means the tier costs nothing on top of the raw path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from kvoffload.hashing import BlockHash
+from kvoffload.tiers.base import BlockWrite, SecondaryTier
+from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.format import encode_header, verify_block
+
+__all__ = ["add_parser", "run"]
+
+_NS = bytes(range(32))
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register the ``tier`` subcommand."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "tier", help="disk / redis tier GB/s vs the raw path", description=__doc__
+    )
+    p.add_argument("--kind", choices=["disk", "redis"], required=True)
+    p.add_argument(
+        "--block-kib", default="2048,64", help="comma-separated block sizes in KiB (2 MiB, 64 KiB)"
+    )
+    p.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement")
+    p.add_argument("--reps", type=int, default=5, help="repetitions (median)")
+    p.add_argument("--batch", type=int, default=16, help="blocks per tier operation")
+    p.add_argument("--concurrency", type=int, default=4, help="operations in flight")
+    p.add_argument("--path", default=None, help="disk: directory of the files (default: tmp)")
+    p.add_argument("--direct-io", choices=["auto", "never"], default="auto")
+    p.add_argument("--url", default="redis://127.0.0.1:6379/0", help="redis: server URL")
+    p.set_defaults(run=run)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; return 0 (2 when the Redis extra is missing)."""
+    if args.kind == "redis":
+        try:
+            import redis.asyncio  # noqa: F401, PLC0415
+        except ImportError:
+            print("--kind redis needs the redis extra: pip install 'kvoffload[redis]'")
+            return 2
+    print("command: python -m kvoffload.bench " + " ".join(sys.argv[1:] or ["tier"]))
+    print(f"{'kind':6} {'block':>8} {'op':5} {'tier GB/s':>10} {'baseline GB/s':>14} {'ratio':>6}")
+    for kib in (int(s) for s in args.block_kib.split(",") if s.strip()):
+        nbytes = kib * 1024
+        n = max(args.batch, (args.total_mib << 20) // nbytes)
+        rows = anyio.run(_measure, args, nbytes, n)
+        for op, ours, base in rows:
+            print(
+                f"{args.kind:6} {kib:>6}Ki {op:5} {ours:>10.2f} {base:>14.2f} "
+                f"{ours / base if base else float('nan'):>6.2f}"
+            )
+    return 0
+
+
+async def _measure(args: argparse.Namespace, nbytes: int, n: int) -> list[tuple[str, float, float]]:
+    memory = mmap.mmap(-1, 2 * n * nbytes)
+    view = memoryview(memory)
+    try:
+        view[: n * nbytes] = os.urandom(n * nbytes)
+        src = [view[i * nbytes : (i + 1) * nbytes] for i in range(n)]
+        dst = [view[(n + i) * nbytes : (n + i + 1) * nbytes] for i in range(n)]
+        hashes = [BlockHash(i.to_bytes(32, "little")) for i in range(n)]
+        if args.kind == "disk":
+            return await _disk(args, nbytes, hashes, src, dst)
+        return await _redis(args, nbytes, hashes, src, dst)
+    finally:
+        src = dst = []
+        view.release()
+        memory.close()
+
+
+async def _concurrently(
+    count: int, concurrency: int, batch: int, op: Callable[[int, int], Awaitable[None]]
+) -> float:
+    """Run ``op(lo, hi)`` over ``[0, count)`` in batches, ``concurrency`` at once; seconds."""
+    limiter = anyio.Semaphore(concurrency)
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for lo in range(0, count, batch):
+
+            async def one(lo: int = lo) -> None:
+                async with limiter:
+                    await op(lo, min(count, lo + batch))
+
+            tg.start_soon(one)
+    return time.perf_counter() - start
+
+
+async def _tier_path(
+    tier: SecondaryTier,
+    args: argparse.Namespace,
+    *,
+    nbytes: int,
+    hashes: Sequence[BlockHash],
+    src: Sequence[memoryview],
+    dst: Sequence[memoryview],
+) -> tuple[float, float]:
+    """One store pass and one verified load pass through ``tier``; their seconds."""
+
+    async def store(lo: int, hi: int) -> None:
+        headers = await anyio.to_thread.run_sync(
+            lambda: [encode_header(_NS, hashes[i], src[i]) for i in range(lo, hi)]
+        )
+        writes = [BlockWrite(hashes[i], headers[i - lo], src[i]) for i in range(lo, hi)]
+        stored = await tier.put(writes)
+        if stored != hi - lo:
+            raise RuntimeError(f"the tier stored {stored} of {hi - lo} blocks")
+
+    async def load(lo: int, hi: int) -> None:
+        reads = await tier.get(hashes[lo:hi], dst[lo:hi])
+
+        def check() -> None:
+            for i, read in zip(range(lo, hi), reads, strict=True):
+                if read is None:
+                    raise RuntimeError(f"block {i} missing")
+                verify_block(
+                    read.header,
+                    namespace=_NS,
+                    block_hash=hashes[i],
+                    expected_length=nbytes,
+                    received_length=read.payload_length,
+                    payload=dst[i],
+                )
+
+        await anyio.to_thread.run_sync(check)
+
+    n = len(hashes)
+    write_s = await _concurrently(n, args.concurrency, args.batch, store)
+    read_s = await _concurrently(n, args.concurrency, args.batch, load)
+    for i in (0, n // 2, n - 1):
+        if dst[i] != src[i]:
+            raise RuntimeError(f"block {i} read back differs")
+    return write_s, read_s
+
+
+async def _disk(
+    args: argparse.Namespace,
+    nbytes: int,
+    hashes: Sequence[BlockHash],
+    src: Sequence[memoryview],
+    dst: Sequence[memoryview],
+) -> list[tuple[str, float, float]]:
+    n = len(hashes)
+    with tempfile.TemporaryDirectory(dir=args.path, prefix="kvoffload-bench-") as tmp:
+        slot = 4096 + -(-nbytes // 4096) * 4096
+        tier = DiskTier(
+            Path(tmp) / "tier.bin",
+            4096 + n * slot,
+            block_nbytes=nbytes,
+            namespace=_NS,
+            direct_io=args.direct_io,
+            io_threads=args.concurrency,
+        )
+        await tier.open()
+        raw_path = Path(tmp) / "raw.bin"
+        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if tier.direct_io else 0)
+        fd = os.open(raw_path, flags, 0o600)
+        os.posix_fallocate(fd, 0, n * nbytes)
+        pool = ThreadPoolExecutor(args.concurrency)
+        try:
+
+            def raw(op: Callable[[int, memoryview, int], int], bufs: Sequence[memoryview]) -> float:
+                def chunk(lo: int) -> None:
+                    for i in range(lo, min(n, lo + args.batch)):
+                        if op(fd, bufs[i], i * nbytes) != nbytes:
+                            raise RuntimeError("short raw I/O")
+
+                start = time.perf_counter()
+                list(pool.map(chunk, range(0, n, args.batch)))
+                return time.perf_counter() - start
+
+            def pwrite(fd: int, buf: memoryview, offset: int) -> int:
+                return os.pwrite(fd, buf, offset)
+
+            def pread(fd: int, buf: memoryview, offset: int) -> int:
+                return os.preadv(fd, [buf], offset)
+
+            samples: dict[str, list[tuple[float, float]]] = {"store": [], "load": []}
+            for _ in range(args.reps):
+                base_w = raw(pwrite, src)
+                base_r = raw(pread, dst)
+                await tier.delete(hashes)
+                ours_w, ours_r = await _tier_path(
+                    tier, args, nbytes=nbytes, hashes=hashes, src=src, dst=dst
+                )
+                samples["store"].append((_gbps(n * nbytes, ours_w), _gbps(n * nbytes, base_w)))
+                samples["load"].append((_gbps(n * nbytes, ours_r), _gbps(n * nbytes, base_r)))
+            print(f"# disk: O_DIRECT={tier.direct_io} {tier.statistics()}", file=sys.stderr)
+        finally:
+            pool.shutdown()
+            os.close(fd)
+            await tier.close()
+    return [
+        (op, statistics.median(s[0] for s in rows), statistics.median(s[1] for s in rows))
+        for op, rows in samples.items()
+    ]
+
+
+async def _redis(
+    args: argparse.Namespace,
+    nbytes: int,
+    hashes: Sequence[BlockHash],
+    src: Sequence[memoryview],
+    dst: Sequence[memoryview],
+) -> list[tuple[str, float, float]]:
+    import redis.asyncio as aioredis  # noqa: PLC0415 - optional extra
+
+    from kvoffload.tiers.redis import RedisTier  # noqa: PLC0415 - optional extra
+
+    n = len(hashes)
+    prefix = f"kvoffload-bench:{uuid.uuid4().hex[:8]}:"
+    tier = RedisTier(
+        args.url,
+        block_nbytes=nbytes,
+        namespace=_NS,
+        key_prefix=prefix + "tier:",
+        max_connections=args.concurrency,
+    )
+    await tier.open()
+    bare = aioredis.Redis.from_url(args.url, max_connections=args.concurrency + 1)
+    keys = [f"{prefix}bare:{i}".encode() for i in range(n)]
+
+    async def bare_set(lo: int, hi: int) -> None:
+        async with bare.pipeline(transaction=False) as pipe:
+            for i in range(lo, hi):
+                pipe.set(keys[i], src[i])
+            await pipe.execute()
+
+    async def bare_get(lo: int, hi: int) -> None:
+        async with bare.pipeline(transaction=False) as pipe:
+            for i in range(lo, hi):
+                pipe.get(keys[i])
+            values = await pipe.execute()
+        if any(v is None or len(v) != nbytes for v in values):
+            raise RuntimeError("bare GET missed")
+
+    samples: dict[str, list[tuple[float, float]]] = {"store": [], "load": []}
+    try:
+        for _ in range(args.reps):
+            base_w = await _concurrently(n, args.concurrency, args.batch, bare_set)
+            base_r = await _concurrently(n, args.concurrency, args.batch, bare_get)
+            await bare.delete(*keys)
+            ours_w, ours_r = await _tier_path(
+                tier, args, nbytes=nbytes, hashes=hashes, src=src, dst=dst
+            )
+            await tier.delete(hashes)
+            samples["store"].append((_gbps(n * nbytes, ours_w), _gbps(n * nbytes, base_w)))
+            samples["load"].append((_gbps(n * nbytes, ours_r), _gbps(n * nbytes, base_r)))
+    finally:
+        await bare.delete(*keys)
+        await tier.delete(hashes)
+        await bare.aclose()
+        await tier.close()
+    return [
+        (op, statistics.median(s[0] for s in rows), statistics.median(s[1] for s in rows))
+        for op, rows in samples.items()
+    ]

@@ -1,0 +1,62 @@
+"""`build_tier()`: the tier an entry of ``OffloadConfig.tiers`` describes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvoffload.errors import ConfigError
+from kvoffload.tiers.base import SecondaryTier
+from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.settings import DiskTierSettings, RedisTierSettings
+
+if TYPE_CHECKING:
+    from kvoffload.tiers.settings import TierSettings
+
+__all__ = ["build_tier"]
+
+
+def build_tier(
+    settings: TierSettings, index: int, *, namespace: bytes, block_nbytes: int
+) -> SecondaryTier:
+    """Make the tier that ``settings`` describes (not opened yet).
+
+    Args:
+        settings: one entry of ``OffloadConfig.tiers``.
+        index: its position (names it when ``settings.name`` is unset).
+        namespace: the 32-byte namespace digest.
+        block_nbytes: bytes of one CPU block.
+
+    Raises:
+        ConfigError: the settings do not fit (a disk capacity below one slot), or the
+            Redis extra is not installed.
+    """
+    name = settings.name or f"{settings.kind}{index}"
+    if isinstance(settings, DiskTierSettings):
+        return DiskTier(
+            settings.path,
+            int(settings.capacity_bytes),
+            block_nbytes=block_nbytes,
+            namespace=namespace,
+            persist=settings.persist,
+            direct_io=settings.direct_io,
+            name=name,
+            io_threads=settings.max_in_flight,
+        )
+    if isinstance(settings, RedisTierSettings):
+        try:
+            from kvoffload.tiers.redis import RedisTier  # noqa: PLC0415 - optional extra
+        except ImportError as exc:
+            raise ConfigError(
+                f"tiers[{index}] ({name!r}): the redis tier needs the redis extra: "
+                f"pip install 'kvoffload[redis]' ({exc})"
+            ) from exc
+        return RedisTier(
+            settings.url,
+            block_nbytes=block_nbytes,
+            namespace=namespace,
+            key_prefix=settings.key_prefix,
+            ttl_s=settings.ttl_s,
+            max_connections=settings.max_in_flight,
+            name=name,
+        )
+    raise ConfigError(f"tiers[{index}]: unknown tier settings {settings!r}")  # pragma: no cover
