@@ -169,6 +169,7 @@ async def test_unopenable_tier_starts_unhealthy(tmp_path: Path) -> None:
     cfg = config([disk(tmp_path / "missing-dir" / "kv.bin", retry_initial_s=0.02)])
     async with KVOffloader(cfg, kv) as off:
         assert not tier_stats(off).healthy
+        assert tier_stats(off).unhealthy_events == 1
         assert "cannot open" in tier_stats(off).last_error
         prompt = tokens(10, 2)
         await compute_and_store(off, kv, "a", prompt, range(2))
