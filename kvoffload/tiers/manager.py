@@ -461,8 +461,9 @@ class TierManager:
         """Probe, allocate into ``blocks`` (the caller releases them), read, verify, publish."""
         sources = await self._probe(job.hashes)
         run = sources[-1][2] if sources else 0
+        if run < len(job.hashes):
+            self._mark_absent(job.hashes[run])  # where the next lookup's run will stop
         if run == 0:
-            self._mark_absent(job.hashes[0])
             return
         if job.epoch != self._epoch or self._closing:
             return
