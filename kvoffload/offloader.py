@@ -373,7 +373,10 @@ class KVOffloader:
     ) -> int | None:
         """Tokens loadable from CPU past the engine's own prefix; pins the hit.
 
-        See `OffloadScheduler.lookup()`.
+        See `OffloadScheduler.lookup()`. With ``config.tiers``, the blocks after the CPU hit
+        that a tier holds are promoted into CPU blocks in the background (see
+        `TierManager.after_lookup()`); with ``allow_defer=True`` this returns ``None`` until
+        that promotion has landed.
 
         Raises:
             ClosedError: not open. ForkedProcessError: used in a forked child.

@@ -28,6 +28,11 @@ class PriorityGate:
         self._reads_waiting = 0
         self._waiters: list[anyio.Event] = []
 
+    @property
+    def limit(self) -> int:
+        """Operations allowed at once."""
+        return self._limit
+
     def _can(self, read: bool) -> bool:
         if read:
             return self._active < self._limit

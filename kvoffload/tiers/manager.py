@@ -190,7 +190,7 @@ class TierManager:
                     else:
                         t.opened = t.healthy = True
                     tg.start_soon(self._health_loop, t)
-                    for _ in range(max(1, t.gate._limit - 1)):
+                    for _ in range(max(1, t.gate.limit - 1)):
                         tg.start_soon(self._writer, t)
                 task_status.started()
         finally:
@@ -242,13 +242,15 @@ class TierManager:
         t.errors += 1
         t.last_error = f"{op}: {type(exc).__name__}: {exc}"
         now = time.monotonic()
-        if t.healthy or not t.backoff_s:
+        # Healthy until now, or never opened and failing its first open: a new episode.
+        fell = t.healthy or not t.backoff_s
+        if fell:
             t.backoff_s = t.retry_initial_s
             t.retry_at = now + t.backoff_s
         elif op in {"ping", "open"}:  # a retry failed: wait longer (other ops keep the wait)
             t.backoff_s = min(t.backoff_s * 2, t.retry_max_s)
             t.retry_at = now + t.backoff_s
-        if t.healthy:
+        if fell:
             t.healthy = False
             t.unhealthy_events += 1
             _log.warning(
@@ -459,8 +461,9 @@ class TierManager:
         """Probe, allocate into ``blocks`` (the caller releases them), read, verify, publish."""
         sources = await self._probe(job.hashes)
         run = sources[-1][2] if sources else 0
+        if run < len(job.hashes):
+            self._mark_absent(job.hashes[run])  # where the next lookup's run will stop
         if run == 0:
-            self._mark_absent(job.hashes[0])
             return
         if job.epoch != self._epoch or self._closing:
             return

@@ -10,6 +10,7 @@ miss. Runs on asyncio (``redis.asyncio`` with the hiredis parser).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any, final
 from urllib.parse import urlsplit, urlunsplit
@@ -98,9 +99,17 @@ class RedisTier:
         """Create the connection pool and check the server answers.
 
         Raises:
-            TierError: the URL is invalid. Connection errors propagate (the manager
-                marks the tier unhealthy and retries).
+            TierError: the URL is invalid, or the event loop is not asyncio's (trio).
+                Connection errors propagate (the manager marks the tier unhealthy and
+                retries).
         """
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError as exc:
+            raise TierError(
+                f"redis tier {self._name!r} runs on asyncio only (redis.asyncio); this event "
+                "loop is not asyncio's"
+            ) from exc
         if self._client is None:
             try:
                 pool = aioredis.BlockingConnectionPool.from_url(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import anyio
@@ -169,6 +172,7 @@ async def test_unopenable_tier_starts_unhealthy(tmp_path: Path) -> None:
     cfg = config([disk(tmp_path / "missing-dir" / "kv.bin", retry_initial_s=0.02)])
     async with KVOffloader(cfg, kv) as off:
         assert not tier_stats(off).healthy
+        assert tier_stats(off).unhealthy_events == 1
         assert "cannot open" in tier_stats(off).last_error
         prompt = tokens(10, 2)
         await compute_and_store(off, kv, "a", prompt, range(2))
@@ -317,4 +321,47 @@ async def test_cascade_and_promotion_on_trio(tmp_path: Path) -> None:
         await off.reset()
         assert await lookup_load(off, kv, "b", prompt, range(3, 6)) == 3 * BS
         assert tier_stats(off).blocks_promoted == 3
+        check(off)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Iterator[tuple[Path, Callable[[bool], None]]]:
+    """A directory on a bind mount this test can switch between read-only and read-write."""
+    src, dst = tmp_path / "src", tmp_path / "mnt"
+    src.mkdir()
+    dst.mkdir()
+    bind = ["mount", "--bind", str(src), str(dst)]
+    if shutil.which("mount") is None or subprocess.run(bind, check=False).returncode:
+        pytest.skip("cannot bind-mount here (needs mount and CAP_SYS_ADMIN)")
+
+    def set_read_only(read_only: bool) -> None:
+        mode = "ro" if read_only else "rw"
+        subprocess.run(["mount", "-o", f"remount,bind,{mode}", str(dst)], check=True)
+
+    try:
+        yield dst, set_read_only
+    finally:
+        subprocess.run(["umount", str(dst)], check=False)
+
+
+async def test_read_only_file_system_keeps_the_tier_out_until_writable(
+    read_only_dir: tuple[Path, Callable[[bool], None]],
+) -> None:
+    directory, set_read_only = read_only_dir
+    set_read_only(True)
+    kv = make_kv()
+    cfg = config([disk(directory / "kv.bin", retry_initial_s=0.02, retry_max_s=0.05)])
+    async with KVOffloader(cfg, kv) as off:
+        stats = tier_stats(off)
+        assert not stats.healthy
+        assert "EROFS" in stats.last_error
+        prompt = tokens(18, 2)
+        await compute_and_store(off, kv, "a", prompt, range(2))
+        assert await lookup_load(off, kv, "b", prompt, range(2, 4)) == 2 * BS
+        assert tier_stats(off).writes_skipped_unhealthy == 2
+        set_read_only(False)
+        await wait_until(lambda: tier_stats(off).healthy)
+        await compute_and_store(off, kv, "c", tokens(19, 2), range(4, 6))
+        await settle(off)
+        assert tier_stats(off).blocks_written == 2
         check(off)

@@ -229,3 +229,18 @@ async def test_timeouts_mark_the_tier_unhealthy_until_it_answers(
             own_redis.resume()
         await wait_until(lambda: tier_stats(off).healthy)
         check(off)
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_on_trio_the_redis_tier_reports_why_it_cannot_run(prefix: str) -> None:
+    pytest.importorskip("redis.asyncio")
+    kv = make_kv()
+    # No server is needed: the tier refuses before connecting.
+    tiers = [redis_tier("redis://127.0.0.1:1/0", prefix, retry_initial_s=60, retry_max_s=60)]
+    async with KVOffloader(config(tiers), kv) as off:
+        stats = tier_stats(off)
+        assert not stats.healthy
+        assert "asyncio only" in stats.last_error
+        prompt = tokens(40, 2)
+        await compute_and_store(off, kv, "a", prompt, range(2))
+        assert await lookup_load(off, kv, "b", prompt, range(2, 4)) == 2 * BS
