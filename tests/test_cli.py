@@ -222,3 +222,30 @@ def test_console_script_and_module_alias(tiny: Path) -> None:
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert "3" in proc.stdout
+
+
+def test_copy_bench_writes_json(tmp_path: Path) -> None:
+    out_json = tmp_path / "c.json"
+    code = main(
+        [
+            "bench",
+            "copy",
+            "--engine",
+            "thread",
+            "--layout",
+            "small-pieces",
+            "--blocks",
+            "1,2",
+            "--reps",
+            "2",
+            "--latency-samples",
+            "2",
+            "--json",
+            str(out_json),
+        ]
+    )
+    assert code == 0
+    data = json.loads(out_json.read_text())
+    assert [r["blocks"] for r in data["results"]] == [1, 2]
+    assert all(r["store_gbps"] > 0 and r["load_gbps"] > 0 for r in data["results"])
+    assert data["wakeup_latency_s"]["samples"] == 2
