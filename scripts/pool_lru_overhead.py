@@ -4,7 +4,8 @@ Loads ``kvoffload/pool/block_pool.py`` as it was at ``REF`` into a private modul
 replays the trace through both pools alternately (``python -m kvoffload.bench pool``'s
 replay), then prints the median block-ops/s of each and their ratio.
 
-Usage: .venv/bin/python scripts/pool_lru_overhead.py REF TRACE [--capacity 1000,6000,20000] [--runs 7]
+Usage:
+    .venv/bin/python scripts/pool_lru_overhead.py REF TRACE [--capacity 1,2,3] [--runs 7]
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def old_pool_class(ref: str) -> type:
     path = Path(tempfile.mkdtemp()) / "old_block_pool.py"
     path.write_text(source, encoding="utf-8")
     spec = importlib.util.spec_from_file_location("old_block_pool", path)
-    assert spec is not None and spec.loader is not None
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)

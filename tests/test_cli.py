@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import kvoffload.cli
 from kvoffload.cli import cli, main
 
 REQUESTS = [[0, 1, 2], [0, 1, 3], [0, 1, 2, 4], [9], [0, 1, 2, 5]]
@@ -249,3 +251,11 @@ def test_copy_bench_writes_json(tmp_path: Path) -> None:
     assert [r["blocks"] for r in data["results"]] == [1, 2]
     assert all(r["store_gbps"] > 0 and r["load_gbps"] > 0 for r in data["results"])
     assert data["wakeup_latency_s"]["samples"] == 2
+
+
+def test_without_the_cli_extra_the_import_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "click", None)  # as if click were not installed
+    with pytest.raises(ImportError, match=r"pip install 'kvoffload\[cli\]'"):
+        importlib.reload(kvoffload.cli)
+    monkeypatch.undo()
+    importlib.reload(kvoffload.cli)

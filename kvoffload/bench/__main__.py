@@ -1,4 +1,7 @@
-"""``python -m kvoffload.bench {pool,copy,scheduler}``: the benchmarks behind docs/benchmarks.md."""
+"""``python -m kvoffload.bench {pool,copy,scheduler}``: the benchmarks behind docs/benchmarks.md.
+
+The same commands run as ``kvoffload bench ...`` (the console script, `kvoffload.cli`).
+"""
 
 from __future__ import annotations
 
