@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -193,37 +194,13 @@ def test_main_returns_exit_codes(tiny: Path) -> None:
     assert main(["--help"]) == 0
 
 
-def test_console_script_and_module_alias(tiny: Path) -> None:
-    for cmd in (
-        [
-            sys.executable,
-            "-m",
-            "kvoffload.cli",
-            "replay",
-            str(tiny),
-            "--capacity",
-            "3",
-            "--json",
-            "-",
-            "--no-progress",
-        ],
-        [
-            sys.executable,
-            "-m",
-            "kvoffload.bench",
-            "pool",
-            "--trace",
-            str(tiny),
-            "--capacity",
-            "3",
-            "--runs",
-            "1",
-            "--no-progress",
-        ],
-    ):
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        assert "3" in proc.stdout
+def test_module_alias_still_runs_the_benchmarks(tiny: Path) -> None:
+    """``python -m kvoffload.bench`` is kept as an alias of ``kvoffload bench``."""
+    cmd = [sys.executable, "-m", "kvoffload.bench", "pool", "--trace", str(tiny)]
+    cmd += ["--capacity", "3", "--runs", "1", "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^\s+3\s+0\.\d{4}", proc.stdout, re.MULTILINE), proc.stdout
 
 
 def test_copy_bench_writes_json(tmp_path: Path) -> None:

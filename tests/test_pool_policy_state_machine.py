@@ -120,7 +120,7 @@ def test_pool_state_machine_per_policy(policy: str) -> None:
 
     run_state_machine_as_test(
         machine_for(policy),
-        settings=settings(max_examples=60, stateful_step_count=40, deadline=None),
+        settings=settings(max_examples=40, stateful_step_count=40, deadline=None),
     )
 
 
@@ -148,7 +148,7 @@ class PolicySchedulerMachine(SchedulerMachine):
 
 TestSchedulerWithPolicies = PolicySchedulerMachine.TestCase
 TestSchedulerWithPolicies.settings = settings(
-    max_examples=150,
+    max_examples=60,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
