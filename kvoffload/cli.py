@@ -24,6 +24,7 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
         "the kvoffload command line needs its extra: pip install 'kvoffload[cli]'"
     ) from exc
 
+from kvoffload.bench.tracegen import SHAPES, generate, write_trace
 from kvoffload.config import KVLayout
 from kvoffload.errors import ConfigError
 from kvoffload.pool.policies import POLICY_NAMES
@@ -379,12 +380,43 @@ def size(
         Console().print(table)
 
 
+@cli.command("synth-trace")
+@click.argument("shape", type=click.Choice(SHAPES))
+@click.argument("out", type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--requests", default=4000, show_default=True, type=click.IntRange(1, 10_000_000))
+@click.option("--seed", default=0, show_default=True, type=int, help="Same seed, same trace.")
+@_json_option
+def synth_trace(*, shape: str, out: Path, requests: int, seed: int, json_out: str | None) -> None:
+    """Write a seeded synthetic trace of a SHAPE (chat, rag, scan, loop) to OUT.
+
+    The traces have the Mooncake format, so ``kvoffload replay`` compares policies on
+    reuse shapes other than one recorded trace's.
+    """
+    blocks = generate(shape, requests, seed)
+    write_trace(out, blocks)
+    summary = {
+        "path": str(out),
+        "shape": shape,
+        "seed": seed,
+        "requests": len(blocks),
+        "blocks": sum(len(b) for b in blocks),
+        "unique_blocks": len({x for b in blocks for x in b}),
+    }
+    if json_out is not None:
+        _write_json(json_out, summary)
+    if json_out != "-":
+        click.echo(
+            f"wrote {out}: {summary['requests']:,} requests, {summary['blocks']:,} blocks "
+            f"({summary['unique_blocks']:,} distinct), shape {shape}, seed {seed}"
+        )
+
+
 _PASSTHROUGH = {"ignore_unknown_options": True, "help_option_names": []}
 
 
 @cli.group()
 def bench() -> None:
-    """Benchmarks (the same as ``python -m kvoffload.bench``): pool, copy, scheduler."""
+    """Benchmarks (the same as ``python -m kvoffload.bench``): pool, copy, scheduler, handle, tier."""
 
 
 def _bench_command(name: str, summary: str) -> None:
@@ -404,6 +436,8 @@ def _bench_command(name: str, summary: str) -> None:
 _bench_command("pool", "Replay a trace through CpuBlockPool against a textbook pool (--help).")
 _bench_command("copy", "Store/load bandwidth against a contiguous copy (--help).")
 _bench_command("scheduler", "Store planning against a plain per-block planner (--help).")
+_bench_command("handle", "OffloadRequest per-step cost against hand-written update calls (--help).")
+_bench_command("tier", "Disk or Redis tier bandwidth against raw I/O or a bare client (--help).")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

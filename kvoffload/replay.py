@@ -20,7 +20,7 @@ import heapq
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, final
 
 from kvoffload.bench.trace import read_trace
 from kvoffload.hashing import BlockHash
@@ -46,6 +46,7 @@ REPLAY_SCHEMA_VERSION = 1
 """Version of the JSON `ReplayReport.to_json()` writes (``kvoffload replay --json``)."""
 
 
+@final
 @dataclass(frozen=True, slots=True)
 class Trace:
     """A request trace: per request, its block ids in prefix order.
@@ -96,6 +97,7 @@ def _keys(trace: Trace) -> list[list[BlockHash]]:
     return out
 
 
+@final
 @dataclass(frozen=True, slots=True)
 class PolicyResult:
     """One policy at one capacity.
@@ -255,6 +257,7 @@ def ceiling_hits(requests: Iterable[Sequence[int]]) -> int:
     return hits
 
 
+@final
 @dataclass(frozen=True, slots=True)
 class CapacityRow:
     """Every policy at one capacity, with the two references.
@@ -270,6 +273,7 @@ class CapacityRow:
     optimal_hit_rate: float
 
 
+@final
 @dataclass(frozen=True, slots=True)
 class ReplayReport:
     """What ``kvoffload replay`` measured.

@@ -7,6 +7,7 @@ a pool and a model side by side and demand the same victims.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 
 from kvoffload.hashing import BlockHash
@@ -234,19 +235,17 @@ class PrefixFreqModel(_Empty):
             self.untouch_empty(block)
 
     def on_free(self, blocks: Sequence[CpuBlock]) -> None:
-        chain = [
-            x for x in blocks if x.block_id not in self.ranked and x.block_id not in self.empty
-        ]
-        best = max([1] + [self.uses[x.block_id] for x in chain if x.block_hash is not None])
-        for x in chain:
+        for x in blocks:
             b = x.block_id
+            if b in self.ranked or b in self.empty:
+                continue
             if x.block_hash is None:
                 self.uses[b] = 0
                 self.empty.append(b)
                 continue
-            self.uses[b] = best
+            self.uses[b] = self.uses[b] or 1
             self.seq += 1
-            self.ranked[b] = (self.inflation + best, self.seq)
+            self.ranked[b] = (self.inflation + math.log2(1 + self.uses[b]), self.seq)
 
     def victims(self, n: int, protect: Collection[CpuBlock]) -> list[int]:
         out = self.take_empty(n, protect)

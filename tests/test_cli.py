@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import kvoffload.cli
 from kvoffload.cli import cli, main
 
 REQUESTS = [[0, 1, 2], [0, 1, 3], [0, 1, 2, 4], [9], [0, 1, 2, 5]]
@@ -191,34 +194,45 @@ def test_main_returns_exit_codes(tiny: Path) -> None:
     assert main(["--help"]) == 0
 
 
-def test_console_script_and_module_alias(tiny: Path) -> None:
-    for cmd in (
+def test_module_alias_still_runs_the_benchmarks(tiny: Path) -> None:
+    """``python -m kvoffload.bench`` is kept as an alias of ``kvoffload bench``."""
+    cmd = [sys.executable, "-m", "kvoffload.bench", "pool", "--trace", str(tiny)]
+    cmd += ["--capacity", "3", "--runs", "1", "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^\s+3\s+0\.\d{4}", proc.stdout, re.MULTILINE), proc.stdout
+
+
+def test_copy_bench_writes_json(tmp_path: Path) -> None:
+    out_json = tmp_path / "c.json"
+    code = main(
         [
-            sys.executable,
-            "-m",
-            "kvoffload.cli",
-            "replay",
-            str(tiny),
-            "--capacity",
-            "3",
+            "bench",
+            "copy",
+            "--engine",
+            "thread",
+            "--layout",
+            "small-pieces",
+            "--blocks",
+            "1,2",
+            "--reps",
+            "2",
+            "--latency-samples",
+            "2",
             "--json",
-            "-",
-            "--no-progress",
-        ],
-        [
-            sys.executable,
-            "-m",
-            "kvoffload.bench",
-            "pool",
-            "--trace",
-            str(tiny),
-            "--capacity",
-            "3",
-            "--runs",
-            "1",
-            "--no-progress",
-        ],
-    ):
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        assert "3" in proc.stdout
+            str(out_json),
+        ]
+    )
+    assert code == 0
+    data = json.loads(out_json.read_text())
+    assert [r["blocks"] for r in data["results"]] == [1, 2]
+    assert all(r["store_gbps"] > 0 and r["load_gbps"] > 0 for r in data["results"])
+    assert data["wakeup_latency_s"]["samples"] == 2
+
+
+def test_without_the_cli_extra_the_import_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "click", None)  # as if click were not installed
+    with pytest.raises(ImportError, match=r"pip install 'kvoffload\[cli\]'"):
+        importlib.reload(kvoffload.cli)
+    monkeypatch.undo()
+    importlib.reload(kvoffload.cli)

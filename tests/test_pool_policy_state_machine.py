@@ -1,24 +1,30 @@
-"""The pool state machine of ``test_pool_state_machine.py``, run once per eviction policy.
+"""The pool and scheduler state machines, run with every eviction policy.
 
 Which free blocks an allocation takes is the policy's choice, so the model adopts the
 pool's choice after checking it: as many blocks as asked, all free, none protected. Every
 other promise (reference counts, the hash map, lookups, events, statistics, rollback on
 a double free) is compared exactly, and ``check_invariants()`` (which runs the policy's own
 check) passes after every step. LRU itself runs here through the generic policy path.
+The scheduler machine of ``test_scheduler_state_machine.py`` runs with a drawn policy
+and admission filter, with all of its checks (exact KV delivered, no leaked reference).
 """
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import initialize, invariant, rule, run_state_machine_as_test
 
+from kvoffload.config import OffloadConfig
 from kvoffload.errors import BlockStateError, OutOfBlocksError
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.pool.policies import POLICY_NAMES
+from kvoffload.scheduler import OffloadScheduler
+from tests.scheduler_helpers import BS
 from tests.test_pool_state_machine import NUM_BLOCKS, Model, PoolMachine, h
+from tests.test_scheduler_state_machine import SchedulerMachine
 
 
 class PolicyModel(Model):
@@ -114,5 +120,36 @@ def test_pool_state_machine_per_policy(policy: str) -> None:
 
     run_state_machine_as_test(
         machine_for(policy),
-        settings=settings(max_examples=60, stateful_step_count=40, deadline=None),
+        settings=settings(max_examples=40, stateful_step_count=40, deadline=None),
     )
+
+
+class PolicySchedulerMachine(SchedulerMachine):
+    """The scheduler state machine with a drawn eviction policy and admission filter."""
+
+    @initialize(
+        restore=st.booleans(),
+        size=st.integers(2, 8),
+        policy=st.sampled_from(POLICY_NAMES),
+        admission=st.sampled_from(["always", "seen_twice", "seen:3:4"]),
+    )
+    def setup(self, restore: bool, size: int, policy: str, admission: str) -> None:  # type: ignore[override]
+        config = OffloadConfig(
+            block_size=BS,
+            num_cpu_blocks=size,
+            restore_evicted=restore,
+            eviction_policy=policy,
+            store_admission=admission,
+        )
+        self.sched = OffloadScheduler(
+            config, CpuBlockPool(size, policy=policy), bytes_per_block=100
+        )
+
+
+TestSchedulerWithPolicies = PolicySchedulerMachine.TestCase
+TestSchedulerWithPolicies.settings = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)

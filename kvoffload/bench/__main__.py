@@ -1,4 +1,7 @@
-"""``python -m kvoffload.bench {pool,copy,scheduler,handle,tier}``: the benchmarks of the docs."""
+"""``python -m kvoffload.bench {pool,copy,scheduler,handle,tier}``: the benchmarks of the docs.
+
+The same commands run as ``kvoffload bench ...`` (the console script, `kvoffload.cli`).
+"""
 
 from __future__ import annotations
 

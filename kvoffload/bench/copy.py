@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import random
 import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -63,6 +65,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--latency-samples", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.set_defaults(run=run)
 
 
@@ -116,6 +119,7 @@ async def _main(
         f"{'load':>8} {'h2d':>8} {'ratio':>6} {'1-thread':>7}   (GB/s)"
     )
     latencies: list[float] = []
+    results: list[dict[str, float]] = []
     async with anyio.create_task_group() as tg:
         await tg.start(poller.run)
 
@@ -167,6 +171,20 @@ async def _main(
             def ratio(ours: int, limit: int, rows: list[tuple[float, ...]] = rows) -> float:
                 return statistics.median(row[limit] / row[ours] for row in rows)
 
+            results.append(
+                {
+                    "blocks": n,
+                    "bytes": nbytes,
+                    "store_gbps": _gbps(nbytes, med[0]),
+                    "d2h_gbps": _gbps(nbytes, med[1]),
+                    "store_ratio": ratio(0, 1),
+                    "store_ratio_one_thread": ratio(0, 2),
+                    "load_gbps": _gbps(nbytes, med[3]),
+                    "h2d_gbps": _gbps(nbytes, med[4]),
+                    "load_ratio": ratio(3, 4),
+                    "load_ratio_one_thread": ratio(3, 5),
+                }
+            )
             print(
                 f"{n:>6} {nbytes / 2**20:>7.0f} {_gbps(nbytes, med[0]):>8.2f} "
                 f"{_gbps(nbytes, med[1]):>8.2f} {ratio(0, 1):>6.2f} {ratio(0, 2):>7.2f} "
@@ -196,6 +214,21 @@ async def _main(
             f"wake-up latency (copy finished -> awaiter resumed) over {len(latencies)} copies: "
             f"median {statistics.median(latencies) * 1e6:.0f} us, p99 {p99 * 1e6:.0f} us"
         )
+    if args.json is not None:
+        payload = {
+            "engine": name,
+            "layout": args.layout,
+            "kind": layout.kind,
+            "dtype": layout.dtype,
+            "bytes_per_block": layout.bytes_per_block,
+            "reps": args.reps,
+            "results": results,
+            "wakeup_latency_s": {
+                "samples": len(latencies),
+                "median": statistics.median(latencies) if latencies else None,
+            },
+        }
+        args.json.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
     return 0
 
 

@@ -1,8 +1,9 @@
-"""Frequency with aging for prefix caches (GreedyDual-Frequency over the free blocks)."""
+"""Use counts with aging for prefix caches (GreedyDual over the free blocks)."""
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, final
 
@@ -17,19 +18,22 @@ __all__ = ["PrefixFrequencyPolicy"]
 
 @final
 class PrefixFrequencyPolicy(PolicyBase):
-    """Evict the free block with the lowest aged hit count; chains leave from the tail.
+    """Evict the free block with the lowest aged use count; chains leave from the tail.
 
-    Each cached block counts its uses (the store plus every hit). When it is freed it is
-    ranked ``L + uses`` where ``L``, the *inflation*, is the rank of the last block
-    evicted (GreedyDual's aging: a block that stops being used is overtaken by the rising
-    ``L`` and leaves). Equal ranks leave in the order they were freed, and the pool frees
-    a request tail first, so a chain loses its deepest blocks first.
+    Each cached block counts its uses (the store, then one per request that hits it). A
+    freed block is ranked ``L + log2(1 + uses)``, where ``L``, the *inflation*, is the
+    rank of the last block evicted (GreedyDual's aging: a block nobody asks for any more
+    is overtaken by the rising ``L`` and leaves). The logarithm keeps a block hit a
+    thousand times from outliving a recently useful one by a thousand generations. Equal
+    ranks leave in the order they were freed.
 
     Why it suits prefix caches: a prefix hit on a block is also a hit on every block
-    before it, so counts never increase along a chain and a parent always outranks its
-    children: the policy never keeps a child whose parent it dropped (that child could
-    not be found by a prefix lookup anyway). Long conversations, whose earlier turns
-    were reused most, hold their place while one-off prompts pass through.
+    before it, so along a chain counts never increase and a parent always ranks at least
+    as high as its children; the pool frees a request tail first, so among equals the
+    deepest block goes first. The policy therefore evicts chains from the leaves and never
+    keeps a child whose parent it dropped (a prefix lookup could not reach that child). A
+    system prompt shared by many requests ranks above every private continuation of it.
+    Blocks that hold nothing findable (a store that lost a race) are reused first.
     """
 
     __slots__ = ("_heap", "_inflation", "_rank", "_seq", "_uses")
@@ -64,28 +68,20 @@ class PrefixFrequencyPolicy(PolicyBase):
             self._empty.pop(block_id, None)
 
     def on_free(self, blocks: Sequence[CpuBlock]) -> None:
-        """Rank each block ``inflation + uses``; a chain freed together shares its best count.
-
-        Blocks freed by one call are one request's chain (or a few); a block just stored
-        behind a prefix that was hit ``k`` times is as likely to be asked for again as that
-        prefix, so it inherits the count. Blocks that hold nothing are queued first.
-        """
-        uses, rank, empty = self._uses, self._rank, self._empty
-        chain = [b for b in blocks if rank[b.block_id] < 0 and b.block_id not in empty]
-        best = 1
-        for block in chain:
-            if block.block_hash is not None and uses[block.block_id] > best:
-                best = uses[block.block_id]
+        """Rank each block ``inflation + log2(1 + uses)``; queue empty blocks first."""
+        uses, rank, empty, heap = self._uses, self._rank, self._empty, self._heap
         inflation = self._inflation
-        heap = self._heap
-        for block in chain:
+        for block in blocks:
             block_id = block.block_id
+            if rank[block_id] >= 0 or block_id in empty:
+                continue
             if block.block_hash is None:
                 uses[block_id] = 0
                 empty[block_id] = None
                 continue
-            uses[block_id] = best
-            rank[block_id] = value = inflation + best
+            count = uses[block_id] or 1
+            uses[block_id] = count
+            rank[block_id] = value = inflation + math.log2(1 + count)
             self._seq += 1
             heapq.heappush(heap, (value, self._seq, block_id))
 

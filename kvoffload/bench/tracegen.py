@@ -1,0 +1,126 @@
+"""Seeded synthetic traces in the Mooncake format, with different reuse shapes.
+
+Policies are compared on more than one trace so that none is judged on the shape of a
+single one. Each shape stresses something else:
+
+* ``chat``: multi-turn conversations (most have one turn, a few run long; a turn extends
+  the previous prompt), sharing a few system prompts, with interleaved arrivals.
+* ``rag``: prompts that start with one of many documents, chosen with a Zipf skew, and end
+  with a unique question: reuse is frequency-driven.
+* ``scan``: a small hot set of prompts asked again and again, drowned in a stream of long
+  one-off prompts: rewards scan resistance.
+* ``loop``: a fixed set of prompts asked in a cycle: the case where LRU keeps nothing when
+  the cycle does not fit.
+
+Block ids are assigned the way Mooncake's ``hash_ids`` are: two requests share ids exactly
+as long as their prefixes agree.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["SHAPES", "generate", "write_trace"]
+
+SHAPES = ("chat", "rag", "scan", "loop")
+
+
+class _Ids:
+    """Prefix-consistent block ids: the id of a block is determined by its whole prefix."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[int, int], int] = {}
+
+    def chain(self, parent: int, tokens: list[int]) -> list[int]:
+        out = []
+        for token in tokens:
+            key = (parent, token)
+            block = self._ids.get(key)
+            if block is None:
+                block = self._ids[key] = len(self._ids)
+            out.append(block)
+            parent = block
+        return out
+
+
+def _chat(rng: random.Random, n: int) -> Iterator[list[int]]:
+    ids = _Ids()
+    systems = [
+        ids.chain(-1, [10**9 + i * 1000 + j for j in range(rng.randint(2, 8))]) for i in range(8)
+    ]
+    open_: list[list[int]] = []
+    fresh = 0
+    for _ in range(n):
+        if open_ and rng.random() < 0.45:
+            conv = open_.pop(rng.randrange(len(open_)))
+            fresh += 1
+            conv = conv + ids.chain(conv[-1], [fresh * 1000 + j for j in range(rng.randint(1, 6))])
+            if rng.random() < 0.8 and len(conv) < 300:
+                open_.append(conv)
+            yield conv
+            continue
+        fresh += 1
+        system = systems[min(int(rng.paretovariate(1.2)) - 1, len(systems) - 1)]
+        conv = system + ids.chain(system[-1], [fresh * 1000 + j for j in range(rng.randint(4, 60))])
+        if rng.random() < 0.25:
+            open_.append(conv)
+        yield conv
+
+
+def _rag(rng: random.Random, n: int) -> Iterator[list[int]]:
+    ids = _Ids()
+    docs = [ids.chain(-1, [i * 1000 + j for j in range(rng.randint(8, 40))]) for i in range(2000)]
+    weights = [1.0 / (rank + 1) ** 0.9 for rank in range(len(docs))]
+    for q in range(n):
+        doc = rng.choices(docs, weights)[0]
+        yield doc + ids.chain(doc[-1], [-(q * 10 + j) - 1 for j in range(rng.randint(1, 3))])
+
+
+def _scan(rng: random.Random, n: int) -> Iterator[list[int]]:
+    ids = _Ids()
+    hot = [ids.chain(-1, [i * 1000 + j for j in range(rng.randint(10, 30))]) for i in range(40)]
+    for q in range(n):
+        if rng.random() < 0.3:
+            yield rng.choice(hot)
+        else:
+            yield ids.chain(-1, [-(q * 1000 + j) - 1 for j in range(rng.randint(40, 120))])
+
+
+def _loop(rng: random.Random, n: int) -> Iterator[list[int]]:
+    ids = _Ids()
+    prompts = [
+        ids.chain(-1, [i * 1000 + j for j in range(rng.randint(10, 50))]) for i in range(300)
+    ]
+    for q in range(n):
+        yield prompts[q % len(prompts)]
+
+
+def generate(shape: str, num_requests: int, seed: int = 0) -> list[list[int]]:
+    """The block ids of ``num_requests`` requests of a ``shape`` trace.
+
+    Raises:
+        ValueError: unknown shape, or ``num_requests`` below 1.
+    """
+    makers = {"chat": _chat, "rag": _rag, "scan": _scan, "loop": _loop}
+    if shape not in makers:
+        raise ValueError(f"unknown trace shape {shape!r}; known: {', '.join(SHAPES)}")
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    rng = random.Random(f"{shape}:{seed}")
+    return list(makers[shape](rng, num_requests))
+
+
+def write_trace(path: str | Path, requests: list[list[int]], block_tokens: int = 512) -> None:
+    """Write ``requests`` as a Mooncake-format trace (one arrival every 100 ms)."""
+    with Path(path).open("w", encoding="utf-8") as fh:
+        for i, blocks in enumerate(requests):
+            record = {
+                "timestamp": i * 100,
+                "input_length": len(blocks) * block_tokens,
+                "output_length": 64,
+                "hash_ids": blocks,
+            }
+            fh.write(json.dumps(record) + "\n")
