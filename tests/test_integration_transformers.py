@@ -116,6 +116,11 @@ async def test_offload_loads_evicted_turns_and_tokens_equal_a_recompute(
                 assert res.output_token_ids == reference(reference_model, conv, 6), (c, turn)
                 assert res.computed_tokens + res.gpu_cached_tokens + res.loaded_tokens == len(conv)
                 loaded += res.loaded_tokens
+                assert res.forward_s > 0
+                assert res.ttft_s is not None
+                assert res.ttft_s >= res.forward_s + res.load_wait_s
+                if res.loaded_tokens:
+                    assert res.load_wait_s > 0
                 if turn:
                     # the previous turn and its answer come from a cache, not recompute
                     assert res.computed_tokens <= 5 + 6 + BS

@@ -70,6 +70,10 @@ class GenerationResult:
         ttft_s: seconds from `PagedEngine.add_request` to the first token
             (``None`` when none was produced).
         total_s: seconds from `PagedEngine.add_request` to the end.
+        load_wait_s: seconds the steps waited for this request's loads, up to its first
+            token.
+        forward_s: seconds of the forward passes this request took part in, up to its
+            first token (the passes are shared with the other requests of each step).
         preemptions: how often the request was preempted.
         finish_reason: ``"length"`` (``max_new_tokens``), ``"stop"`` (the end token),
             ``"aborted"`` or ``"error"``.
@@ -84,6 +88,8 @@ class GenerationResult:
     loaded_tokens: int = 0
     ttft_s: float | None = None
     total_s: float = 0.0
+    load_wait_s: float = 0.0
+    forward_s: float = 0.0
     preemptions: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -409,6 +415,7 @@ class PagedEngine:
                 if self._running or self._waiting:
                     await self._wait_for_blocks()
                 return outputs
+            t0 = time.perf_counter()
             try:
                 logits_rows = await anyio.to_thread.run_sync(self._forward, segs)
             except BaseException as exc:
@@ -424,6 +431,10 @@ class PagedEngine:
                 if reason == "aborted":
                     raise
                 return outputs
+            elapsed = time.perf_counter() - t0
+            for r, _ in segs:
+                if r.result.ttft_s is None:
+                    r.result.forward_s += elapsed
             self._after_forward(segs, logits_rows, outputs)
         finally:
             self._in_step = False
@@ -472,6 +483,7 @@ class PagedEngine:
             task, r.load_task = r.load_task, None
             if task is None:
                 continue
+            t0 = time.perf_counter()
             try:
                 await task
                 self._loaded += task.plan.num_blocks * bs
@@ -481,6 +493,9 @@ class PagedEngine:
                 r.num_computed = r.num_cached_blocks * bs
                 if r.result.ttft_s is None:
                     r.result.loaded_tokens = 0
+            finally:
+                if r.result.ttft_s is None:
+                    r.result.load_wait_s += time.perf_counter() - t0
 
     def _schedule(self, outputs: list[StepOutput]) -> list[tuple[_Req, int]]:
         budget = self._max_tokens
