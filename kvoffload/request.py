@@ -251,7 +251,7 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
 
     @property
     def num_computed_tokens(self) -> int:
-        """Tokens with KV, as last given to `advance()` (or to the lookup)."""
+        """Tokens with KV, as last given to `advance()` (at least the engine's prefix)."""
         return self._num_computed
 
     @property
@@ -326,7 +326,7 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
             allow_defer=allow_defer,
         )
         self._hit = hit or 0
-        self._num_computed = self._engine_prefix
+        self._num_computed = max(self._num_computed, self._engine_prefix)
         return hit
 
     def load(
