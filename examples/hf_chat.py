@@ -20,6 +20,7 @@ prefix cache or loaded from CPU, and the time to first token (TTFT) both ways.
 
     python examples/hf_chat.py
     python examples/hf_chat.py --conversations 6 --turns 8 --plot ttft.png
+    python examples/hf_chat.py --profile
     python examples/hf_chat.py --model /path/to/llama-checkpoint
 
 Needs ``pip install 'kvoffload[transformers]'`` (and ``[plot]`` for ``--plot``).
@@ -111,6 +112,7 @@ class Turn:
     offload: GenerationResult
     gpu_only: GenerationResult
     recompute: GenerationResult
+    attention_s: tuple[float, float] | None = None  # --profile: offload, full recompute
 
     @property
     def ratio(self) -> float:
@@ -118,14 +120,53 @@ class Turn:
         return (self.recompute.ttft_s or 0.0) / (self.offload.ttft_s or float("inf"))
 
 
+class AttentionTimer:
+    """With ``--profile``: the seconds spent in paged attention, per request up to its first
+    token (the engine's forward passes run in a worker thread, one at a time)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.until_first_token: dict[tuple[int, str], float] = {}
+
+    def install(self) -> None:
+        """Wrap the registered attention function (after the engines registered it)."""
+        from transformers import AttentionInterface  # noqa: PLC0415 - optional extra
+
+        from kvoffload.integrations.transformers import (  # noqa: PLC0415
+            ATTENTION_NAME,
+            paged_attention,
+        )
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return paged_attention(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        AttentionInterface.register(ATTENTION_NAME, timed)
+
+
 async def run_once(
-    engine: PagedEngine, rid: str, prompt: Sequence[int], n: int
+    engine: PagedEngine,
+    rid: str,
+    prompt: Sequence[int],
+    n: int,
+    timer: AttentionTimer | None = None,
 ) -> GenerationResult:
     """Serve one request alone on ``engine``; its result."""
     engine.add_request(rid, prompt, max_new_tokens=n)
-    (result,) = await engine.run_until_done()
-    if result.finish_reason not in {"length", "stop"}:
-        raise RuntimeError(f"{rid} ended with {result.finish_reason}: {result.error}")
+    start = timer.seconds if timer is not None else 0.0
+    first: float | None = None
+    result: GenerationResult | None = None
+    while engine.has_work:
+        for out in await engine.step():
+            if first is None and out.token_id is not None and timer is not None:
+                first = timer.seconds - start
+                timer.until_first_token[id(engine), rid] = first
+            result = out.result or result
+    if result is None or result.finish_reason not in {"length", "stop"}:
+        raise RuntimeError(f"{rid} ended with {result and result.finish_reason}")
     return result
 
 
@@ -154,6 +195,10 @@ async def chat(args: argparse.Namespace, size: dict[str, int]) -> tuple[list[Tur
     config = OffloadConfig(
         block_size=BLOCK, num_cpu_blocks=args.cpu_blocks, model_id=f"hf-chat@{args.seed}"
     )
+    timer = None
+    if args.profile:
+        timer = AttentionTimer()
+        timer.install()
     turns: list[Turn] = []
     total = args.conversations * args.turns
     bar = tqdm(total=total, unit="req", file=sys.stderr, disable=not args.progress)
@@ -164,16 +209,22 @@ async def chat(args: argparse.Namespace, size: dict[str, int]) -> tuple[list[Tur
                 conv = history[c]
                 conv += [rng.randrange(vocab) for _ in range(size["question"])]
                 rid = f"c{c}-t{t}"
-                offload = await run_once(engine, rid, conv, size["answer"])
-                gpu = await run_once(gpu_only, rid, conv, size["answer"])
-                recompute = await run_once(full, rid, conv, size["answer"])
+                offload = await run_once(engine, rid, conv, size["answer"], timer)
+                gpu = await run_once(gpu_only, rid, conv, size["answer"], timer)
+                recompute = await run_once(full, rid, conv, size["answer"], timer)
                 for other, name in ((gpu, "the GPU cache only"), (recompute, "a full recompute")):
                     if offload.output_token_ids != other.output_token_ids:
                         raise TokenMismatchError(
                             f"{rid}: offload generated {offload.output_token_ids}, "
                             f"{name} {other.output_token_ids}"
                         )
-                turns.append(Turn(t, len(conv), offload, gpu, recompute))
+                attention = None
+                if timer is not None:
+                    attention = (
+                        timer.until_first_token[id(engine), rid],
+                        timer.until_first_token[id(full), rid],
+                    )
+                turns.append(Turn(t, len(conv), offload, gpu, recompute, attention))
                 conv += offload.output_token_ids
                 bar.update()
         bar.close()
@@ -229,6 +280,28 @@ def report(turns: list[Turn], stats_line: str) -> float | None:
     return None
 
 
+def profile(turns: list[Turn]) -> None:
+    """Where the time to first token goes, turns >= 3 (medians)."""
+    later = [x for x in turns if x.turn >= 3 and x.attention_s is not None]
+    if not later:
+        return
+    print("where the time to first token goes, turns >= 3 (medians, ms):")
+    for label, way, which in (("with offload", "offload", 0), ("full recompute", "recompute", 1)):
+        res: list[GenerationResult] = [getattr(x, way) for x in later]
+        ttft = statistics.median((r.ttft_s or 0) * 1e3 for r in res)
+        fwd = statistics.median(r.forward_s * 1e3 for r in res)
+        attn = statistics.median((x.attention_s or (0.0, 0.0))[which] * 1e3 for x in later)
+        load = statistics.median(r.load_wait_s * 1e3 for r in res)
+        other = statistics.median(
+            ((r.ttft_s or 0) - r.forward_s - r.load_wait_s) * 1e3 for r in res
+        )
+        computed = statistics.median(r.computed_tokens for r in res)
+        print(
+            f"  {label:<15} TTFT {ttft:7.1f} = forward {fwd:7.1f} (attention {attn:6.1f}, "
+            f"{computed:.0f} tokens computed) + load wait {load:5.1f} + other {other:5.1f}"
+        )
+
+
 def plot(turns: list[Turn], path: Path) -> None:
     """Median TTFT per turn, with offload and with a full recompute."""
     try:
@@ -280,6 +353,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="model and workload seed")
     p.add_argument("--model", type=Path, help="a local transformers checkpoint to load")
     p.add_argument("--plot", type=Path, help="draw the median TTFT per turn into this PNG")
+    p.add_argument(
+        "--profile", action="store_true", help="break the TTFT down: forward, attention, load"
+    )
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--verbose", action="store_true", help="show kvoffload's INFO logs")
     args = p.parse_args(argv)
@@ -294,6 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"TOKEN MISMATCH: {exc}", file=sys.stderr)
         return 1
     report(turns, stats_line)
+    profile(turns)
     print(f"wall time: {time.perf_counter() - start:.1f} s")
     if args.plot is not None:
         plot(turns, args.plot)

@@ -416,7 +416,7 @@ _PASSTHROUGH = {"ignore_unknown_options": True, "help_option_names": []}
 
 @cli.group()
 def bench() -> None:
-    """Benchmarks (the same as ``python -m kvoffload.bench``): pool, copy, scheduler, handle, tier."""
+    """Benchmarks (as ``python -m kvoffload.bench``): pool, copy, scheduler, handle, tier."""
 
 
 def _bench_command(name: str, summary: str) -> None:

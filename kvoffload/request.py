@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from kvoffload.offloader import KVOffloader
     from kvoffload.transfer.task import TransferTask
 
-__all__ = ["OffloadRequest", "ReadOnlyList", "blocks_for", "table_slice"]
+__all__ = ["OffloadRequest", "ReadOnlyList", "blocks_for", "hash_new_blocks", "table_slice"]
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -45,6 +45,24 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
             f"need num_tokens >= 0 and block_size >= 1, got {num_tokens} and {block_size}"
         )
     return -(-num_tokens // block_size)
+
+
+def hash_new_blocks(
+    block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, root: BlockHash
+) -> None:
+    """Append the hashes of the blocks of ``token_ids`` that filled up since the last call.
+
+    ``block_hashes`` holds the hashes of the first full blocks of ``token_ids`` (none at
+    first); each new full block is hashed once, chained from the previous block's hash
+    (``root`` for the first block). Tokens are not checked here: `hash_block_tokens`
+    raises ``ValueError`` for a token that is not a 64-bit int.
+    """
+    if len(token_ids) < (len(block_hashes) + 1) * block_size:
+        return  # no block filled up (the common decode step)
+    parent = block_hashes[-1] if block_hashes else root
+    for start in range(len(block_hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+        block_hashes.append(parent)
 
 
 def table_slice(
@@ -129,6 +147,7 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         "_hit",
         "_num_computed",
         "_off",
+        "_reported",
         "_request_id",
         "_tokens",
     )
@@ -164,6 +183,7 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         self._engine_prefix = num_computed_tokens
         self._num_computed = num_computed_tokens
         self._hit = 0
+        self._reported = 0  # hashes given to update so far
         self._done = False
         self.extend(prompt_token_ids)
 
@@ -210,14 +230,8 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
             _encode_tokens(token_ids)  # what hashing will accept, checked before appending
         except ValueError as exc:
             raise ValueError(f"request {self._request_id!r}: {exc}") from None
-        tokens, hashes, bs = self._tokens, self._hashes, self._block_size
-        tokens.extend(token_ids)
-        if len(tokens) < (len(hashes) + 1) * bs:
-            return  # no block filled up (the common decode step)
-        parent = hashes[-1] if hashes else self._off.namespace.root
-        for start in range(len(hashes) * bs, len(tokens) - bs + 1, bs):
-            parent = hash_block_tokens(parent, tokens[start : start + bs])
-            hashes.append(parent)
+        self._tokens.extend(token_ids)
+        hash_new_blocks(self._hashes, self._tokens, self._block_size, self._off.namespace.root)
 
     @property
     def request_id(self) -> str:
@@ -251,7 +265,7 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
 
     @property
     def num_computed_tokens(self) -> int:
-        """Tokens with KV, as last given to `advance()` (or to the lookup)."""
+        """Tokens with KV, as last given to `advance()` (at least the engine's prefix)."""
         return self._num_computed
 
     @property
@@ -326,7 +340,7 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
             allow_defer=allow_defer,
         )
         self._hit = hit or 0
-        self._num_computed = self._engine_prefix
+        self._num_computed = max(self._num_computed, self._engine_prefix)
         return hit
 
     def load(
@@ -356,8 +370,10 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
     def advance(self, block_table: Sequence[int], num_computed_tokens: int) -> None:
         """Report a step: the table and how many tokens now have KV.
 
-        Calls `KVOffloader.update()` with exactly the hashes of the blocks that are full and
-        computed, so each such block may be stored by the next `KVOffloader.store()`.
+        Calls `KVOffloader.update()` with the hashes of the blocks that are full and
+        computed, so each such block may be stored by the next `KVOffloader.store()` (after
+        a preemption, also those reported before it, which the scheduler keeps; it stores
+        only blocks below ``num_computed_tokens``).
 
         Raises:
             ValueError: ``num_computed_tokens`` above `num_tokens`, or a table that shrank
@@ -370,13 +386,16 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
                 f"exceeds its {len(self._tokens)} tokens"
             )
         hashes = self._hashes
-        n = num_computed_tokens // self._block_size
+        # After a preemption the scheduler keeps the hashes reported before; they are
+        # passed again (it stores only blocks below num_computed_tokens either way).
+        n = max(num_computed_tokens // self._block_size, self._reported)
         self._off.update(
             self._request_id,
             block_table,
             hashes if n >= len(hashes) else hashes[:n],
             num_computed_tokens,
         )
+        self._reported = min(n, len(hashes))
         self._num_computed = num_computed_tokens
 
     def release(self) -> None:

@@ -23,7 +23,7 @@ def test_chat_runs_both_ways_with_identical_tokens(
     example: ModuleType, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     png = tmp_path / "ttft.png"
-    assert example.main(["--no-progress", "--plot", str(png)]) == 0
+    assert example.main(["--no-progress", "--profile", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "tokens identical with offload, GPU cache only and full recompute: 9 requests" in out
     rows = re.findall(r"^\s+(\d) +(\d+) +(\d+) +(\d+) +(\d+) ", out, re.MULTILINE)
@@ -37,6 +37,13 @@ def test_chat_runs_both_ways_with_identical_tokens(
     assert int(stored.group(2)) > 0
     assert re.search(r"^median TTFT ratio, turns >= 3: \d+\.\dx$", out, re.MULTILINE)
     assert png.stat().st_size > 0
+    for way in ("with offload", "full recompute"):
+        line = re.search(
+            rf"^  {way} +TTFT +([\d.]+) = forward +([\d.]+) \(attention +([\d.]+)", out, re.M
+        )
+        assert line, out
+        ttft, forward, attention = (float(x) for x in line.groups())
+        assert 0 < attention < forward <= ttft
 
 
 def test_a_token_difference_fails_the_run(

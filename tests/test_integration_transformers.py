@@ -116,6 +116,11 @@ async def test_offload_loads_evicted_turns_and_tokens_equal_a_recompute(
                 assert res.output_token_ids == reference(reference_model, conv, 6), (c, turn)
                 assert res.computed_tokens + res.gpu_cached_tokens + res.loaded_tokens == len(conv)
                 loaded += res.loaded_tokens
+                assert res.forward_s > 0
+                assert res.ttft_s is not None
+                assert res.ttft_s >= res.forward_s + res.load_wait_s
+                if res.loaded_tokens:
+                    assert res.load_wait_s > 0
                 if turn:
                     # the previous turn and its answer come from a cache, not recompute
                     assert res.computed_tokens <= 5 + 6 + BS
@@ -274,3 +279,54 @@ def test_the_core_never_imports_integrations() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("stage", ["queued", "loading", "prefilling", "decoding"])
+async def test_abort_at_every_stage_releases_everything(model: Any, stage: str) -> None:
+    # Room for one request on the GPU: the second prompt evicts the first from it.
+    engine = PagedEngine(model, num_gpu_blocks=12, block_size=BS, max_batch_tokens=16)
+    base = prompts(1, 40, seed=5)[0]
+    async with KVOffloader(config(), engine.kv, layout=engine.layout, pinner=engine.pinner) as off:
+        engine.attach(off)
+        engine.add_request("warm", base, max_new_tokens=2)
+        await engine.run_until_done()
+        engine.add_request("other", prompts(1, 80, seed=6)[0], max_new_tokens=2)
+        await engine.run_until_done()
+        await off.drain()
+        stored = off.statistics().scheduler.stored_blocks
+        engine.add_request("x", [*base, *range(1, 31)], max_new_tokens=8)
+        ended: list[GenerationResult | None] = []
+        if stage == "queued":
+            ended.append(engine.abort("x"))
+        elif stage == "loading":
+            real = engine._await_loads
+
+            async def abort_while_loading() -> None:
+                assert any(r.load_task is not None for r in engine._running)
+                ended.append(engine.abort("x"))  # a client leaving mid-load
+                await real()
+
+            engine._await_loads = abort_while_loading  # type: ignore[method-assign]
+            outs = await engine.step()
+            ended.extend(o.result for o in outs if o.result is not None)
+        else:
+            while True:
+                await engine.step()
+                (r,) = engine._running
+                if stage == "prefilling" or r.result.output_token_ids:
+                    break
+            assert (r.num_computed < len(r.tokens) - 1) == (stage == "prefilling")
+            ended.append(engine.abort("x"))
+        results = [r for r in ended if r is not None]
+        assert [r.finish_reason for r in results] == ["aborted"]
+        assert not engine.has_work
+        await off.drain()
+        stats = off.statistics()
+        assert stats.scheduler.live_requests == 0
+        assert stats.pool.num_free == stats.pool.num_blocks
+        if stage == "queued":
+            assert stats.scheduler.stored_blocks == stored  # it never ran: nothing stored
+        off.scheduler.check_invariants()
+        assert engine.pinner.num_pinned == 0
+    engine.allocator.check_invariants()
+    assert engine.allocator.statistics().num_used == 0

@@ -270,9 +270,15 @@ async def test_preempt_and_resume() -> None:
             assert off.scheduler.request_state("a").preempted
             # Re-admission: the blocks it stored before are on the CPU now.
             assert a.lookup() == 12
+            a.release()
+            # The engine recomputes instead: fewer tokens than before the preemption.
+            a.advance([9, 10, 11, 12], 4)
+            assert a.num_computed_tokens == 4
+            assert a.lookup(num_computed_tokens=4) == 8
             task = a.load([9, 10, 11, 12])
             assert task is not None
             await task
+            assert torch.equal(kv[0][10], kv[0][1])  # block 1 loaded where the table says
             a.advance([9, 10, 11, 12], 13)
             assert not off.scheduler.request_state("a").preempted
         await off.drain()

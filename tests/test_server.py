@@ -346,7 +346,11 @@ async def test_text_prompts_go_through_the_byte_tokenizer() -> None:
     assert by_text["choices"][0]["token_ids"] == by_ids["choices"][0]["token_ids"]
     assert by_text["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
     assert by_text["object"] == "text_completion"
-    assert set(by_text["kvoffload"]) >= {"ttft_s", "loaded_tokens", "gpu_cached_tokens"}
+    timings = by_text["kvoffload"]
+    assert set(timings) >= {"ttft_s", "load_wait_s", "forward_s", "loaded_tokens"}
+    assert 0 < timings["forward_s"] <= timings["ttft_s"] <= timings["total_s"]
+    prompt_sources = ("gpu_cached_tokens", "loaded_tokens", "computed_tokens")
+    assert sum(timings[k] for k in prompt_sources) == 4
     assert_whole(app)
 
 

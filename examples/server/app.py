@@ -351,6 +351,8 @@ def _timings(r: GenerationResult) -> dict[str, Any]:
         "request_id": r.request_id,
         "ttft_s": r.ttft_s,
         "total_s": r.total_s,
+        "load_wait_s": r.load_wait_s,
+        "forward_s": r.forward_s,
         "gpu_cached_tokens": r.gpu_cached_tokens,
         "loaded_tokens": r.loaded_tokens,
         "computed_tokens": r.computed_tokens,

@@ -157,6 +157,7 @@ class ShutdownReport:
     """What shutdown found once every request ended and every copy completed.
 
     Attributes:
+        offload: whether an offloader was attached (the CPU-side counts are 0 without).
         requests: how the server's requests ended, shutdown included.
         in_flight_at_shutdown: transfers in flight when shutdown began.
         invariant_error: what a ``check_invariants()`` raised, or ``None``.
@@ -168,6 +169,7 @@ class ShutdownReport:
             (0 when whole).
     """
 
+    offload: bool
     requests: LoopStatistics
     in_flight_at_shutdown: int
     invariant_error: str | None
@@ -194,8 +196,9 @@ class ShutdownReport:
         """One line for a log."""
         r = self.requests
         state = "whole" if self.whole else "NOT whole"
+        parts = "engine and offloader" if self.offload else "engine (no offloader)"
         return (
-            f"engine and offloader {state}: invariants "
+            f"{parts} {state}: invariants "
             f"{'hold' if self.invariant_error is None else 'broken: ' + self.invariant_error}, "
             f"{self.cpu_blocks_referenced} CPU blocks referenced, "
             f"{self.gpu_blocks_pinned} GPU blocks pinned, {self.gpu_blocks_in_use} in use, "
@@ -223,6 +226,7 @@ class ShutdownReport:
             live = stats.scheduler.live_requests
             transfers = stats.scheduler.in_flight_transfers
         return cls(
+            offload=off is not None,
             requests=loop.statistics(),
             in_flight_at_shutdown=in_flight,
             invariant_error=error,

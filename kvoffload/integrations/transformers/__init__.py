@@ -48,12 +48,11 @@ from kvoffload.integrations.transformers.attention import (
     Segment,
     paged_attention,
 )
-from kvoffload.integrations.transformers.engine import (
-    SUPPORTED_MODEL_TYPES,
+from kvoffload.integrations.transformers.engine import SUPPORTED_MODEL_TYPES, PagedEngine
+from kvoffload.integrations.transformers.results import (
     EngineStatistics,
     FinishReason,
     GenerationResult,
-    PagedEngine,
     StepOutput,
 )
 

@@ -16,8 +16,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, final
+from typing import Any, final
 
 import anyio
 import anyio.lowlevel
@@ -27,8 +26,8 @@ from transformers import AttentionInterface
 
 from kvoffload.config import KVLayout
 from kvoffload.errors import ClosedError, ConfigError, TransferError
-from kvoffload.hashing import BlockHash, HashNamespace, hash_block_tokens
-from kvoffload.integrations.transformers.allocator import AllocatorStatistics, GpuBlockAllocator
+from kvoffload.hashing import BlockHash, HashNamespace
+from kvoffload.integrations.transformers.allocator import GpuBlockAllocator
 from kvoffload.integrations.transformers.attention import (
     ATTENTION_NAME,
     BATCH_KWARG,
@@ -36,99 +35,21 @@ from kvoffload.integrations.transformers.attention import (
     Segment,
     paged_attention,
 )
+from kvoffload.integrations.transformers.results import (
+    EngineStatistics,
+    FinishReason,
+    GenerationResult,
+    StepOutput,
+)
 from kvoffload.offloader import KVOffloader
 from kvoffload.pinner import RefCountPinner
-from kvoffload.request import OffloadRequest
+from kvoffload.request import OffloadRequest, hash_new_blocks
 from kvoffload.transfer.task import TransferTask
 
-__all__ = [
-    "SUPPORTED_MODEL_TYPES",
-    "EngineStatistics",
-    "FinishReason",
-    "GenerationResult",
-    "PagedEngine",
-    "StepOutput",
-]
+__all__ = ["SUPPORTED_MODEL_TYPES", "PagedEngine"]
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama"})
 """``config.model_type`` values the engine accepts: decoder-only, rotary, full attention."""
-
-FinishReason = Literal["length", "stop", "aborted", "error"]
-
-
-@dataclass(slots=True)
-class GenerationResult:
-    """How one request went.
-
-    Attributes:
-        request_id: the request.
-        prompt_tokens: tokens of its prompt.
-        output_token_ids: the tokens generated.
-        computed_tokens: prompt tokens the model computed (the rest came from a cache).
-        gpu_cached_tokens: prompt tokens taken from the engine's GPU prefix cache.
-        loaded_tokens: prompt tokens loaded from kvoffload's CPU pool.
-        ttft_s: seconds from `PagedEngine.add_request` to the first token
-            (``None`` when none was produced).
-        total_s: seconds from `PagedEngine.add_request` to the end.
-        preemptions: how often the request was preempted.
-        finish_reason: ``"length"`` (``max_new_tokens``), ``"stop"`` (the end token),
-            ``"aborted"`` or ``"error"``.
-        error: what failed, for ``"error"``.
-    """
-
-    request_id: str
-    prompt_tokens: int
-    output_token_ids: list[int] = field(default_factory=list)
-    computed_tokens: int = 0
-    gpu_cached_tokens: int = 0
-    loaded_tokens: int = 0
-    ttft_s: float | None = None
-    total_s: float = 0.0
-    preemptions: int = 0
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class StepOutput:
-    """What one step produced for one request.
-
-    Attributes:
-        request_id: the request.
-        token_id: the token it generated this step, or ``None``.
-        result: set when the request ended this step.
-    """
-
-    request_id: str
-    token_id: int | None
-    result: GenerationResult | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStatistics:
-    """Counters of a `PagedEngine`.
-
-    Attributes:
-        steps: forward passes run.
-        waiting: requests not admitted yet (or preempted).
-        running: admitted requests.
-        computed_tokens: tokens the model computed.
-        gpu_cached_tokens: prompt tokens taken from the GPU prefix cache.
-        loaded_tokens: prompt tokens loaded from the CPU pool.
-        preemptions: running requests preempted for lack of blocks.
-        failed_loads: loads that failed (their tokens were recomputed).
-        allocator: the block allocator's counters.
-    """
-
-    steps: int
-    waiting: int
-    running: int
-    computed_tokens: int
-    gpu_cached_tokens: int
-    loaded_tokens: int
-    preemptions: int
-    failed_loads: int
-    allocator: AllocatorStatistics
 
 
 class _Hasher:
@@ -141,11 +62,7 @@ class _Hasher:
         self.block_hashes: list[BlockHash] = []
 
     def update(self, tokens: Sequence[int]) -> None:
-        hashes, bs = self.block_hashes, self._block_size
-        parent = hashes[-1] if hashes else self._root
-        for start in range(len(hashes) * bs, len(tokens) - bs + 1, bs):
-            parent = hash_block_tokens(parent, tokens[start : start + bs])
-            hashes.append(parent)
+        hash_new_blocks(self.block_hashes, tokens, self._block_size, self._root)
 
 
 class _Req:
@@ -409,6 +326,7 @@ class PagedEngine:
                 if self._running or self._waiting:
                     await self._wait_for_blocks()
                 return outputs
+            t0 = time.perf_counter()
             try:
                 logits_rows = await anyio.to_thread.run_sync(self._forward, segs)
             except BaseException as exc:
@@ -424,6 +342,10 @@ class PagedEngine:
                 if reason == "aborted":
                     raise
                 return outputs
+            elapsed = time.perf_counter() - t0
+            for r, _ in segs:
+                if r.result.ttft_s is None:
+                    r.result.forward_s += elapsed
             self._after_forward(segs, logits_rows, outputs)
         finally:
             self._in_step = False
@@ -472,6 +394,7 @@ class PagedEngine:
             task, r.load_task = r.load_task, None
             if task is None:
                 continue
+            t0 = time.perf_counter()
             try:
                 await task
                 self._loaded += task.plan.num_blocks * bs
@@ -481,6 +404,9 @@ class PagedEngine:
                 r.num_computed = r.num_cached_blocks * bs
                 if r.result.ttft_s is None:
                     r.result.loaded_tokens = 0
+            finally:
+                if r.result.ttft_s is None:
+                    r.result.load_wait_s += time.perf_counter() - t0
 
     def _schedule(self, outputs: list[StepOutput]) -> list[tuple[_Req, int]]:
         budget = self._max_tokens

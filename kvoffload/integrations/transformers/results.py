@@ -1,0 +1,93 @@
+"""What `PagedEngine` reports: per request, per step and for the whole engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvoffload.integrations.transformers.allocator import AllocatorStatistics
+
+__all__ = ["EngineStatistics", "FinishReason", "GenerationResult", "StepOutput"]
+
+FinishReason = Literal["length", "stop", "aborted", "error"]
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """How one request went.
+
+    Attributes:
+        request_id: the request.
+        prompt_tokens: tokens of its prompt.
+        output_token_ids: the tokens generated.
+        computed_tokens: prompt tokens the model computed (the rest came from a cache).
+        gpu_cached_tokens: prompt tokens taken from the engine's GPU prefix cache.
+        loaded_tokens: prompt tokens loaded from kvoffload's CPU pool.
+        ttft_s: seconds from `PagedEngine.add_request` to the first token
+            (``None`` when none was produced).
+        total_s: seconds from `PagedEngine.add_request` to the end.
+        load_wait_s: seconds the steps waited for this request's loads, up to its first
+            token.
+        forward_s: seconds of the forward passes this request took part in, up to its
+            first token (the passes are shared with the other requests of each step).
+        preemptions: how often the request was preempted.
+        finish_reason: ``"length"`` (``max_new_tokens``), ``"stop"`` (the end token),
+            ``"aborted"`` or ``"error"``.
+        error: what failed, for ``"error"``.
+    """
+
+    request_id: str
+    prompt_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    computed_tokens: int = 0
+    gpu_cached_tokens: int = 0
+    loaded_tokens: int = 0
+    ttft_s: float | None = None
+    total_s: float = 0.0
+    load_wait_s: float = 0.0
+    forward_s: float = 0.0
+    preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one step produced for one request.
+
+    Attributes:
+        request_id: the request.
+        token_id: the token it generated this step, or ``None``.
+        result: set when the request ended this step.
+    """
+
+    request_id: str
+    token_id: int | None
+    result: GenerationResult | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatistics:
+    """Counters of a `PagedEngine`.
+
+    Attributes:
+        steps: forward passes run.
+        waiting: requests not admitted yet (or preempted).
+        running: admitted requests.
+        computed_tokens: tokens the model computed.
+        gpu_cached_tokens: prompt tokens taken from the GPU prefix cache.
+        loaded_tokens: prompt tokens loaded from the CPU pool.
+        preemptions: running requests preempted for lack of blocks.
+        failed_loads: loads that failed (their tokens were recomputed).
+        allocator: the block allocator's counters.
+    """
+
+    steps: int
+    waiting: int
+    running: int
+    computed_tokens: int
+    gpu_cached_tokens: int
+    loaded_tokens: int
+    preemptions: int
+    failed_loads: int
+    allocator: AllocatorStatistics
