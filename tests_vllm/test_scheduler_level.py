@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from harness import (
     BLOCK_SIZE,
     Harness,
@@ -15,6 +16,7 @@ from harness import (
     vllm_config,
 )
 from vllm.distributed import kv_events
+from vllm.v1.kv_cache_interface import SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
 from kvoffload.errors import ConfigError
@@ -121,6 +123,17 @@ def test_two_kv_cache_groups_are_refused(model_dir: Path) -> None:
     config = vllm_config(model_dir, {"num_cpu_blocks": 8}, num_gpu_blocks=16)
     with pytest.raises(ConfigError, match="group 1"):
         Harness(config, kv_cache_config(16, groups=2))
+
+
+def test_sliding_window_group_is_refused_by_name(model_dir: Path) -> None:
+    kv_config = kv_cache_config(16)
+    group = kv_config.kv_cache_groups[0]
+    group.kv_cache_spec = SlidingWindowSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64
+    )
+    config = vllm_config(model_dir, {"num_cpu_blocks": 8}, num_gpu_blocks=16)
+    with pytest.raises(ConfigError, match="group 0: SlidingWindowSpec"):
+        Harness(config, kv_config)
 
 
 @pytest.fixture(autouse=True)
@@ -318,10 +331,12 @@ def test_kv_events_reach_vllm_with_the_cpu_medium(model_dir: Path) -> None:
     assert all(e.medium == kv_events.MEDIUM_CPU for e in stored)
     assert stored[0].token_ids == a.prompt_token_ids[:BLOCK_SIZE]
     assert stored[1].parent_block_hash == stored[0].block_hashes[0]
-    assert h.connector.reset_cache()
-    after = list(h.connector.take_events())
+    published.clear()
+    assert h.scheduler.reset_prefix_cache(reset_connector=True)  # reaches reset_cache()
+    h.step()
+    after = [e for e in published if not isinstance(e, kv_events.BlockStored)]
     assert after
-    assert all(isinstance(e, kv_events.BlockRemoved | kv_events.AllBlocksCleared) for e in after)
+    assert h.side.pool.num_cached == 0
     assert h.side.get_num_new_matched_tokens(make_request("b", prompt(2, 3, seed=14)), 0) == (
         0,
         False,
