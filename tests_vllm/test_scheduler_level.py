@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -140,6 +141,9 @@ def test_sliding_window_group_is_refused_by_name(model_dir: Path) -> None:
 def _no_injected_failures() -> Iterator[None]:
     yield
     TestConnector.fail_kinds = set()
+    if TestConnector.store_gate is not None:
+        TestConnector.store_gate.set()
+    TestConnector.store_gate = None
 
 
 def gpu_refs(h: Harness, block_ids: list[int]) -> list[int]:
@@ -341,3 +345,43 @@ def test_kv_events_reach_vllm_with_the_cpu_medium(model_dir: Path) -> None:
         0,
         False,
     )
+
+
+def test_full_gpu_cache_waits_for_stalled_stores_instead_of_reusing_their_blocks(
+    model_dir: Path,
+) -> None:
+    h = make(model_dir, gpu_blocks=14)
+    gate = threading.Event()
+    TestConnector.store_gate = gate  # store copies wait: they read their blocks late
+    a = make_request("a", prompt(4, 2, seed=15), max_tokens=80)
+    other = [(11 * i) % 500 + 3 for i in range(4 * BLOCK_SIZE + 2)]
+    b = make_request("b", other, max_tokens=80)
+    h.scheduler.add_request(a)
+    h.scheduler.add_request(b)
+    pool = h.scheduler.kv_cache_manager.block_pool
+    for _ in range(60):
+        h.step()
+        pinned = h.side.pinned_gpu_block_ids()
+        # Blocks a copy still reads are never free, whoever else needs room...
+        assert all(pool.blocks[i].ref_cnt >= 1 for i in pinned)
+        h.check()
+    # ...and vLLM, told that pending copies will free blocks, waits instead of preempting.
+    assert pinned
+    assert pool.get_num_free_blocks() == 0
+    assert a.num_preemptions == b.num_preemptions == 0
+    gate.set()
+    for _ in range(300):
+        if a.is_finished() and b.is_finished():
+            break
+        h.step()
+    assert a.is_finished()
+    assert b.is_finished()
+    h.settle()
+    h.check()
+    # What was stored is what the forward wrote: a later load brings back the right KV.
+    assert h.scheduler.reset_prefix_cache()
+    c = make_request("c", prompt(4, 9, seed=16), max_tokens=2)
+    h.scheduler.add_request(c)
+    h.step()
+    assert h.loaded_tokens["c"] == 4 * BLOCK_SIZE
+    assert h.wrong_slots(c) == []
