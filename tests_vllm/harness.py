@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,12 +166,16 @@ class TestConnector(KVOffloadConnector):
     __test__ = False
     next_rank: int = 0
     fail_kinds: ClassVar[set[str]] = set()
+    store_gate: ClassVar[threading.Event | None] = None
 
     def _worker_rank(self) -> int | None:
         return TestConnector.next_rank
 
     def _copy_hook(self) -> Callable[[TransferPlan], None]:
         def hook(plan: TransferPlan) -> None:
+            gate = TestConnector.store_gate
+            if plan.kind == "store" and gate is not None:
+                gate.wait(timeout=60)
             if plan.kind in TestConnector.fail_kinds:
                 raise OSError(f"injected failure of {plan.kind} plan {plan.plan_id}")
 

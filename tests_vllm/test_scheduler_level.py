@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from harness import (
     BLOCK_SIZE,
     Harness,
@@ -15,6 +17,7 @@ from harness import (
     vllm_config,
 )
 from vllm.distributed import kv_events
+from vllm.v1.kv_cache_interface import SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
 from kvoffload.errors import ConfigError
@@ -123,10 +126,24 @@ def test_two_kv_cache_groups_are_refused(model_dir: Path) -> None:
         Harness(config, kv_cache_config(16, groups=2))
 
 
+def test_sliding_window_group_is_refused_by_name(model_dir: Path) -> None:
+    kv_config = kv_cache_config(16)
+    group = kv_config.kv_cache_groups[0]
+    group.kv_cache_spec = SlidingWindowSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64
+    )
+    config = vllm_config(model_dir, {"num_cpu_blocks": 8}, num_gpu_blocks=16)
+    with pytest.raises(ConfigError, match="group 0: SlidingWindowSpec"):
+        Harness(config, kv_config)
+
+
 @pytest.fixture(autouse=True)
 def _no_injected_failures() -> Iterator[None]:
     yield
     TestConnector.fail_kinds = set()
+    if TestConnector.store_gate is not None:
+        TestConnector.store_gate.set()
+    TestConnector.store_gate = None
 
 
 def gpu_refs(h: Harness, block_ids: list[int]) -> list[int]:
@@ -318,11 +335,53 @@ def test_kv_events_reach_vllm_with_the_cpu_medium(model_dir: Path) -> None:
     assert all(e.medium == kv_events.MEDIUM_CPU for e in stored)
     assert stored[0].token_ids == a.prompt_token_ids[:BLOCK_SIZE]
     assert stored[1].parent_block_hash == stored[0].block_hashes[0]
-    assert h.connector.reset_cache()
-    after = list(h.connector.take_events())
+    published.clear()
+    assert h.scheduler.reset_prefix_cache(reset_connector=True)  # reaches reset_cache()
+    h.step()
+    after = [e for e in published if not isinstance(e, kv_events.BlockStored)]
     assert after
-    assert all(isinstance(e, kv_events.BlockRemoved | kv_events.AllBlocksCleared) for e in after)
+    assert h.side.pool.num_cached == 0
     assert h.side.get_num_new_matched_tokens(make_request("b", prompt(2, 3, seed=14)), 0) == (
         0,
         False,
     )
+
+
+def test_full_gpu_cache_waits_for_stalled_stores_instead_of_reusing_their_blocks(
+    model_dir: Path,
+) -> None:
+    h = make(model_dir, gpu_blocks=14)
+    gate = threading.Event()
+    TestConnector.store_gate = gate  # store copies wait: they read their blocks late
+    a = make_request("a", prompt(4, 2, seed=15), max_tokens=80)
+    other = [(11 * i) % 500 + 3 for i in range(4 * BLOCK_SIZE + 2)]
+    b = make_request("b", other, max_tokens=80)
+    h.scheduler.add_request(a)
+    h.scheduler.add_request(b)
+    pool = h.scheduler.kv_cache_manager.block_pool
+    for _ in range(60):
+        h.step()
+        pinned = h.side.pinned_gpu_block_ids()
+        # Blocks a copy still reads are never free, whoever else needs room...
+        assert all(pool.blocks[i].ref_cnt >= 1 for i in pinned)
+        h.check()
+    # ...and vLLM, told that pending copies will free blocks, waits instead of preempting.
+    assert pinned
+    assert pool.get_num_free_blocks() == 0
+    assert a.num_preemptions == b.num_preemptions == 0
+    gate.set()
+    for _ in range(300):
+        if a.is_finished() and b.is_finished():
+            break
+        h.step()
+    assert a.is_finished()
+    assert b.is_finished()
+    h.settle()
+    h.check()
+    # What was stored is what the forward wrote: a later load brings back the right KV.
+    assert h.scheduler.reset_prefix_cache()
+    c = make_request("c", prompt(4, 9, seed=16), max_tokens=2)
+    h.scheduler.add_request(c)
+    h.step()
+    assert h.loaded_tokens["c"] == 4 * BLOCK_SIZE
+    assert h.wrong_slots(c) == []
