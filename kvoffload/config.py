@@ -274,6 +274,25 @@ class OffloadConfig(BaseSettings):
     enable_events: bool = Field(
         default=False, description="Record BlockStored/BlockRemoved events for KV-aware routers."
     )
+    hold_blocks_on_finish: bool = Field(
+        default=False,
+        description="Eager mode: a request finished with computed blocks still unstored (deferred "
+        "for lack of space) keeps those GPU blocks pinned until a later step stores them.",
+    )
+    hold_max_blocks: int = Field(
+        default=1024,
+        ge=1,
+        le=1 << 24,
+        description="Most GPU blocks all finished requests together may hold "
+        "(hold_blocks_on_finish).",
+    )
+    hold_max_steps: int = Field(
+        default=32,
+        ge=1,
+        le=1 << 20,
+        description="plan_stores() calls after which a finished request's unstored blocks are "
+        "given up and its GPU blocks released (hold_blocks_on_finish).",
+    )
 
     def __init__(self, **values: Any) -> None:
         try:

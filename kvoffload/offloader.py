@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -23,7 +24,13 @@ import torch
 
 from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout, OffloadConfig
-from kvoffload.errors import ClosedError, ForkedProcessError
+from kvoffload.errors import (
+    ClosedError,
+    ForkedProcessError,
+    LayoutMismatchError,
+    PinnerError,
+    WrongContextError,
+)
 from kvoffload.hashing import BlockHash, HashNamespace, hash_prompt
 from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
 from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
@@ -46,7 +53,14 @@ class GpuBlockPinner(Protocol):
     ``pin`` is called with a transfer's GPU block ids right before it is submitted and
     ``unpin`` with the same ids once its completion was observed (success or not). The
     engine must not hand a pinned block to another request (a pin count per block is the
-    usual implementation: the same block may be pinned by two transfers).
+    usual implementation: the same block may be pinned by two transfers). With
+    ``hold_blocks_on_finish``, ``finish()`` also pins the blocks a finished request still
+    has to store, and unpins them once their store is planned (or given up).
+
+    A pinner that raises is contained: when ``pin`` raises, the transfer is not started
+    and its plan is undone (`PinnerError` is raised from the call that started it); when
+    ``unpin`` raises, the completion is still recorded and every reference released, and
+    the next step-loop call raises `PinnerError` once.
     """
 
     def pin(self, gpu_block_ids: Sequence[int]) -> None:
@@ -134,12 +148,19 @@ class KVOffloader:
             layout = KVLayout.from_tensors(gpu_kv, block_size=config.block_size)
         self._num_gpu_blocks = layout.num_gpu_blocks(gpu_kv)
         num_cpu_blocks = config.resolve_num_cpu_blocks(layout)
+        if self._num_gpu_blocks < 1:
+            raise LayoutMismatchError(
+                f"the KV tensors hold no GPU block (shape {tuple(gpu_kv[0].shape)})"
+            )
         self._config = config
         self._layout = layout
         self._gpu_kv = tuple(gpu_kv)
         self._pool = CpuBlockPool(num_cpu_blocks, enable_events=config.enable_events)
         self._scheduler = OffloadScheduler(
-            config, self._pool, bytes_per_block=layout.bytes_per_block
+            config,
+            self._pool,
+            bytes_per_block=layout.bytes_per_block,
+            num_gpu_blocks=self._num_gpu_blocks,
         )
         self._namespace = HashNamespace.from_layout(
             layout, model_id=config.model_id, salt=config.hash_salt
@@ -152,6 +173,9 @@ class KVOffloader:
         self._task_group: anyio.abc.TaskGroup | None = None
         self._state = _State.CREATED
         self._pid = os.getpid()
+        self._loop_thread: int | None = None
+        self._owner_task: int | None = None
+        self._pinner_error: BaseException | None = None
 
     def __repr__(self) -> str:
         return (
@@ -163,6 +187,8 @@ class KVOffloader:
 
     async def __aenter__(self) -> KVOffloader:
         self._state = self._state.to(_State.OPEN)
+        self._loop_thread = threading.get_ident()
+        self._owner_task = anyio.get_current_task().id
         try:
             if self._engine is None:
                 self._host = await HostKVBuffer.create(
@@ -205,13 +231,29 @@ class KVOffloader:
         Call it from the task that entered the offloader (``async with`` does). The wait
         is shielded: a cancellation while closing takes effect only after the copies
         finished and their references were released (freeing host memory under a running
-        DMA would corrupt it).
+        DMA would corrupt it). It lasts as long as the copies in flight, also when the
+        scope around ``async with`` was cancelled (completions are then collected here,
+        not by the cancelled poller).
+
+        Raises:
+            ForkedProcessError: called in a process forked after the offloader was made
+                (the copies belong to the parent).
+            WrongContextError: called from another thread or from a task other than the
+                one that entered; nothing was closed.
         """
         if self._state in {_State.CLOSING, _State.CLOSED}:
             return
         if self._state is _State.CREATED:
             self._state = self._state.to(_State.CLOSED)
             return
+        self._check_process()
+        self._check_thread("aclose")
+        if anyio.get_current_task().id != self._owner_task:
+            raise WrongContextError(
+                "KVOffloader.aclose() must be called from the task that entered it "
+                "(a task group's exit needs its own task); close it there, e.g. by leaving "
+                "'async with'"
+            )
         self._state = self._state.to(_State.CLOSING)
         await self._shutdown()
 
@@ -220,8 +262,15 @@ class KVOffloader:
             with anyio.CancelScope(shield=True):
                 if self._engine is not None:
                     await self._engine.aclose()
-                if self._task_group is not None:
-                    await self._poller.drain()
+                # Every copy has ended now. Deliver what the poller has not (it may have
+                # been cancelled with the scope around 'async with').
+                poller = self._poller
+                while poller.in_flight:
+                    poller.poll()
+                    if poller.in_flight:
+                        await anyio.sleep(self._config.poll_interval_s)
+                self._scheduler.release_all_holds()
+                self._unpin_released_holds()
         finally:
             try:
                 if self._task_group is not None:
@@ -234,15 +283,34 @@ class KVOffloader:
                 self._state = _State.CLOSED
                 _log.info("offloader_closed", **_counts(self._scheduler.statistics()))
 
-    def _check(self) -> CopyEngine:
+    def _check_process(self) -> None:
         if os.getpid() != self._pid:
             raise ForkedProcessError(
                 f"KVOffloader was created in process {self._pid} and used in forked process "
                 f"{os.getpid()}; create a new one in the child"
             )
+
+    def _check_thread(self, what: str) -> None:
+        if self._loop_thread is not None and threading.get_ident() != self._loop_thread:
+            raise WrongContextError(
+                f"KVOffloader.{what}() called from thread {threading.current_thread().name!r}; "
+                "the step loop runs on the event loop's thread (from a worker thread, use "
+                "anyio.from_thread.run_sync)"
+            )
+
+    def _check(self, what: str) -> CopyEngine:
+        self._check_process()
         if self._state is not _State.OPEN or self._engine is None:
             raise ClosedError(f"KVOffloader is {self._state.value}; use it inside 'async with'")
+        self._check_thread(what)
         self._poller.check_health()
+        error = self._pinner_error
+        if error is not None:
+            self._pinner_error = None
+            raise PinnerError(
+                f"the GpuBlockPinner's unpin raised after a transfer completed: {error!r} "
+                "(the transfer was recorded and its references released)"
+            ) from error
         return self._engine
 
     # -- properties --------------------------------------------------------------------------
@@ -324,7 +392,7 @@ class KVOffloader:
         Raises:
             ClosedError: not open. ForkedProcessError: used in a forked child.
         """
-        self._check()
+        self._check("lookup")
         return self._scheduler.lookup(
             request_id,
             block_hashes,
@@ -353,7 +421,7 @@ class KVOffloader:
         Raises:
             ClosedError: not open.
         """
-        engine = self._check()
+        engine = self._check("load")
         plan = self._scheduler.plan_load(request_id, gpu_block_ids, num_tokens)
         if plan is None:
             return None
@@ -370,7 +438,7 @@ class KVOffloader:
 
         See `OffloadScheduler.update()`.
         """
-        self._check()
+        self._check("update")
         self._scheduler.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
 
     def store(
@@ -386,26 +454,53 @@ class KVOffloader:
 
         Returns:
             The started transfers; awaiting them is optional.
+
+        Raises:
+            InputTypeError: ``after`` is of a type the copy engine does not take. The
+                plan is undone (cursors go back), so nothing of this step is lost: the
+                same blocks are planned by the next call.
+            PinnerError: the pinner's ``pin`` raised; the plan is undone the same way.
         """
-        engine = self._check()
+        engine = self._check("store")
         plan = self._scheduler.plan_stores(gpu_cache)
-        if plan is None:
-            return []
-        return [self._submit(engine, plan, after)]
+        try:
+            if plan is None:
+                return []
+            return [self._submit(engine, plan, after)]
+        finally:
+            self._unpin_released_holds()
 
     def finish(self, request_id: str) -> None:
-        """The engine finished a request. See `OffloadScheduler.finish()`."""
-        self._check()
-        self._scheduler.finish(request_id)
+        """The engine finished a request. See `OffloadScheduler.finish()`.
+
+        With ``hold_blocks_on_finish``, blocks the request computed but could not store
+        yet are pinned through the `GpuBlockPinner` (the engine must not reuse them) and
+        unpinned once a later `store()` planned them, or after ``hold_max_steps`` calls.
+
+        Raises:
+            PinnerError: the pinner raised while pinning held blocks; the request is
+                finished without holding them.
+        """
+        self._check("finish")
+        held = self._scheduler.finish(request_id)
+        if held:
+            try:
+                self._pinner.pin(held)
+            except Exception as exc:
+                self._scheduler.cancel_hold(request_id)
+                raise PinnerError(
+                    f"the GpuBlockPinner's pin raised for the blocks request {request_id!r} "
+                    f"holds on finish: {exc!r}"
+                ) from exc
 
     def preempt(self, request_id: str) -> None:
         """The engine preempted a request. See `OffloadScheduler.preempt()`."""
-        self._check()
+        self._check("preempt")
         self._scheduler.preempt(request_id)
 
     def release(self, request_id: str) -> None:
         """Drop a lookup pin the engine will not load. See `OffloadScheduler.release()`."""
-        self._check()
+        self._check("release")
         self._scheduler.release(request_id)
 
     async def drain(self) -> None:
@@ -413,7 +508,7 @@ class KVOffloader:
 
         Cancellation cancels only the wait.
         """
-        self._check()
+        self._check("drain")
         await self._poller.drain()
 
     async def reset(self) -> bool:
@@ -429,8 +524,9 @@ class KVOffloader:
 
         Cancellation cancels only the wait; the reset itself has happened.
         """
-        self._check()
+        self._check("reset")
         self._scheduler.reset()
+        self._unpin_released_holds()
         for task in self._tasks.values():
             task._abandon()  # the owner's reset is what _abandon is for
         await self._poller.drain()
@@ -451,23 +547,43 @@ class KVOffloader:
     # -- internals -------------------------------------------------------------------------
 
     def _submit(self, engine: CopyEngine, plan: TransferPlan, after: object | None) -> TransferTask:
-        self._pinner.pin(plan.gpu_block_ids)
+        try:
+            self._pinner.pin(plan.gpu_block_ids)
+        except Exception as exc:
+            self._scheduler.cancel(plan)
+            _log.error("pinner_failed", call="pin", plan_id=plan.plan_id, error=repr(exc))
+            raise PinnerError(
+                f"the GpuBlockPinner's pin raised for {plan.kind} plan {plan.plan_id}: "
+                f"{exc!r} (the transfer was not started; nothing is lost)"
+            ) from exc
         try:
             task = engine.submit(plan, after=after)
         except BaseException:
-            self._pinner.unpin(plan.gpu_block_ids)
-            self._scheduler.complete(plan, ok=False)
+            self._unpin(plan.gpu_block_ids, plan.plan_id)
+            self._scheduler.cancel(plan)
             raise
         self._tasks[plan.plan_id] = task
         self._poller.track(task)
         return task
+
+    def _unpin(self, gpu_block_ids: Sequence[int], plan_id: int | None) -> None:
+        try:
+            self._pinner.unpin(gpu_block_ids)
+        except Exception as exc:
+            _log.error("pinner_failed", call="unpin", plan_id=plan_id, error=repr(exc))
+            self._pinner_error = exc
+
+    def _unpin_released_holds(self) -> None:
+        released = self._scheduler.take_released_holds()
+        if released:
+            self._unpin(released, None)
 
     def _on_complete(self, task: TransferTask) -> None:
         self._tasks.pop(task.plan.plan_id, None)
         try:
             self._scheduler.complete(task, ok=task.status is TransferStatus.DONE)
         finally:
-            self._pinner.unpin(task.gpu_block_ids)
+            self._unpin(task.gpu_block_ids, task.plan.plan_id)
 
 
 def _counts(stats: SchedulerStatistics) -> dict[str, int]:
