@@ -10,7 +10,15 @@ from collections.abc import Collection, Sequence
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvoffload.errors import ConfigError, LayoutMismatchError
@@ -30,6 +38,22 @@ LayoutKind = Literal["blocks_first", "kv_first"]
 """
 
 _GIB = 1 << 30
+
+
+def _not_bool(value: object) -> object:
+    """Refuse ``True``/``False`` where a count is expected (pydantic would take 1/0)."""
+    if isinstance(value, bool):
+        # pydantic turns only ValueError into a validation error
+        raise ValueError(f"a count must be an int, not a bool ({value!r})")  # noqa: TRY004
+    return value
+
+
+def _frozen_setattr(model: BaseModel, name: str, value: object) -> None:
+    cls = type(model).__name__
+    raise ConfigError(
+        f"{cls} is frozen: cannot set {name}={value!r}; build a new {cls} with the value "
+        "(it is validated again)"
+    )
 
 
 def _describe(exc: ValidationError, fields: Collection[str], env_prefix: str | None) -> str:
@@ -72,6 +96,13 @@ class KVLayout(BaseModel):
             raise ConfigError(
                 f"invalid KVLayout: {_describe(exc, type(self).model_fields, None)}"
             ) from exc
+
+    _no_bool = field_validator(
+        "num_layers", "num_kv_heads", "head_size", "block_size", mode="before"
+    )(_not_bool)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        _frozen_setattr(self, name, value)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -302,6 +333,19 @@ class OffloadConfig(BaseSettings):
             raise ConfigError(
                 f"invalid OffloadConfig: {_describe(exc, fields, 'KVOFFLOAD_')}"
             ) from exc
+
+    _no_bool = field_validator(
+        "block_size",
+        "num_cpu_blocks",
+        "lazy_offload_blocks",
+        "max_store_blocks_per_step",
+        "hold_max_blocks",
+        "hold_max_steps",
+        mode="before",
+    )(_not_bool)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        _frozen_setattr(self, name, value)
 
     @model_validator(mode="after")
     def _exactly_one_size(self) -> OffloadConfig:

@@ -192,17 +192,17 @@ class TransferTask(metaclass=_NoPublicConstructor):
 
     @classmethod
     def _failed_launch(cls, plan: TransferPlan, nbytes: int, exc: BaseException) -> TransferTask:
-        """A task whose launch failed: already ``FAILED``; the poller still delivers it."""
+        """A task whose launch failed: its completion is already there, and it becomes
+        ``FAILED`` when it is delivered (after its references were released), like every
+        other task; until then ``done()`` is ``False``."""
         error = TransferError(
             f"{plan.kind} of plan {plan.plan_id} ({plan.num_blocks} blocks) failed to "
             f"launch: {exc!r}"
         )
         error.__cause__ = exc
         task: TransferTask = cls._create(
-            plan, nbytes=nbytes, completion=_Finished(exc), status=TransferStatus.PENDING
+            plan, nbytes=nbytes, completion=_Finished(error), status=TransferStatus.PENDING
         )
-        task._status = task._status.advance(TransferStatus.FAILED)
-        task._exception = error
         return task
 
     def __repr__(self) -> str:
