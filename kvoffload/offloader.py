@@ -20,6 +20,7 @@ from typing import Literal, Protocol, final, overload
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 import torch
 
 from kvoffload._logging import get_logger
@@ -27,6 +28,7 @@ from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import (
     ClosedError,
     ForkedProcessError,
+    HostMemoryError,
     LayoutMismatchError,
     PinnerError,
     WrongContextError,
@@ -34,7 +36,7 @@ from kvoffload.errors import (
 from kvoffload.hashing import BlockHash, HashNamespace, hash_prompt
 from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
 from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
-from kvoffload.storage.host_buffer import HostKVBuffer
+from kvoffload.storage.host_buffer import HostKVBuffer, available_host_memory
 from kvoffload.transfer.cuda_engine import CudaCopyEngine
 from kvoffload.transfer.engine import CopyEngine
 from kvoffload.transfer.plan import TransferPlan
@@ -42,9 +44,23 @@ from kvoffload.transfer.poller import CompletionPoller, PollerStatistics
 from kvoffload.transfer.task import TransferStatus, TransferTask
 from kvoffload.transfer.thread_engine import ThreadCopyEngine
 
-__all__ = ["GpuBlockPinner", "KVOffloader", "NoOpPinner", "OffloaderStatistics"]
+__all__ = [
+    "POOL_BOOKKEEPING_BYTES_PER_BLOCK",
+    "GpuBlockPinner",
+    "KVOffloader",
+    "NoOpPinner",
+    "OffloaderStatistics",
+]
 
 _log = get_logger("offloader")
+
+POOL_BOOKKEEPING_BYTES_PER_BLOCK = 128
+"""Python memory the CPU block pool needs per block, rounded up (about 112 bytes measured:
+see ``python -m kvoffload.bench pool``), counted with the host buffer before anything is
+allocated."""
+
+_INLINE_POOL_BLOCKS = 1 << 16
+"""Pools up to this many blocks are built at once; larger ones in a worker thread on entry."""
 
 
 class GpuBlockPinner(Protocol):
@@ -131,8 +147,15 @@ class KVOffloader:
             `GpuBlockPinner` (default `NoOpPinner`).
 
     Raises:
-        LayoutMismatchError: the tensors disagree with ``layout`` or with each other.
+        LayoutMismatchError: the tensors disagree with ``layout`` or with each other, or
+            hold no GPU block.
         ConfigError: the pool size or block size does not fit the layout.
+        HostMemoryError: the host buffer plus the pool's bookkeeping
+            (`POOL_BOOKKEEPING_BYTES_PER_BLOCK` per block) exceed the memory this process
+            can still use; checked before anything is allocated.
+
+    A pool of more than 65,536 blocks is built on entering ``async with``, in a worker
+    thread; until then `pool` and `scheduler` raise `ClosedError`.
     """
 
     def __init__(
@@ -152,16 +175,16 @@ class KVOffloader:
             raise LayoutMismatchError(
                 f"the KV tensors hold no GPU block (shape {tuple(gpu_kv[0].shape)})"
             )
+        _check_host_memory(num_cpu_blocks, layout, host_buffer=copy_engine is None)
         self._config = config
         self._layout = layout
         self._gpu_kv = tuple(gpu_kv)
-        self._pool = CpuBlockPool(num_cpu_blocks, enable_events=config.enable_events)
-        self._scheduler = OffloadScheduler(
-            config,
-            self._pool,
-            bytes_per_block=layout.bytes_per_block,
-            num_gpu_blocks=self._num_gpu_blocks,
-        )
+        self._num_cpu_blocks = num_cpu_blocks
+        self._pool: CpuBlockPool
+        self._scheduler: OffloadScheduler
+        self._built = False
+        if num_cpu_blocks <= _INLINE_POOL_BLOCKS:
+            self._build_parts()
         self._namespace = HashNamespace.from_layout(
             layout, model_id=config.model_id, salt=config.hash_salt
         )
@@ -177,9 +200,26 @@ class KVOffloader:
         self._owner_task: int | None = None
         self._pinner_error: BaseException | None = None
 
+    def _build_parts(self) -> None:
+        self._pool = CpuBlockPool(self._num_cpu_blocks, enable_events=self._config.enable_events)
+        self._scheduler = OffloadScheduler(
+            self._config,
+            self._pool,
+            bytes_per_block=self._layout.bytes_per_block,
+            num_gpu_blocks=self._num_gpu_blocks,
+        )
+        self._built = True
+
+    def _parts(self) -> None:
+        if not self._built:
+            raise ClosedError(
+                f"KVOffloader's pool of {self._num_cpu_blocks} blocks is built on entering "
+                "'async with' (off the event loop); use it inside"
+            )
+
     def __repr__(self) -> str:
         return (
-            f"KVOffloader(state={self._state.value}, cpu_blocks={self._pool.num_blocks}, "
+            f"KVOffloader(state={self._state.value}, cpu_blocks={self._num_cpu_blocks}, "
             f"in_flight={len(self._tasks)})"
         )
 
@@ -190,10 +230,12 @@ class KVOffloader:
         self._loop_thread = threading.get_ident()
         self._owner_task = anyio.get_current_task().id
         try:
+            if not self._built:
+                await anyio.to_thread.run_sync(self._build_parts)
             if self._engine is None:
                 self._host = await HostKVBuffer.create(
                     self._layout,
-                    self._pool.num_blocks,
+                    self._num_cpu_blocks,
                     pin_memory=self._config.pin_memory,
                     pin_chunk_bytes=int(self._config.pin_chunk_bytes),
                 )
@@ -210,7 +252,7 @@ class KVOffloader:
             raise
         _log.info(
             "offloader_opened",
-            cpu_blocks=self._pool.num_blocks,
+            cpu_blocks=self._num_cpu_blocks,
             bytes_per_block=self._layout.bytes_per_block,
             engine=type(self._engine).__name__,
             pinned=self._host.is_pinned if self._host is not None else None,
@@ -269,8 +311,9 @@ class KVOffloader:
                     poller.poll()
                     if poller.in_flight:
                         await anyio.sleep(self._config.poll_interval_s)
-                self._scheduler.release_all_holds()
-                self._unpin_released_holds()
+                if self._built:
+                    self._scheduler.release_all_holds()
+                    self._unpin_released_holds()
         finally:
             try:
                 if self._task_group is not None:
@@ -281,7 +324,8 @@ class KVOffloader:
                 if self._host is not None:
                     self._host.close()
                 self._state = _State.CLOSED
-                _log.info("offloader_closed", **_counts(self._scheduler.statistics()))
+                if self._built:
+                    _log.info("offloader_closed", **_counts(self._scheduler.statistics()))
 
     def _check_process(self) -> None:
         if os.getpid() != self._pid:
@@ -333,11 +377,13 @@ class KVOffloader:
     @property
     def scheduler(self) -> OffloadScheduler:
         """The scheduler (for inspection; drive it through this object)."""
+        self._parts()
         return self._scheduler
 
     @property
     def pool(self) -> CpuBlockPool:
         """The CPU block pool."""
+        self._parts()
         return self._pool
 
     @property
@@ -534,6 +580,7 @@ class KVOffloader:
 
     def statistics(self) -> OffloaderStatistics:
         """Counters of the pool, the scheduler and the poller."""
+        self._parts()
         return OffloaderStatistics(
             pool=self._pool.statistics(),
             scheduler=self._scheduler.statistics(),
@@ -542,6 +589,7 @@ class KVOffloader:
 
     def take_events(self) -> list[PoolEvent]:
         """Pool events since the last call (``enable_events=True``), for KV-aware routers."""
+        self._parts()
         return self._pool.take_events()
 
     # -- internals -------------------------------------------------------------------------
@@ -584,6 +632,23 @@ class KVOffloader:
             self._scheduler.complete(task, ok=task.status is TransferStatus.DONE)
         finally:
             self._unpin(task.gpu_block_ids, task.plan.plan_id)
+
+
+def _check_host_memory(num_blocks: int, layout: KVLayout, *, host_buffer: bool) -> None:
+    """Refuse a pool whose host buffer and bookkeeping exceed the memory left."""
+    available = available_host_memory()
+    if available is None:
+        return
+    host = num_blocks * layout.bytes_per_block if host_buffer else 0
+    bookkeeping = num_blocks * POOL_BOOKKEEPING_BYTES_PER_BLOCK
+    if host + bookkeeping > available:
+        raise HostMemoryError(
+            f"a CPU pool of {num_blocks} blocks needs {host} bytes of host buffer "
+            f"({layout.bytes_per_block} per block) and about {bookkeeping} bytes of "
+            f"bookkeeping ({POOL_BOOKKEEPING_BYTES_PER_BLOCK} per block), {host + bookkeeping} "
+            f"in all, but this process can still use {available} bytes (MemAvailable and the "
+            "cgroup limit); lower num_cpu_blocks or cpu_bytes"
+        )
 
 
 def _counts(stats: SchedulerStatistics) -> dict[str, int]:

@@ -7,6 +7,7 @@ that reported done too early.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 
 import anyio
@@ -14,16 +15,20 @@ import anyio.to_thread
 import pytest
 import torch
 
+import kvoffload.offloader as offloader_module
+from kvoffload.bench.pool import bookkeeping_bytes_per_block
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import (
     BlockStateError,
+    ClosedError,
     ConfigError,
     ForkedProcessError,
+    HostMemoryError,
     InvalidInputError,
     LayoutMismatchError,
     WrongContextError,
 )
-from kvoffload.offloader import KVOffloader
+from kvoffload.offloader import POOL_BOOKKEEPING_BYTES_PER_BLOCK, KVOffloader
 from kvoffload.pool import CpuBlockPool
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.testing import ControllableCopyEngine, FaultyCopyEngine
@@ -206,3 +211,53 @@ async def test_a_load_whose_launch_failed_is_done_only_after_its_release() -> No
         assert pins.count == 0
         assert off.pool.num_free == off.pool.num_blocks
         off.scheduler.check_invariants()
+
+
+# -- item 1: the whole cost is checked before anything is allocated -------------------------
+
+
+def test_a_pool_too_large_for_memory_is_refused_before_anything_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_pool(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the pool was built before the memory check")
+
+    monkeypatch.setattr(offloader_module, "CpuBlockPool", no_pool)
+    monkeypatch.setattr(offloader_module, "available_host_memory", lambda: 1 << 30)
+    per_block = layout().bytes_per_block
+    with pytest.raises(HostMemoryError) as info:
+        KVOffloader(config(num_cpu_blocks=1 << 31), make_kv())
+    message = str(info.value)
+    assert f"{(1 << 31) * per_block} bytes of host buffer" in message
+    assert f"{(1 << 31) * POOL_BOOKKEEPING_BYTES_PER_BLOCK} bytes of bookkeeping" in message
+    assert f"can still use {1 << 30} bytes" in message
+    # With a copy engine of its own, only the bookkeeping counts (the host buffer exists).
+    engine = ControllableCopyEngine(num_gpu_blocks=16)
+    with pytest.raises(HostMemoryError, match=" 0 bytes of host buffer"):
+        KVOffloader(config(num_cpu_blocks=1 << 31), make_kv(), copy_engine=engine)
+
+
+async def test_a_large_pool_is_built_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny = KVLayout(num_layers=1, num_kv_heads=1, head_size=1, dtype="float16", block_size=BS)
+    kv = [torch.zeros(tiny.tensor_shape(8), dtype=torch.float16)]
+    built_on: list[int] = []
+    real = KVOffloader._build_parts
+
+    def record(self: KVOffloader) -> None:
+        built_on.append(threading.get_ident())
+        real(self)
+
+    monkeypatch.setattr(KVOffloader, "_build_parts", record)
+    off = KVOffloader(config(num_cpu_blocks=70_000), kv)
+    assert built_on == []
+    with pytest.raises(ClosedError, match="built on entering"):
+        off.pool
+    async with off:
+        assert off.pool.num_blocks == 70_000
+        assert built_on != [threading.get_ident()]
+        assert len(built_on) == 1
+
+
+def test_the_pool_benchmark_measures_bookkeeping_per_block() -> None:
+    measured = bookkeeping_bytes_per_block(20_000)
+    assert 40 < measured <= POOL_BOOKKEEPING_BYTES_PER_BLOCK
