@@ -6,6 +6,8 @@ that reported done too early.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import threading
 from collections.abc import Sequence
@@ -26,12 +28,14 @@ from kvoffload.errors import (
     HostMemoryError,
     InvalidInputError,
     LayoutMismatchError,
+    TransferError,
     WrongContextError,
 )
 from kvoffload.offloader import POOL_BOOKKEEPING_BYTES_PER_BLOCK, KVOffloader
 from kvoffload.pool import CpuBlockPool
 from kvoffload.storage.host_buffer import HostKVBuffer
-from kvoffload.testing import ControllableCopyEngine, FaultyCopyEngine
+from kvoffload.testing import ControllableCopyEngine, CopyFaults, FaultyCopyEngine
+from kvoffload.transfer.thread_engine import ThreadCopyEngine
 
 pytestmark = pytest.mark.anyio
 
@@ -261,3 +265,50 @@ async def test_a_large_pool_is_built_off_the_event_loop(monkeypatch: pytest.Monk
 def test_the_pool_benchmark_measures_bookkeeping_per_block() -> None:
     measured = bookkeeping_bytes_per_block(20_000)
     assert 40 < measured <= POOL_BOOKKEEPING_BYTES_PER_BLOCK
+
+
+# -- item 7: no reference cycles in the steady state ---------------------------------------
+
+
+async def test_steady_state_leaves_no_cyclic_garbage(anyio_backend: str) -> None:
+    """Stores, loads, failed copies awaited and waits cancelled, under ``gc.disable()``:
+    the reference count frees everything; the cycle collector finds nothing."""
+    kv = make_kv(num_gpu_blocks=8)
+    host = HostKVBuffer(layout(), 8, pin_memory="never")
+    faults = CopyFaults(fail_copies=set(range(0, 10_000, 3)))
+    engine = ThreadCopyEngine(layout(), kv, host, copy_hook=faults)
+
+    async def one_request(off: KVOffloader, i: int) -> None:
+        prompt = list(range(i % 5 * 100, i % 5 * 100 + 3 * BS + 1))
+        hs = off.hash_prompt(prompt)
+        rid = f"r{i}"
+        hit = off.lookup(rid, hs, len(prompt), allow_defer=True)
+        if hit:
+            load = off.load(rid, [0, 1, 2][: hit // BS], hit)
+            assert load is not None
+            with contextlib.suppress(TransferError):
+                await load
+        off.update(rid, [0, 1, 2], hs, 3 * BS)
+        for task in off.store():
+            with contextlib.suppress(TransferError), anyio.move_on_after(0 if i % 2 else 5):
+                await task  # every other wait is cancelled
+        off.finish(rid)
+        await off.drain()
+
+    try:
+        async with KVOffloader(config(), kv, copy_engine=engine) as off:
+            for i in range(20):
+                await one_request(off, i)
+            gc.collect()
+            gc.disable()
+            try:
+                for i in range(20, 220):
+                    await one_request(off, i)
+                found = gc.collect()
+            finally:
+                gc.enable()
+            stats = off.statistics().scheduler
+            assert stats.failed_stores + stats.failed_loads > 20  # failures were exercised
+            assert found == 0, f"{found} objects were only freed by the cycle collector"
+    finally:
+        host.close()
