@@ -41,6 +41,22 @@ LayoutKind = Literal["blocks_first", "kv_first"]
 _GIB = 1 << 30
 
 
+def _not_bool(value: object) -> object:
+    """Refuse ``True``/``False`` where a count is expected (pydantic would take 1/0)."""
+    if isinstance(value, bool):
+        # pydantic turns only ValueError into a validation error
+        raise ValueError(f"a count must be an int, not a bool ({value!r})")  # noqa: TRY004
+    return value
+
+
+def _frozen_setattr(model: BaseModel, name: str, value: object) -> None:
+    cls = type(model).__name__
+    raise ConfigError(
+        f"{cls} is frozen: cannot set {name}={value!r}; build a new {cls} with the value "
+        "(it is validated again)"
+    )
+
+
 def _describe(exc: ValidationError, fields: Collection[str], env_prefix: str | None) -> str:
     parts = []
     for err in exc.errors():
@@ -81,6 +97,13 @@ class KVLayout(BaseModel):
             raise ConfigError(
                 f"invalid KVLayout: {_describe(exc, type(self).model_fields, None)}"
             ) from exc
+
+    _no_bool = field_validator(
+        "num_layers", "num_kv_heads", "head_size", "block_size", mode="before"
+    )(_not_bool)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        _frozen_setattr(self, name, value)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -322,6 +345,25 @@ class OffloadConfig(BaseSettings):
         description="Secondary tiers below the CPU pool (disk, redis), fastest first; JSON "
         "in the environment.",
     )
+    hold_blocks_on_finish: bool = Field(
+        default=False,
+        description="Eager mode: a request finished with computed blocks still unstored (deferred "
+        "for lack of space) keeps those GPU blocks pinned until a later step stores them.",
+    )
+    hold_max_blocks: int = Field(
+        default=1024,
+        ge=1,
+        le=1 << 24,
+        description="Most GPU blocks all finished requests together may hold "
+        "(hold_blocks_on_finish).",
+    )
+    hold_max_steps: int = Field(
+        default=32,
+        ge=1,
+        le=1 << 20,
+        description="plan_stores() calls after which a finished request's unstored blocks are "
+        "given up and its GPU blocks released (hold_blocks_on_finish).",
+    )
 
     def __init__(self, **values: Any) -> None:
         try:
@@ -333,6 +375,19 @@ class OffloadConfig(BaseSettings):
             ) from exc
         except SettingsError as exc:  # e.g. KVOFFLOAD_TIERS that is not JSON
             raise ConfigError(f"invalid OffloadConfig: {exc} (list fields take JSON)") from exc
+
+    _no_bool = field_validator(
+        "block_size",
+        "num_cpu_blocks",
+        "lazy_offload_blocks",
+        "max_store_blocks_per_step",
+        "hold_max_blocks",
+        "hold_max_steps",
+        mode="before",
+    )(_not_bool)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        _frozen_setattr(self, name, value)
 
     @model_validator(mode="after")
     def _exactly_one_size(self) -> OffloadConfig:

@@ -6,6 +6,9 @@ library raised on purpose::
     KvOffloadError
     ├── ConfigError (ValueError)          a configuration field has a bad value
     ├── LayoutMismatchError (ValueError)  KV tensors do not match the declared KVLayout
+    ├── InvalidInputError (ValueError)    an argument of a call has a bad value
+    │   ├── BlockTableError               a GPU block table is malformed (range, duplicate, changed)
+    │   └── InputTypeError (TypeError)    an argument has the wrong type
     ├── OutOfBlocksError                  fewer free CPU blocks than asked for
     ├── BlockStateError                   misuse of a block: double free, publish unreferenced
     ├── InvariantError                    check_invariants() found a breach of DESIGN.md
@@ -14,10 +17,15 @@ library raised on purpose::
     ├── HostMemoryError                   host buffer allocation or pinning failed
     ├── TransferError                     a copy failed; the cause is chained
     ├── TransferNotFinishedError          result()/exception() asked of a pending transfer
+    ├── PinnerError                       the engine's GpuBlockPinner raised; the cause is chained
     ├── ClosedError                       an object was used after aclose()
+    ├── WrongContextError (RuntimeError)  a call from a thread or task that may not make it
     ├── ForkedProcessError                an object was used in a process forked after it was made
     └── TierError                         a secondary tier (disk, Redis) failed or is unreachable
         └── IntegrityError                a block read from a tier failed its verification
+
+Warnings: ``UnhashedBlocksWarning`` (a ``UserWarning``) says, once per scheduler, that an
+engine reports computed blocks it never hashed, so they can never be stored.
 
 torch and CUDA errors are translated only at the transfer boundary
 (``raise TransferError(...) from exc``); everywhere else they propagate unchanged.
@@ -27,20 +35,26 @@ from __future__ import annotations
 
 __all__ = [
     "BlockStateError",
+    "BlockTableError",
     "ClosedError",
     "ConfigError",
     "ForkedProcessError",
     "HostMemoryError",
+    "InputTypeError",
     "IntegrityError",
+    "InvalidInputError",
     "InvariantError",
     "KvOffloadError",
     "LayoutMismatchError",
     "OutOfBlocksError",
+    "PinnerError",
     "RequestStateError",
     "TierError",
     "TransferError",
     "TransferNotFinishedError",
+    "UnhashedBlocksWarning",
     "UnknownRequestError",
+    "WrongContextError",
 ]
 
 
@@ -54,6 +68,22 @@ class ConfigError(KvOffloadError, ValueError):
 
 class LayoutMismatchError(KvOffloadError, ValueError):
     """KV tensors do not match the declared `KVLayout`."""
+
+
+class InvalidInputError(KvOffloadError, ValueError):
+    """An argument of a call has a bad value; the message names the argument, the value and
+    the request it was for. Nothing was changed."""
+
+
+class BlockTableError(InvalidInputError):
+    """A GPU block table is malformed: an id out of range or named twice, or an entry that
+    changed or disappeared while the request ran. The message names the request, the id and
+    the position(s)."""
+
+
+class InputTypeError(InvalidInputError, TypeError):
+    """An argument has the wrong type (a float token count, a generator as a block table,
+    a token id that is not a 64-bit int). Also a ``TypeError``."""
 
 
 class OutOfBlocksError(KvOffloadError):
@@ -104,8 +134,21 @@ class TransferNotFinishedError(KvOffloadError):
     """``result()`` or ``exception()`` was called on a transfer that has not finished."""
 
 
+class PinnerError(KvOffloadError):
+    """The engine's ``GpuBlockPinner`` raised; its exception is chained as ``__cause__``.
+
+    The transfer it concerned was not started (``pin``) or was completed anyway (``unpin``);
+    every reference was released, and the offloader keeps working.
+    """
+
+
 class ClosedError(KvOffloadError):
     """An object was used after it was closed."""
+
+
+class WrongContextError(KvOffloadError, RuntimeError):
+    """A call came from a thread or task that may not make it (the step loop runs on the
+    event loop's thread; ``aclose()`` runs in the task that entered). Nothing was changed."""
 
 
 class ForkedProcessError(KvOffloadError):
@@ -131,3 +174,8 @@ class IntegrityError(TierError):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"block failed its {reason} check: {detail}")
         self.reason = reason
+
+
+class UnhashedBlocksWarning(UserWarning):
+    """The engine reports computed tokens far past the block hashes it gave: blocks with no
+    hash can never be stored. Issued once per scheduler."""

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NewType
 
+from kvoffload.errors import InputTypeError, InvalidInputError
+
 if TYPE_CHECKING:
     from kvoffload.config import KVLayout
 
@@ -80,7 +82,7 @@ def _encode_tokens(token_ids: Sequence[int]) -> bytes:
             ),
             None,
         )
-        raise ValueError(
+        raise InputTypeError(
             f"token_ids[{bad}]={token_ids[bad] if bad is not None else '?'!r} is not a 64-bit int"
         ) from exc
     if _BIG_ENDIAN:  # pragma: no cover - hashes are little-endian everywhere
@@ -117,10 +119,11 @@ def hash_prompt(
         namespace: the cache namespace the chain starts from.
 
     Raises:
-        ValueError: ``block_size`` is below 1 or a token is not a 64-bit int.
+        InvalidInputError: ``block_size`` is below 1.
+        InputTypeError: a token is not a 64-bit int.
     """
     if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+        raise InvalidInputError(f"block_size must be >= 1, got {block_size}")
     parent = namespace.root
     hashes: list[BlockHash] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):

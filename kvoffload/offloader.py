@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -19,16 +20,25 @@ from typing import Literal, Protocol, final, overload
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 import torch
 
 from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout, OffloadConfig
-from kvoffload.errors import ClosedError, ConfigError, ForkedProcessError
+from kvoffload.errors import (
+    ClosedError,
+    ConfigError,
+    ForkedProcessError,
+    HostMemoryError,
+    LayoutMismatchError,
+    PinnerError,
+    WrongContextError,
+)
 from kvoffload.hashing import BlockHash, HashNamespace, hash_prompt
 from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
 from kvoffload.request import OffloadRequest
 from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
-from kvoffload.storage.host_buffer import HostKVBuffer
+from kvoffload.storage.host_buffer import HostKVBuffer, available_host_memory
 from kvoffload.tiers.build import build_tier
 from kvoffload.tiers.manager import TierManager
 from kvoffload.tiers.stats import TierManagerStatistics
@@ -39,9 +49,23 @@ from kvoffload.transfer.poller import CompletionPoller, PollerStatistics
 from kvoffload.transfer.task import TransferStatus, TransferTask
 from kvoffload.transfer.thread_engine import ThreadCopyEngine
 
-__all__ = ["GpuBlockPinner", "KVOffloader", "NoOpPinner", "OffloaderStatistics"]
+__all__ = [
+    "POOL_BOOKKEEPING_BYTES_PER_BLOCK",
+    "GpuBlockPinner",
+    "KVOffloader",
+    "NoOpPinner",
+    "OffloaderStatistics",
+]
 
 _log = get_logger("offloader")
+
+POOL_BOOKKEEPING_BYTES_PER_BLOCK = 128
+"""Python memory the CPU block pool needs per block, rounded up (about 112 bytes measured:
+see ``python -m kvoffload.bench pool``), counted with the host buffer before anything is
+allocated."""
+
+_INLINE_POOL_BLOCKS = 1 << 16
+"""Pools up to this many blocks are built at once; larger ones in a worker thread on entry."""
 
 
 class GpuBlockPinner(Protocol):
@@ -50,7 +74,14 @@ class GpuBlockPinner(Protocol):
     ``pin`` is called with a transfer's GPU block ids right before it is submitted and
     ``unpin`` with the same ids once its completion was observed (success or not). The
     engine must not hand a pinned block to another request (a pin count per block is the
-    usual implementation: the same block may be pinned by two transfers).
+    usual implementation: the same block may be pinned by two transfers). With
+    ``hold_blocks_on_finish``, ``finish()`` also pins the blocks a finished request still
+    has to store, and unpins them once their store is planned (or given up).
+
+    A pinner that raises is contained: when ``pin`` raises, the transfer is not started
+    and its plan is undone (`PinnerError` is raised from the call that started it); when
+    ``unpin`` raises, the completion is still recorded and every reference released, and
+    the next step-loop call raises `PinnerError` once.
     """
 
     def pin(self, gpu_block_ids: Sequence[int]) -> None:
@@ -122,8 +153,15 @@ class KVOffloader:
             `GpuBlockPinner` (default `NoOpPinner`).
 
     Raises:
-        LayoutMismatchError: the tensors disagree with ``layout`` or with each other.
+        LayoutMismatchError: the tensors disagree with ``layout`` or with each other, or
+            hold no GPU block.
         ConfigError: the pool size or block size does not fit the layout.
+        HostMemoryError: the host buffer plus the pool's bookkeeping
+            (`POOL_BOOKKEEPING_BYTES_PER_BLOCK` per block) exceed the memory this process
+            can still use; checked before anything is allocated.
+
+    A pool of more than 65,536 blocks is built on entering ``async with``, in a worker
+    thread; until then `pool` and `scheduler` raise `ClosedError`.
     """
 
     def __init__(
@@ -139,15 +177,20 @@ class KVOffloader:
             layout = KVLayout.from_tensors(gpu_kv, block_size=config.block_size)
         self._num_gpu_blocks = layout.num_gpu_blocks(gpu_kv)
         num_cpu_blocks = config.resolve_num_cpu_blocks(layout)
+        if self._num_gpu_blocks < 1:
+            raise LayoutMismatchError(
+                f"the KV tensors hold no GPU block (shape {tuple(gpu_kv[0].shape)})"
+            )
+        _check_host_memory(num_cpu_blocks, layout, host_buffer=copy_engine is None)
         self._config = config
         self._layout = layout
         self._gpu_kv = tuple(gpu_kv)
-        self._pool = CpuBlockPool(
-            num_cpu_blocks, enable_events=config.enable_events, policy=config.eviction_policy
-        )
-        self._scheduler = OffloadScheduler(
-            config, self._pool, bytes_per_block=layout.bytes_per_block
-        )
+        self._num_cpu_blocks = num_cpu_blocks
+        self._pool: CpuBlockPool
+        self._scheduler: OffloadScheduler
+        self._built = False
+        if num_cpu_blocks <= _INLINE_POOL_BLOCKS:
+            self._build_parts()
         self._namespace = HashNamespace.from_layout(
             layout, model_id=config.model_id, salt=config.hash_salt
         )
@@ -160,10 +203,34 @@ class KVOffloader:
         self._tiers: TierManager | None = None
         self._state = _State.CREATED
         self._pid = os.getpid()
+        self._loop_thread: int | None = None
+        self._owner_task: int | None = None
+        self._pinner_error: BaseException | None = None
+
+    def _build_parts(self) -> None:
+        self._pool = CpuBlockPool(
+            self._num_cpu_blocks,
+            enable_events=self._config.enable_events,
+            policy=self._config.eviction_policy,
+        )
+        self._scheduler = OffloadScheduler(
+            self._config,
+            self._pool,
+            bytes_per_block=self._layout.bytes_per_block,
+            num_gpu_blocks=self._num_gpu_blocks,
+        )
+        self._built = True
+
+    def _parts(self) -> None:
+        if not self._built:
+            raise ClosedError(
+                f"KVOffloader's pool of {self._num_cpu_blocks} blocks is built on entering "
+                "'async with' (off the event loop); use it inside"
+            )
 
     def __repr__(self) -> str:
         return (
-            f"KVOffloader(state={self._state.value}, cpu_blocks={self._pool.num_blocks}, "
+            f"KVOffloader(state={self._state.value}, cpu_blocks={self._num_cpu_blocks}, "
             f"in_flight={len(self._tasks)})"
         )
 
@@ -171,11 +238,15 @@ class KVOffloader:
 
     async def __aenter__(self) -> KVOffloader:
         self._state = self._state.to(_State.OPEN)
+        self._loop_thread = threading.get_ident()
+        self._owner_task = anyio.get_current_task().id
         try:
+            if not self._built:
+                await anyio.to_thread.run_sync(self._build_parts)
             if self._engine is None:
                 self._host = await HostKVBuffer.create(
                     self._layout,
-                    self._pool.num_blocks,
+                    self._num_cpu_blocks,
                     pin_memory=self._config.pin_memory,
                     pin_chunk_bytes=int(self._config.pin_chunk_bytes),
                 )
@@ -195,7 +266,7 @@ class KVOffloader:
             raise
         _log.info(
             "offloader_opened",
-            cpu_blocks=self._pool.num_blocks,
+            cpu_blocks=self._num_cpu_blocks,
             bytes_per_block=self._layout.bytes_per_block,
             engine=type(self._engine).__name__,
             pinned=self._host.is_pinned if self._host is not None else None,
@@ -216,13 +287,29 @@ class KVOffloader:
         Call it from the task that entered the offloader (``async with`` does). The wait
         is shielded: a cancellation while closing takes effect only after the copies
         finished and their references were released (freeing host memory under a running
-        DMA would corrupt it).
+        DMA would corrupt it). It lasts as long as the copies in flight, also when the
+        scope around ``async with`` was cancelled (completions are then collected here,
+        not by the cancelled poller).
+
+        Raises:
+            ForkedProcessError: called in a process forked after the offloader was made
+                (the copies belong to the parent).
+            WrongContextError: called from another thread or from a task other than the
+                one that entered; nothing was closed.
         """
         if self._state in {_State.CLOSING, _State.CLOSED}:
             return
         if self._state is _State.CREATED:
             self._state = self._state.to(_State.CLOSED)
             return
+        self._check_process()
+        self._check_thread("aclose")
+        if anyio.get_current_task().id != self._owner_task:
+            raise WrongContextError(
+                "KVOffloader.aclose() must be called from the task that entered it "
+                "(a task group's exit needs its own task); close it there, e.g. by leaving "
+                "'async with'"
+            )
         self._state = self._state.to(_State.CLOSING)
         await self._shutdown()
 
@@ -231,8 +318,16 @@ class KVOffloader:
             with anyio.CancelScope(shield=True):
                 if self._engine is not None:
                     await self._engine.aclose()
-                if self._task_group is not None:
-                    await self._poller.drain()
+                # Every copy has ended now. Deliver what the poller has not (it may have
+                # been cancelled with the scope around 'async with').
+                poller = self._poller
+                while poller.in_flight:
+                    poller.poll()
+                    if poller.in_flight:
+                        await anyio.sleep(self._config.poll_interval_s)
+                if self._built:
+                    self._scheduler.release_all_holds()
+                    self._unpin_released_holds()
                 if self._tiers is not None:
                     await self._tiers.aclose()
         finally:
@@ -245,7 +340,8 @@ class KVOffloader:
                 if self._host is not None:
                     self._host.close()
                 self._state = _State.CLOSED
-                _log.info("offloader_closed", **_counts(self._scheduler.statistics()))
+                if self._built:
+                    _log.info("offloader_closed", **_counts(self._scheduler.statistics()))
 
     def _make_tiers(self) -> TierManager:
         if self._host is None:
@@ -266,15 +362,34 @@ class KVOffloader:
         """The tier manager, when ``config.tiers`` is set (for inspection)."""
         return self._tiers
 
-    def _check(self) -> CopyEngine:
+    def _check_process(self) -> None:
         if os.getpid() != self._pid:
             raise ForkedProcessError(
                 f"KVOffloader was created in process {self._pid} and used in forked process "
                 f"{os.getpid()}; create a new one in the child"
             )
+
+    def _check_thread(self, what: str) -> None:
+        if self._loop_thread is not None and threading.get_ident() != self._loop_thread:
+            raise WrongContextError(
+                f"KVOffloader.{what}() called from thread {threading.current_thread().name!r}; "
+                "the step loop runs on the event loop's thread (from a worker thread, use "
+                "anyio.from_thread.run_sync)"
+            )
+
+    def _check(self, what: str) -> CopyEngine:
+        self._check_process()
         if self._state is not _State.OPEN or self._engine is None:
             raise ClosedError(f"KVOffloader is {self._state.value}; use it inside 'async with'")
+        self._check_thread(what)
         self._poller.check_health()
+        error = self._pinner_error
+        if error is not None:
+            self._pinner_error = None
+            raise PinnerError(
+                f"the GpuBlockPinner's unpin raised after a transfer completed: {error!r} "
+                "(the transfer was recorded and its references released)"
+            ) from error
         return self._engine
 
     # -- properties --------------------------------------------------------------------------
@@ -297,11 +412,13 @@ class KVOffloader:
     @property
     def scheduler(self) -> OffloadScheduler:
         """The scheduler (for inspection; drive it through this object)."""
+        self._parts()
         return self._scheduler
 
     @property
     def pool(self) -> CpuBlockPool:
         """The CPU block pool."""
+        self._parts()
         return self._pool
 
     @property
@@ -332,7 +449,7 @@ class KVOffloader:
             RequestStateError: ``request_id`` is still in use.
             ValueError: ``num_computed_tokens`` out of range, or a token is not an int.
         """
-        self._check()
+        self._check("request")
         return OffloadRequest._create(self, request_id, prompt_token_ids, num_computed_tokens)
 
     # -- the engine's step loop ----------------------------------------------------------------
@@ -381,7 +498,7 @@ class KVOffloader:
         Raises:
             ClosedError: not open. ForkedProcessError: used in a forked child.
         """
-        self._check()
+        self._check("lookup")
         hit = self._scheduler.lookup(
             request_id,
             block_hashes,
@@ -420,7 +537,7 @@ class KVOffloader:
         Raises:
             ClosedError: not open.
         """
-        engine = self._check()
+        engine = self._check("load")
         plan = self._scheduler.plan_load(request_id, gpu_block_ids, num_tokens)
         if plan is None:
             return None
@@ -437,7 +554,7 @@ class KVOffloader:
 
         See `OffloadScheduler.update()`.
         """
-        self._check()
+        self._check("update")
         self._scheduler.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
 
     def store(
@@ -453,26 +570,53 @@ class KVOffloader:
 
         Returns:
             The started transfers; awaiting them is optional.
+
+        Raises:
+            InputTypeError: ``after`` is of a type the copy engine does not take. The
+                plan is undone (cursors go back), so nothing of this step is lost: the
+                same blocks are planned by the next call.
+            PinnerError: the pinner's ``pin`` raised; the plan is undone the same way.
         """
-        engine = self._check()
+        engine = self._check("store")
         plan = self._scheduler.plan_stores(gpu_cache)
-        if plan is None:
-            return []
-        return [self._submit(engine, plan, after)]
+        try:
+            if plan is None:
+                return []
+            return [self._submit(engine, plan, after)]
+        finally:
+            self._unpin_released_holds()
 
     def finish(self, request_id: str) -> None:
-        """The engine finished a request. See `OffloadScheduler.finish()`."""
-        self._check()
-        self._scheduler.finish(request_id)
+        """The engine finished a request. See `OffloadScheduler.finish()`.
+
+        With ``hold_blocks_on_finish``, blocks the request computed but could not store
+        yet are pinned through the `GpuBlockPinner` (the engine must not reuse them) and
+        unpinned once a later `store()` planned them, or after ``hold_max_steps`` calls.
+
+        Raises:
+            PinnerError: the pinner raised while pinning held blocks; the request is
+                finished without holding them.
+        """
+        self._check("finish")
+        held = self._scheduler.finish(request_id)
+        if held:
+            try:
+                self._pinner.pin(held)
+            except Exception as exc:
+                self._scheduler.cancel_hold(request_id)
+                raise PinnerError(
+                    f"the GpuBlockPinner's pin raised for the blocks request {request_id!r} "
+                    f"holds on finish: {exc!r}"
+                ) from exc
 
     def preempt(self, request_id: str) -> None:
         """The engine preempted a request. See `OffloadScheduler.preempt()`."""
-        self._check()
+        self._check("preempt")
         self._scheduler.preempt(request_id)
 
     def release(self, request_id: str) -> None:
         """Drop a lookup pin the engine will not load. See `OffloadScheduler.release()`."""
-        self._check()
+        self._check("release")
         self._scheduler.release(request_id)
 
     async def drain(self) -> None:
@@ -480,7 +624,7 @@ class KVOffloader:
 
         Cancellation cancels only the wait.
         """
-        self._check()
+        self._check("drain")
         await self._poller.drain()
 
     async def reset(self) -> bool:
@@ -496,10 +640,11 @@ class KVOffloader:
 
         Cancellation cancels only the wait; the reset itself has happened.
         """
-        self._check()
+        self._check("reset")
         self._scheduler.reset()
         if self._tiers is not None:
             self._tiers.reset()
+        self._unpin_released_holds()
         for task in self._tasks.values():
             task._abandon()  # the owner's reset is what _abandon is for
         await self._poller.drain()
@@ -507,6 +652,7 @@ class KVOffloader:
 
     def statistics(self) -> OffloaderStatistics:
         """Counters of the pool, the scheduler and the poller."""
+        self._parts()
         return OffloaderStatistics(
             pool=self._pool.statistics(),
             scheduler=self._scheduler.statistics(),
@@ -516,21 +662,42 @@ class KVOffloader:
 
     def take_events(self) -> list[PoolEvent]:
         """Pool events since the last call (``enable_events=True``), for KV-aware routers."""
+        self._parts()
         return self._pool.take_events()
 
     # -- internals -------------------------------------------------------------------------
 
     def _submit(self, engine: CopyEngine, plan: TransferPlan, after: object | None) -> TransferTask:
-        self._pinner.pin(plan.gpu_block_ids)
+        try:
+            self._pinner.pin(plan.gpu_block_ids)
+        except Exception as exc:
+            self._scheduler.cancel(plan)
+            _log.error("pinner_failed", call="pin", plan_id=plan.plan_id, error=repr(exc))
+            raise PinnerError(
+                f"the GpuBlockPinner's pin raised for {plan.kind} plan {plan.plan_id}: "
+                f"{exc!r} (the transfer was not started; nothing is lost)"
+            ) from exc
         try:
             task = engine.submit(plan, after=after)
         except BaseException:
-            self._pinner.unpin(plan.gpu_block_ids)
-            self._scheduler.complete(plan, ok=False)
+            self._unpin(plan.gpu_block_ids, plan.plan_id)
+            self._scheduler.cancel(plan)
             raise
         self._tasks[plan.plan_id] = task
         self._poller.track(task)
         return task
+
+    def _unpin(self, gpu_block_ids: Sequence[int], plan_id: int | None) -> None:
+        try:
+            self._pinner.unpin(gpu_block_ids)
+        except Exception as exc:
+            _log.error("pinner_failed", call="unpin", plan_id=plan_id, error=repr(exc))
+            self._pinner_error = exc
+
+    def _unpin_released_holds(self) -> None:
+        released = self._scheduler.take_released_holds()
+        if released:
+            self._unpin(released, None)
 
     def _on_complete(self, task: TransferTask) -> None:
         self._tasks.pop(task.plan.plan_id, None)
@@ -540,7 +707,24 @@ class KVOffloader:
             if ok and self._tiers is not None and isinstance(task.plan, StorePlan):
                 self._tiers.on_stored(task.plan)
         finally:
-            self._pinner.unpin(task.gpu_block_ids)
+            self._unpin(task.gpu_block_ids, task.plan.plan_id)
+
+
+def _check_host_memory(num_blocks: int, layout: KVLayout, *, host_buffer: bool) -> None:
+    """Refuse a pool whose host buffer and bookkeeping exceed the memory left."""
+    available = available_host_memory()
+    if available is None:
+        return
+    host = num_blocks * layout.bytes_per_block if host_buffer else 0
+    bookkeeping = num_blocks * POOL_BOOKKEEPING_BYTES_PER_BLOCK
+    if host + bookkeeping > available:
+        raise HostMemoryError(
+            f"a CPU pool of {num_blocks} blocks needs {host} bytes of host buffer "
+            f"({layout.bytes_per_block} per block) and about {bookkeeping} bytes of "
+            f"bookkeeping ({POOL_BOOKKEEPING_BYTES_PER_BLOCK} per block), {host + bookkeeping} "
+            f"in all, but this process can still use {available} bytes (MemAvailable and the "
+            "cgroup limit); lower num_cpu_blocks or cpu_bytes"
+        )
 
 
 def _counts(stats: SchedulerStatistics) -> dict[str, int]:

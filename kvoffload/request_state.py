@@ -29,6 +29,13 @@ class RequestOffloadState:
         finished: the engine finished the request; its state is dropped after its last
             transfer completes.
         preempted: the engine preempted the request and freed its GPU blocks.
+        gpu_block_set: the entries of ``gpu_block_ids``, to refuse a duplicate in O(1).
+        recheck_table: entries below the cursor must be compared on the next ``update``
+            (set by a reset, which moves the cursor back over entries not compared since).
+        held_gpu_block_ids: GPU blocks of a finished request the engine keeps until their
+            deferred stores are planned (``hold_blocks_on_finish``).
+        hold_deadline: the ``plan_stores`` call after which a finished request's hold is
+            given up.
     """
 
     request_id: str
@@ -41,3 +48,7 @@ class RequestOffloadState:
     pin_start_block: int = 0
     finished: bool = False
     preempted: bool = False
+    gpu_block_set: set[int] = field(default_factory=set)
+    recheck_table: bool = False
+    held_gpu_block_ids: list[int] = field(default_factory=list)
+    hold_deadline: int = 0

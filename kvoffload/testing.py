@@ -141,7 +141,9 @@ class ControllableCopyEngine:
             )
             self.submitted.append(task)
             if self._on_complete is not None:
-                self._record(task._deliver(None, self._on_complete))
+                completion = task._completion
+                launch_error = completion.error() if completion is not None else None
+                self._record(task._deliver(launch_error, self._on_complete))
             return task
         handle = TestCompletion()
         task = TransferTask._create(plan, nbytes=nbytes, completion=handle)

@@ -29,9 +29,13 @@ def hashes(toks: Sequence[int]) -> list[BlockHash]:
     return hash_prompt(toks, BS, NS)
 
 
-def make(num_blocks: int = 16, **overrides: object) -> OffloadScheduler:
+def make(
+    num_blocks: int = 16, *, num_gpu_blocks: int | None = None, **overrides: object
+) -> OffloadScheduler:
     config = OffloadConfig(block_size=BS, num_cpu_blocks=num_blocks, **overrides)  # type: ignore[arg-type]
-    return OffloadScheduler(config, CpuBlockPool(num_blocks), bytes_per_block=100)
+    return OffloadScheduler(
+        config, CpuBlockPool(num_blocks), bytes_per_block=100, num_gpu_blocks=num_gpu_blocks
+    )
 
 
 @dataclass

@@ -196,7 +196,7 @@ def test_block_size_must_match_layout() -> None:
 
 def test_offload_config_is_frozen() -> None:
     cfg = OffloadConfig(num_cpu_blocks=4)
-    with pytest.raises(ValidationError, match="frozen"):
+    with pytest.raises(ConfigError, match="frozen: cannot set num_cpu_blocks=5"):
         cfg.num_cpu_blocks = 5  # type: ignore[misc]
     assert cfg.num_cpu_blocks == 4
 
@@ -242,7 +242,7 @@ def test_layout_field_out_of_bounds(field: str, value: object) -> None:
 
 def test_layout_is_frozen_and_strict() -> None:
     lay = layout()
-    with pytest.raises(ValidationError, match="frozen"):
+    with pytest.raises(ConfigError, match="frozen"):
         lay.num_layers = 3  # type: ignore[misc]
     with pytest.raises(ConfigError, match="Extra inputs"):
         layout(num_heads=3)

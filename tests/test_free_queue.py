@@ -11,7 +11,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvoffload.errors import BlockStateError, InvariantError, OutOfBlocksError
+from kvoffload.errors import (
+    BlockStateError,
+    InvalidInputError,
+    InvariantError,
+    OutOfBlocksError,
+)
 from kvoffload.pool.free_queue import BlockId, CpuBlock, LruFreeQueue
 
 
@@ -103,10 +108,11 @@ def test_popleft_n_more_than_queued_changes_nothing() -> None:
     q.check()
 
 
-def test_popleft_n_nonpositive_is_empty() -> None:
+def test_popleft_n_zero_is_empty_and_negative_is_refused() -> None:
     q = LruFreeQueue(blocks(2))
     assert q.popleft_n(0) == []
-    assert q.popleft_n(-3) == []
+    with pytest.raises(InvalidInputError, match="negative number of blocks: -3"):
+        q.popleft_n(-3)
     assert len(q) == 2
 
 

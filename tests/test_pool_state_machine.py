@@ -194,6 +194,23 @@ class PoolMachine(RuleBasedStateMachine):
         after = (self.free_ids(), [self.pool.block(b).ref_cnt for b in range(NUM_BLOCKS)])
         assert after == before
 
+    @rule(data=st.data(), touch=st.booleans())
+    def foreign_block(self, data: st.DataObject, touch: bool) -> None:
+        """A block of another pool, among this pool's own, is refused; nothing changes."""
+        other = CpuBlockPool(NUM_BLOCKS)
+        foreign = other.allocate(1)[0] if not touch else other.block(0)
+        held = self.referenced() if not touch else list(range(NUM_BLOCKS))
+        picks = data.draw(st.lists(st.integers(0, len(held) - 1), unique=True)) if held else []
+        own = [self.pool.block(held[i]) for i in picks]  # never more than the refs held
+        blocks = data.draw(st.permutations([*own, foreign]))
+        before = (self.free_ids(), [self.pool.block(b).ref_cnt for b in range(NUM_BLOCKS)])
+        call = self.pool.touch if touch else self.pool.free
+        with pytest.raises(BlockStateError, match="another pool"):
+            call(blocks)
+        after = (self.free_ids(), [self.pool.block(b).ref_cnt for b in range(NUM_BLOCKS)])
+        assert after == before
+        other.check_invariants()
+
     @rule(block=st.integers(0, NUM_BLOCKS - 1), key=KEYS)
     def publish(self, block: int, key: int) -> None:
         try:

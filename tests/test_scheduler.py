@@ -267,7 +267,10 @@ def test_reset_with_pending_stores() -> None:
     assert stats.abandoned_transfers == 1
     assert stats.stored_blocks == 2  # only the one before the reset
     sched.check_invariants()
-    # The live request stores again after the reset (its cursor went back to 0).
+    # The live request stores again after the reset (its cursor went back to 0), once its
+    # next update() has checked its block table again.
+    assert sched.plan_stores() is None
+    sched.update("p", [2, 3], hashes(pending), len(pending))
     again = sched.plan_stores()
     assert again is not None
     assert again.block_hashes == tuple(hashes(pending))
@@ -379,7 +382,7 @@ def test_finished_request_schedules_nothing() -> None:
     sched.finish("a")
     assert not sched.has_request("a")
     assert sched.plan_stores() is None
-    with pytest.raises(UnknownRequestError, match="'a'"):
+    with pytest.raises(RequestStateError, match="'a' is finished"):
         sched.finish("a")
     with pytest.raises(UnknownRequestError, match="'zzz'"):
         sched.preempt("zzz")

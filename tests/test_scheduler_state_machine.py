@@ -1,22 +1,27 @@
 """A hypothesis state machine over OffloadScheduler with a simulated engine.
 
 Random lookups, loads, chunked updates, stores, successful / failed / delayed completions,
-finishes, preemptions and resets. After every step: ``check_invariants()`` plus the
-model's own checks: every published CPU block holds the KV of its hash, and every load
-delivers exactly the KV the request needs (wrong KV is the worst bug there is). The
-engine reuses GPU blocks, but never one that an in-flight transfer names (the pinner's
-contract), so a scheduler that planned from stale GPU ids would be caught.
+finishes (holding unstored blocks or not), preemptions and resets; and malformed input
+that must be refused with nothing changed (duplicate, out-of-range and changed block-table
+entries, reuse of a finished id), and plans undone because the engine's pinner raised.
+After every step: ``check_invariants()`` plus the model's own checks: every published CPU
+block holds the KV of its hash, and every load delivers exactly the KV the request needs
+(wrong KV is the worst bug there is). The engine reuses GPU blocks, but never one that an
+in-flight transfer names (the pinner's contract), so a scheduler that planned from stale
+GPU ids would be caught.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from scheduler_helpers import BS, SimKV, hashes, make
 
+from kvoffload.errors import BlockTableError, RequestStateError
 from kvoffload.hashing import BlockHash
 from kvoffload.transfer.plan import LoadPlan, StorePlan, TransferPlan
 
@@ -51,15 +56,29 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.gpu_deferred_free: list[int] = []
         self.in_flight: list[TransferPlan] = []
         self.next_id = 0
+        self.held: list[int] = []  # GPU blocks finished requests hold (hold_blocks_on_finish)
+        self.finished: list[str] = []
 
-    @initialize(restore=st.booleans(), size=st.integers(2, 8))
-    def setup(self, restore: bool, size: int) -> None:
-        self.sched = make(num_blocks=size, restore_evicted=restore)
+    @initialize(restore=st.booleans(), size=st.integers(2, 8), hold=st.booleans())
+    def setup(self, restore: bool, size: int, hold: bool) -> None:
+        self.sched = make(
+            num_blocks=size,
+            restore_evicted=restore,
+            hold_blocks_on_finish=hold,
+            hold_max_blocks=4,
+            hold_max_steps=3,
+            num_gpu_blocks=NUM_GPU_BLOCKS,
+        )
 
     # -- engine side ---------------------------------------------------------------------
 
     def pinned_gpu(self) -> set[int]:
-        return {g for p in self.in_flight for g in p.gpu_block_ids}
+        return {g for p in self.in_flight for g in p.gpu_block_ids} | set(self.held)
+
+    def take_released(self) -> None:
+        for g in self.sched.take_released_holds():
+            self.held.remove(g)
+        self.settle_gpu()
 
     def free_gpu(self, ids: list[int]) -> None:
         pinned = self.pinned_gpu()
@@ -89,6 +108,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         accept=st.floats(0, 1),
         allow_defer=st.booleans(),
         engine_prefix=st.integers(0, 2),
+        pin_fails=st.booleans(),
     )
     def admit(
         self,
@@ -98,6 +118,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         accept: float,
         allow_defer: bool,
         engine_prefix: int,
+        pin_fails: bool,
     ) -> None:
         rid = f"r{self.next_id}"
         self.next_id += 1
@@ -119,7 +140,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sim.gpu[table[i]] = req.hs[i]
         req.computed = own * BS
         take = int(hit // BS * accept) * BS
+        if take and len(table) > 1:
+            before = self.snapshot()
+            bad = [*table[:-1], table[0]]  # a duplicate id: refused, nothing changes
+            with pytest.raises(BlockTableError, match="appears twice"):
+                self.sched.plan_load(rid, bad, take)
+            assert self.snapshot() == before
         plan = self.sched.plan_load(rid, table, take)
+        if plan is not None and pin_fails:
+            # The engine's pinner raised: the load is undone and the hit pinned again.
+            assert self.sched.cancel(plan)
+            plan = self.sched.plan_load(rid, table, take)
         if plan is not None:
             assert plan.gpu_block_ids == tuple(table[own : own + take // BS])
             req.loading = True
@@ -158,14 +189,82 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.step_request(rid, len(self.reqs[rid].toks))
         self.plan_stores()
 
-    @rule()
-    def plan_stores(self) -> None:
+    @rule(pin_fails=st.booleans())
+    def plan_stores(self, pin_fails: bool = False) -> None:
         plan = self.sched.plan_stores()
+        if plan is not None and pin_fails:
+            # The engine's pinner raised: the plan is undone and planned again, whole.
+            assert self.sched.cancel(plan)
+            self.take_released()
+            self.sched.check_invariants()
+            again = self.sched.plan_stores()
+            assert again is not None
+            assert set(again.block_hashes) >= set(plan.block_hashes)
+            plan = again
         if plan is not None:
             assert isinstance(plan, StorePlan)
             assert len(set(plan.block_hashes)) == plan.num_blocks
             assert len(set(plan.cpu_block_ids)) == plan.num_blocks
             self.in_flight.append(plan)
+        self.take_released()
+
+    def snapshot(self) -> tuple[object, ...]:
+        sched = self.sched
+        pool = sched.pool
+        states = {
+            rid: (
+                list(st.gpu_block_ids),
+                len(st.block_hashes),
+                st.num_computed_tokens,
+                st.num_stored_blocks,
+                [b.block_id for b in st.pinned],
+            )
+            for rid in self.reqs
+            if sched.has_request(rid)
+            for st in [sched.request_state(rid)]
+        }
+        refs = [pool.block(i).ref_cnt for i in range(pool.num_blocks)]
+        cached = [pool.block(i).block_hash for i in range(pool.num_blocks)]
+        return states, refs, cached, sched.num_in_flight
+
+    @precondition(lambda self: any(r.table for r in self.reqs.values()))
+    @rule(data=st.data(), kind=st.sampled_from(["duplicate", "out_of_range", "changed"]))
+    def bad_update(self, data: st.DataObject, kind: str) -> None:
+        """A malformed block table is refused and changes nothing, for anyone."""
+        rid = data.draw(st.sampled_from(sorted(k for k, r in self.reqs.items() if r.table)))
+        req = self.reqs[rid]
+        state = self.sched.request_state(rid)
+        if kind == "duplicate":
+            table = [*req.table, data.draw(st.sampled_from(req.table))]
+        elif kind == "out_of_range":
+            table = [*req.table, data.draw(st.sampled_from([-1, NUM_GPU_BLOCKS, 10**6]))]
+        else:
+            known = len(state.gpu_block_ids)
+            first = min(state.num_stored_blocks, known - 1) if known else 0
+            if state.preempted or first >= known:
+                return
+            i = data.draw(st.integers(first, known - 1))
+            table = list(req.table)
+            table[i] = NUM_GPU_BLOCKS - 1 - table[i]  # another block
+            if table[i] in req.table:
+                return
+        before = self.snapshot()
+        with pytest.raises(BlockTableError):
+            self.sched.update(rid, table, req.hs, req.computed)
+        assert self.snapshot() == before
+
+    @precondition(lambda self: self.finished)
+    @rule(data=st.data())
+    def reuse_finished_id(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(self.finished))
+        before = self.snapshot()
+        with pytest.raises(RequestStateError, match="finished"):
+            self.sched.lookup(rid, [], 1)
+        with pytest.raises(RequestStateError, match="finished"):
+            self.sched.update(rid, [], [], 0)
+        with pytest.raises(RequestStateError, match="finished"):
+            self.sched.finish(rid)
+        assert self.snapshot() == before
 
     @precondition(lambda self: self.in_flight)
     @rule(data=st.data(), ok=st.booleans())
@@ -199,7 +298,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     def finish(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.reqs)))
         req = self.reqs.pop(rid)
-        self.sched.finish(rid)
+        held = self.sched.finish(rid)
+        self.finished.append(rid)
+        assert set(held) <= set(req.table)
+        self.held += held
         self.free_gpu(req.table)
 
     @precondition(lambda self: any(r.table and not r.loading for r in self.reqs.values()))
@@ -217,8 +319,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def reset(self) -> None:
         clean = self.sched.reset()
+        self.take_released()
         assert clean == (not self.in_flight)
         assert self.sched.pool.num_cached == 0
+        # Stores read the whole table again: the engine reports it again first.
+        for rid, req in self.reqs.items():
+            if req.table and not req.loading:
+                self.sched.update(rid, req.table, req.hs, req.computed)
 
     # -- checks ----------------------------------------------------------------------------
 
@@ -238,6 +345,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.complete(self.in_flight.pop(), ok=True)
         for rid in list(self.reqs):
             self.sched.finish(rid)
+        self.sched.release_all_holds()
         self.sched.check_invariants()
         assert self.sched.pool.num_free == self.sched.pool.num_blocks, "a reference leaked"
         assert self.sched.statistics().live_requests == 0

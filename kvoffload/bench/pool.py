@@ -388,6 +388,8 @@ def run(args: argparse.Namespace) -> int:
     )
     total = sum(len(r) for r in requests)
     print(f"trace: {path} ({len(requests):,} requests, {total:,} blocks)")
+    per_block = bookkeeping_bytes_per_block()
+    print(f"pool bookkeeping: {per_block:.1f} bytes per block (tracemalloc, 100,000 blocks)")
     print(f"{BLOCK_OPS_DEFINITION}; speeds are the median of {args.runs} run(s)")
     print("ratio = CpuBlockPool block-ops/s / baseline (dict + OrderedDict) block-ops/s, same run")
     header = f"{'capacity':>9}  {'hit rate':>8}"
@@ -412,10 +414,28 @@ def run(args: argparse.Namespace) -> int:
             "blocks": total,
             "runs": args.runs,
             "block_ops_definition": BLOCK_OPS_DEFINITION,
+            "bookkeeping_bytes_per_block": per_block,
             "results": [asdict(r) for r in results],
         }
         args.json.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def bookkeeping_bytes_per_block(num_blocks: int = 100_000) -> float:
+    """Python memory one `CpuBlockPool` block costs, measured with ``tracemalloc`` over a
+    pool of ``num_blocks`` (the figure `POOL_BOOKKEEPING_BYTES_PER_BLOCK` rounds up)."""
+    import gc  # noqa: PLC0415 - only this measurement needs them
+    import tracemalloc  # noqa: PLC0415
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        pool = CpuBlockPool(num_blocks)
+        used, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    del pool
+    return used / num_blocks
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -244,7 +244,17 @@ class CpuBlockPool:
         return blocks
 
     def touch(self, blocks: Iterable[CpuBlock]) -> None:
-        """Take one more reference on each block; a block going 0 → 1 leaves the free queue."""
+        """Take one more reference on each block; a block going 0 → 1 leaves the free queue.
+
+        Raises:
+            BlockStateError: a block of another pool; nothing changed.
+        """
+        if not isinstance(blocks, list | tuple):
+            blocks = list(blocks)
+        own, n = self._blocks, self._num_blocks
+        for block in blocks:
+            if block.block_id >= n or own[block.block_id] is not block:
+                raise BlockStateError(f"block {block.block_id} belongs to another pool")
         if self._hooked is not None:
             self._touch_hooked(blocks, self._hooked)
             return
@@ -257,7 +267,7 @@ class CpuBlockPool:
                 if prev is None:
                     raise InvariantError(f"block {block.block_id} has ref_cnt 0 but is not free")
                 nxt = block._next
-                prev._next = nxt  # type: ignore[misc]
+                prev._next = nxt
                 nxt._prev = prev  # type: ignore[union-attr]
                 block._prev = block._next = None
                 unlinked += 1
@@ -273,21 +283,25 @@ class CpuBlockPool:
         order. A block listed twice loses two references.
 
         Raises:
-            BlockStateError: a block already at ``ref_cnt == 0`` (double free); the
-                blocks before it are restored, so nothing changed.
+            BlockStateError: a block already at ``ref_cnt == 0`` (double free), or a block
+                of another pool; the blocks before it are restored, so nothing changed.
         """
         # Hot path: LruFreeQueue.append() inlined (the pool owns its queue).
         free = self._free
         tail = free._tail
         last = tail._prev
         linked = 0
+        own, n = self._blocks, self._num_blocks
         for done, block in enumerate(blocks):
             ref_cnt = block.ref_cnt
-            if ref_cnt <= 0:
+            block_id = block.block_id
+            if ref_cnt <= 0 or block_id >= n or own[block_id] is not block:
                 last._next = tail  # type: ignore[union-attr]
                 tail._prev = last
                 free._len += linked
                 self._undo_free(blocks, done)
+                if ref_cnt > 0:
+                    raise BlockStateError(f"block {block_id} belongs to another pool")
                 raise BlockStateError(
                     f"free of block {block.block_id} whose ref_cnt is {ref_cnt} (double free)"
                 )

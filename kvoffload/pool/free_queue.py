@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NewType, final
 
-from kvoffload.errors import BlockStateError, InvariantError, OutOfBlocksError
+from kvoffload.errors import BlockStateError, InvalidInputError, InvariantError, OutOfBlocksError
 
 if TYPE_CHECKING:
     from kvoffload.hashing import BlockHash
@@ -131,10 +131,13 @@ class LruFreeQueue:
 
         Raises:
             OutOfBlocksError: fewer than ``n`` blocks are queued.
+            InvalidInputError: ``n`` is negative.
         """
         if n > self._len:
             raise OutOfBlocksError(n, self._len)
         if n <= 0:
+            if n < 0:
+                raise InvalidInputError(f"cannot pop a negative number of blocks: {n}")
             return []
         out: list[CpuBlock] = []
         append = out.append

@@ -18,7 +18,7 @@ import torch
 
 from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout
-from kvoffload.errors import ClosedError, ForkedProcessError, HostMemoryError
+from kvoffload.errors import ClosedError, ForkedProcessError, HostMemoryError, InvalidInputError
 
 __all__ = [
     "CudaHostRegistrar",
@@ -303,8 +303,16 @@ class HostKVBuffer:
         return self._blocks[block_id]
 
     def block_bytes(self, block_id: int) -> torch.Tensor:
-        """The contiguous ``uint8`` byte range of one block."""
+        """The contiguous ``uint8`` byte range of one block.
+
+        Raises:
+            InvalidInputError: ``block_id`` is outside ``[0, num_blocks)``.
+        """
         self._check()
+        if not 0 <= block_id < self._num_blocks:
+            raise InvalidInputError(
+                f"block_id {block_id} out of range [0, {self._num_blocks}) of the host buffer"
+            )
         size = self._layout.bytes_per_block
         return self._raw[block_id * size : (block_id + 1) * size]
 

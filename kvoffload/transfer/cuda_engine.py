@@ -24,6 +24,7 @@ import torch
 
 from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout
+from kvoffload.errors import InputTypeError
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.transfer.engine import _EngineBase, _InFlight, check_open
 from kvoffload.transfer.gather import BlockMover
@@ -207,11 +208,14 @@ class CudaCopyEngine(_EngineBase):
             The task; ``FAILED`` already (with the CUDA error chained) if launching failed.
 
         Raises:
-            ValueError: the plan is malformed.
+            InvalidInputError: the plan is malformed.
+            InputTypeError: ``after`` is not an event (nothing was started).
             ClosedError: the engine was closed.
         """
         check_open(self._closed, "CudaCopyEngine")
         self._mover.validate(plan)
+        if after is not None and not callable(getattr(after, "query", None)):
+            raise InputTypeError(f"after must be None or a CUDA event, got {type(after).__name__}")
         nbytes = self._mover.nbytes(plan)
         backend = self._backend
         stream = self._streams[plan.kind]

@@ -41,7 +41,8 @@ class CopyEngine(Protocol):
             A task; ``FAILED`` already when the copy could not be launched.
 
         Raises:
-            ValueError: the plan is malformed (the message names the field and id).
+            InvalidInputError: the plan is malformed (the message names the field and id).
+            InputTypeError: ``after`` is of a type the engine does not take.
             ClosedError: the engine was closed.
         """
         ...

@@ -26,7 +26,7 @@ from typing import final
 import torch
 
 from kvoffload.config import KVLayout
-from kvoffload.errors import LayoutMismatchError
+from kvoffload.errors import InvalidInputError, LayoutMismatchError
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.transfer.plan import TransferPlan
 
@@ -141,7 +141,7 @@ class BlockMover:
         """Check a plan against this mover.
 
         Raises:
-            ValueError: unknown kind, unequal lengths, an id out of range, or a destination
+            InvalidInputError: unknown kind, unequal lengths, an id out of range, or a destination
                 block named twice; the message names the field and the offending value.
         """
         validate_plan(plan, self._num_gpu, self._num_cpu)
@@ -285,24 +285,26 @@ def validate_plan(plan: TransferPlan, num_gpu_blocks: int, num_cpu_blocks: int |
         num_cpu_blocks: CPU ids must lie in ``[0, num_cpu_blocks)``; ``None`` skips the check.
 
     Raises:
-        ValueError: naming the field and the offending value.
+        InvalidInputError: naming the field and the offending value.
     """
     if plan.kind not in _KINDS:
-        raise ValueError(f"plan {plan.plan_id}: unknown kind {plan.kind!r} (expected store/load)")
+        raise InvalidInputError(
+            f"plan {plan.plan_id}: unknown kind {plan.kind!r} (expected store/load)"
+        )
     if len(plan.gpu_block_ids) != len(plan.cpu_block_ids):
-        raise ValueError(
+        raise InvalidInputError(
             f"plan {plan.plan_id}: {len(plan.gpu_block_ids)} gpu_block_ids but "
             f"{len(plan.cpu_block_ids)} cpu_block_ids"
         )
     for i, g in enumerate(plan.gpu_block_ids):
         if not 0 <= g < num_gpu_blocks:
-            raise ValueError(
+            raise InvalidInputError(
                 f"plan {plan.plan_id}: gpu_block_ids[{i}]={g} out of range [0, {num_gpu_blocks})"
             )
     if num_cpu_blocks is not None:
         for i, c in enumerate(plan.cpu_block_ids):
             if not 0 <= c < num_cpu_blocks:
-                raise ValueError(
+                raise InvalidInputError(
                     f"plan {plan.plan_id}: cpu_block_ids[{i}]={c} out of range "
                     f"[0, {num_cpu_blocks})"
                 )
@@ -315,7 +317,7 @@ def validate_plan(plan: TransferPlan, num_gpu_blocks: int, num_cpu_blocks: int |
         seen: set[int] = set()
         for i, b in enumerate(dst):
             if b in seen:
-                raise ValueError(
+                raise InvalidInputError(
                     f"plan {plan.plan_id}: {dst_name}[{i}]={b} names a destination block twice"
                 )
             seen.add(b)

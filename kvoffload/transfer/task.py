@@ -104,6 +104,13 @@ class CompletionHandle(Protocol):
         ...
 
 
+def _fresh_copy(error: TransferError) -> TransferError:
+    """A new `TransferError` with the message and cause of ``error``, no traceback."""
+    copy = TransferError(*error.args)
+    copy.__cause__ = error.__cause__
+    return copy
+
+
 @final
 class _Finished:
     """A completion that is already there (empty plans, launch failures)."""
@@ -192,17 +199,17 @@ class TransferTask(metaclass=_NoPublicConstructor):
 
     @classmethod
     def _failed_launch(cls, plan: TransferPlan, nbytes: int, exc: BaseException) -> TransferTask:
-        """A task whose launch failed: already ``FAILED``; the poller still delivers it."""
+        """A task whose launch failed: its completion is already there, and it becomes
+        ``FAILED`` when it is delivered (after its references were released), like every
+        other task; until then ``done()`` is ``False``."""
         error = TransferError(
             f"{plan.kind} of plan {plan.plan_id} ({plan.num_blocks} blocks) failed to "
             f"launch: {exc!r}"
         )
         error.__cause__ = exc
         task: TransferTask = cls._create(
-            plan, nbytes=nbytes, completion=_Finished(exc), status=TransferStatus.PENDING
+            plan, nbytes=nbytes, completion=_Finished(error), status=TransferStatus.PENDING
         )
-        task._status = task._status.advance(TransferStatus.FAILED)
-        task._exception = error
         return task
 
     def __repr__(self) -> str:
@@ -250,12 +257,16 @@ class TransferTask(metaclass=_NoPublicConstructor):
 
         Raises:
             TransferNotFinishedError: the task has not finished.
-            TransferError: the copy failed or was abandoned (cause chained).
+            TransferError: the copy failed or was abandoned (cause chained). Each call
+                raises a new `TransferError` equal to `exception()` (same message and
+                cause): raising the stored one would attach this frame, which holds the
+                task, to an exception the task holds, a reference cycle only the cycle
+                collector could free.
         """
         if not self._status.is_final:
             raise TransferNotFinishedError(f"{self!r} has not finished")
         if self._exception is not None:
-            raise self._exception
+            raise _fresh_copy(self._exception)  # no local may hold it: see above
         if self._result is None:
             raise InvariantError(f"{self!r} finished without a result")
         return self._result

@@ -20,7 +20,7 @@ import torch
 
 from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout
-from kvoffload.errors import LayoutMismatchError
+from kvoffload.errors import InputTypeError, LayoutMismatchError
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.transfer.engine import _EngineBase, _InFlight, check_open
 from kvoffload.transfer.gather import BlockMover
@@ -152,14 +152,14 @@ class ThreadCopyEngine(_EngineBase):
             The task; ``FAILED`` already if the worker could not take the copy.
 
         Raises:
-            ValueError: the plan is malformed.
-            TypeError: ``after`` is of an unsupported type.
+            InvalidInputError: the plan is malformed.
+            InputTypeError: ``after`` is of an unsupported type (nothing was started).
             ClosedError: the engine was closed.
         """
         check_open(self._closed, "ThreadCopyEngine")
         self._mover.validate(plan)
         if after is not None and not isinstance(after, threading.Event | Future):
-            raise TypeError(
+            raise InputTypeError(
                 f"after must be None, a threading.Event or a Future, got {type(after).__name__}"
             )
         nbytes = self._mover.nbytes(plan)

@@ -173,6 +173,14 @@ def test_launch_failure_returns_a_failed_task(host_factory) -> None:
     _, _, _, backend, engine = make_engine(host_factory)
     backend.fail_new_event = True
     task = engine.submit(store_plan([0], [0]))
+    # Not done until delivered: its references are released first, as for every task.
+    assert task.status is TransferStatus.PENDING
+    assert not task.done()
+    seen: list[TransferStatus] = []
+    poller = CompletionPoller(lambda t: seen.append(t.status), poll_interval_s=0.0005)
+    poller.track(task)
+    assert poller.poll() == 1
+    assert seen == [TransferStatus.FAILED]
     assert task.status is TransferStatus.FAILED
     err = task.exception()
     assert isinstance(err, TransferError)

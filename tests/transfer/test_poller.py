@@ -198,7 +198,8 @@ async def test_launch_failure_is_delivered_and_raises_fm40() -> None:
     async with anyio.create_task_group() as tg:
         await tg.start(poller.run)
         task = engine.submit(load_plan([0], [0]))
-        assert task.status is TransferStatus.FAILED
+        assert task.status is TransferStatus.PENDING  # FAILED once delivered
+        assert not task.done()
         assert inner.submitted == []
         poller.track(task)
         with pytest.raises(TransferError, match="failed to launch") as info:
