@@ -176,6 +176,8 @@ class _InFlight:
     pin_start: int = 0
     # Store: finished requests whose hold this plan ended (state, held ids, cursor).
     holds: list[tuple[RequestOffloadState, list[int], int]] | None = None
+    # Store: hashes the admission filter refused while this plan was built, for cancel().
+    refused: tuple[BlockHash, ...] = ()
 
 
 class _StoreBatch:
@@ -194,6 +196,7 @@ class _StoreBatch:
         "pending",
         "planned",
         "protect",
+        "refused",
         "rollback",
     )
 
@@ -211,6 +214,7 @@ class _StoreBatch:
         self.deferred_request: str | None = None
         self.ends: list[int] = []
         self.rollback: list[tuple[RequestOffloadState, int]] = []
+        self.refused: list[BlockHash] = []
 
     def offer(self, block_hash: BlockHash, gpu_block_id: int, owner: str | None) -> bool:
         """Add a block unless it is cached or in flight; ``False`` when it needs a CPU
@@ -285,6 +289,7 @@ class OffloadScheduler:
         self._pending: dict[BlockHash, CpuBlock] = {}
         admission = make_admission(config.store_admission)
         self._admit = None if isinstance(admission, AlwaysAdmit) else admission.admit
+        self._undo_admission = None if isinstance(admission, AlwaysAdmit) else admission.undo
         self._plans: dict[int, _InFlight] = {}
         self._live_refs: dict[BlockHash, int] = {}
         self._restore_needed = False
@@ -992,7 +997,13 @@ class OffloadScheduler:
         )
         ends = tuple(batch.ends) if len(batch.ends) > 1 else None
         self._plans[plan.plan_id] = _InFlight(
-            plan, blocks, plan.block_hashes, self._epoch, ends, batch.rollback
+            plan,
+            blocks,
+            plan.block_hashes,
+            self._epoch,
+            ends,
+            batch.rollback,
+            refused=tuple(batch.refused),
         )
         for rid in request_ids:
             self._requests[rid].in_flight.add(plan.plan_id)
@@ -1015,6 +1026,7 @@ class OffloadScheduler:
         owners = batch.owners
         free, left = batch.free, batch.left
         admit = self._admit
+        refused = batch.refused
         for state in self._requests.values():
             if state.finished:
                 if not state.held_gpu_block_ids:
@@ -1046,6 +1058,7 @@ class OffloadScheduler:
                         batch.deferred_request = rid
                         break
                     if admit is not None and not admit(block_hash):
+                        refused.append(block_hash)
                         live_refs[block_hash] = live_refs.get(block_hash, 0) + 1
                         i += 1
                         continue  # refused by OffloadConfig.store_admission
@@ -1225,6 +1238,8 @@ class OffloadScheduler:
                     del pending[block_hash]
             self._pool.free(blocks[::-1])
             self._store_plans -= 1
+            if self._undo_admission is not None:
+                self._undo_admission(rec.hashes, rec.refused)
             for state, held, cursor in rec.holds or ():
                 self._restore_hold(state, held, cursor)
             for state, old in rec.rollback or ():

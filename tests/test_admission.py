@@ -111,6 +111,32 @@ def test_scheduler_stores_a_block_on_its_second_offer() -> None:
     sched.check_invariants()
 
 
+def test_undo_voids_the_offers_of_a_cancelled_store() -> None:
+    f = SeenCountAdmission(2, window=100)
+    assert not f.admit(h(1))
+    assert f.admit(h(1))  # admitted for a store that is then undone
+    assert not f.admit(h(2))  # refused while the same store was built
+    f.undo([h(1)], [h(2)])
+    assert f.admit(h(1))  # its admission was not spent
+    assert not f.admit(h(2))  # the voided offer does not count: this is its first again
+    assert f.admit(h(2))
+    AlwaysAdmit().undo([h(1)], [h(2)])  # nothing to undo, and no error
+
+
+def test_scheduler_cancel_plans_the_same_store_again() -> None:
+    sched = make(16, store_admission="seen_twice")
+    toks = tokens(1, 3, extra=1)
+    assert run_request(sched, "a", toks, [0, 1, 2]) is None  # first offer
+    sched.update("c", [3, 4, 5], hashes(toks), len(toks))
+    plan = sched.plan_stores()  # second offer: admitted
+    assert plan is not None
+    assert sched.cancel(plan)  # e.g. the engine's pinner raised
+    again = sched.plan_stores()
+    assert again is not None
+    assert again.block_hashes == plan.block_hashes
+    sched.check_invariants()
+
+
 def test_offloader_pool_uses_the_configured_policy() -> None:
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=4, dtype="float32", block_size=BS)
     gpu = [torch.zeros(layout.tensor_shape(4))]

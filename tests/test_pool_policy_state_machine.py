@@ -24,7 +24,7 @@ from kvoffload.pool.policies import POLICY_NAMES
 from kvoffload.scheduler import OffloadScheduler
 from tests.scheduler_helpers import BS
 from tests.test_pool_state_machine import NUM_BLOCKS, Model, PoolMachine, h
-from tests.test_scheduler_state_machine import SchedulerMachine
+from tests.test_scheduler_state_machine import NUM_GPU_BLOCKS, SchedulerMachine
 
 
 class PolicyModel(Model):
@@ -132,17 +132,26 @@ class PolicySchedulerMachine(SchedulerMachine):
         size=st.integers(2, 8),
         policy=st.sampled_from(POLICY_NAMES),
         admission=st.sampled_from(["always", "seen_twice", "seen:3:4"]),
+        hold=st.booleans(),
     )
-    def setup(self, restore: bool, size: int, policy: str, admission: str) -> None:  # type: ignore[override]
+    def setup(  # type: ignore[override]
+        self, restore: bool, size: int, policy: str, admission: str, hold: bool
+    ) -> None:
         config = OffloadConfig(
             block_size=BS,
             num_cpu_blocks=size,
             restore_evicted=restore,
             eviction_policy=policy,
             store_admission=admission,
+            hold_blocks_on_finish=hold,
+            hold_max_blocks=4,
+            hold_max_steps=3,
         )
         self.sched = OffloadScheduler(
-            config, CpuBlockPool(size, policy=policy), bytes_per_block=100
+            config,
+            CpuBlockPool(size, policy=policy),
+            bytes_per_block=100,
+            num_gpu_blocks=NUM_GPU_BLOCKS,
         )
 
 

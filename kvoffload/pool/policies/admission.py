@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Protocol, final, runtime_checkable
 
 from kvoffload.errors import ConfigError
@@ -46,6 +47,12 @@ class AdmissionFilter(Protocol):
         """Record one offer of ``block_hash``; return whether to store it now."""
         ...
 
+    def undo(self, admitted: Iterable[BlockHash], refused: Iterable[BlockHash]) -> None:
+        """The store these offers were made for was undone before it started (pinning its
+        GPU blocks or submitting it raised): the offers count as never made, and the
+        ``admitted`` hashes are admitted again at their next offer."""
+        ...
+
 
 @final
 class AlwaysAdmit:
@@ -64,6 +71,9 @@ class AlwaysAdmit:
     def admit(self, block_hash: BlockHash) -> bool:
         """Always ``True``."""
         return True
+
+    def undo(self, admitted: Iterable[BlockHash], refused: Iterable[BlockHash]) -> None:
+        """Nothing to undo: every offer is admitted."""
 
 
 @final
@@ -129,6 +139,26 @@ class SeenCountAdmission:
                 break
             seen.popitem(last=False)
         return False
+
+    def undo(self, admitted: Iterable[BlockHash], refused: Iterable[BlockHash]) -> None:
+        """Void offers of a store that was undone before it started: an ``admitted`` hash
+        is remembered one offer short of ``threshold`` (its next offer admits it), and a
+        ``refused`` hash loses the offer it was counted for."""
+        if self.threshold <= 1:
+            return
+        seen = self._seen
+        for block_hash in refused:
+            entry = seen.get(block_hash)
+            if entry is not None:
+                if entry[0] > 1:
+                    seen[block_hash] = (entry[0] - 1, entry[1])
+                else:
+                    del seen[block_hash]
+        for block_hash in admitted:
+            seen.pop(block_hash, None)
+            seen[block_hash] = (self.threshold - 1, self._clock)
+        while len(seen) > self.window:
+            seen.popitem(last=False)
 
 
 def parse_admission(spec: str) -> tuple[int, int] | None:
