@@ -73,6 +73,18 @@ def _header_pages(kind: str, count: int) -> memoryview:
     return have
 
 
+def _skip(buffers: list[memoryview], n: int) -> list[memoryview]:
+    """``buffers`` without their first ``n`` bytes."""
+    rest = []
+    for buf in buffers:
+        if n >= len(buf):
+            n -= len(buf)
+            continue
+        rest.append(buf[n:])
+        n = 0
+    return rest
+
+
 def _address(buf: memoryview) -> int | None:
     """The address of a writable buffer, or ``None`` when it cannot be taken."""
     try:
@@ -92,6 +104,10 @@ class DiskTier:
         namespace: the 32-byte namespace digest; slots of another namespace are foreign.
         persist: keep the file on close and rebuild the index from it at `open()`.
         direct_io: ``"auto"``: ``O_DIRECT`` where possible; ``"never"``: page cache only.
+        preallocate: reserve the whole file at `open()` (``posix_fallocate``); ``False``
+            leaves it sparse, so a full file system fails writes mid-run (``ENOSPC``):
+            such a write indexes nothing, and `ping()` fails until a slot's worth of
+            space is free again.
         name: the name in statistics and logs.
         io_threads: worker threads for this tier's I/O.
 
@@ -108,6 +124,7 @@ class DiskTier:
         namespace: bytes,
         persist: bool = False,
         direct_io: str = "auto",
+        preallocate: bool = True,
         name: str = "disk",
         io_threads: int = 4,
     ) -> None:
@@ -126,6 +143,8 @@ class DiskTier:
         self._namespace = namespace
         self._persist = persist
         self._want_direct = direct_io == "auto"
+        self._preallocate = preallocate
+        self._full = False
         self._name = name
         self._limiter = anyio.CapacityLimiter(io_threads)
         self._fd = -1
@@ -214,9 +233,9 @@ class DiskTier:
                 reuse = os.pread(fd, _PAGE, 0) == self._superblock()
             if not reuse:
                 os.ftruncate(fd, 0)
-                if hasattr(os, "posix_fallocate"):
+                if self._preallocate and hasattr(os, "posix_fallocate"):
                     os.posix_fallocate(fd, 0, size)
-                else:  # pragma: no cover - Linux has it
+                else:  # sparse: space is taken as slots are written
                     os.ftruncate(fd, size)
                 os.pwrite(fd, self._superblock(), 0)
         except OSError as exc:
@@ -296,6 +315,23 @@ class DiskTier:
                     os.unlink(self._path)
         self._index.clear()
 
+    def _check_space(self) -> None:
+        """After a write ran out of space: raise `TierError` until a slot fits again."""
+        if not self._full:
+            return
+        try:
+            st = os.statvfs(self._path.parent)
+        except OSError as exc:
+            raise TierError(f"disk tier {self._name!r}: statvfs failed: {exc}") from exc
+        free = st.f_bavail * st.f_frsize
+        if free < self._slot_size:
+            raise TierError(
+                f"disk tier {self._name!r}: ENOSPC: {free} bytes free on the file system "
+                f"of {self._path}, a slot needs {self._slot_size}"
+            )
+        self._full = False
+        _log.info("disk_tier_space_again", tier=self._name, free_bytes=free)
+
     def _check_file(self) -> None:
         """Raise `TierError` when the file was deleted or replaced under us."""
         try:
@@ -306,10 +342,12 @@ class DiskTier:
             raise TierError(f"disk tier {self._name!r}: {self._path} was replaced")
 
     async def ping(self) -> None:
-        """Check the file is still ours; recreate it (empty) when it was removed.
+        """Check the file is still ours (recreate it, empty, when it was removed) and,
+        after a write ran out of space, that a slot's worth of space is free again.
 
         Raises:
-            TierError: it is gone and cannot be created again.
+            TierError: the file is gone and cannot be created again, or the file system
+                is still full (``ENOSPC`` in the message).
         """
         if self._closed:
             raise TierError(f"disk tier {self._name!r} is closed")
@@ -325,6 +363,7 @@ class DiskTier:
                 self._persist = was_persist
             self._recreated += 1
             _log.warning("disk_tier_recreated", tier=self._name, path=str(self._path))
+        await anyio.to_thread.run_sync(self._check_space, limiter=self._limiter)
 
     # -- slots -------------------------------------------------------------------------------
 
@@ -461,6 +500,15 @@ class DiskTier:
             want = sum(len(b) for b in buffers)
             try:
                 n = self._io(True, buffers, payloads, self._offset(slot))
+                while 0 < n < want:
+                    # A short write: write the rest, as a careful writer does; on a full
+                    # file system that call fails with the errno (ENOSPC) that says why.
+                    # (Through the page cache: the rest need not be aligned for O_DIRECT.)
+                    more = os.pwritev(self._fd, _skip(buffers, n), self._offset(slot) + n)
+                    self._buffered_ios += 1
+                    if more <= 0:
+                        break
+                    n += more
             except OSError as exc:
                 self._note_error(exc)
                 raise TierError(
@@ -471,6 +519,16 @@ class DiskTier:
             finally:
                 buffers.clear()
             if n != want:
+                # On a sparse file a write cut short means the file system filled up.
+                self._enospc += 1
+                self._full = True
+                _log.warning(
+                    "disk_tier_short_write",
+                    tier=self._name,
+                    path=str(self._path),
+                    written=n,
+                    wanted=want,
+                )
                 raise TierError(
                     f"disk tier {self._name!r}: short write of slots "
                     f"{slot}..{slot + hi - lo - 1}: {n} of {want} bytes"
@@ -479,8 +537,9 @@ class DiskTier:
         return written
 
     def _note_error(self, exc: OSError) -> None:
-        if exc.errno == errno.ENOSPC:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             self._enospc += 1
+            self._full = True
         _log.warning(
             "disk_tier_io_error",
             tier=self._name,
@@ -625,4 +684,5 @@ class DiskTier:
             "discarded_at_open": self._discarded_at_open,
             "recreated": self._recreated,
             "enospc_errors": self._enospc,
+            "preallocated": self._preallocate,
         }
