@@ -16,6 +16,13 @@ no counters of its own and never reaches into the pool, scheduler or poller. Eac
 (monotonic since the offloader was made, exposed with a ``_total`` suffix) and gauges (a
 current value). `METRICS` lists them; ``docs/metrics.md`` documents each.
 
+With tiers (``OffloadConfig.tiers``), the `TierManagerStatistics` fields become
+``kvoffload_tiers_<field>`` and each tier's `TierStatistics` fields
+``kvoffload_tier_<field>``, one sample per tier labelled ``tier`` (its name) and ``kind``
+(``disk``, ``redis`` ...). A tier's own figures (`TierStatistics.details`) that are numbers
+or booleans are the samples of the gauge ``kvoffload_tier_detail``, labelled ``detail``.
+Without tiers these families have no samples.
+
 `KVOffloader.statistics()` is not thread-safe, so collect on the thread that drives the
 offloader (an ASGI ``/metrics`` route on the event loop does). To serve metrics from another
 thread (``prometheus_client.start_http_server``), give the collector a function that
@@ -39,8 +46,29 @@ except ImportError as exc:  # pragma: no cover - exercised by a test that hides 
     ) from exc
 
 from kvoffload.offloader import OffloaderStatistics
+from kvoffload.tiers.stats import TierStatistics
 
-__all__ = ["METRICS", "MetricSpec", "OffloaderCollector", "Source", "StatisticsSource"]
+__all__ = [
+    "METRICS",
+    "TIER_LABELS",
+    "TIER_TEXT_FIELDS",
+    "MetricSpec",
+    "OffloaderCollector",
+    "Source",
+    "StatisticsSource",
+]
+
+Part = Literal["pool", "scheduler", "poller", "tiers", "tier"]
+"""Where a metric's value comes from: a field of `OffloaderStatistics` (``tiers`` is the
+`TierManagerStatistics`) or ``tier``, one `TierStatistics` of ``tiers.tiers``."""
+
+TIER_LABELS: tuple[str, ...] = ("tier", "kind")
+"""Labels of every ``tier`` metric: the `TierStatistics` ``name`` and ``kind``."""
+
+TIER_TEXT_FIELDS: frozenset[str] = frozenset({"last_error"})
+"""`TierStatistics` fields that are free text, not numbers: not exported (a label of
+unbounded values would churn series). Read them from ``statistics()`` or the logs
+(``tier_unhealthy`` names the error)."""
 
 
 _NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
@@ -64,24 +92,26 @@ class MetricSpec:
         name: the metric family's name without the ``kvoffload_`` prefix (and, for a
             counter, without the ``_total`` suffix the exposition adds).
         kind: ``"counter"`` (never decreases) or ``"gauge"`` (a current value).
-        part: the field of `OffloaderStatistics` it reads: ``pool``, ``scheduler``
-            or ``poller``.
-        field: the attribute of that part's statistics.
+        part: the field of `OffloaderStatistics` it reads: ``pool``, ``scheduler``,
+            ``poller`` or ``tiers``; or ``tier``: each `TierStatistics` of
+            ``tiers.tiers``, one sample per tier labelled `TIER_LABELS`.
+        field: the attribute of that part's statistics (``details`` of a tier: one
+            sample per numeric entry, labelled ``detail`` too).
         documentation: the HELP text.
     """
 
     name: str
     kind: Literal["counter", "gauge"]
-    part: Literal["pool", "scheduler", "poller"]
+    part: Part
     field: str
     documentation: str
 
 
-def _c(part: Literal["pool", "scheduler", "poller"], field: str, name: str, doc: str) -> MetricSpec:
+def _c(part: Part, field: str, name: str, doc: str) -> MetricSpec:
     return MetricSpec(f"{part}_{name}", "counter", part, field, doc)
 
 
-def _g(part: Literal["pool", "scheduler", "poller"], field: str, name: str, doc: str) -> MetricSpec:
+def _g(part: Part, field: str, name: str, doc: str) -> MetricSpec:
     return MetricSpec(f"{part}_{name}", "gauge", part, field, doc)
 
 
@@ -173,6 +203,90 @@ METRICS: tuple[MetricSpec, ...] = (
         "observe_latency_p99_seconds",
         "99th percentile of the time from a copy's end to the poller seeing it.",
     ),
+    # -- the tier manager (TierManagerStatistics) --
+    _c("tiers", "promotions", "promotions", "Promotions from the tiers started by lookups."),
+    _c(
+        "tiers",
+        "promotions_no_space",
+        "promotions_no_space",
+        "Promotions that found blocks in a tier but no free CPU block.",
+    ),
+    _c(
+        "tiers",
+        "deferred_lookups",
+        "deferred_lookups",
+        "Lookups answered 'ask again' because a promotion was in flight.",
+    ),
+    _c(
+        "tiers",
+        "promotion_errors",
+        "promotion_errors",
+        "Promotions ended by an unexpected error (nothing published).",
+    ),
+    _g("tiers", "promotions_in_flight", "promotions_in_flight", "Promotions running now."),
+    _g("tiers", "refs_held", "held_refs", "CPU block references the tier manager holds now."),
+    # -- each tier (TierStatistics), labelled tier and kind --
+    _g("tier", "healthy", "healthy", "1 while the tier is in use, 0 while it is unhealthy."),
+    _c("tier", "blocks_written", "written_blocks", "Blocks the tier reported stored."),
+    _c("tier", "bytes_written", "written_bytes", "Payload bytes of those blocks."),
+    _c(
+        "tier",
+        "writes_skipped_full",
+        "writes_skipped_full",
+        "Write-downs skipped because the tier's queue was full (back-pressure).",
+    ),
+    _c(
+        "tier",
+        "writes_skipped_unhealthy",
+        "writes_skipped_unhealthy",
+        "Write-downs skipped or dropped from the queue because the tier was unhealthy.",
+    ),
+    _c("tier", "writes_failed", "writes_failed", "Blocks of write operations that failed."),
+    _g(
+        "tier",
+        "writes_held",
+        "held_writes",
+        "Write-downs queued or running now (each holds a CPU block).",
+    ),
+    _g(
+        "tier",
+        "max_writes_held",
+        "max_held_writes",
+        "The most write-downs ever held at once (never above the queue bound).",
+    ),
+    _c("tier", "blocks_read", "read_blocks", "Blocks read from the tier and verified."),
+    _c("tier", "bytes_read", "read_bytes", "Payload bytes of those blocks."),
+    _c(
+        "tier", "blocks_promoted", "promoted_blocks", "Verified blocks published into the CPU pool."
+    ),
+    _c(
+        "tier",
+        "read_misses",
+        "read_misses",
+        "Blocks the probe found but the read did not (evicted meanwhile).",
+    ),
+    _c(
+        "tier",
+        "failed_checks",
+        "failed_checks",
+        "Blocks that failed verification (never published; deleted from the tier).",
+    ),
+    _c("tier", "errors", "errors", "Tier operations that failed (each marks the tier unhealthy)."),
+    _c(
+        "tier",
+        "unhealthy_events",
+        "unhealthy_events",
+        "Times the tier went from healthy to unhealthy.",
+    ),
+    _c("tier", "recoveries", "recoveries", "Times the tier came back after being unhealthy."),
+    _c("tier", "write_seconds", "write_seconds", "Time spent in the tier's write operations."),
+    _c("tier", "read_seconds", "read_seconds", "Time spent in the tier's read operations."),
+    _g(
+        "tier",
+        "details",
+        "detail",
+        "The tier's own figures (slots, I/O counts ...), one sample per numeric entry.",
+    ),
 )
 
 
@@ -200,7 +314,8 @@ class OffloaderCollector(Collector):
         namespace: the prefix of every metric name.
 
     Raises:
-        ValueError: ``label`` is not a valid Prometheus label name, ``namespace`` is not
+        ValueError: ``label`` is not a valid Prometheus label name (or is one of the
+            tier metrics' labels, ``tier``, ``kind`` or ``detail``), ``namespace`` is not
             a valid metric name prefix, or the mapping is empty.
     """
 
@@ -218,6 +333,10 @@ class OffloaderCollector(Collector):
         if isinstance(sources, Mapping):
             if not _NAME.fullmatch(label) or label.startswith("__"):
                 raise ValueError(f"label name {label!r} is not a valid Prometheus label name")
+            if label in (*TIER_LABELS, "detail"):
+                raise ValueError(
+                    f"label name {label!r} is taken by the tier metrics; choose another"
+                )
             if not sources:
                 raise ValueError("sources is an empty mapping: give at least one offloader")
             self._label_names = [label]
@@ -235,24 +354,51 @@ class OffloaderCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         """Read each source's statistics once and yield every metric family."""
-        snapshots = []
-        for values, read in self._sources:
-            stats = read()
-            parts = {"pool": stats.pool, "scheduler": stats.scheduler, "poller": stats.poller}
-            snapshots.append((values, parts))
+        snapshots = [(values, read()) for values, read in self._sources]
         for spec in METRICS:
             family = self._family(spec)
-            for values, parts in snapshots:
-                value = getattr(parts[spec.part], spec.field)
-                if value is not None:
-                    family.add_metric(values, float(value))
+            for values, stats in snapshots:
+                for labels, value in _samples(spec, stats):
+                    family.add_metric([*values, *labels], value)
             yield family
 
     def _family(self, spec: MetricSpec) -> CounterMetricFamily | GaugeMetricFamily:
         name = f"{self._namespace}_{spec.name}"
+        labels = list(self._label_names)
+        if spec.part == "tier":
+            labels += TIER_LABELS
+            if spec.field == "details":
+                labels.append("detail")
         if spec.kind == "counter":
-            return CounterMetricFamily(name, spec.documentation, labels=self._label_names)
-        return GaugeMetricFamily(name, spec.documentation, labels=self._label_names)
+            return CounterMetricFamily(name, spec.documentation, labels=labels)
+        return GaugeMetricFamily(name, spec.documentation, labels=labels)
+
+
+def _samples(spec: MetricSpec, stats: OffloaderStatistics) -> Iterator[tuple[list[str], float]]:
+    """The label values (past the collector's own) and value of each sample of ``spec``."""
+    if spec.part == "tier":
+        for tier in stats.tiers.tiers if stats.tiers is not None else ():
+            yield from _tier_samples(spec.field, tier)
+        return
+    if spec.part == "tiers":
+        if stats.tiers is None:
+            return
+        value = getattr(stats.tiers, spec.field)
+    else:
+        value = getattr(getattr(stats, spec.part), spec.field)
+    if value is not None:
+        yield [], float(value)
+
+
+def _tier_samples(field: str, tier: TierStatistics) -> Iterator[tuple[list[str], float]]:
+    labels = [tier.name, tier.kind]
+    if field != "details":
+        yield labels, float(getattr(tier, field))
+        return
+    for key, value in sorted(tier.details.items()):
+        # Text (a path, a URL) is not a sample; booleans are 0 or 1.
+        if isinstance(value, int | float):
+            yield [*labels, key], float(value)
 
 
 def _reader(source: Source) -> Callable[[], OffloaderStatistics]:

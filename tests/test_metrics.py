@@ -9,6 +9,7 @@ import re
 import sys
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 
@@ -19,16 +20,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvoffload as kvoffload_package
 from kvoffload import KVLayout, KVOffloader, OffloadConfig
-from kvoffload.metrics import METRICS, OffloaderCollector
+from kvoffload.metrics import METRICS, TIER_LABELS, TIER_TEXT_FIELDS, OffloaderCollector
 from kvoffload.offloader import OffloaderStatistics
 from kvoffload.pool import PoolStatistics
 from kvoffload.scheduler import SchedulerStatistics
+from kvoffload.tiers.stats import TierManagerStatistics, TierStatistics
 from kvoffload.transfer import PollerStatistics
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 BS = 4
 
 PARTS = {"pool": PoolStatistics, "scheduler": SchedulerStatistics, "poller": PollerStatistics}
+TIER_DETAILS = {"slots": 9, "slots_used": 3, "direct_io": True, "path": "/x/tier.bin"}
+"""A tier's own figures: numbers and booleans become samples, text does not."""
 
 
 def full_name(name: str, kind: str, namespace: str = "kvoffload") -> str:
@@ -49,26 +53,79 @@ def scrape(
     return out
 
 
-def fake_statistics(base: int) -> OffloaderStatistics:
-    """Statistics whose every field has a distinct value (the latencies given)."""
+def fake_statistics(base: int, *, tiers: bool = True) -> OffloaderStatistics:
+    """Statistics whose every numeric field has a distinct value (the latencies given);
+    with ``tiers``, two tiers ``d`` (disk) and ``r`` (redis)."""
     values = iter(range(base, base + 1000))
 
-    def build(cls: type) -> object:
-        return cls(**{f.name: next(values) for f in dataclasses.fields(cls)})
+    def build(cls: type, **given: object) -> object:
+        return cls(
+            **{
+                f.name: given[f.name] if f.name in given else next(values)
+                for f in dataclasses.fields(cls)
+            }
+        )
 
+    tier_stats = None
+    if tiers:
+        tier_stats = build(
+            TierManagerStatistics,
+            tiers=tuple(
+                build(
+                    TierStatistics,
+                    name=name,
+                    kind=kind,
+                    last_error="put: boom",
+                    details=TIER_DETAILS,
+                )
+                for name, kind in (("d", "disk"), ("r", "redis"))
+            ),
+        )
     return OffloaderStatistics(
         pool=build(PoolStatistics),  # type: ignore[arg-type]
         scheduler=build(SchedulerStatistics),  # type: ignore[arg-type]
         poller=build(PollerStatistics),  # type: ignore[arg-type]
+        tiers=tier_stats,  # type: ignore[arg-type]
     )
 
 
+def samples_of(
+    spec_part: str, field: str, stats: OffloaderStatistics
+) -> list[tuple[dict[str, str], float]]:
+    """What a scrape must show for one metric, from the statistics alone."""
+    if spec_part == "tier":
+        assert stats.tiers is not None
+        out = []
+        for tier in stats.tiers.tiers:
+            labels = {"tier": tier.name, "kind": tier.kind}
+            if field == "details":
+                out += [
+                    ({**labels, "detail": k}, float(v))
+                    for k, v in sorted(tier.details.items())
+                    if not isinstance(v, str)
+                ]
+            else:
+                out.append((labels, float(getattr(tier, field))))
+        return out
+    part = getattr(stats, spec_part)
+    return [({}, float(getattr(part, field)))]
+
+
 def test_every_statistics_field_is_exported_exactly_once() -> None:
-    assert {f.name for f in dataclasses.fields(OffloaderStatistics)} == set(PARTS)
+    parts = {**PARTS, "tiers": TierManagerStatistics, "tier": TierStatistics}
+    assert {f.name for f in dataclasses.fields(OffloaderStatistics)} == set(PARTS) | {"tiers"}
     exported = [(spec.part, spec.field) for spec in METRICS]
     assert len(exported) == len(set(exported))
-    expected = {(part, f.name) for part, cls in PARTS.items() for f in dataclasses.fields(cls)}
-    assert set(exported) == expected
+    # Every field is a metric, except the list of tiers (each is part "tier"), a tier's
+    # name and kind (its labels) and its free-text fields.
+    not_metrics = {("tiers", "tiers")}
+    not_metrics |= {("tier", name) for name in ("name", "kind", *TIER_TEXT_FIELDS)}
+    assert TIER_LABELS == ("tier", "kind")
+    expected = {(part, f.name) for part, cls in parts.items() for f in dataclasses.fields(cls)}
+    assert not_metrics <= expected
+    assert set(exported) == expected - not_metrics
+    hints = {f.name: f.type for f in dataclasses.fields(TierStatistics)}
+    assert {hints[name] for name in TIER_TEXT_FIELDS} == {"str"}  # text only, no numbers
     names = [spec.name for spec in METRICS]
     assert len(names) == len(set(names))
     for spec in METRICS:
@@ -89,14 +146,60 @@ def test_collect_reports_each_field_of_the_statistics() -> None:
     registry.register(OffloaderCollector(lambda: stats))
     families = scrape(registry)
     assert len(families) == len(METRICS)
-    parts = {"pool": stats.pool, "scheduler": stats.scheduler, "poller": stats.poller}
     for spec in METRICS:
         kind, samples = families[f"kvoffload_{spec.name}"]
         assert kind == spec.kind
-        assert samples == [({}, float(getattr(parts[spec.part], spec.field)))], spec
+        assert samples == samples_of(spec.part, spec.field, stats), spec
     text = generate_latest(registry).decode()
     assert "# TYPE kvoffload_scheduler_stored_blocks_total counter" in text
     assert "# TYPE kvoffload_pool_free_blocks gauge" in text
+    assert "# TYPE kvoffload_tier_written_blocks_total counter" in text
+    assert "# TYPE kvoffload_tier_healthy gauge" in text
+
+
+def test_tier_metrics_carry_tier_and_kind_labels() -> None:
+    stats = fake_statistics(3)
+    assert stats.tiers is not None
+    d, r = stats.tiers.tiers
+    registry = CollectorRegistry()
+    registry.register(OffloaderCollector({"0": lambda: stats}))
+    families = scrape(registry)
+    assert families["kvoffload_tier_failed_checks"] == (
+        "counter",
+        [
+            ({"engine": "0", "tier": "d", "kind": "disk"}, float(d.failed_checks)),
+            ({"engine": "0", "tier": "r", "kind": "redis"}, float(r.failed_checks)),
+        ],
+    )
+    assert families["kvoffload_tiers_promotions"] == (
+        "counter",
+        [({"engine": "0"}, float(stats.tiers.promotions))],
+    )
+    details = {
+        s[0]["detail"]: s[1] for s in families["kvoffload_tier_detail"][1] if s[0]["tier"] == "d"
+    }
+    assert details == {"slots": 9.0, "slots_used": 3.0, "direct_io": 1.0}  # no text
+    text = generate_latest(registry).decode()
+    assert "boom" not in text
+    assert "/x/tier.bin" not in text
+
+
+def test_without_tiers_the_tier_families_have_no_samples() -> None:
+    stats = fake_statistics(5, tiers=False)
+    registry = CollectorRegistry()
+    registry.register(OffloaderCollector(lambda: stats))
+    families = scrape(registry)
+    assert len(families) == len(METRICS)
+    for spec in METRICS:
+        if spec.part in {"tier", "tiers"}:
+            assert families[f"kvoffload_{spec.name}"] == (spec.kind, []), spec
+    assert families["kvoffload_pool_evictions"] == ("counter", [({}, float(stats.pool.evictions))])
+
+
+@pytest.mark.parametrize("label", ["tier", "kind", "detail"])
+def test_the_tier_labels_cannot_name_the_sources(label: str) -> None:
+    with pytest.raises(ValueError, match="taken by the tier metrics"):
+        OffloaderCollector({"0": lambda: fake_statistics(0)}, label=label)
 
 
 def test_unknown_latency_has_no_sample() -> None:
@@ -216,6 +319,50 @@ async def test_a_live_offloader_scrapes_to_its_statistics() -> None:
     assert families["kvoffload_pool_blocks"] == ("gauge", [(label, 8.0)])
     assert families["kvoffload_scheduler_in_flight_transfers"] == ("gauge", [(label, 0.0)])
     assert families["kvoffload_poller_completed"] == ("counter", [(label, 2.0)])
+
+
+@pytest.mark.anyio
+async def test_a_live_offloader_with_a_disk_tier_scrapes_its_tier(tmp_path: Path) -> None:
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32", block_size=BS)
+    kv = [torch.randn(layout.tensor_shape(16)) for _ in range(layout.num_layers)]
+    tier = {
+        "kind": "disk",
+        "name": "d0",
+        "path": str(tmp_path / "t.bin"),
+        "capacity_bytes": 1 << 20,
+    }
+    cfg = OffloadConfig(block_size=BS, num_cpu_blocks=8, pin_memory="never", tiers=[tier])
+    registry = CollectorRegistry()
+    async with KVOffloader(cfg, kv, layout=layout) as off:
+        registry.register(OffloaderCollector(off))
+        tokens = list(range(3 * BS))
+        hashes = off.hash_prompt(tokens)
+        off.lookup("a", hashes, len(tokens))
+        off.update("a", [0, 1, 2], hashes, len(tokens))
+        for task in off.store():
+            await task
+        off.finish("a")
+        await off.drain()
+        with anyio.fail_after(10):
+            while (off.statistics().tiers or pytest.fail("no tiers")).tiers[0].blocks_written < 3:
+                await anyio.sleep(0.01)
+        families = scrape(registry)
+        tier_stats = off.statistics().tiers
+    assert tier_stats is not None
+    label = {"tier": "d0", "kind": "disk"}
+    assert families["kvoffload_tier_written_blocks"] == ("counter", [(label, 3.0)])
+    assert families["kvoffload_tier_written_bytes"] == (
+        "counter",
+        [(label, float(3 * layout.bytes_per_block))],
+    )
+    assert families["kvoffload_tier_healthy"] == ("gauge", [(label, 1.0)])
+    assert families["kvoffload_tier_failed_checks"] == ("counter", [(label, 0.0)])
+    details = {s[0]["detail"]: s[1] for s in families["kvoffload_tier_detail"][1]}
+    assert details["slots_used"] == 3.0
+    assert families["kvoffload_tiers_promotions"] == (
+        "counter",
+        [({}, float(tier_stats.promotions))],
+    )
 
 
 def test_import_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:

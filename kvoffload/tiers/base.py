@@ -10,7 +10,7 @@ unreachable; a missing block is a miss, never an error.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -25,14 +25,26 @@ class BlockWrite:
 
     Attributes:
         block_hash: its key.
-        header: the encoded header (stored before the payload).
+        header: the encoded header (stored before the payload), or ``b""`` when ``seal``
+            builds it.
         payload: the CPU block's bytes; the caller keeps them unchanged (a reference on
             the CPU block) until ``put`` returns.
+        seal: builds the header from the payload (a checksum over every byte); a tier
+            calls it through `sealed_header()` in the worker thread that writes the
+            block, so the checksum costs no extra hand-off between threads.
     """
 
     block_hash: BlockHash
     header: bytes
     payload: memoryview
+    seal: Callable[[], bytes] | None = None
+
+    def sealed_header(self) -> bytes:
+        """The header: ``header`` when given, else what ``seal()`` builds (CPU work: call
+        it off the event loop)."""
+        if self.header or self.seal is None:
+            return self.header
+        return self.seal()
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,10 +54,14 @@ class BlockRead:
     Attributes:
         header: the stored header bytes (unverified).
         payload_length: payload bytes written into the caller's buffer.
+        payload_checksum: `format.checksum()` of those bytes, computed by the tier in the
+            worker thread that read them, right after the read, or ``None``. It is not a
+            verdict: the reader still compares it with the header in `verify_block()`.
     """
 
     header: bytes
     payload_length: int
+    payload_checksum: int | None = None
 
 
 @runtime_checkable

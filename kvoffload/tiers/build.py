@@ -39,6 +39,7 @@ def build_tier(
             namespace=namespace,
             persist=settings.persist,
             direct_io=settings.direct_io,
+            preallocate=settings.preallocate,
             name=name,
             io_threads=settings.max_in_flight,
         )

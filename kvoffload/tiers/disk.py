@@ -22,6 +22,7 @@ import errno
 import mmap
 import os
 import struct
+import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -36,13 +37,14 @@ from kvoffload._logging import get_logger
 from kvoffload.errors import ConfigError, IntegrityError, TierError
 from kvoffload.hashing import BlockHash
 from kvoffload.tiers.base import BlockRead, BlockWrite
-from kvoffload.tiers.format import HEADER_SIZE, parse_header
+from kvoffload.tiers.format import HEADER_SIZE, checksum, parse_header
 
 __all__ = ["DiskTier"]
 
 _log = get_logger("tiers.disk")
 
 _PAGE = 4096
+_ZERO_HEADER = bytes(HEADER_SIZE)
 _SUPER = struct.Struct("<8sIQQQ32s")
 _SUPER_MAGIC = b"KVODISK1"
 _SUPER_VERSION = 1
@@ -50,6 +52,37 @@ _SUPER_VERSION = 1
 
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+_pages = threading.local()
+
+
+def _header_pages(kind: str, count: int) -> memoryview:
+    """This thread's ``count`` page-aligned header pages for ``kind`` ``"w"`` or ``"r"``.
+
+    Kept per worker thread and reused: fresh pages for every call cost page faults and
+    zeroing on each I/O. Write pages only ever get a header's first bytes written (the
+    rest stays zero); read pages have their header bytes zeroed before each read.
+    """
+    have: memoryview | None = getattr(_pages, kind, None)
+    if have is None or len(have) < count * _PAGE:
+        size = max(count, 16) * _PAGE
+        setattr(_pages, kind, memoryview(mmap.mmap(-1, size)))
+        have = getattr(_pages, kind)
+    assert have is not None
+    return have
+
+
+def _skip(buffers: list[memoryview], n: int) -> list[memoryview]:
+    """``buffers`` without their first ``n`` bytes."""
+    rest = []
+    for buf in buffers:
+        if n >= len(buf):
+            n -= len(buf)
+            continue
+        rest.append(buf[n:])
+        n = 0
+    return rest
 
 
 def _address(buf: memoryview) -> int | None:
@@ -71,6 +104,10 @@ class DiskTier:
         namespace: the 32-byte namespace digest; slots of another namespace are foreign.
         persist: keep the file on close and rebuild the index from it at `open()`.
         direct_io: ``"auto"``: ``O_DIRECT`` where possible; ``"never"``: page cache only.
+        preallocate: reserve the whole file at `open()` (``posix_fallocate``); ``False``
+            leaves it sparse, so a full file system fails writes mid-run (``ENOSPC``):
+            such a write indexes nothing, and `ping()` fails until a slot's worth of
+            space is free again.
         name: the name in statistics and logs.
         io_threads: worker threads for this tier's I/O.
 
@@ -87,6 +124,7 @@ class DiskTier:
         namespace: bytes,
         persist: bool = False,
         direct_io: str = "auto",
+        preallocate: bool = True,
         name: str = "disk",
         io_threads: int = 4,
     ) -> None:
@@ -105,6 +143,8 @@ class DiskTier:
         self._namespace = namespace
         self._persist = persist
         self._want_direct = direct_io == "auto"
+        self._preallocate = preallocate
+        self._full = False
         self._name = name
         self._limiter = anyio.CapacityLimiter(io_threads)
         self._fd = -1
@@ -119,7 +159,15 @@ class DiskTier:
         self._buffered_ios = 0
         self._discarded_at_open = 0
         self._recreated = 0
+        self._enospc = 0
         self._closed = False
+        # Payloads not a whole number of pages leave a gap before the next slot's header;
+        # a run of slots skips it with a zero pad (writes) or a scratch buffer (reads).
+        gap = self._payload_span - block_nbytes
+        self._pad = memoryview(bytes(gap)) if gap else None
+        self._scratch = memoryview(bytearray(gap)) if gap else None
+        iov_max = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+        self._run_max = max(1, min(iov_max, 1024) // 3)
 
     def __repr__(self) -> str:
         return (
@@ -185,9 +233,9 @@ class DiskTier:
                 reuse = os.pread(fd, _PAGE, 0) == self._superblock()
             if not reuse:
                 os.ftruncate(fd, 0)
-                if hasattr(os, "posix_fallocate"):
+                if self._preallocate and hasattr(os, "posix_fallocate"):
                     os.posix_fallocate(fd, 0, size)
-                else:  # pragma: no cover - Linux has it
+                else:  # sparse: space is taken as slots are written
                     os.ftruncate(fd, size)
                 os.pwrite(fd, self._superblock(), 0)
         except OSError as exc:
@@ -267,6 +315,23 @@ class DiskTier:
                     os.unlink(self._path)
         self._index.clear()
 
+    def _check_space(self) -> None:
+        """After a write ran out of space: raise `TierError` until a slot fits again."""
+        if not self._full:
+            return
+        try:
+            st = os.statvfs(self._path.parent)
+        except OSError as exc:
+            raise TierError(f"disk tier {self._name!r}: statvfs failed: {exc}") from exc
+        free = st.f_bavail * st.f_frsize
+        if free < self._slot_size:
+            raise TierError(
+                f"disk tier {self._name!r}: ENOSPC: {free} bytes free on the file system "
+                f"of {self._path}, a slot needs {self._slot_size}"
+            )
+        self._full = False
+        _log.info("disk_tier_space_again", tier=self._name, free_bytes=free)
+
     def _check_file(self) -> None:
         """Raise `TierError` when the file was deleted or replaced under us."""
         try:
@@ -277,10 +342,12 @@ class DiskTier:
             raise TierError(f"disk tier {self._name!r}: {self._path} was replaced")
 
     async def ping(self) -> None:
-        """Check the file is still ours; recreate it (empty) when it was removed.
+        """Check the file is still ours (recreate it, empty, when it was removed) and,
+        after a write ran out of space, that a slot's worth of space is free again.
 
         Raises:
-            TierError: it is gone and cannot be created again.
+            TierError: the file is gone and cannot be created again, or the file system
+                is still full (``ENOSPC`` in the message).
         """
         if self._closed:
             raise TierError(f"disk tier {self._name!r} is closed")
@@ -296,6 +363,7 @@ class DiskTier:
                 self._persist = was_persist
             self._recreated += 1
             _log.warning("disk_tier_recreated", tier=self._name, path=str(self._path))
+        await anyio.to_thread.run_sync(self._check_space, limiter=self._limiter)
 
     # -- slots -------------------------------------------------------------------------------
 
@@ -338,7 +406,10 @@ class DiskTier:
         return n
 
     async def put(self, blocks: Sequence[BlockWrite]) -> int:
-        """Write blocks into free or least recently used slots (one ``pwritev`` each).
+        """Write blocks into free or least recently used slots.
+
+        One ``pwritev`` writes each run of consecutive slots (header pages and payloads
+        as separate buffers, no copy).
 
         Blocks already present are only touched in the LRU order. When every slot is being
         read, a block is dropped (not counted as stored).
@@ -347,8 +418,9 @@ class DiskTier:
             Blocks now held, of those given.
 
         Raises:
-            TierError: the file was removed or replaced, or a write failed (the blocks
-                before the failure are kept; the failed slot is freed).
+            TierError: the file was removed or replaced, or a write failed (the errno
+                is named and logged; no block of this call is indexed, their slots are
+                freed).
         """
         if self._fd < 0:
             raise TierError(f"disk tier {self._name!r} is not open")
@@ -373,9 +445,14 @@ class DiskTier:
             jobs.append((block, slot))
         if not jobs:
             return held
+        jobs.sort(key=lambda job: job[1])  # consecutive slots go in one pwritev
         written = 0
         try:
-            written = await anyio.to_thread.run_sync(self._write_sync, jobs, limiter=self._limiter)
+            # Handed over in a box the call empties: an idle worker thread keeps its last
+            # call's arguments, and must not keep the caller's buffers exported.
+            written = await anyio.to_thread.run_sync(
+                self._write_sync, [list(jobs)], limiter=self._limiter
+            )
         finally:
             for i, (block, slot) in enumerate(jobs):
                 self._writing.discard(block.block_hash)
@@ -385,33 +462,101 @@ class DiskTier:
                     self._release_slot(slot)
         return held + written
 
-    def _write_sync(self, jobs: list[tuple[BlockWrite, int]]) -> int:
-        self._check_file()
-        page = mmap.mmap(-1, _PAGE)
-        try:
-            for block, slot in jobs:
-                # Headers have one fixed size, so the rest of the page stays zero.
-                page[: len(block.header)] = block.header
-                want = _PAGE + len(block.payload)
-                try:
-                    n = self._io(os.pwritev, [page, block.payload], self._offset(slot))
-                except OSError as exc:
-                    raise TierError(
-                        f"disk tier {self._name!r}: write of slot {slot} failed: "
-                        f"{errno.errorcode.get(exc.errno or 0, exc.errno)} {exc.strerror}"
-                    ) from exc
-                if n != want:
-                    raise TierError(
-                        f"disk tier {self._name!r}: short write of slot {slot}: {n} of {want}"
-                    )
-            return len(jobs)
-        finally:
-            page.close()
+    def _runs(self, slots: Sequence[int]) -> list[tuple[int, int]]:
+        """Split job positions into runs ``[lo, hi)`` of consecutive slots (one I/O each)."""
+        runs: list[tuple[int, int]] = []
+        lo = 0
+        for k in range(1, len(slots) + 1):
+            if k == len(slots) or slots[k] != slots[k - 1] + 1 or k - lo >= self._run_max:
+                runs.append((lo, k))
+                lo = k
+        return runs
 
-    def _io(self, op: object, buffers: list[mmap.mmap | memoryview], offset: int) -> int:
-        call = os.pwritev if op is os.pwritev else os.preadv
-        payload = buffers[1]
-        if isinstance(payload, memoryview) and self._direct_ok(payload):
+    def _write_sync(self, box: list[list[tuple[BlockWrite, int]]]) -> int:
+        """Write the boxed jobs (sorted by slot): one ``pwritev`` per run of consecutive
+        slots.
+
+        Returns how many jobs, from the first, were written in full.
+        """
+        jobs = box.pop()
+        self._check_file()
+        pages = _header_pages("w", len(jobs))
+        pad = self._pad
+        written = 0
+        for lo, hi in self._runs([slot for _, slot in jobs]):
+            buffers: list[memoryview] = []
+            payloads = []
+            for k in range(lo, hi):
+                block = jobs[k][0]
+                header = block.sealed_header()  # the checksum, in this thread
+                # Headers have one fixed size, so the rest of each page stays zero.
+                pages[k * _PAGE : k * _PAGE + len(header)] = header
+                buffers.append(pages[k * _PAGE : (k + 1) * _PAGE])
+                buffers.append(block.payload)
+                payloads.append(block.payload)
+                if pad is not None and k + 1 < hi:
+                    buffers.append(pad)
+            slot = jobs[lo][1]
+            want = sum(len(b) for b in buffers)
+            try:
+                n = self._io(True, buffers, payloads, self._offset(slot))
+                while 0 < n < want:
+                    # A short write: write the rest, as a careful writer does; on a full
+                    # file system that call fails with the errno (ENOSPC) that says why.
+                    # (Through the page cache: the rest need not be aligned for O_DIRECT.)
+                    more = os.pwritev(self._fd, _skip(buffers, n), self._offset(slot) + n)
+                    self._buffered_ios += 1
+                    if more <= 0:
+                        break
+                    n += more
+            except OSError as exc:
+                self._note_error(exc)
+                raise TierError(
+                    f"disk tier {self._name!r}: write of slots {slot}..{slot + hi - lo - 1} "
+                    f"failed: {errno.errorcode.get(exc.errno or 0, exc.errno)} "
+                    f"{exc.strerror}"
+                ) from exc
+            finally:
+                buffers.clear()
+            if n != want:
+                # On a sparse file a write cut short means the file system filled up.
+                self._enospc += 1
+                self._full = True
+                _log.warning(
+                    "disk_tier_short_write",
+                    tier=self._name,
+                    path=str(self._path),
+                    written=n,
+                    wanted=want,
+                )
+                raise TierError(
+                    f"disk tier {self._name!r}: short write of slots "
+                    f"{slot}..{slot + hi - lo - 1}: {n} of {want} bytes"
+                )
+            written = hi
+        return written
+
+    def _note_error(self, exc: OSError) -> None:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            self._enospc += 1
+            self._full = True
+        _log.warning(
+            "disk_tier_io_error",
+            tier=self._name,
+            path=str(self._path),
+            errno=errno.errorcode.get(exc.errno or 0, str(exc.errno)),
+            error=exc.strerror,
+        )
+
+    def _io(
+        self,
+        write: bool,
+        buffers: list[memoryview],
+        payloads: list[memoryview],
+        offset: int,
+    ) -> int:
+        call = os.pwritev if write else os.preadv
+        if self._dfd >= 0 and all(self._direct_ok(p) for p in payloads):
             try:
                 n = call(self._dfd, buffers, offset)
             except OSError as exc:
@@ -431,7 +576,9 @@ class DiskTier:
     async def get(
         self, block_hashes: Sequence[BlockHash], into: Sequence[memoryview]
     ) -> list[BlockRead | None]:
-        """Read blocks into ``into`` (one ``preadv`` each); ``None`` for a miss.
+        """Read blocks into ``into``; ``None`` for a miss.
+
+        One ``preadv`` reads each run of consecutive slots straight into the buffers.
 
         Raises:
             TierError: a read failed.
@@ -453,9 +600,10 @@ class DiskTier:
         out: list[BlockRead | None] = [None] * len(block_hashes)
         if not jobs:
             return out
+        jobs.sort(key=lambda job: job[1])  # consecutive slots come in one preadv
         try:
             reads = await anyio.to_thread.run_sync(
-                self._read_sync, jobs, into, limiter=self._limiter
+                self._read_sync, [(jobs, into)], limiter=self._limiter
             )
         finally:
             for _, slot in jobs:
@@ -472,24 +620,48 @@ class DiskTier:
         return out
 
     def _read_sync(
-        self, jobs: list[tuple[int, int]], into: Sequence[memoryview]
+        self, box: list[tuple[list[tuple[int, int]], Sequence[memoryview]]]
     ) -> list[BlockRead]:
-        page = mmap.mmap(-1, _PAGE)
-        try:
-            reads = []
-            for i, slot in jobs:
-                payload = into[i][: self._block_nbytes]
-                try:
-                    n = self._io(os.preadv, [page, payload], self._offset(slot))
-                except OSError as exc:
-                    raise TierError(
-                        f"disk tier {self._name!r}: read of slot {slot} failed: "
-                        f"{errno.errorcode.get(exc.errno or 0, exc.errno)} {exc.strerror}"
-                    ) from exc
-                reads.append(BlockRead(page[:HEADER_SIZE], max(0, n - _PAGE)))
-            return reads
-        finally:
-            page.close()
+        """Read the boxed jobs (sorted by slot) into their buffers: one ``preadv`` per run
+        of consecutive slots."""
+        jobs, into = box.pop()
+        pages = _header_pages("r", len(jobs))
+        scratch = self._scratch
+        nbytes = self._block_nbytes
+        reads = []
+        for lo, hi in self._runs([slot for _, slot in jobs]):
+            buffers: list[memoryview] = []
+            payloads = []
+            for k in range(lo, hi):
+                payload = into[jobs[k][0]][:nbytes]
+                pages[k * _PAGE : k * _PAGE + HEADER_SIZE] = _ZERO_HEADER
+                buffers.append(pages[k * _PAGE : (k + 1) * _PAGE])
+                buffers.append(payload)
+                payloads.append(payload)
+                if scratch is not None and k + 1 < hi:
+                    buffers.append(scratch)
+            slot = jobs[lo][1]
+            try:
+                n = self._io(False, buffers, payloads, self._offset(slot))
+            except OSError as exc:
+                self._note_error(exc)
+                raise TierError(
+                    f"disk tier {self._name!r}: read of slots {slot}..{slot + hi - lo - 1} "
+                    f"failed: {errno.errorcode.get(exc.errno or 0, exc.errno)} "
+                    f"{exc.strerror}"
+                ) from exc
+            finally:
+                buffers.clear()
+            for k in range(lo, hi):
+                # A short read leaves the rest of the header zero (it fails its crc).
+                at = (k - lo) * self._slot_size + _PAGE
+                got = min(nbytes, max(0, n - at))
+                # The checksum of what just landed, while it is in this core's cache;
+                # the manager compares it with the header before publishing.
+                payload_checksum = checksum(payloads[k - lo]) if got == nbytes else None
+                header = bytes(pages[k * _PAGE : k * _PAGE + HEADER_SIZE])
+                reads.append(BlockRead(header, got, payload_checksum))
+        return reads
 
     async def delete(self, block_hashes: Sequence[BlockHash]) -> None:
         """Forget blocks; their slots are reused once no read holds them."""
@@ -511,4 +683,6 @@ class DiskTier:
             "buffered_ios": self._buffered_ios,
             "discarded_at_open": self._discarded_at_open,
             "recreated": self._recreated,
+            "enospc_errors": self._enospc,
+            "preallocated": self._preallocate,
         }

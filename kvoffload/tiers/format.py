@@ -130,6 +130,7 @@ def verify_block(
     expected_length: int,
     received_length: int,
     payload: memoryview,
+    payload_checksum: int | None = None,
 ) -> None:
     """Check a block read from a tier before it may be published.
 
@@ -140,6 +141,8 @@ def verify_block(
         expected_length: the reader's block size in bytes.
         received_length: payload bytes the tier actually delivered.
         payload: the delivered payload (``expected_length`` bytes of the CPU block).
+        payload_checksum: `checksum()` of ``payload`` when already computed (by the
+            thread that read it, the buffer untouched since); computed here otherwise.
 
     Raises:
         IntegrityError: its ``reason`` names the first check that failed: ``"header"``,
@@ -165,7 +168,7 @@ def verify_block(
             f"header says {header.payload_length} bytes, {received_length} arrived, "
             f"a block has {expected_length}",
         )
-    actual = checksum(payload[:expected_length])
+    actual = checksum(payload[:expected_length]) if payload_checksum is None else payload_checksum
     if actual != header.checksum:
         raise IntegrityError(
             "checksum", f"payload checksum {actual:#018x} != header's {header.checksum:#018x}"

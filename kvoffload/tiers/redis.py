@@ -155,9 +155,10 @@ class RedisTier:
         def build() -> list[bytearray]:
             values = []
             for block in blocks:
-                value = bytearray(len(block.header) + len(block.payload))
-                value[: len(block.header)] = block.header
-                value[len(block.header) :] = block.payload
+                header = block.sealed_header()
+                value = bytearray(len(header) + len(block.payload))
+                value[: len(header)] = header
+                value[len(header) :] = block.payload
                 values.append(value)
             return values
 

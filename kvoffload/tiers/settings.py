@@ -73,6 +73,8 @@ class DiskTierSettings(_TierSettingsBase):
         persist: keep the file on close and reuse its blocks at the next start.
         direct_io: ``auto`` uses ``O_DIRECT`` where the file system and the buffers allow
             it; ``never`` always goes through the page cache.
+        preallocate: reserve the file's space at start-up (a full disk fails the open);
+            ``False`` makes a sparse file whose writes can fail with ``ENOSPC`` mid-run.
     """
 
     kind: Literal["disk"] = "disk"
@@ -86,6 +88,12 @@ class DiskTierSettings(_TierSettingsBase):
     )
     direct_io: Literal["auto", "never"] = Field(
         default="auto", description="Use O_DIRECT where possible (auto) or never."
+    )
+    preallocate: bool = Field(
+        default=True,
+        description="Reserve the whole file at start-up (posix_fallocate); false: a sparse "
+        "file that takes disk space as blocks are written, so a full disk shows up as "
+        "failed writes (ENOSPC) mid-run.",
     )
 
 

@@ -106,3 +106,20 @@ def test_redis_tier_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) 
     settings = RedisTierSettings(url="redis://127.0.0.1:1/0")
     with pytest.raises(ConfigError, match=r"tiers\[0\] \('redis0'\).*kvoffload\[redis\]"):
         build_tier(settings, 0, namespace=b"\0" * 32, block_nbytes=1024)
+
+
+@pytest.mark.parametrize("preallocate", [True, False])
+def test_disk_preallocate_reaches_the_tier(tmp_path: Path, preallocate: bool) -> None:
+    tier: dict[str, object] = {
+        "kind": "disk",
+        "path": str(tmp_path / "kv.bin"),
+        "capacity_bytes": "1MiB",
+    }
+    if not preallocate:
+        tier["preallocate"] = False
+    cfg = OffloadConfig(block_size=4, num_cpu_blocks=4, tiers=[tier])
+    settings = cfg.tiers[0]
+    assert isinstance(settings, DiskTierSettings)
+    assert settings.preallocate is preallocate
+    built = build_tier(settings, 0, namespace=bytes(32), block_nbytes=4096)
+    assert built.statistics()["preallocated"] is preallocate
