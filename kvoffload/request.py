@@ -149,6 +149,7 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         "_off",
         "_reported",
         "_request_id",
+        "_root",
         "_tokens",
     )
 
@@ -180,6 +181,7 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         self._block_size = block_size
         self._tokens: list[int] = []
         self._hashes: list[BlockHash] = []
+        self._root = offloader.namespace.root  # the first block's parent
         self._engine_prefix = num_computed_tokens
         self._num_computed = num_computed_tokens
         self._hit = 0
@@ -226,12 +228,17 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         """
         if self._done:
             raise RequestStateError(f"request {self._request_id!r} is finished")
-        try:
-            _encode_tokens(token_ids)  # what hashing will accept, checked before appending
-        except ValueError as exc:
-            raise ValueError(f"request {self._request_id!r}: {exc}") from None
+        if (
+            len(token_ids) != 1
+            or type(token_ids[0]) is not int
+            or token_ids[0] >> 63 not in (0, -1)
+        ):
+            try:  # what hashing will accept, checked before appending
+                _encode_tokens(token_ids)
+            except ValueError as exc:
+                raise ValueError(f"request {self._request_id!r}: {exc}") from None
         self._tokens.extend(token_ids)
-        hash_new_blocks(self._hashes, self._tokens, self._block_size, self._off.namespace.root)
+        hash_new_blocks(self._hashes, self._tokens, self._block_size, self._root)
 
     @property
     def request_id(self) -> str:
@@ -386,16 +393,15 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
                 f"exceeds its {len(self._tokens)} tokens"
             )
         hashes = self._hashes
-        # After a preemption the scheduler keeps the hashes reported before; they are
-        # passed again (it stores only blocks below num_computed_tokens either way).
-        n = max(num_computed_tokens // self._block_size, self._reported)
-        self._off.update(
-            self._request_id,
-            block_table,
-            hashes if n >= len(hashes) else hashes[:n],
-            num_computed_tokens,
-        )
-        self._reported = min(n, len(hashes))
+        n = num_computed_tokens // self._block_size
+        if n < self._reported:  # noqa: PLR1730 - cheaper than max() on the per-step path
+            # After a preemption the scheduler keeps the hashes reported before; they are
+            # passed again (it stores only blocks below num_computed_tokens either way).
+            n = self._reported
+        if n < len(hashes):
+            hashes = hashes[:n]  # the last full block is not computed yet
+        self._off.update(self._request_id, block_table, hashes, num_computed_tokens)
+        self._reported = len(hashes)
         self._num_computed = num_computed_tokens
 
     def release(self) -> None:

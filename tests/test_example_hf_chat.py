@@ -63,3 +63,15 @@ def test_a_token_difference_fails_the_run(
     monkeypatch.setattr(example, "run_once", tampered)
     assert example.main(["--no-progress"]) == 1
     assert "TOKEN MISMATCH: c1-t1" in capsys.readouterr().err
+
+
+def test_a_local_checkpoint_loads_by_path(
+    example: ModuleType, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    model = example.random_llama(example.SIZES["quick"], seed=3)
+    model.save_pretrained(tmp_path / "ckpt")
+    argv = ["--no-progress", "--model", str(tmp_path / "ckpt"), "--turns", "2"]
+    assert example.main(argv) == 0
+    assert "tokens identical with offload, GPU cache only and full recompute: 6 requests" in (
+        capsys.readouterr().out
+    )

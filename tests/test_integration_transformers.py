@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvoffload import ConfigError, KVOffloader, OffloadConfig
+from kvoffload.testing import ControllableCopyEngine
 
 transformers = pytest.importorskip("transformers")
 
@@ -187,6 +188,28 @@ async def test_abort_and_a_failing_step_leave_nothing_behind(model: Any) -> None
         off.scheduler.check_invariants()
     engine.allocator.check_invariants()
     assert engine.allocator.statistics().num_used == 0
+
+
+async def test_an_id_whose_copies_are_in_flight_is_refused(model: Any) -> None:
+    engine = PagedEngine(model, num_gpu_blocks=32, block_size=BS)
+    copies = ControllableCopyEngine()  # stores end only when the test says so
+    async with KVOffloader(
+        config(), engine.kv, layout=engine.layout, pinner=engine.pinner, copy_engine=copies
+    ) as off:
+        engine.attach(off)
+        engine.add_request("a", prompts(1, 30)[0], max_new_tokens=1)
+        await engine.run_until_done()
+        assert copies.pending  # a's stores are still in flight
+        assert engine.pinner.num_pinned > 0
+        with pytest.raises(ValueError, match="still copies blocks"):
+            engine.add_request("a", [1, 2, 3], max_new_tokens=1)
+        copies.complete_all()
+        await off.drain()
+        assert engine.pinner.num_pinned == 0
+        engine.add_request("a", [1, 2, 3], max_new_tokens=1)  # the id is free again
+        (res,) = await engine.run_until_done()
+        assert res.finish_reason == "length"
+        copies.complete_all()
 
 
 async def test_cancelling_a_step_ends_its_requests(model: Any) -> None:

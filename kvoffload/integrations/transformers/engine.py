@@ -237,6 +237,11 @@ class PagedEngine:
         """
         if request_id in self._ids:
             raise ValueError(f"request id {request_id!r} is in use")
+        if self._off is not None and self._off.scheduler.has_request(request_id):
+            raise ValueError(
+                f"request id {request_id!r} is in use: the offloader still copies blocks of "
+                "an earlier request with that id"
+            )
         prompt = list(prompt_token_ids)
         if not prompt:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -491,6 +496,7 @@ class PagedEngine:
         self._steps += 1
         bs = self._block_size
         next_ids = logits.argmax(dim=-1).tolist()
+        ending: list[tuple[_Req, FinishReason, int]] = []
         now = time.perf_counter()
         for (r, q), tok in zip(segs, next_ids, strict=True):
             if r.result.ttft_s is None:
@@ -521,13 +527,16 @@ class PagedEngine:
                     reason = "stop"
                 elif len(r.result.output_token_ids) >= r.max_new:
                     reason = "length"
-                result = None
                 if reason is not None and not r.aborted:
-                    self._running.remove(r)
-                    result = self._end(r, reason)
-                outputs.append(StepOutput(r.result.request_id, sampled, result))
+                    ending.append((r, reason, sampled))
+                else:
+                    outputs.append(StepOutput(r.result.request_id, sampled))
+        # advance -> store -> finish: the blocks the last step completed are stored too.
         if self._off is not None:
             self._off.store()
+        for r, reason, sampled in ending:
+            self._running.remove(r)
+            outputs.append(StepOutput(r.result.request_id, sampled, self._end(r, reason)))
 
     def _end(self, r: _Req, reason: FinishReason, error: str | None = None) -> GenerationResult:
         if r.table:
