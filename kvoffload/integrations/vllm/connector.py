@@ -66,12 +66,10 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self,
         vllm_config: VllmConfig,
         role: KVConnectorRole,
-        kv_cache_config: KVCacheConfig | None = None,
+        kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        if kv_cache_config is None:
-            raise InvariantError("KVOffloadConnector needs vLLM's kv_cache_config")
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        extra = self._kv_transfer_config.kv_connector_extra_config
         self.offload_config = offload_config(extra, block_size=vllm_config.cache_config.block_size)
         self.layout, layer_names = layout_from_kv_cache_config(kv_cache_config)
         self.scheduler_side: SchedulerSide | None = None
@@ -166,8 +164,8 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._sched().reset_cache()
 
     def has_pending_block_frees(self) -> bool:
-        """Whether stores in flight hold GPU blocks they will release."""
-        return bool(self._sched().pinned_gpu_block_ids())
+        """Whether a store in flight will free a GPU block when it completes."""
+        return self._sched().has_pending_block_frees()
 
     # -- worker side -------------------------------------------------------------------
 

@@ -343,6 +343,18 @@ class SchedulerSide:
                 out.append(kv_events.AllBlocksCleared())
         return out
 
+    def has_pending_block_frees(self) -> bool:
+        """Whether a store in flight is the last holder of some GPU block, so that its
+        completion gives vLLM a free block (vLLM then waits instead of preempting)."""
+        held: dict[int, int] = {}
+        for tracked in self._tracked.values():
+            for block in tracked.pinned_gpu_blocks:
+                held[block.block_id] = held.get(block.block_id, 0) + 1
+        pool = self._gpu_pool
+        if pool is None:
+            return False
+        return any(pool.blocks[i].ref_cnt == n for i, n in held.items())
+
     # -- observation -------------------------------------------------------------------
 
     def in_flight_plan_ids(self) -> list[int]:
