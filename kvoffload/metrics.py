@@ -184,6 +184,30 @@ METRICS: tuple[MetricSpec, ...] = (
         "in_flight_transfers",
         "Transfer plans not completed yet.",
     ),
+    _c(
+        "scheduler",
+        "concurrent_load_blocks",
+        "concurrent_load_blocks",
+        "Blocks planned for a load while another load of the same CPU block was in flight.",
+    ),
+    _c(
+        "scheduler",
+        "cancelled_plans",
+        "cancelled_plans",
+        "Plans undone because their launch (pinning or submitting) raised.",
+    ),
+    _g(
+        "scheduler",
+        "held_blocks",
+        "held_blocks",
+        "GPU blocks finished requests hold for stores still to come (hold_blocks_on_finish).",
+    ),
+    _c(
+        "scheduler",
+        "hold_expired_blocks",
+        "hold_expired_blocks",
+        "Held GPU blocks given up unstored after hold_max_steps store steps.",
+    ),
     # -- the completion poller (PollerStatistics) --
     _g("poller", "in_flight", "in_flight_tasks", "Transfers the poller waits on."),
     _c("poller", "completed", "completed", "Transfers delivered as done."),

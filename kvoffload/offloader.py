@@ -446,7 +446,8 @@ class KVOffloader:
 
         Raises:
             ClosedError: not open.
-            RequestStateError: ``request_id`` is still in use.
+            RequestStateError: ``request_id`` is still in use, or finished (ids are never
+                reused).
             ValueError: ``num_computed_tokens`` out of range, or a token is not an int.
         """
         self._check("request")

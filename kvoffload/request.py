@@ -171,6 +171,10 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
                 f"request {request_id!r}: num_computed_tokens={num_computed_tokens} exceeds "
                 f"the prompt's {len(prompt_token_ids)} tokens"
             )
+        if offloader.scheduler.was_finished(request_id):
+            raise RequestStateError(
+                f"request {request_id!r} is finished (request ids are not reused)"
+            )
         if offloader.scheduler.has_request(request_id):
             raise RequestStateError(
                 f"request id {request_id!r} is in use (a request with that id has not "

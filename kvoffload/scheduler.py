@@ -358,6 +358,11 @@ class OffloadScheduler:
         flight included)."""
         return request_id in self._requests
 
+    def was_finished(self, request_id: str) -> bool:
+        """Whether ``request_id`` belongs to a finished request (ids are never reused; the
+        last ``FINISHED_IDS_REMEMBERED`` finished ids are remembered)."""
+        return request_id in self._finished_ids
+
     # -- requests --------------------------------------------------------------------------
 
     def _get(self, request_id: str) -> RequestOffloadState:

@@ -206,7 +206,7 @@ async def test_an_id_whose_copies_are_in_flight_is_refused(model: Any) -> None:
         copies.complete_all()
         await off.drain()
         assert engine.pinner.num_pinned == 0
-        engine.add_request("a", [1, 2, 3], max_new_tokens=1)  # the id is free again
+        engine.add_request("b", [1, 2, 3], max_new_tokens=1)
         (res,) = await engine.run_until_done()
         assert res.finish_reason == "length"
         copies.complete_all()

@@ -244,8 +244,10 @@ async def test_a_request_id_in_use_is_refused_and_finish_twice_raises() -> None:
                 a.finish()
             with pytest.raises(RequestStateError, match="finished"):
                 a.extend([6])
-        with off.request("a", [1]) as again:  # the id is free once finished
-            assert again.lookup() == 0
+        with pytest.raises(RequestStateError, match="not reused"):
+            off.request("a", [1])  # a finished id is never reused
+        with off.request("b", [1]) as other:
+            assert other.lookup() == 0
 
 
 async def test_bad_engine_prefix_is_refused() -> None:
