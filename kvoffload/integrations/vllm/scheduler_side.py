@@ -121,6 +121,9 @@ class SchedulerSide:
         # For KV events: our hash -> (parent hash, token ids) of blocks planned for a store.
         self._block_tokens: dict[BlockHash, tuple[BlockHash, tuple[int, ...]]] = {}
         self.load_failures = 0
+        # Requests preempted by vLLM and started over in this step, before
+        # build_connector_meta lists them as preempted.
+        self._restarted: set[str] = set()
 
     # -- binding -----------------------------------------------------------------------
 
@@ -167,8 +170,18 @@ class SchedulerSide:
         if not self._offloadable(request):
             return 0, False
         rid = request.request_id
+        sched = self.scheduler
+        if sched.has_request(rid):
+            state = sched.request_state(rid)
+            if state.gpu_block_ids and not (state.preempted or state.finished):
+                # A request with a block table asks again: vLLM preempted it. The
+                # connector hears of that only in build_connector_meta, after the new
+                # table was allocated, so start the request over now (the old table's
+                # blocks must never be read for it again).
+                sched.preempt(rid)
+                self._restarted.add(rid)
         hashes = self._hashes(request, request.num_tokens)
-        hit = self.scheduler.lookup(
+        hit = sched.lookup(
             rid,
             hashes,
             request.num_tokens,
@@ -197,7 +210,10 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVOffloadConnectorMetadata:
         """Record what vLLM scheduled, plan this step's stores, and hand out the plans."""
         sched = self.scheduler
+        restarted, self._restarted = self._restarted, set()
         for rid in scheduler_output.preempted_req_ids or ():
+            if rid in restarted:
+                continue  # started over when it asked again (get_num_new_matched_tokens)
             if sched.has_request(rid) and not sched.request_state(rid).finished:
                 sched.preempt(rid)
         manager = self._manager
