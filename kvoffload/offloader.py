@@ -498,6 +498,9 @@ class KVOffloader:
 
         Raises:
             ClosedError: not open. ForkedProcessError: used in a forked child.
+            WrongContextError: called from a thread other than the event loop's (every
+                step-loop call checks this). PinnerError: the pinner's ``unpin`` raised
+                after an earlier completion (once).
         """
         self._check("lookup")
         hit = self._scheduler.lookup(
@@ -537,6 +540,10 @@ class KVOffloader:
 
         Raises:
             ClosedError: not open.
+            BlockTableError: the table is malformed; nothing changed (the hit stays
+                pinned). See `OffloadScheduler.plan_load()`.
+            PinnerError: the pinner's ``pin`` raised; the load was not started and the
+                hit stays pinned.
         """
         engine = self._check("load")
         plan = self._scheduler.plan_load(request_id, gpu_block_ids, num_tokens)
