@@ -40,6 +40,7 @@ __all__ = [
     "replay_pool",
     "run_replay",
     "smallest_capacity",
+    "static_frequency_hits",
 ]
 
 REPLAY_SCHEMA_VERSION = 1
@@ -241,6 +242,44 @@ def optimal_hits(requests: Sequence[Sequence[int]], capacity: int) -> int:
                 del resident[pop(heap)[2]]
             resident[b] = nu
             push(heap, (-nu, pos, b))
+    return hits
+
+
+def static_frequency_hits(requests: Sequence[Sequence[int]], capacity: int) -> int:
+    """Prefix hits of a cache that keeps forever the most used blocks of the whole trace.
+
+    An offline reference, not a policy: it knows every block's total number of accesses in
+    advance, caches a block the first time it is seen if the block is among the
+    ``capacity`` most accessed of the trace (ties: the block seen first), never evicts,
+    and caches nothing else. It shows how far frequency alone, with perfect knowledge of
+    it, can go; an online frequency policy only learns counts as the trace goes by.
+
+    Args:
+        requests: block ids per request, in arrival order.
+        capacity: cache size in blocks, >= 0.
+
+    Returns:
+        The prefix hits (each request's leading run of cached blocks).
+
+    Raises:
+        ValueError: ``capacity`` is negative.
+    """
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+    counts: dict[int, int] = {}
+    for request in requests:
+        for b in request:
+            counts[b] = counts.get(b, 0) + 1
+    # dicts keep insertion order, so a stable sort breaks ties by first appearance.
+    keep = set(sorted(counts, key=counts.__getitem__, reverse=True)[:capacity])
+    seen: set[int] = set()
+    hits = 0
+    for request in requests:
+        for b in request:
+            if b not in seen or b not in keep:
+                break
+            hits += 1
+        seen.update(request)
     return hits
 
 

@@ -24,6 +24,7 @@ from kvoffload.replay import (
     replay_pool,
     run_replay,
     smallest_capacity,
+    static_frequency_hits,
 )
 
 
@@ -95,6 +96,7 @@ def test_belady_and_pool_replays_never_beat_the_prefix_optimum(
     for name in POLICY_NAMES:
         assert replay_pool(trace, capacity, name).hit_blocks <= opt
     assert ceiling_hits(requests) >= opt
+    assert static_frequency_hits(requests, capacity) <= opt
 
 
 def test_ceiling_counts_leading_blocks_seen_before() -> None:
@@ -107,6 +109,29 @@ def test_belady_with_unlimited_capacity_is_the_ceiling() -> None:
     assert optimal_hits(requests, 0) == 0
     with pytest.raises(ValueError, match="capacity"):
         optimal_hits(requests, -1)
+
+
+def test_static_frequency_keeps_the_most_used_blocks_forever() -> None:
+    # Uses: 2 four times, 1 three times, 3, 4 and 5 twice each (first seen in that order).
+    requests = [(1, 2, 3), (1, 2, 4), (5, 2), (1, 2, 4, 5), (3,)]
+    assert [static_frequency_hits(requests, c) for c in range(6)] == [0, 0, 4, 5, 6, 7]
+    assert static_frequency_hits(requests, 5) == ceiling_hits(requests)
+    with pytest.raises(ValueError, match="capacity"):
+        static_frequency_hits(requests, -1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    requests=st.lists(
+        st.lists(st.integers(0, 9), min_size=1, max_size=4, unique=True).map(tuple), max_size=8
+    )
+)
+def test_static_frequency_grows_with_capacity_up_to_the_ceiling(
+    requests: list[tuple[int, ...]],
+) -> None:
+    hits = [static_frequency_hits(requests, c) for c in range(11)]
+    assert hits == sorted(hits)
+    assert hits[-1] == ceiling_hits(requests)
 
 
 @pytest.mark.parametrize("capacity", [3, 5, 50])
