@@ -42,8 +42,15 @@ section "mkdocs build --strict"
 # about this site and --strict still fails on every real one.
 export NO_MKDOCS_2_WARNING=1
 site="$(mktemp -d "${TMPDIR:-/tmp}/kvoffload-site.XXXXXX")"
-trap 'rm -rf "$site"' EXIT
-"$PY" -m mkdocs build --strict --quiet --site-dir "$site"
+trap 'rm -rf "$site" "$site.log"' EXIT
+# Not --quiet: it raises the log level above WARNING, and then --strict sees no warning to
+# fail on.
+if ! "$PY" -m mkdocs build --strict --site-dir "$site" >"$site.log" 2>&1; then
+    grep -v '^INFO' "$site.log"
+    echo "mkdocs build --strict failed" >&2
+    exit 1
+fi
+grep -v '^INFO' "$site.log" || true
 
 section "examples (KVOFFLOAD_EXAMPLE_QUICK=1)"
 shopt -s nullglob

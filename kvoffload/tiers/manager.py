@@ -384,7 +384,9 @@ class TierManager:
 
         Args:
             request_id: the request the scheduler just looked up (its hit is pinned).
-            block_hashes, num_tokens, num_computed_tokens: the lookup's arguments.
+            block_hashes: the lookup's block hashes.
+            num_tokens: the lookup's token count.
+            num_computed_tokens: the lookup's computed-token count.
             hit_tokens: the scheduler's answer.
             allow_defer: answer ``None`` (releasing the pin) while a promotion of the
                 block after the hit is in flight.
