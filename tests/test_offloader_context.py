@@ -32,6 +32,7 @@ from kvoffload.errors import (
     TransferError,
     WrongContextError,
 )
+from kvoffload.hashing import BlockHash
 from kvoffload.offloader import POOL_BOOKKEEPING_BYTES_PER_BLOCK, KVOffloader
 from kvoffload.pool import CpuBlockPool
 from kvoffload.storage.host_buffer import HostKVBuffer
@@ -162,6 +163,19 @@ def test_touch_and_free_refuse_a_block_of_another_pool() -> None:
     big = CpuBlockPool(8)
     with pytest.raises(BlockStateError, match="block 6 belongs to another pool"):
         mine.touch([big.block(6)])
+
+
+def test_publish_refuses_a_block_of_another_pool() -> None:
+    # Published here, another pool's block would be served for this pool's lookups.
+    mine, other = CpuBlockPool(4), CpuBlockPool(4)
+    (theirs,) = other.allocate(1)
+    key = BlockHash(bytes(32))
+    with pytest.raises(BlockStateError, match="block 0 belongs to another pool"):
+        mine.publish(theirs, key)
+    assert mine.lookup([key]) == []
+    assert theirs.block_hash is None
+    mine.check_invariants()
+    other.check_invariants()
 
 
 # -- item 6: odd values -------------------------------------------------------------------------

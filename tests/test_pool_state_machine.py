@@ -211,6 +211,20 @@ class PoolMachine(RuleBasedStateMachine):
         assert after == before
         other.check_invariants()
 
+    @rule(key=KEYS)
+    def publish_foreign_block(self, key: int) -> None:
+        """Another pool's referenced block is never published here."""
+        other = CpuBlockPool(NUM_BLOCKS)
+        foreign = other.allocate(1)[0]
+        before = (self.free_ids(), [self.pool.block(b).ref_cnt for b in range(NUM_BLOCKS)])
+        found = self.pool.get_cached(h(key))
+        with pytest.raises(BlockStateError, match="another pool"):
+            self.pool.publish(foreign, h(key))
+        assert self.pool.get_cached(h(key)) is found
+        assert foreign.block_hash is None
+        after = (self.free_ids(), [self.pool.block(b).ref_cnt for b in range(NUM_BLOCKS)])
+        assert after == before
+
     @rule(block=st.integers(0, NUM_BLOCKS - 1), key=KEYS)
     def publish(self, block: int, key: int) -> None:
         try:

@@ -103,6 +103,7 @@ class CpuBlockPool:
         "_lookups",
         "_num_blocks",
         "_policy",
+        "_token",
     )
 
     def __init__(
@@ -116,6 +117,9 @@ class CpuBlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self._num_blocks = num_blocks
         self._blocks = tuple(CpuBlock(BlockId(i)) for i in range(num_blocks))
+        self._token = token = object()
+        for block in self._blocks:
+            block._owner = token
         self._free = LruFreeQueue(self._blocks)
         self._cached: dict[BlockHash, CpuBlock] = {}
         self._enable_events = enable_events
@@ -249,11 +253,11 @@ class CpuBlockPool:
         Raises:
             BlockStateError: a block of another pool; nothing changed.
         """
-        if not isinstance(blocks, list | tuple):
+        if type(blocks) is not list and type(blocks) is not tuple:
             blocks = list(blocks)
-        own, n = self._blocks, self._num_blocks
+        token = self._token
         for block in blocks:
-            if block.block_id >= n or own[block.block_id] is not block:
+            if block._owner is not token:
                 raise BlockStateError(f"block {block.block_id} belongs to another pool")
         if self._hooked is not None:
             self._touch_hooked(blocks, self._hooked)
@@ -291,17 +295,16 @@ class CpuBlockPool:
         tail = free._tail
         last = tail._prev
         linked = 0
-        own, n = self._blocks, self._num_blocks
+        token = self._token
         for done, block in enumerate(blocks):
             ref_cnt = block.ref_cnt
-            block_id = block.block_id
-            if ref_cnt <= 0 or block_id >= n or own[block_id] is not block:
+            if ref_cnt <= 0 or block._owner is not token:
                 last._next = tail  # type: ignore[union-attr]
                 tail._prev = last
                 free._len += linked
                 self._undo_free(blocks, done)
                 if ref_cnt > 0:
-                    raise BlockStateError(f"block {block_id} belongs to another pool")
+                    raise BlockStateError(f"block {block.block_id} belongs to another pool")
                 raise BlockStateError(
                     f"free of block {block.block_id} whose ref_cnt is {ref_cnt} (double free)"
                 )
@@ -386,8 +389,11 @@ class CpuBlockPool:
             unpublished and, once freed, is taken in LRU order like any other block).
 
         Raises:
-            BlockStateError: ``block`` has no reference, or is published under another hash.
+            BlockStateError: ``block`` has no reference, is published under another hash,
+                or belongs to another pool (it would be served for this pool's lookups).
         """
+        if block._owner is not self._token:
+            raise BlockStateError(f"block {block.block_id} belongs to another pool")
         if block.ref_cnt <= 0:
             raise BlockStateError(
                 f"publish of block {block.block_id} with ref_cnt {block.ref_cnt}: "

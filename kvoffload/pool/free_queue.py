@@ -58,6 +58,9 @@ class CpuBlock(_Node):
     block_hash: BlockHash | None = None
     _prev: _Node | None = field(default=None, init=False, repr=False)
     _next: _Node | None = field(default=None, init=False, repr=False)
+    # The owning pool's token (not the pool: no reference cycle), for one identity test
+    # per block in `CpuBlockPool.touch` and `CpuBlockPool.free`.
+    _owner: object = field(default=None, init=False, repr=False)
 
     @property
     def is_free(self) -> bool:
