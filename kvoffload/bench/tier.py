@@ -14,10 +14,11 @@ same run, with the same bytes, batches and concurrency, it measures a baseline:
 * redis: a bare pipelined ``redis.asyncio`` client doing ``SET`` / ``GET`` of the
   payloads (no header, no checksum, no copy into host blocks).
 
-Each repetition runs a tier pass next to its baseline pass (disk: in alternating order),
-so that load from other processes hits both alike. It prints the median GB/s of ``--reps``
-repetitions of each and the median of the per-repetition ratios (tier over baseline; 1.0
-means the tier costs nothing on top of the raw path).
+Tier and baseline take turns chunk by chunk (``--chunk-mib`` each, the side that goes
+first alternating), so that a slow spell of the device or of another process hits both
+alike. A repetition stores every block and then loads every block that way; it prints the
+median GB/s of ``--reps`` repetitions of each side and the median of the per-repetition
+ratios (tier over baseline; 1.0 means the tier costs nothing on top of the raw path).
 """
 
 from __future__ import annotations
@@ -61,6 +62,15 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--reps", type=int, default=5, help="repetitions (median)")
     p.add_argument("--batch", type=int, default=16, help="blocks per tier operation")
     p.add_argument("--concurrency", type=int, default=4, help="operations in flight")
+    p.add_argument(
+        "--chunk-mib", type=int, default=8, help="bytes each side moves before the other's turn"
+    )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure the baseline against a second copy of itself instead of the tier: the "
+        "spread of its ratio around 1.0 is this machine's noise",
+    )
     p.add_argument("--path", default=None, help="disk: directory of the files (default: tmp)")
     p.add_argument("--direct-io", choices=["auto", "never"], default="auto")
     p.add_argument("--url", default="redis://127.0.0.1:6379/0", help="redis: server URL")
@@ -80,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
             print("--kind redis needs the redis extra: pip install 'kvoffload[redis]'")
             return 2
     print("command: python -m kvoffload.bench " + " ".join(sys.argv[1:] or ["tier"]))
+    if args.calibrate:
+        print("# --calibrate: the tier column is a second copy of the baseline")
     print(f"{'kind':6} {'block':>8} {'op':5} {'tier GB/s':>10} {'baseline GB/s':>14} {'ratio':>6}")
     for kib in (int(s) for s in args.block_kib.split(",") if s.strip()):
         nbytes = kib * 1024
@@ -109,21 +121,55 @@ async def _measure(
         memory.close()
 
 
-async def _concurrently(
-    count: int, concurrency: int, batch: int, op: Callable[[int, int], Awaitable[None]]
-) -> float:
-    """Run ``op(lo, hi)`` over ``[0, count)`` in batches, ``concurrency`` at once; seconds."""
+Batch = Callable[[int, int], Awaitable[None]]
+"""One operation over blocks ``[lo, hi)``."""
+
+
+async def _concurrently(begin: int, end: int, concurrency: int, batch: int, op: Batch) -> float:
+    """Run ``op(lo, hi)`` over ``[begin, end)`` in batches, ``concurrency`` at once; seconds."""
     limiter = anyio.Semaphore(concurrency)
     start = time.perf_counter()
     async with anyio.create_task_group() as tg:
-        for lo in range(0, count, batch):
+        for lo in range(begin, end, batch):
 
             async def one(lo: int = lo) -> None:
                 async with limiter:
-                    await op(lo, min(count, lo + batch))
+                    await op(lo, min(end, lo + batch))
 
             tg.start_soon(one)
     return time.perf_counter() - start
+
+
+async def _side_by_side(
+    args: argparse.Namespace,
+    n: int,
+    nbytes: int,
+    *,
+    ours: dict[str, Batch],
+    base: dict[str, Batch],
+    reset: Callable[[], Awaitable[None]],
+    check: Callable[[], None],
+) -> list[tuple[str, float, float, float]]:
+    """Per repetition: ``reset()``, then store and then load all ``n`` blocks, tier and
+    baseline taking turns chunk by chunk; then ``check()``. Returns `_medians()`."""
+    chunk = max(args.batch * args.concurrency, (args.chunk_mib << 20) // nbytes)
+    samples: dict[str, list[tuple[float, float]]] = {"store": [], "load": []}
+    for rep in range(args.reps):
+        await reset()
+        for op in ("store", "load"):
+            seconds = {"ours": 0.0, "base": 0.0}
+            for k, lo in enumerate(range(0, n, chunk)):
+                hi = min(n, lo + chunk)
+                turns = [("ours", ours[op]), ("base", base[op])]
+                if (rep + k) % 2:
+                    turns.reverse()
+                for side, fn in turns:
+                    seconds[side] += await _concurrently(lo, hi, args.concurrency, args.batch, fn)
+            samples[op].append(
+                (_gbps(n * nbytes, seconds["ours"]), _gbps(n * nbytes, seconds["base"]))
+            )
+        check()
+    return _medians(samples)
 
 
 def _tier_ops(
@@ -134,8 +180,8 @@ def _tier_ops(
     hashes: Sequence[BlockHash],
     src: Sequence[memoryview],
     dst: Sequence[memoryview],
-) -> dict[str, Callable[[], Awaitable[float]]]:
-    """A store pass and a verified load pass through ``tier``, each returning its seconds."""
+) -> dict[str, Batch]:
+    """A store batch and a verified load batch through ``tier``."""
 
     async def store(lo: int, hi: int) -> None:
         writes = [
@@ -174,15 +220,7 @@ def _tier_ops(
         else:
             await anyio.to_thread.run_sync(check)
 
-    n = len(hashes)
-
-    async def store_pass() -> float:
-        return await _concurrently(n, args.concurrency, args.batch, store)
-
-    async def load_pass() -> float:
-        return await _concurrently(n, args.concurrency, args.batch, load)
-
-    return {"store": store_pass, "load": load_pass}
+    return {"store": store, "load": load}
 
 
 def _medians(
@@ -216,10 +254,9 @@ async def _disk(
 ) -> list[tuple[str, float, float, float]]:
     n = len(hashes)
     with tempfile.TemporaryDirectory(dir=args.path, prefix="kvoffload-bench-") as tmp:
-        slot = 4096 + -(-nbytes // 4096) * 4096
         tier = DiskTier(
             Path(tmp) / "tier.bin",
-            4096 + n * slot,
+            DiskTier.file_bytes(n, nbytes),
             block_nbytes=nbytes,
             namespace=_NS,
             direct_io=args.direct_io,
@@ -230,15 +267,19 @@ async def _disk(
         flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if tier.direct_io else 0)
         fd = os.open(raw_path, flags, 0o600)
         os.posix_fallocate(fd, 0, n * nbytes)
+        fd2 = os.open(Path(tmp) / "raw2.bin", flags, 0o600) if args.calibrate else -1
+        if fd2 >= 0:
+            os.posix_fallocate(fd2, 0, n * nbytes)
         limiter = anyio.CapacityLimiter(args.concurrency)
         try:
             iov_max = min(os.sysconf("SC_IOV_MAX"), 1024)
 
-            async def raw(write: bool, bufs: Sequence[memoryview]) -> float:
+            def raw(write: bool, fd: int = fd) -> Batch:
                 # What a careful asyncio user of the raw file does: per batch of
                 # consecutive blocks, one vectored call straight from and into the same
                 # buffers, in a worker thread, as many batches in flight as the tier has.
                 call = os.pwritev if write else os.preadv
+                bufs = src if write else dst
 
                 def chunk(lo: int, hi: int) -> None:
                     for at in range(lo, hi, iov_max):
@@ -249,28 +290,31 @@ async def _disk(
                 async def batch(lo: int, hi: int) -> None:
                     await anyio.to_thread.run_sync(chunk, lo, hi, limiter=limiter)
 
-                return await _concurrently(n, args.concurrency, args.batch, batch)
+                return batch
 
-            samples: dict[str, list[tuple[float, float]]] = {"store": [], "load": []}
-            ops = _tier_ops(tier, args, nbytes=nbytes, hashes=hashes, src=src, dst=dst)
-            for rep in range(args.reps):
-                # Each tier pass sits next to its baseline pass, in alternating order, so
-                # that a burst of load from elsewhere hits both sides alike.
+            async def reset() -> None:
                 await tier.delete(hashes)
-                for op, write in (("store", True), ("load", False)):
-                    if rep % 2:
-                        ours = await ops[op]()
-                        base = await raw(write, src if write else dst)
-                    else:
-                        base = await raw(write, src if write else dst)
-                        ours = await ops[op]()
-                    samples[op].append((_gbps(n * nbytes, ours), _gbps(n * nbytes, base)))
-                _check_copies(src, dst)
+
+            rows = await _side_by_side(
+                args,
+                n,
+                nbytes,
+                ours=(
+                    {"store": raw(True, fd2), "load": raw(False, fd2)}
+                    if args.calibrate
+                    else _tier_ops(tier, args, nbytes=nbytes, hashes=hashes, src=src, dst=dst)
+                ),
+                base={"store": raw(True), "load": raw(False)},
+                reset=reset,
+                check=functools.partial(_check_copies, src, dst),
+            )
             print(f"# disk: O_DIRECT={tier.direct_io} {tier.statistics()}", file=sys.stderr)
         finally:
             os.close(fd)
+            if fd2 >= 0:
+                os.close(fd2)
             await tier.close()
-    return _medians(samples)
+    return rows
 
 
 async def _redis(
@@ -296,37 +340,46 @@ async def _redis(
     await tier.open()
     bare = aioredis.Redis.from_url(args.url, max_connections=args.concurrency + 1)
     keys = [f"{prefix}bare:{i}".encode() for i in range(n)]
+    keys2 = [f"{prefix}bare2:{i}".encode() for i in range(n)]
 
-    async def bare_set(lo: int, hi: int) -> None:
-        async with bare.pipeline(transaction=False) as pipe:
-            for i in range(lo, hi):
-                pipe.set(keys[i], src[i])
-            await pipe.execute()
+    def bare_ops(keys: Sequence[bytes]) -> dict[str, Batch]:
+        async def bare_set(lo: int, hi: int) -> None:
+            async with bare.pipeline(transaction=False) as pipe:
+                for i in range(lo, hi):
+                    pipe.set(keys[i], src[i])
+                await pipe.execute()
 
-    async def bare_get(lo: int, hi: int) -> None:
-        async with bare.pipeline(transaction=False) as pipe:
-            for i in range(lo, hi):
-                pipe.get(keys[i])
-            values = await pipe.execute()
-        if any(v is None or len(v) != nbytes for v in values):
-            raise RuntimeError("bare GET missed")
+        async def bare_get(lo: int, hi: int) -> None:
+            async with bare.pipeline(transaction=False) as pipe:
+                for i in range(lo, hi):
+                    pipe.get(keys[i])
+                values = await pipe.execute()
+            if any(v is None or len(v) != nbytes for v in values):
+                raise RuntimeError("bare GET missed")
 
-    samples: dict[str, list[tuple[float, float]]] = {"store": [], "load": []}
-    ops = _tier_ops(tier, args, nbytes=nbytes, hashes=hashes, src=src, dst=dst)
-    try:
-        for _ in range(args.reps):
-            base_w = await _concurrently(n, args.concurrency, args.batch, bare_set)
-            base_r = await _concurrently(n, args.concurrency, args.batch, bare_get)
-            await bare.delete(*keys)
-            ours_w = await ops["store"]()
-            ours_r = await ops["load"]()
-            _check_copies(src, dst)
-            await tier.delete(hashes)
-            samples["store"].append((_gbps(n * nbytes, ours_w), _gbps(n * nbytes, base_w)))
-            samples["load"].append((_gbps(n * nbytes, ours_r), _gbps(n * nbytes, base_r)))
-    finally:
-        await bare.delete(*keys)
+        return {"store": bare_set, "load": bare_get}
+
+    async def reset() -> None:
+        await bare.delete(*keys, *keys2)
         await tier.delete(hashes)
+
+    try:
+        rows = await _side_by_side(
+            args,
+            n,
+            nbytes,
+            ours=(
+                bare_ops(keys2)
+                if args.calibrate
+                else _tier_ops(tier, args, nbytes=nbytes, hashes=hashes, src=src, dst=dst)
+            ),
+            base=bare_ops(keys),
+            reset=reset,
+            # A bare GET copies nothing into the host blocks: only the tier's can be checked.
+            check=(lambda: None) if args.calibrate else functools.partial(_check_copies, src, dst),
+        )
+    finally:
+        await reset()
         await bare.aclose()
         await tier.close()
-    return _medians(samples)
+    return rows

@@ -1,17 +1,22 @@
 """`DiskTier`: blocks in one preallocated file on a local disk, addressed by slot.
 
-The file starts with a 4 KiB superblock (format, slot size, slot count, block size,
-namespace), followed by slots of one 4 KiB header page and one block payload rounded up
-to 4 KiB. A block is written with a single ``pwritev`` of its header page and payload and
-read with a single ``preadv``, straight from and into the CPU pool's memory, in worker
-threads. ``O_DIRECT`` is used when the file system accepts it and the buffer is aligned;
-otherwise the I/O goes through the page cache (reported in `statistics()`).
+The file starts with a 4 KiB superblock (format, payload span, slot count, block size,
+namespace), followed by *extents*: one 4 KiB header page holding the 128-byte headers of
+32 slots, then those 32 slots' payloads, each rounded up to 4 KiB. A run of consecutive
+slots is written with one ``pwritev`` of the payloads (and of the extent's header page
+when the run starts the extent; otherwise the header page follows in a second write, after
+the payloads) and read with one ``preadv``, straight from and into the CPU pool's memory,
+in worker threads. Header bytes cost 1/32 of a page per block, not a page. ``O_DIRECT``
+is used when the file system accepts it and the buffer is aligned; otherwise the I/O goes
+through the page cache (reported in `statistics()`).
 
-The index (hash → slot, in LRU order) lives in memory. With ``persist=True`` the file
-is kept on close and the index is rebuilt at start-up from the slot headers: a slot whose
-header is torn, foreign (another namespace or block size) or duplicated is discarded. A
-slot whose payload was torn by a crash keeps a valid-looking header, but its checksum
-fails at the first read, which drops it.
+The index (hash → slot, in LRU order) and an image of every header page (128 bytes per
+slot) live in memory; a read is checked against the header the tier wrote. With
+``persist=True`` the file is kept on close and both are rebuilt at start-up from the header
+pages: a slot whose header is torn, foreign (another namespace or block size) or
+duplicated is discarded. A slot whose payload was torn by a crash (or whose header page
+was written and payload was not) keeps a valid-looking header, but its checksum fails at
+the first read, which drops it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import contextlib
 import ctypes
 import errno
 import mmap
+import operator
 import os
 import struct
 import threading
@@ -36,6 +42,7 @@ import anyio.to_thread
 from kvoffload._logging import get_logger
 from kvoffload.errors import ConfigError, IntegrityError, TierError
 from kvoffload.hashing import BlockHash
+from kvoffload.tiers._threads import IoThreads
 from kvoffload.tiers.base import BlockRead, BlockWrite
 from kvoffload.tiers.format import HEADER_SIZE, checksum, parse_header
 
@@ -44,33 +51,55 @@ __all__ = ["DiskTier"]
 _log = get_logger("tiers.disk")
 
 _PAGE = 4096
-_ZERO_HEADER = bytes(HEADER_SIZE)
 _SUPER = struct.Struct("<8sIQQQ32s")
 _SUPER_MAGIC = b"KVODISK1"
-_SUPER_VERSION = 1
+_SUPER_VERSION = 2  # 1: one header page per slot; 2: one header page per 32 slots
+_ENTRY = 128  # bytes of a header page per slot (a header is HEADER_SIZE of them)
+_GROUP = _PAGE // _ENTRY  # slots per extent
+_LOCKS = 64  # striped locks that order the writes of header pages
+
+
+assert HEADER_SIZE <= _ENTRY
 
 
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+def _file_bytes(num_slots: int, span: int) -> int:
+    """Size of a file of ``num_slots`` slots whose payloads take ``span`` bytes each."""
+    full, extra = divmod(num_slots, _GROUP)
+    return _PAGE + full * (_PAGE + _GROUP * span) + (_PAGE + extra * span if extra else 0)
+
+
+def _slots_in(capacity_bytes: int, span: int) -> int:
+    """How many slots of ``span`` payload bytes a file of ``capacity_bytes`` holds."""
+    avail = capacity_bytes - _PAGE
+    extent = _PAGE + _GROUP * span
+    if avail < _PAGE + span:
+        return 0
+    full, rest = divmod(avail, extent)
+    extra = min(_GROUP - 1, (rest - _PAGE) // span) if rest >= _PAGE + span else 0
+    return full * _GROUP + extra
+
+
 _pages = threading.local()
 
 
-def _header_pages(kind: str, count: int) -> memoryview:
-    """This thread's ``count`` page-aligned header pages for ``kind`` ``"w"`` or ``"r"``.
+def _header_page() -> memoryview:
+    """This thread's page-aligned buffer for writing one header page.
 
-    Kept per worker thread and reused: fresh pages for every call cost page faults and
-    zeroing on each I/O. Write pages only ever get a header's first bytes written (the
-    rest stays zero); read pages have their header bytes zeroed before each read.
+    Kept per worker thread and reused: a fresh page for every write costs a page fault
+    and zeroing on each I/O.
     """
-    have: memoryview | None = getattr(_pages, kind, None)
-    if have is None or len(have) < count * _PAGE:
-        size = max(count, 16) * _PAGE
-        setattr(_pages, kind, memoryview(mmap.mmap(-1, size)))
-        have = getattr(_pages, kind)
-    assert have is not None
+    have: memoryview | None = getattr(_pages, "page", None)
+    if have is None:
+        have = memoryview(mmap.mmap(-1, _PAGE))
+        _pages.page = have
     return have
+
+
+_slot_of = operator.itemgetter(1)
 
 
 def _skip(buffers: list[memoryview], n: int) -> list[memoryview]:
@@ -133,25 +162,34 @@ class DiskTier:
         self._path = Path(path)
         self._block_nbytes = block_nbytes
         self._payload_span = _round_up(block_nbytes, _PAGE)
+        self._extent_size = _PAGE + _GROUP * self._payload_span
+        # What one more slot can take from the file system: its payload and, at worst,
+        # the header page of a new extent.
         self._slot_size = _PAGE + self._payload_span
-        self._num_slots = (int(capacity_bytes) - _PAGE) // self._slot_size
+        self._num_slots = _slots_in(int(capacity_bytes), self._payload_span)
         if self._num_slots < 1:
             raise ConfigError(
-                f"disk tier {name!r}: capacity_bytes={int(capacity_bytes)} holds no slot of "
-                f"{self._slot_size} bytes (a {_PAGE}-byte header page plus the block)"
+                f"disk tier {name!r}: capacity_bytes={int(capacity_bytes)} holds no slot: "
+                f"the smallest file is {_file_bytes(1, self._payload_span)} bytes (a "
+                f"{_PAGE}-byte superblock, a header page and the block rounded up to {_PAGE})"
             )
+        self._file_size = _file_bytes(self._num_slots, self._payload_span)
+        # The image of every header page, as on disk once the writes under way are done.
+        self._headers = bytearray(-(-self._num_slots // _GROUP) * _PAGE)
+        self._page_locks = [threading.Lock() for _ in range(_LOCKS)]
         self._namespace = namespace
         self._persist = persist
         self._want_direct = direct_io == "auto"
         self._preallocate = preallocate
         self._full = False
         self._name = name
-        self._limiter = anyio.CapacityLimiter(io_threads)
+        self._threads = IoThreads(io_threads, f"kvoffload-disk-{name}")
+        self._limiter = self._threads.limiter
         self._fd = -1
         self._dfd = -1
         self._identity: tuple[int, int] | None = None
         self._index: OrderedDict[BlockHash, int] = OrderedDict()
-        self._free: list[int] = []
+        self._free: list[int] = []  # a stack: the last freed goes first
         self._readers: dict[int, int] = {}
         self._doomed: set[int] = set()
         self._writing: set[BlockHash] = set()
@@ -164,6 +202,7 @@ class DiskTier:
         # Payloads not a whole number of pages leave a gap before the next slot's header;
         # a run of slots skips it with a zero pad (writes) or a scratch buffer (reads).
         gap = self._payload_span - block_nbytes
+        self._direct_sizes = gap == 0  # O_DIRECT needs whole pages
         self._pad = memoryview(bytes(gap)) if gap else None
         self._scratch = memoryview(bytearray(gap)) if gap else None
         iov_max = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -174,6 +213,20 @@ class DiskTier:
             f"DiskTier(name={self._name!r}, path={str(self._path)!r}, "
             f"slots={len(self._index)}/{self._num_slots})"
         )
+
+    @staticmethod
+    def file_bytes(num_slots: int, block_nbytes: int) -> int:
+        """The ``capacity_bytes`` that holds exactly ``num_slots`` blocks of ``block_nbytes``.
+
+        A block takes its size rounded up to 4 KiB, plus 128 bytes of a header page shared
+        by 32 slots; the file starts with a 4 KiB superblock.
+
+        Raises:
+            ValueError: ``num_slots`` or ``block_nbytes`` is below 1.
+        """
+        if num_slots < 1 or block_nbytes < 1:
+            raise ValueError(f"num_slots={num_slots} and block_nbytes={block_nbytes} must be >= 1")
+        return _file_bytes(num_slots, _round_up(block_nbytes, _PAGE))
 
     @property
     def name(self) -> str:
@@ -209,7 +262,7 @@ class DiskTier:
         body = _SUPER.pack(
             _SUPER_MAGIC,
             _SUPER_VERSION,
-            self._slot_size,
+            self._payload_span,
             self._num_slots,
             self._block_nbytes,
             self._namespace,
@@ -219,7 +272,7 @@ class DiskTier:
 
     def _open_sync(self) -> None:
         self._close_fds()
-        size = _PAGE + self._num_slots * self._slot_size
+        size = self._file_size
         reuse = False
         try:
             fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -251,6 +304,7 @@ class DiskTier:
         self._readers.clear()
         self._doomed.clear()
         self._free = []
+        self._headers[:] = bytes(len(self._headers))
         if reuse:
             self._rebuild()
         else:
@@ -274,24 +328,31 @@ class DiskTier:
 
     def _rebuild(self) -> None:
         free: list[int] = []
-        for slot in range(self._num_slots):
-            raw = os.pread(self._fd, HEADER_SIZE, self._offset(slot))
-            try:
-                header = parse_header(raw)
-            except IntegrityError:
-                if raw.strip(b"\0"):
+        images = self._headers
+        for extent in range(len(images) // _PAGE):
+            page = os.pread(self._fd, _PAGE, self._header_page_offset(extent))
+            images[extent * _PAGE : extent * _PAGE + len(page)] = page
+            for slot in range(extent * _GROUP, min(self._num_slots, (extent + 1) * _GROUP)):
+                at = slot * _ENTRY
+                raw = bytes(images[at : at + HEADER_SIZE])
+                try:
+                    header = parse_header(raw)
+                except IntegrityError:
+                    if images[at : at + _ENTRY].strip(b"\0"):
+                        self._discarded_at_open += 1
+                    images[at : at + _ENTRY] = bytes(_ENTRY)
+                    free.append(slot)
+                    continue
+                if (
+                    header.namespace != self._namespace
+                    or header.payload_length != self._block_nbytes
+                    or header.block_hash in self._index
+                ):
                     self._discarded_at_open += 1
-                free.append(slot)
-                continue
-            if (
-                header.namespace != self._namespace
-                or header.payload_length != self._block_nbytes
-                or header.block_hash in self._index
-            ):
-                self._discarded_at_open += 1
-                free.append(slot)
-                continue
-            self._index[header.block_hash] = slot
+                    images[at : at + _ENTRY] = bytes(_ENTRY)
+                    free.append(slot)
+                    continue
+                self._index[header.block_hash] = slot
         self._free = free[::-1]
 
     def _close_fds(self) -> None:
@@ -307,6 +368,7 @@ class DiskTier:
             return
         self._closed = True
         identity = self._identity
+        self._threads.shutdown()
         self._close_fds()
         if not self._persist and identity is not None:
             with contextlib.suppress(OSError):
@@ -367,8 +429,17 @@ class DiskTier:
 
     # -- slots -------------------------------------------------------------------------------
 
+    def _header_page_offset(self, extent: int) -> int:
+        return _PAGE + extent * self._extent_size
+
+    def _header_offset(self, slot: int) -> int:
+        """Where ``slot``'s header starts in the file."""
+        return self._header_page_offset(slot // _GROUP) + (slot % _GROUP) * _ENTRY
+
     def _offset(self, slot: int) -> int:
-        return _PAGE + slot * self._slot_size
+        """Where ``slot``'s payload starts in the file."""
+        extent, k = divmod(slot, _GROUP)
+        return self._header_page_offset(extent) + _PAGE + k * self._payload_span
 
     def _take_slot(self) -> int | None:
         if self._free:
@@ -426,40 +497,40 @@ class DiskTier:
             raise TierError(f"disk tier {self._name!r} is not open")
         held = 0
         jobs: list[tuple[BlockWrite, int]] = []
+        index, writing, free, nbytes = self._index, self._writing, self._free, self._block_nbytes
         for block in blocks:
-            if len(block.payload) != self._block_nbytes:
+            block_hash = block.block_hash
+            if len(block.payload) != nbytes:
                 raise ValueError(
                     f"disk tier {self._name!r}: payload of {len(block.payload)} bytes, a block "
-                    f"has {self._block_nbytes}"
+                    f"has {nbytes}"
                 )
-            if block.block_hash in self._index:
-                self._index.move_to_end(block.block_hash)
+            if block_hash in index:
+                index.move_to_end(block_hash)
                 held += 1
                 continue
-            if block.block_hash in self._writing:
+            if block_hash in writing:
                 continue
-            slot = self._take_slot()
+            slot = free.pop() if free else self._take_slot()
             if slot is None:
                 continue
-            self._writing.add(block.block_hash)
+            writing.add(block_hash)
             jobs.append((block, slot))
         if not jobs:
             return held
-        jobs.sort(key=lambda job: job[1])  # consecutive slots go in one pwritev
+        jobs.sort(key=_slot_of)  # consecutive slots go in one pwritev
         written = 0
         try:
             # Handed over in a box the call empties: an idle worker thread keeps its last
             # call's arguments, and must not keep the caller's buffers exported.
-            written = await anyio.to_thread.run_sync(
-                self._write_sync, [list(jobs)], limiter=self._limiter
-            )
+            written = await self._threads.run(self._write_sync, [list(jobs)])
         finally:
-            for i, (block, slot) in enumerate(jobs):
-                self._writing.discard(block.block_hash)
-                if i < written and not self._closed:
-                    self._index[block.block_hash] = slot
-                else:
-                    self._release_slot(slot)
+            writing.difference_update([block.block_hash for block, _ in jobs])
+            if self._closed:
+                written = 0
+            index.update((block.block_hash, slot) for block, slot in jobs[:written])
+            for _, slot in jobs[written:]:
+                self._release_slot(slot)
         return held + written
 
     def _runs(self, slots: Sequence[int]) -> list[tuple[int, int]]:
@@ -467,74 +538,130 @@ class DiskTier:
         runs: list[tuple[int, int]] = []
         lo = 0
         for k in range(1, len(slots) + 1):
-            if k == len(slots) or slots[k] != slots[k - 1] + 1 or k - lo >= self._run_max:
+            if (
+                k == len(slots)
+                or slots[k] != slots[k - 1] + 1
+                or slots[k] % _GROUP == 0  # the next extent's header page sits between
+                or k - lo >= self._run_max
+            ):
                 runs.append((lo, k))
                 lo = k
         return runs
 
     def _write_sync(self, box: list[list[tuple[BlockWrite, int]]]) -> int:
-        """Write the boxed jobs (sorted by slot): one ``pwritev`` per run of consecutive
-        slots.
+        """Write the boxed jobs (sorted by slot): per run of consecutive slots of one
+        extent, one ``pwritev`` of the payloads, and the extent's header page (in the same
+        call when the run starts the extent, else right after the payloads).
 
         Returns how many jobs, from the first, were written in full.
         """
         jobs = box.pop()
         self._check_file()
-        pages = _header_pages("w", len(jobs))
+        page = _header_page()
         pad = self._pad
         written = 0
         for lo, hi in self._runs([slot for _, slot in jobs]):
+            first, last = jobs[lo][1], jobs[hi - 1][1]
+            # The headers, with the payload checksums in them, in this thread.
+            headers = [jobs[k][0].sealed_header() for k in range(lo, hi)]
+            for k, header in zip(range(lo, hi), headers, strict=True):
+                if len(header) > _ENTRY:
+                    raise ValueError(
+                        f"disk tier {self._name!r}: header of {len(header)} bytes for slot "
+                        f"{jobs[k][1]}; a header takes at most {_ENTRY}"
+                    )
+            payloads = [jobs[k][0].payload for k in range(lo, hi)]
             buffers: list[memoryview] = []
-            payloads = []
-            for k in range(lo, hi):
-                block = jobs[k][0]
-                header = block.sealed_header()  # the checksum, in this thread
-                # Headers have one fixed size, so the rest of each page stays zero.
-                pages[k * _PAGE : k * _PAGE + len(header)] = header
-                buffers.append(pages[k * _PAGE : (k + 1) * _PAGE])
-                buffers.append(block.payload)
-                payloads.append(block.payload)
-                if pad is not None and k + 1 < hi:
+            for payload in payloads:
+                if buffers and pad is not None:
                     buffers.append(pad)
-            slot = jobs[lo][1]
-            want = sum(len(b) for b in buffers)
-            try:
-                n = self._io(True, buffers, payloads, self._offset(slot))
-                while 0 < n < want:
-                    # A short write: write the rest, as a careful writer does; on a full
-                    # file system that call fails with the errno (ENOSPC) that says why.
-                    # (Through the page cache: the rest need not be aligned for O_DIRECT.)
-                    more = os.pwritev(self._fd, _skip(buffers, n), self._offset(slot) + n)
-                    self._buffered_ios += 1
-                    if more <= 0:
-                        break
-                    n += more
-            except OSError as exc:
-                self._note_error(exc)
-                raise TierError(
-                    f"disk tier {self._name!r}: write of slots {slot}..{slot + hi - lo - 1} "
-                    f"failed: {errno.errorcode.get(exc.errno or 0, exc.errno)} "
-                    f"{exc.strerror}"
-                ) from exc
-            finally:
+                buffers.append(payload)
+            extent = first // _GROUP
+            if not self._persist:
+                # Without persistence the headers on disk are never read: reads are
+                # checked against the image, so only the payloads are written.
+                self._stage_headers(first, headers)
+                self._write_run(first, last, buffers, payloads, self._offset(first))
                 buffers.clear()
-            if n != want:
-                # On a sparse file a write cut short means the file system filled up.
-                self._enospc += 1
-                self._full = True
-                _log.warning(
-                    "disk_tier_short_write",
-                    tier=self._name,
-                    path=str(self._path),
-                    written=n,
-                    wanted=want,
-                )
-                raise TierError(
-                    f"disk tier {self._name!r}: short write of slots "
-                    f"{slot}..{slot + hi - lo - 1}: {n} of {want} bytes"
-                )
+                written = hi
+                continue
+            lock = self._page_locks[extent % _LOCKS]
+            at = self._header_page_offset(extent)
+            if first % _GROUP == 0:
+                # The run starts its extent: header page and payloads are adjacent.
+                with lock:
+                    self._stage_headers(first, headers)
+                    self._copy_page(extent, page)
+                    self._write_run(first, last, [page, *buffers], payloads, at)
+            else:
+                # Payloads first: a crash between the two writes leaves old headers over
+                # new payloads, which fail their checksum.
+                self._write_run(first, last, buffers, payloads, self._offset(first))
+                with lock:  # page writes of one extent in order, each with all headers
+                    self._stage_headers(first, headers)
+                    self._copy_page(extent, page)
+                    self._write_run(first, last, [page], payloads, at)
+            buffers.clear()
             written = hi
         return written
+
+    def _stage_headers(self, first: int, headers: Sequence[bytes]) -> None:
+        """Put ``headers`` (of slots ``first``, ``first + 1``...) in the image."""
+        images = self._headers
+        at = first * _ENTRY
+        for header in headers:
+            if len(header) == HEADER_SIZE:
+                images[at : at + HEADER_SIZE] = header
+            else:
+                images[at : at + _ENTRY] = header.ljust(_ENTRY, b"\0")
+            at += _ENTRY
+
+    def _copy_page(self, extent: int, page: memoryview) -> None:
+        """Copy ``extent``'s header page from the image into ``page`` (under its lock)."""
+        page[:] = self._headers[extent * _PAGE : (extent + 1) * _PAGE]
+
+    def _write_run(
+        self,
+        first: int,
+        last: int,
+        buffers: list[memoryview],
+        payloads: list[memoryview],
+        offset: int,
+    ) -> None:
+        """Write ``buffers`` at ``offset`` in full, or raise `TierError`."""
+        want = sum(len(b) for b in buffers)
+        try:
+            n = self._io(True, buffers, payloads, offset)
+            while 0 < n < want:
+                # A short write: write the rest, as a careful writer does; on a full file
+                # system that call fails with the errno (ENOSPC) that says why. (Through
+                # the page cache: the rest need not be aligned for O_DIRECT.)
+                more = os.pwritev(self._fd, _skip(buffers, n), offset + n)
+                self._buffered_ios += 1
+                if more <= 0:
+                    break
+                n += more
+        except OSError as exc:
+            self._note_error(exc)
+            raise TierError(
+                f"disk tier {self._name!r}: write of slots {first}..{last} failed: "
+                f"{errno.errorcode.get(exc.errno or 0, exc.errno)} {exc.strerror}"
+            ) from exc
+        if n != want:
+            # On a sparse file a write cut short means the file system filled up.
+            self._enospc += 1
+            self._full = True
+            _log.warning(
+                "disk_tier_short_write",
+                tier=self._name,
+                path=str(self._path),
+                written=n,
+                wanted=want,
+            )
+            raise TierError(
+                f"disk tier {self._name!r}: short write of slots {first}..{last}: {n} of "
+                f"{want} bytes"
+            )
 
     def _note_error(self, exc: OSError) -> None:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -549,24 +676,28 @@ class DiskTier:
         )
 
     def _io(
-        self,
-        write: bool,
-        buffers: list[memoryview],
-        payloads: list[memoryview],
-        offset: int,
+        self, write: bool, buffers: list[memoryview], payloads: list[memoryview], offset: int
     ) -> int:
+        """One vectored I/O of ``buffers`` at ``offset``: ``O_DIRECT`` when it can be.
+
+        ``O_DIRECT`` is tried first whenever it is on and the block size is a multiple of
+        4 KiB; buffer addresses are only checked when the kernel refuses (``EINVAL``):
+        unaligned memory then goes through the page cache for this call, and a file system
+        that refuses aligned buffers turns ``O_DIRECT`` off for good.
+        """
         call = os.pwritev if write else os.preadv
-        if self._dfd >= 0 and all(self._direct_ok(p) for p in payloads):
+        if self._dfd >= 0 and self._direct_sizes:
             try:
                 n = call(self._dfd, buffers, offset)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                # The file system refused this O_DIRECT I/O: page cache from now on.
-                _log.warning("disk_tier_direct_io_refused", tier=self._name, error=str(exc))
-                with contextlib.suppress(OSError):
-                    os.close(self._dfd)
-                self._dfd = -1
+                if all(self._direct_ok(p) for p in payloads):
+                    # The file system refused aligned O_DIRECT I/O: page cache from now on.
+                    _log.warning("disk_tier_direct_io_refused", tier=self._name, error=str(exc))
+                    with contextlib.suppress(OSError):
+                        os.close(self._dfd)
+                    self._dfd = -1
             else:
                 self._direct_ios += 1
                 return n
@@ -600,11 +731,9 @@ class DiskTier:
         out: list[BlockRead | None] = [None] * len(block_hashes)
         if not jobs:
             return out
-        jobs.sort(key=lambda job: job[1])  # consecutive slots come in one preadv
+        jobs.sort(key=_slot_of)  # consecutive slots come in one preadv
         try:
-            reads = await anyio.to_thread.run_sync(
-                self._read_sync, [(jobs, into)], limiter=self._limiter
-            )
+            reads = await self._threads.run(self._read_sync, [(jobs, into)])
         finally:
             for _, slot in jobs:
                 left = self._readers[slot] - 1
@@ -623,44 +752,42 @@ class DiskTier:
         self, box: list[tuple[list[tuple[int, int]], Sequence[memoryview]]]
     ) -> list[BlockRead]:
         """Read the boxed jobs (sorted by slot) into their buffers: one ``preadv`` per run
-        of consecutive slots."""
+        of consecutive slots of one extent. Each read comes with the header the tier
+        wrote for its slot (from the image of the header pages)."""
         jobs, into = box.pop()
-        pages = _header_pages("r", len(jobs))
         scratch = self._scratch
         nbytes = self._block_nbytes
+        span = self._payload_span
+        images = self._headers
         reads = []
         for lo, hi in self._runs([slot for _, slot in jobs]):
             buffers: list[memoryview] = []
             payloads = []
             for k in range(lo, hi):
                 payload = into[jobs[k][0]][:nbytes]
-                pages[k * _PAGE : k * _PAGE + HEADER_SIZE] = _ZERO_HEADER
-                buffers.append(pages[k * _PAGE : (k + 1) * _PAGE])
+                if buffers and scratch is not None:
+                    buffers.append(scratch)
                 buffers.append(payload)
                 payloads.append(payload)
-                if scratch is not None and k + 1 < hi:
-                    buffers.append(scratch)
-            slot = jobs[lo][1]
+            first = jobs[lo][1]
             try:
-                n = self._io(False, buffers, payloads, self._offset(slot))
+                n = self._io(False, buffers, payloads, self._offset(first))
             except OSError as exc:
                 self._note_error(exc)
                 raise TierError(
-                    f"disk tier {self._name!r}: read of slots {slot}..{slot + hi - lo - 1} "
+                    f"disk tier {self._name!r}: read of slots {first}..{jobs[hi - 1][1]} "
                     f"failed: {errno.errorcode.get(exc.errno or 0, exc.errno)} "
                     f"{exc.strerror}"
                 ) from exc
             finally:
                 buffers.clear()
             for k in range(lo, hi):
-                # A short read leaves the rest of the header zero (it fails its crc).
-                at = (k - lo) * self._slot_size + _PAGE
-                got = min(nbytes, max(0, n - at))
+                got = min(nbytes, max(0, n - (k - lo) * span))
                 # The checksum of what just landed, while it is in this core's cache;
                 # the manager compares it with the header before publishing.
                 payload_checksum = checksum(payloads[k - lo]) if got == nbytes else None
-                header = bytes(pages[k * _PAGE : k * _PAGE + HEADER_SIZE])
-                reads.append(BlockRead(header, got, payload_checksum))
+                at = jobs[k][1] * _ENTRY
+                reads.append(BlockRead(bytes(images[at : at + HEADER_SIZE]), got, payload_checksum))
         return reads
 
     async def delete(self, block_hashes: Sequence[BlockHash]) -> None:
@@ -677,7 +804,7 @@ class DiskTier:
             "path": str(self._path),
             "slots": self._num_slots,
             "slots_used": len(self._index),
-            "slot_bytes": self._slot_size,
+            "slot_bytes": self._payload_span + _ENTRY,
             "direct_io": self._dfd >= 0,
             "direct_ios": self._direct_ios,
             "buffered_ios": self._buffered_ios,

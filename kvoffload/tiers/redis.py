@@ -15,9 +15,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, final
 from urllib.parse import urlsplit, urlunsplit
 
-import anyio
-import anyio.to_thread
-
 try:
     import redis.asyncio as aioredis
     from redis.backoff import NoBackoff
@@ -29,8 +26,9 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
 
 from kvoffload.errors import TierError
 from kvoffload.hashing import BlockHash
+from kvoffload.tiers._threads import IoThreads
 from kvoffload.tiers.base import BlockRead, BlockWrite
-from kvoffload.tiers.format import HEADER_SIZE
+from kvoffload.tiers.format import HEADER_SIZE, checksum
 
 __all__ = ["RedisTier"]
 
@@ -76,6 +74,8 @@ class RedisTier:
         self._max_connections = max_connections
         self._name = name
         self._client: aioredis.Redis | None = None
+        # Values are built and unpacked (copies and checksums) in these threads.
+        self._threads = IoThreads(max_connections, f"kvoffload-redis-{name}")
         self._closed = False
 
     def __repr__(self) -> str:
@@ -152,17 +152,11 @@ class RedisTier:
             return 0
         client = self._get_client()
 
-        def build() -> list[bytearray]:
-            values = []
-            for block in blocks:
-                header = block.sealed_header()
-                value = bytearray(len(header) + len(block.payload))
-                value[: len(header)] = header
-                value[len(header) :] = block.payload
-                values.append(value)
-            return values
+        def build() -> list[bytes]:
+            # One value per block: the header, then the payload (one copy, no zeroing).
+            return [b"".join((block.sealed_header(), block.payload)) for block in blocks]
 
-        values = await anyio.to_thread.run_sync(build)
+        values = await self._threads.run(build)
         async with client.pipeline(transaction=False) as pipe:
             for block, value in zip(blocks, values, strict=True):
                 pipe.set(self.key(block.block_hash), value, ex=self._ttl)
@@ -196,10 +190,13 @@ class RedisTier:
                 payload = view[HEADER_SIZE:]
                 n = min(len(payload), len(buffer))
                 buffer[:n] = payload[:n]
-                out.append(BlockRead(bytes(view[:HEADER_SIZE]), len(payload)))
+                # The checksum of what was copied, while it is in this core's cache; the
+                # caller compares it with the header before publishing.
+                summed = checksum(buffer[:n]) if n == len(payload) else None
+                out.append(BlockRead(bytes(view[:HEADER_SIZE]), len(payload), summed))
             return out
 
-        return await anyio.to_thread.run_sync(unpack)
+        return await self._threads.run(unpack)
 
     async def delete(self, block_hashes: Sequence[BlockHash]) -> None:
         """``DEL`` the blocks' keys."""
@@ -212,6 +209,7 @@ class RedisTier:
             return
         self._closed = True
         client, self._client = self._client, None
+        self._threads.shutdown()
         if client is not None:
             await client.aclose(close_connection_pool=True)
 

@@ -69,7 +69,8 @@ class DiskTierSettings(_TierSettingsBase):
 
     Attributes:
         path: the file (created; its directory must exist).
-        capacity_bytes: file size; whole slots of one header page plus one block.
+        capacity_bytes: file size; whole slots of one block (rounded up to 4 KiB) and
+            128 bytes of a header page shared by 32 slots (`DiskTier.file_bytes`).
         persist: keep the file on close and reuse its blocks at the next start.
         direct_io: ``auto`` uses ``O_DIRECT`` where the file system and the buffers allow
             it; ``never`` always goes through the page cache.

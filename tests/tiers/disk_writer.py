@@ -29,7 +29,7 @@ def payload(i: int, nbytes: int) -> bytes:
 
 async def main(path: str, slots: int, nbytes: int) -> None:
     tier = DiskTier(
-        path, 4096 + slots * (4096 + nbytes), block_nbytes=nbytes, namespace=NS, persist=True
+        path, DiskTier.file_bytes(slots, nbytes), block_nbytes=nbytes, namespace=NS, persist=True
     )
     await tier.open()
     print("ready", flush=True)

@@ -124,7 +124,7 @@ async def test_corrupted_block_is_never_served(tmp_path: Path) -> None:
         await settle(off)
         tier = off.tiers.tiers[0]  # type: ignore[union-attr]
         slot = tier._index[hashes[2]]  # type: ignore[attr-defined]
-        offset = 4096 + slot * tier._slot_size + 4096 + 77  # type: ignore[attr-defined]
+        offset = tier._offset(slot) + 77  # type: ignore[attr-defined]
         patch_file(path, offset, lambda old: bytes([old[0] ^ 0x01]))
         await off.reset()
         # The hit stops before the bad block; the engine recomputes from there.

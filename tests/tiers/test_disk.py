@@ -40,7 +40,8 @@ def write(i: int) -> BlockWrite:
 
 
 def tier(path: Path, slots: int = 4, **kw: object) -> DiskTier:
-    return DiskTier(path, 4096 + slots * SLOT, block_nbytes=NBYTES, namespace=NS, **kw)  # type: ignore[arg-type]
+    size = DiskTier.file_bytes(slots, NBYTES)
+    return DiskTier(path, size, block_nbytes=NBYTES, namespace=NS, **kw)  # type: ignore[arg-type]
 
 
 async def read_ok(t: DiskTier, i: int) -> bool:
@@ -108,6 +109,12 @@ async def test_direct_io_with_aligned_buffers(tmp_path: Path) -> None:
         await t.close()
 
 
+def read_at(path: Path, offset: int, size: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(size)
+
+
 def io_calls(t: DiskTier) -> int:
     stats = t.statistics()
     return int(stats["direct_ios"]) + int(stats["buffered_ios"])
@@ -156,12 +163,145 @@ async def test_consecutive_slots_move_in_one_call_each_way(tmp_path: Path) -> No
         await t.close()
 
 
+@pytest.mark.parametrize("nbytes", [4096, 5000, 8192])
+def test_file_bytes_holds_exactly_that_many_slots(tmp_path: Path, nbytes: int) -> None:
+    span = -(-nbytes // 4096) * 4096
+    for slots in [*range(1, 70), 1000]:
+        size = DiskTier.file_bytes(slots, nbytes)
+        assert DiskTier(tmp_path / "x", size, block_nbytes=nbytes, namespace=NS).num_slots == slots
+        more = DiskTier(tmp_path / "x", size + span - 1, block_nbytes=nbytes, namespace=NS)
+        assert more.num_slots == slots
+        if slots > 1:
+            less = DiskTier(tmp_path / "x", size - 1, block_nbytes=nbytes, namespace=NS)
+            assert less.num_slots == slots - 1
+    # One 4 KiB header page per 32 slots, plus the superblock.
+    assert DiskTier.file_bytes(64, 8192) == 4096 + 2 * 4096 + 64 * 8192
+    with pytest.raises(ValueError, match="num_slots=0"):
+        DiskTier.file_bytes(0, 8192)
+
+
+async def test_runs_across_extents_persist_and_read_back(tmp_path: Path) -> None:
+    # 70 slots are three extents (32 + 32 + 6); concurrent puts of odd-sized batches give
+    # runs that start mid-extent, end mid-extent and are split at extent boundaries.
+    path = tmp_path / "kv.bin"
+    t = tier(path, slots=70, persist=True)
+    await t.open()
+    sizes = [5, 7, 16, 3, 11, 9, 13, 6]
+    batches, at = [], 0
+    for size in sizes:
+        batches.append(range(at, at + size))
+        at += size
+    async with anyio.create_task_group() as tg:
+        for batch in batches:
+            tg.start_soon(t.put, [write(i) for i in batch])
+    assert t.statistics()["slots_used"] == at == 70
+    await t.close()
+    again = tier(path, slots=70, persist=True)
+    await again.open()
+    assert again.statistics()["discarded_at_open"] == 0
+    assert await again.exists([h(i) for i in range(70)]) == 70
+    for i in range(70):
+        assert await read_ok(again, i)
+    await again.close()
+
+
+async def test_without_persist_no_header_page_is_written(tmp_path: Path) -> None:
+    path = tmp_path / "kv.bin"
+    t = tier(path, slots=40)
+    await t.open()
+    await t.put([write(i) for i in range(40)])
+    for extent_page in (4096, 4096 + 4096 + 32 * NBYTES):
+        assert read_at(path, extent_page, 4096) == bytes(4096)
+    # Reads are checked against the headers the tier wrote (kept in memory).
+    for i in range(40):
+        assert await read_ok(t, i)
+    patch_file(path, t._offset(7) + 100, lambda old: bytes([old[0] ^ 0xFF]))
+    with pytest.raises(IntegrityError) as info:
+        await read_ok(t, 7)
+    assert info.value.reason == "checksum"
+    await t.close()
+
+
+async def test_a_failed_header_page_write_never_serves_the_new_payload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "kv.bin"
+    t = tier(path, slots=4, persist=True)
+    await t.open()
+    await t.put([write(0), write(1)])  # slots 0-1: the run starts the extent, one call
+    real_io = t._io
+    header_page = t._header_offset(0)
+
+    def io(write_: bool, buffers: list[memoryview], payloads: list[memoryview], at: int) -> int:
+        if write_ and at == header_page and len(buffers) == 1:
+            raise OSError(5, "Input/output error")  # the page alone, after the payload
+        return real_io(write_, buffers, payloads, at)
+
+    monkeypatch.setattr(t, "_io", io)
+    await t.delete([h(1)])
+    with pytest.raises(TierError, match="EIO"):
+        await t.put([write(2)])  # slot 1 again: payload written, header page not
+    assert await t.exists([h(2)]) == 0
+    assert await read_ok(t, 0)
+    await t.close()
+    # On disk, slot 1 still names block 1 over block 2's bytes: never served.
+    again = tier(path, slots=4, persist=True)
+    await again.open()
+    assert await again.exists([h(2)]) == 0
+    if await again.exists([h(1)]):
+        with pytest.raises(IntegrityError) as info:
+            await read_ok(again, 1)
+        assert info.value.reason == "checksum"
+    assert await read_ok(again, 0)
+    await again.close()
+
+
+async def test_a_file_of_the_old_format_is_formatted_again(tmp_path: Path) -> None:
+    path = tmp_path / "kv.bin"
+    t = tier(path, persist=True)
+    await t.open()
+    await t.put([write(0)])
+    await t.close()
+    patch_file(path, 8, lambda old: (1).to_bytes(4, "little"), size=4)  # format version 1
+    again = tier(path, persist=True)
+    await again.open()
+    assert await again.exists([h(0)]) == 0
+    assert again.statistics()["slots_used"] == 0
+    await again.close()
+
+
+async def test_unaligned_memory_goes_through_the_page_cache_per_call(tmp_path: Path) -> None:
+    t = tier(tmp_path / "kv.bin")
+    await t.open()
+    if not t.direct_io:
+        pytest.skip("this file system refuses O_DIRECT")
+    mem = mmap.mmap(-1, NBYTES * 3)
+    view = memoryview(mem)
+    try:
+        odd = view[1 : 1 + NBYTES]  # one byte past a page boundary
+        odd[:] = payload(1)
+        await t.put([BlockWrite(h(1), encode_header(NS, h(1), payload(1)), odd)])
+        assert t.statistics()["buffered_ios"] == 1
+        assert t.direct_io  # refused for this buffer only
+        aligned = view[2 * NBYTES : 3 * NBYTES]
+        aligned[:] = payload(2)
+        await t.put([BlockWrite(h(2), encode_header(NS, h(2), payload(2)), aligned)])
+        assert t.statistics()["direct_ios"] == 1
+        assert await read_ok(t, 1)
+        assert await read_ok(t, 2)
+    finally:
+        del odd, aligned
+        view.release()
+        mem.close()
+        await t.close()
+
+
 @pytest.mark.parametrize("direct_io", ["auto", "never"])
 async def test_blocks_not_a_whole_page_round_trip_in_runs(tmp_path: Path, direct_io: str) -> None:
     nbytes = 5000  # the slot pads the payload to 8 KiB: a run skips the gap
     t = DiskTier(
         tmp_path / "kv.bin",
-        4096 + 4 * (4096 + 8192),
+        DiskTier.file_bytes(4, nbytes),
         block_nbytes=nbytes,
         namespace=NS,
         direct_io=direct_io,
@@ -196,7 +336,7 @@ async def test_a_short_run_read_fails_only_the_cut_blocks(tmp_path: Path) -> Non
     t = tier(path)
     await t.open()
     await t.put([write(0), write(1), write(2)])
-    os.truncate(path, 4096 + SLOT + 4096 + 100)  # block 1's payload cut, block 2 gone
+    os.truncate(path, t._offset(1) + 100)  # block 1's payload cut, block 2 gone
     bufs = [memoryview(bytearray(NBYTES)) for _ in range(3)]
     reads = await t.get([h(0), h(1), h(2)], bufs)
     assert io_calls(t) == 2
@@ -235,7 +375,13 @@ async def test_persist_rebuilds_the_index(tmp_path: Path) -> None:
     assert await read_ok(again, 1)
     await again.close()
     # Another namespace (or block size) finds no block of it: the file is reformatted.
-    other = DiskTier(path, 4096 + 4 * SLOT, block_nbytes=NBYTES, namespace=b"\1" * 32, persist=True)
+    other = DiskTier(
+        path,
+        DiskTier.file_bytes(4, NBYTES),
+        block_nbytes=NBYTES,
+        namespace=b"\1" * 32,
+        persist=True,
+    )
     await other.open()
     assert await other.exists([h(0)]) == 0
     await other.close()
@@ -248,7 +394,7 @@ async def test_torn_header_is_discarded_at_open(tmp_path: Path) -> None:
     await t.put([write(0), write(1)])
     await t.close()
     # A crash in the middle of slot 0's header page.
-    patch_file(path, 4096 + 20, lambda old: b"\xff" * 30, size=30)
+    patch_file(path, t._header_offset(0) + 20, lambda old: b"\xff" * 30, size=30)
     again = tier(path, persist=True)
     await again.open()
     assert again.statistics()["discarded_at_open"] == 1
@@ -264,7 +410,7 @@ async def test_torn_payload_fails_its_check_on_read(tmp_path: Path) -> None:
     await t.put([write(0)])
     await t.close()
     # The payload half written: the header looks fine.
-    patch_file(path, 4096 + 4096 + NBYTES // 2, lambda old: b"\0" * len(old), NBYTES // 2)
+    patch_file(path, t._offset(0) + NBYTES // 2, lambda old: b"\0" * len(old), NBYTES // 2)
     again = tier(path, persist=True)
     await again.open()
     assert await again.exists([h(0)]) == 1
@@ -279,7 +425,7 @@ async def test_truncated_file_reads_short(tmp_path: Path) -> None:
     t = tier(path)
     await t.open()
     await t.put([write(0)])
-    os.truncate(path, 4096 + 4096 + 100)
+    os.truncate(path, t._offset(0) + 100)
     with pytest.raises(IntegrityError) as info:
         await read_ok(t, 0)
     assert info.value.reason == "length"
@@ -335,7 +481,9 @@ async def test_process_killed_mid_write_never_serves_a_torn_block(tmp_path: Path
         proc.send_signal(signal.SIGKILL)
         await proc.wait()
     ns = hashlib.sha256(b"kill-test").digest()
-    t = DiskTier(path, 4096 + 4 * (4096 + nbytes), block_nbytes=nbytes, namespace=ns, persist=True)
+    t = DiskTier(
+        path, DiskTier.file_bytes(4, nbytes), block_nbytes=nbytes, namespace=ns, persist=True
+    )
     await t.open()
     served = rejected = 0
     buf = memoryview(bytearray(nbytes))

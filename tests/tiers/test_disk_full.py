@@ -167,8 +167,9 @@ async def test_enospc_mid_run_indexes_nothing_and_recovers(
 
 
 async def test_engine_keeps_serving_from_cpu_while_the_disk_is_full(small_fs: SmallFs) -> None:
-    kv = make_kv()  # 1 KiB blocks: a slot is 8 KiB
-    slot = 4096 + 4096
+    # 1 KiB blocks: a slot is 4 KiB (without persist, header pages are never written)
+    kv = make_kv()
+    slot = 4096
     tier = {
         "kind": "disk",
         "path": str(small_fs.root / "kv.bin"),

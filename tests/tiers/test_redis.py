@@ -27,7 +27,7 @@ from tier_helpers import (
 from kvoffload.hashing import BlockHash
 from kvoffload.offloader import KVOffloader
 from kvoffload.tiers.base import BlockWrite
-from kvoffload.tiers.format import encode_header
+from kvoffload.tiers.format import checksum, encode_header
 
 pytestmark = pytest.mark.anyio
 
@@ -71,6 +71,9 @@ async def test_put_get_exists_delete_and_ttl(redis_url: str, prefix: str) -> Non
         assert reads[0] is not None
         assert reads[0].payload_length == 1024
         assert bytes(bufs[1]) == data[1]
+        # The checksum of the bytes copied into the buffer comes with the read.
+        assert reads[1] is not None
+        assert reads[1].payload_checksum == checksum(data[1])
         client = redis_client(redis_url)
         ttl = await client.ttl(tier.key(hashes[0]))
         await client.aclose()

@@ -169,8 +169,10 @@ class TierMachine(RuleBasedStateMachine):
         if not index or (st.st_dev, st.st_ino) != tier._identity:
             return  # the file was deleted: the tier has not noticed yet
         slot = sorted(index.values())[pick % len(index)]
-        base = 4096 + slot * tier._slot_size
-        offset = base + (50 if where == "header" else 4096 + pick % 1024)
+        if where == "header":
+            offset = tier._header_offset(slot) + 50
+        else:
+            offset = tier._offset(slot) + pick % 1024
         patch_file(self.path, offset, lambda old: bytes(b ^ 0x10 for b in old))
 
     @rule()
