@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up the dev environment (once) and run every check CI runs, stopping at the first
 # failure: the test suite (next to a throwaway redis-server on 127.0.0.1, installed from
-# the system package manager when missing), ruff (lint and format), mypy --strict, the
+# the system package manager when missing), the Redis tier's tests again against Valkey
+# (installed from Debian's backports when missing), ruff (lint and format), mypy --strict, the
 # docs site built with --strict, every script in examples/, and the vLLM integration
 # tests on a real vLLM engine on CPU in their own environment (.venv-vllm).
 #
@@ -27,6 +28,10 @@ if [ "$rc" -eq 5 ]; then
 elif [ "$rc" -ne 0 ]; then
     exit "$rc"
 fi
+
+section "pytest: the Redis tier against Valkey (a throwaway valkey-server)"
+KVOFFLOAD_TEST_REDIS_SERVER=valkey-server bash scripts/with_redis.sh \
+    "$PY" -m pytest -p no:randomly tests/tiers/test_redis.py tests/tiers/test_tier_bench.py
 
 section "ruff check"
 "$PY" -m ruff check .

@@ -12,6 +12,7 @@ import anyio
 import pytest
 from tier_helpers import (
     BS,
+    REDIS_SERVER_ENV,
     RedisServer,
     check,
     compute_and_store,
@@ -48,6 +49,22 @@ def prefix() -> str:
 def redis_client(url: str):  # type: ignore[no-untyped-def]
     aioredis = pytest.importorskip("redis.asyncio")
     return aioredis.Redis.from_url(url)
+
+
+async def test_the_server_is_the_one_asked_for(redis_url: str) -> None:
+    # scripts/with_redis.sh runs Redis 7, or Valkey with KVOFFLOAD_TEST_REDIS_SERVER: a run
+    # meant for Valkey must really talk to Valkey.
+    client = redis_client(redis_url)
+    try:
+        info = await client.info("server")
+    finally:
+        await client.aclose()
+    if os.environ.get(REDIS_SERVER_ENV, "redis-server") == "valkey-server":
+        assert info.get("server_name") == "valkey", info
+        assert int(str(info["valkey_version"]).split(".")[0]) >= 7
+    else:
+        assert "valkey_version" not in info, info
+        assert int(str(info["redis_version"]).split(".")[0]) >= 7
 
 
 async def test_put_get_exists_delete_and_ttl(redis_url: str, prefix: str) -> None:

@@ -24,6 +24,9 @@ from kvoffload.tiers.stats import TierStatistics
 BS = 4
 NUM_GPU_BLOCKS = 32
 REDIS_URL_ENV = "KVOFFLOAD_TEST_REDIS_URL"
+# The server binary (redis-server, or valkey-server) for the shared server that
+# scripts/with_redis.sh starts and for the tests' own servers.
+REDIS_SERVER_ENV = "KVOFFLOAD_TEST_REDIS_SERVER"
 
 
 def layout(head_size: int = 8) -> KVLayout:
@@ -163,9 +166,10 @@ class RedisServer:
     """A redis-server process of the test's own on a free loopback port, persistence off."""
 
     def __init__(self) -> None:
-        binary = shutil.which("redis-server")
+        name = os.environ.get(REDIS_SERVER_ENV, "redis-server")
+        binary = shutil.which(name)
         if binary is None:
-            redis_missing("redis-server is not installed")
+            redis_missing(f"{name} is not installed")
         self.binary = str(binary)
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="kvoffload-redis-"))
