@@ -153,7 +153,7 @@ class CpuBlockPool:
     @property
     def num_free(self) -> int:
         """Blocks with no reference: allocatable, possibly still published."""
-        return len(self._free)
+        return self._free._len
 
     @property
     def num_cached(self) -> int:
@@ -210,9 +210,11 @@ class CpuBlockPool:
             InvariantError: a policy named a block that is not free, is protected or is
                 named twice; nothing changed.
         """
+        free = self._free
+        if self._hooked is None and not protect and 0 < n <= free._len:
+            return self._allocate_lru(n, evicted)
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks: {n}")
-        free = self._free
         if self._hooked is not None:
             blocks = self._policy_victims(n, protect)
         elif protect:
@@ -232,7 +234,7 @@ class CpuBlockPool:
         else:
             if n > len(free):
                 raise OutOfBlocksError(n, len(free))
-            blocks = free.popleft_n(n)
+            blocks = []  # n == 0
         cached = self._cached
         for block in blocks:
             block_hash = block.block_hash
@@ -245,6 +247,38 @@ class CpuBlockPool:
                 if self._enable_events:
                     self._events.append(BlockRemoved(block_hash, block.block_id))
             block.ref_cnt = 1
+        return blocks
+
+    def _allocate_lru(self, n: int, evicted: list[BlockHash] | None) -> list[CpuBlock]:
+        """`allocate()`'s hot path under LRU: ``0 < n <= num_free``, nothing protected.
+
+        `LruFreeQueue.popleft_n()` and the eviction of each block in one pass (the pool
+        owns its queue).
+        """
+        free = self._free
+        cached = self._cached
+        blocks: list[CpuBlock] = []
+        append = blocks.append
+        head = free._head
+        node = head._next
+        for _ in range(n):
+            block: CpuBlock = node  # type: ignore[assignment]
+            node = block._next
+            block._prev = block._next = None
+            block_hash = block.block_hash
+            if block_hash is not None:
+                del cached[block_hash]
+                block.block_hash = None
+                self._evictions += 1
+                if evicted is not None:
+                    evicted.append(block_hash)
+                if self._enable_events:
+                    self._events.append(BlockRemoved(block_hash, block.block_id))
+            block.ref_cnt = 1
+            append(block)
+        head._next = node
+        node._prev = head  # type: ignore[union-attr]
+        free._len -= n
         return blocks
 
     def touch(self, blocks: Iterable[CpuBlock]) -> None:
