@@ -44,8 +44,9 @@ class IoThreads:
         try:
             return await asyncio.wrap_future(future)
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(concurrent.futures.wait, [future])
+            if not future.done():  # cancelled while the call runs: let it finish first
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(concurrent.futures.wait, [future])
             raise
 
     def shutdown(self) -> None:

@@ -458,8 +458,7 @@ class DiskTier:
             self._free.append(slot)
 
     def _direct_ok(self, payload: memoryview) -> bool:
-        if self._dfd < 0 or len(payload) % _PAGE:
-            return False
+        """Whether ``payload``'s address suits ``O_DIRECT`` (sizes: `_direct_sizes`)."""
         address = _address(payload)
         return address is not None and address % _PAGE == 0
 
@@ -557,7 +556,7 @@ class DiskTier:
         """
         jobs = box.pop()
         self._check_file()
-        page = _header_page()
+        page = _header_page() if self._persist else None
         pad = self._pad
         written = 0
         for lo, hi in self._runs([slot for _, slot in jobs]):
@@ -585,6 +584,7 @@ class DiskTier:
                 buffers.clear()
                 written = hi
                 continue
+            assert page is not None
             lock = self._page_locks[extent % _LOCKS]
             at = self._header_page_offset(extent)
             if first % _GROUP == 0:

@@ -7,6 +7,7 @@ import mmap
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -89,24 +90,33 @@ async def test_lru_eviction_keeps_capacity(tmp_path: Path) -> None:
     await t.close()
 
 
-async def test_direct_io_with_aligned_buffers(tmp_path: Path) -> None:
+@pytest.fixture
+async def direct_tier(tmp_path: Path) -> AsyncIterator[tuple[DiskTier, memoryview]]:
+    """An open tier whose file system takes ``O_DIRECT``, and three blocks of page-aligned
+    memory (the test drops its slices of it before it returns)."""
     t = tier(tmp_path / "kv.bin")
     await t.open()
     if not t.direct_io:
+        await t.close()
         pytest.skip("this file system refuses O_DIRECT")
-    mem = mmap.mmap(-1, NBYTES * 2)
+    mem = mmap.mmap(-1, NBYTES * 3)
     view = memoryview(mem)
-    view[:NBYTES] = payload(5)
     try:
-        await t.put([BlockWrite(h(5), encode_header(NS, h(5), payload(5)), view[:NBYTES])])
-        (read,) = await t.get([h(5)], [view[NBYTES:]])
-        assert read is not None
-        assert bytes(view[NBYTES:]) == payload(5)
-        assert t.statistics()["direct_ios"] == 2
+        yield t, view
     finally:
         view.release()
         mem.close()
         await t.close()
+
+
+async def test_direct_io_with_aligned_buffers(direct_tier: tuple[DiskTier, memoryview]) -> None:
+    t, view = direct_tier
+    view[:NBYTES] = payload(5)
+    await t.put([BlockWrite(h(5), encode_header(NS, h(5), payload(5)), view[:NBYTES])])
+    (read,) = await t.get([h(5)], [view[NBYTES : 2 * NBYTES]])
+    assert read is not None
+    assert bytes(view[NBYTES : 2 * NBYTES]) == payload(5)
+    assert t.statistics()["direct_ios"] == 2
 
 
 def read_at(path: Path, offset: int, size: int) -> bytes:
@@ -270,30 +280,22 @@ async def test_a_file_of_the_old_format_is_formatted_again(tmp_path: Path) -> No
     await again.close()
 
 
-async def test_unaligned_memory_goes_through_the_page_cache_per_call(tmp_path: Path) -> None:
-    t = tier(tmp_path / "kv.bin")
-    await t.open()
-    if not t.direct_io:
-        pytest.skip("this file system refuses O_DIRECT")
-    mem = mmap.mmap(-1, NBYTES * 3)
-    view = memoryview(mem)
-    try:
-        odd = view[1 : 1 + NBYTES]  # one byte past a page boundary
-        odd[:] = payload(1)
-        await t.put([BlockWrite(h(1), encode_header(NS, h(1), payload(1)), odd)])
-        assert t.statistics()["buffered_ios"] == 1
-        assert t.direct_io  # refused for this buffer only
-        aligned = view[2 * NBYTES : 3 * NBYTES]
-        aligned[:] = payload(2)
-        await t.put([BlockWrite(h(2), encode_header(NS, h(2), payload(2)), aligned)])
-        assert t.statistics()["direct_ios"] == 1
-        assert await read_ok(t, 1)
-        assert await read_ok(t, 2)
-    finally:
-        del odd, aligned
-        view.release()
-        mem.close()
-        await t.close()
+async def test_unaligned_memory_goes_through_the_page_cache_per_call(
+    direct_tier: tuple[DiskTier, memoryview],
+) -> None:
+    t, view = direct_tier
+    odd = view[1 : 1 + NBYTES]  # one byte past a page boundary
+    odd[:] = payload(1)
+    await t.put([BlockWrite(h(1), encode_header(NS, h(1), payload(1)), odd)])
+    assert t.statistics()["buffered_ios"] == 1
+    assert t.direct_io  # refused for this buffer only
+    aligned = view[2 * NBYTES : 3 * NBYTES]
+    aligned[:] = payload(2)
+    await t.put([BlockWrite(h(2), encode_header(NS, h(2), payload(2)), aligned)])
+    assert t.statistics()["direct_ios"] == 1
+    assert await read_ok(t, 1)
+    assert await read_ok(t, 2)
+    del odd, aligned
 
 
 @pytest.mark.parametrize("direct_io", ["auto", "never"])
