@@ -177,8 +177,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "scheduler",
         "prompt_tokens",
         "prompt_tokens",
-        "Tokens of the requests looked up, once per admission (the engine's own prefix "
-        "included).",
+        "Tokens of the requests looked up, once per admission (the engine's own prefix included).",
     ),
     _c("scheduler", "failed_stores", "failed_stores", "Store transfers that failed."),
     _c("scheduler", "failed_loads", "failed_loads", "Load transfers that failed."),

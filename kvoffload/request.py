@@ -19,6 +19,7 @@ Block-table arithmetic lives here too: `blocks_for()`, `blocks_needed()`, `table
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Iterator, Sequence
 from types import TracebackType
@@ -284,10 +285,9 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
     ) -> None:
         if self._state is HandleState.FINISHED:
             return
-        try:
+        # ClosedError: the offloader closed first and dropped every request's references.
+        with contextlib.suppress(ClosedError):
             self.finish()
-        except ClosedError:
-            pass  # the offloader closed first: it dropped every request's references itself
 
     # -- tokens and hashes -------------------------------------------------------------------
 

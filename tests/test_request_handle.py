@@ -15,8 +15,8 @@ from kvoffload import (
     HashNamespace,
     InvalidInputError,
     KVLayout,
-    KvOffloadError,
     KVOffloader,
+    KvOffloadError,
     OffloadConfig,
     OffloadRequest,
     PinnerError,
@@ -356,7 +356,10 @@ async def test_every_call_on_a_finished_handle_is_refused(call: str, first_call:
         if first_call:
             assert req.lookup() == 12
         req.finish()
-        with pytest.raises(RequestStateError, match=rf"request 'a' is already finished: {call.split('(')[0]}\(\)"):
+        with pytest.raises(
+            RequestStateError,
+            match=rf"request 'a' is already finished: {call.split('(', maxsplit=1)[0]}\(\)",
+        ):
             CALLS_AFTER_FINISH[call](req)
         assert req.finished
         assert req.state is HandleState.FINISHED
