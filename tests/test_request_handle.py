@@ -24,6 +24,7 @@ from kvoffload import (
     hash_prompt,
 )
 from kvoffload.request import HandleState, blocks_for, table_slice
+from kvoffload.testing import ControllableCopyEngine
 
 pytestmark = pytest.mark.anyio
 
@@ -530,3 +531,23 @@ async def test_a_refused_lookup_keeps_nothing_of_its_argument() -> None:
             with pytest.raises(InvalidInputError, match="num_computed_tokens"):
                 req.lookup(num_computed_tokens=16)
             assert req.lookup() == 12
+
+
+async def test_a_back_to_back_request_hits_only_once_the_first_store_completed() -> None:
+    """What README "Usage" and docs/integration.md say: a request sharing a prefix with one
+    whose store is still copying gets no hit; allow_defer=True says "ask again", and
+    awaiting the first request's store task (or off.drain()) gives the hit."""
+    engine = ControllableCopyEngine()
+    config = OffloadConfig(block_size=BS, num_cpu_blocks=32, model_id="m")
+    async with KVOffloader(config, make_kv(), copy_engine=engine) as off:
+        prompt = list(range(13))
+        with off.request("a", prompt) as a:
+            a.advance([0, 1, 2, 3], 13)
+            [store] = off.store()
+        with off.request("b", prompt) as b:
+            assert b.lookup() == 0  # the store is in flight: nothing is published yet
+            assert b.lookup(allow_defer=True) is None  # "ask again after the store"
+            engine.complete(store)
+            await store  # or: await off.drain()
+            assert b.lookup(allow_defer=True) == 12
+            b.release()
