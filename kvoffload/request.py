@@ -211,6 +211,10 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
                 off.store()
                 req.extend([next_token])
 
+    The handle holds its request id from the moment it is made (a second handle for the id
+    is refused) until it finishes, and has one lifecycle, `HandleState`: every call on a
+    finished handle raises `RequestStateError`.
+
     The handle is not thread-safe; use it from the thread that drives the offloader.
     """
 
@@ -540,14 +544,16 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         nothing: the handle stays live and the call may be repeated.
 
         Raises:
-            RequestStateError: already finished.
+            RequestStateError: already finished (also through `KVOffloader.finish()`).
             PinnerError: see above; the request is finished.
             ClosedError: see above; the request is finished.
         """
         self._state.check("finish", self._request_id)
         try:
             self._off.finish(self._request_id)
-        except (PinnerError, ClosedError):
+        except (PinnerError, ClosedError, RequestStateError):
+            # Finished all the same (a RequestStateError: someone finished the id through
+            # KVOffloader.finish() behind the handle's back).
             self._state = self._state.to(HandleState.FINISHED, self._request_id)
             raise
         self._state = self._state.to(HandleState.FINISHED, self._request_id)

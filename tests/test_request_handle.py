@@ -551,3 +551,13 @@ async def test_a_back_to_back_request_hits_only_once_the_first_store_completed()
             await store  # or: await off.drain()
             assert b.lookup(allow_defer=True) == 12
             b.release()
+
+
+async def test_a_handle_finished_behind_its_back_becomes_finished() -> None:
+    async with offloader(make_kv()) as off:
+        req = off.request("a", list(range(9)))
+        off.finish("a")  # the low-level call, with the handle's id
+        with pytest.raises(RequestStateError, match="'a' is finished"):
+            req.finish()
+        assert req.finished
+        req.__exit__(None, None, None)
