@@ -119,7 +119,9 @@ class UnknownRequestError(KvOffloadError, KeyError):
 
 
 class RequestStateError(KvOffloadError):
-    """A request was used in a state that forbids it, e.g. updated after it finished."""
+    """A request was used in a state that forbids it: updated after it finished, any call
+    on a finished `OffloadRequest`, or a second handle for an id in use. The message names
+    the request and its state."""
 
 
 class HostMemoryError(KvOffloadError):

@@ -125,7 +125,13 @@ METRICS: tuple[MetricSpec, ...] = (
     _c("pool", "evictions", "evictions", "Published blocks unpublished to be reused."),
     # -- the scheduler (SchedulerStatistics) --
     _c("scheduler", "lookups", "lookups", "Calls to lookup."),
-    _c("scheduler", "hit_tokens", "hit_tokens", "Prompt tokens lookups found on CPU."),
+    _c(
+        "scheduler",
+        "hit_tokens",
+        "hit_tokens",
+        "Tokens lookups offered from CPU, counted at every lookup (a repeated lookup counts "
+        "again); loaded_tokens is what was used.",
+    ),
     _c(
         "scheduler",
         "miss_tokens",
@@ -161,6 +167,18 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     _c("scheduler", "load_plans", "load_plans", "Load plans made."),
     _c("scheduler", "loaded_blocks", "loaded_blocks", "Blocks loaded from CPU."),
+    _c(
+        "scheduler",
+        "loaded_tokens",
+        "loaded_tokens",
+        "Tokens whose load from CPU completed successfully (served by the offload tiers).",
+    ),
+    _c(
+        "scheduler",
+        "prompt_tokens",
+        "prompt_tokens",
+        "Tokens of the requests looked up, once per admission (the engine's own prefix included).",
+    ),
     _c("scheduler", "failed_stores", "failed_stores", "Store transfers that failed."),
     _c("scheduler", "failed_loads", "failed_loads", "Load transfers that failed."),
     _c(

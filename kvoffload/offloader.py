@@ -377,12 +377,18 @@ class KVOffloader:
                 "anyio.from_thread.run_sync)"
             )
 
-    def _check(self, what: str) -> CopyEngine:
+    def _check(self, what: str, *, pinner_error: bool = True) -> CopyEngine:
         self._check_process()
         if self._state is not _State.OPEN or self._engine is None:
             raise ClosedError(f"KVOffloader is {self._state.value}; use it inside 'async with'")
         self._check_thread(what)
         self._poller.check_health()
+        if pinner_error:
+            self._raise_pinner_error()
+        return self._engine
+
+    def _raise_pinner_error(self) -> None:
+        """Raise, once, the error an earlier ``unpin`` raised."""
         error = self._pinner_error
         if error is not None:
             self._pinner_error = None
@@ -390,7 +396,6 @@ class KVOffloader:
                 f"the GpuBlockPinner's unpin raised after a transfer completed: {error!r} "
                 "(the transfer was recorded and its references released)"
             ) from error
-        return self._engine
 
     # -- properties --------------------------------------------------------------------------
 
@@ -446,9 +451,11 @@ class KVOffloader:
 
         Raises:
             ClosedError: not open.
-            RequestStateError: ``request_id`` is still in use, or finished (ids are never
-                reused).
-            ValueError: ``num_computed_tokens`` out of range, or a token is not an int.
+            RequestStateError: ``request_id`` is in use (by a handle not finished yet,
+                also one that made no call: the id is reserved when its handle is made), or
+                finished (ids are never reused).
+            InvalidInputError: ``num_computed_tokens`` out of range or not block aligned.
+            InputTypeError: a token is not a 64-bit int.
         """
         self._check("request")
         return OffloadRequest._create(self, request_id, prompt_token_ids, num_computed_tokens)
@@ -601,11 +608,16 @@ class KVOffloader:
         yet are pinned through the `GpuBlockPinner` (the engine must not reuse them) and
         unpinned once a later `store()` planned them, or after ``hold_max_steps`` calls.
 
+        A `PinnerError` raised here never leaves the request behind: the request is
+        finished first (pin released, id given up), then the error is raised. Do not call
+        ``finish`` again for it.
+
         Raises:
-            PinnerError: the pinner raised while pinning held blocks; the request is
-                finished without holding them.
+            PinnerError: the pinner raised while pinning held blocks (the request is
+                finished without holding them), or its ``unpin`` raised after an earlier
+                completion (once; the request is finished all the same).
         """
-        self._check("finish")
+        self._check("finish", pinner_error=False)
         held = self._scheduler.finish(request_id)
         if held:
             try:
@@ -616,6 +628,7 @@ class KVOffloader:
                     f"the GpuBlockPinner's pin raised for the blocks request {request_id!r} "
                     f"holds on finish: {exc!r}"
                 ) from exc
+        self._raise_pinner_error()
 
     def preempt(self, request_id: str) -> None:
         """The engine preempted a request. See `OffloadScheduler.preempt()`."""

@@ -19,11 +19,19 @@ Block-table arithmetic lives here too: `blocks_for()`, `blocks_needed()`, `table
 
 from __future__ import annotations
 
+import contextlib
+import enum
 from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, final, overload
 
-from kvoffload.errors import ClosedError, RequestStateError
+from kvoffload.errors import (
+    BlockTableError,
+    ClosedError,
+    InvalidInputError,
+    PinnerError,
+    RequestStateError,
+)
 from kvoffload.hashing import BlockHash, _encode_tokens, hash_block_tokens
 from kvoffload.transfer.task import _NoPublicConstructor
 
@@ -31,18 +39,31 @@ if TYPE_CHECKING:
     from kvoffload.offloader import KVOffloader
     from kvoffload.transfer.task import TransferTask
 
-__all__ = ["OffloadRequest", "ReadOnlyList", "blocks_for", "hash_new_blocks", "table_slice"]
+__all__ = [
+    "HandleState",
+    "OffloadRequest",
+    "ReadOnlyList",
+    "blocks_for",
+    "hash_new_blocks",
+    "table_slice",
+]
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """How many blocks hold ``num_tokens`` tokens (a partial last block counts).
 
     Raises:
-        ValueError: a negative ``num_tokens`` or a ``block_size`` below 1.
+        InvalidInputError: a negative ``num_tokens`` or a ``block_size`` below 1 (also a
+            ``ValueError``).
     """
+    return _blocks_for(num_tokens, block_size, "")
+
+
+def _blocks_for(num_tokens: int, block_size: int, who: str) -> int:
     if num_tokens < 0 or block_size < 1:
-        raise ValueError(
-            f"need num_tokens >= 0 and block_size >= 1, got {num_tokens} and {block_size}"
+        raise InvalidInputError(
+            f"{who}need num_tokens >= 0 and block_size >= 1, got num_tokens={num_tokens} "
+            f"and block_size={block_size}"
         )
     return -(-num_tokens // block_size)
 
@@ -74,19 +95,73 @@ def table_slice(
         A slice of the table (empty when the range is).
 
     Raises:
-        ValueError: a bad range, or a table too short for it (the message names both).
+        InvalidInputError: a bad range (also a ``ValueError``).
+        BlockTableError: a table too short for the range (the message names both).
     """
+    return _table_slice(block_table, start_token, end_token, block_size, "")
+
+
+def _table_slice(
+    block_table: Sequence[int], start_token: int, end_token: int, block_size: int, who: str
+) -> Sequence[int]:
     if not 0 <= start_token <= end_token:
-        raise ValueError(f"need 0 <= start_token ({start_token}) <= end_token ({end_token})")
+        raise InvalidInputError(
+            f"{who}need 0 <= start_token ({start_token}) <= end_token ({end_token})"
+        )
     if start_token == end_token:
         return block_table[0:0]
-    first, last = start_token // block_size, blocks_for(end_token, block_size)
+    first, last = start_token // block_size, _blocks_for(end_token, block_size, who)
     if last > len(block_table):
-        raise ValueError(
-            f"tokens [{start_token}, {end_token}) need {last} blocks; "
+        raise BlockTableError(
+            f"{who}tokens [{start_token}, {end_token}) need {last} blocks; "
             f"the block table has {len(block_table)}"
         )
     return block_table[first:last]
+
+
+class HandleState(enum.Enum):
+    """The lifecycle of an `OffloadRequest`: ``LIVE`` from `KVOffloader.request()` until
+    `OffloadRequest.finish()` (or leaving ``with``), then ``FINISHED`` for good.
+
+    A live handle holds its request id (no second handle gets it); a finished one takes no
+    call: every step-loop call on it raises `RequestStateError`.
+    """
+
+    LIVE = "live"
+    FINISHED = "finished"
+
+    def to(self, target: HandleState, request_id: str) -> HandleState:
+        """Move to ``target``.
+
+        Raises:
+            RequestStateError: the move is not allowed from this state (the message names
+                the request and both states).
+        """
+        if target not in _HANDLE_MOVES[self]:
+            raise RequestStateError(
+                f"request {request_id!r} is {self.value}: it cannot become {target.value}"
+                + (" again (finish() ends a request once)" if self is target else "")
+            )
+        return target
+
+    def check(self, call: str, request_id: str) -> None:
+        """Refuse ``call`` unless the handle is live.
+
+        Raises:
+            RequestStateError: the handle is finished (the message names the request, its
+                state and the call).
+        """
+        if self is not HandleState.LIVE:
+            raise RequestStateError(
+                f"request {request_id!r} is already {self.value}: {call}() is refused (a "
+                "finished handle takes no call; request ids are not reused)"
+            )
+
+
+_HANDLE_MOVES: dict[HandleState, frozenset[HandleState]] = {
+    HandleState.LIVE: frozenset({HandleState.FINISHED}),
+    HandleState.FINISHED: frozenset(),
+}
 
 
 @final
@@ -136,12 +211,15 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
                 off.store()
                 req.extend([next_token])
 
+    The handle holds its request id from the moment it is made (a second handle for the id
+    is refused) until it finishes, and has one lifecycle, `HandleState`: every call on a
+    finished handle raises `RequestStateError`.
+
     The handle is not thread-safe; use it from the thread that drives the offloader.
     """
 
     __slots__ = (
         "_block_size",
-        "_done",
         "_engine_prefix",
         "_hashes",
         "_hit",
@@ -150,7 +228,9 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         "_reported",
         "_request_id",
         "_root",
+        "_state",
         "_tokens",
+        "_who",
     )
 
     def __init__(
@@ -161,27 +241,20 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         num_computed_tokens: int,
     ) -> None:
         block_size = offloader.config.block_size
+        who = f"request {request_id!r}: "
         if num_computed_tokens < 0 or num_computed_tokens % block_size:
-            raise ValueError(
-                f"request {request_id!r}: num_computed_tokens={num_computed_tokens} must be "
+            raise InvalidInputError(
+                f"{who}num_computed_tokens={num_computed_tokens} must be "
                 f">= 0 and a multiple of block_size={block_size}"
             )
         if num_computed_tokens > len(prompt_token_ids):
-            raise ValueError(
-                f"request {request_id!r}: num_computed_tokens={num_computed_tokens} exceeds "
+            raise InvalidInputError(
+                f"{who}num_computed_tokens={num_computed_tokens} exceeds "
                 f"the prompt's {len(prompt_token_ids)} tokens"
-            )
-        if offloader.scheduler.was_finished(request_id):
-            raise RequestStateError(
-                f"request {request_id!r} is finished (request ids are not reused)"
-            )
-        if offloader.scheduler.has_request(request_id):
-            raise RequestStateError(
-                f"request id {request_id!r} is in use (a request with that id has not "
-                "finished, or its last transfer is still in flight)"
             )
         self._off = offloader
         self._request_id = request_id
+        self._who = who
         self._block_size = block_size
         self._tokens: list[int] = []
         self._hashes: list[BlockHash] = []
@@ -190,14 +263,17 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         self._num_computed = num_computed_tokens
         self._hit = 0
         self._reported = 0  # hashes given to update so far
-        self._done = False
+        self._state = HandleState.LIVE
         self.extend(prompt_token_ids)
+        # Last, once nothing can be refused any more: the id is this handle's until it
+        # finishes, so a second handle for it (a client's retry) is refused here, before
+        # either makes a call.
+        offloader.scheduler.reserve(request_id)
 
     def __repr__(self) -> str:
-        state = "finished" if self._done else "live"
         return (
-            f"OffloadRequest({self._request_id!r}, {state}, tokens={len(self._tokens)}, "
-            f"computed={self._num_computed}, hit={self._hit})"
+            f"OffloadRequest({self._request_id!r}, {self._state.value}, "
+            f"tokens={len(self._tokens)}, computed={self._num_computed}, hit={self._hit})"
         )
 
     # -- context manager ---------------------------------------------------------------------
@@ -211,13 +287,11 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._done:
+        if self._state is HandleState.FINISHED:
             return
-        try:
+        # ClosedError: the offloader closed first and dropped every request's references.
+        with contextlib.suppress(ClosedError):
             self.finish()
-        except ClosedError:
-            # The offloader closed first: it dropped every request's references itself.
-            self._done = True
 
     # -- tokens and hashes -------------------------------------------------------------------
 
@@ -228,10 +302,10 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
 
         Raises:
             RequestStateError: the request is finished.
-            ValueError: a token is not a 64-bit int (nothing is appended then).
+            InputTypeError: a token is not a 64-bit int (nothing is appended then; also a
+                ``TypeError`` and a ``ValueError``).
         """
-        if self._done:
-            raise RequestStateError(f"request {self._request_id!r} is finished")
+        self._state.check("extend", self._request_id)
         if (
             len(token_ids) != 1
             or type(token_ids[0]) is not int
@@ -239,8 +313,8 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         ):
             try:  # what hashing will accept, checked before appending
                 _encode_tokens(token_ids)
-            except ValueError as exc:
-                raise ValueError(f"request {self._request_id!r}: {exc}") from None
+            except InvalidInputError as exc:
+                raise type(exc)(f"{self._who}{exc}") from None
         self._tokens.extend(token_ids)
         hash_new_blocks(self._hashes, self._tokens, self._block_size, self._root)
 
@@ -286,14 +360,24 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
 
     @property
     def finished(self) -> bool:
-        """Whether `finish()` was called (or the ``with`` block was left)."""
-        return self._done
+        """Whether the request is finished: `finish()` was called (also when it raised
+        `PinnerError` or `ClosedError`), or the ``with`` block was left."""
+        return self._state is HandleState.FINISHED
+
+    @property
+    def state(self) -> HandleState:
+        """The handle's lifecycle state."""
+        return self._state
 
     # -- block-table arithmetic --------------------------------------------------------------
 
     def blocks_for(self, num_tokens: int) -> int:
-        """How many blocks hold ``num_tokens`` tokens. See `blocks_for()`."""
-        return blocks_for(num_tokens, self._block_size)
+        """How many blocks hold ``num_tokens`` tokens. See `blocks_for()`.
+
+        Raises:
+            InvalidInputError: a negative ``num_tokens`` (the message names the request).
+        """
+        return _blocks_for(num_tokens, self._block_size, self._who)
 
     def blocks_needed(self, num_tokens: int | None = None, *, have: int = 0) -> int:
         """How many blocks a table of ``have`` blocks must gain to hold ``num_tokens``.
@@ -301,15 +385,23 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         Args:
             num_tokens: tokens the table must hold (default: `num_tokens`).
             have: blocks the table has.
+
+        Raises:
+            InvalidInputError: a negative ``num_tokens`` (the message names the request).
         """
         n = len(self._tokens) if num_tokens is None else num_tokens
-        return max(0, blocks_for(n, self._block_size) - have)
+        return max(0, _blocks_for(n, self._block_size, self._who) - have)
 
     def table_slice(
         self, block_table: Sequence[int], start_token: int, end_token: int
     ) -> Sequence[int]:
-        """The blocks of ``block_table`` holding tokens ``[start_token, end_token)``."""
-        return table_slice(block_table, start_token, end_token, self._block_size)
+        """The blocks of ``block_table`` holding tokens ``[start_token, end_token)``.
+
+        Raises:
+            InvalidInputError: a bad range. BlockTableError: a table too short for it
+                (both name the request and the values).
+        """
+        return _table_slice(block_table, start_token, end_token, self._block_size, self._who)
 
     # -- the step loop ------------------------------------------------------------------------
 
@@ -339,19 +431,21 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
 
         Raises:
             RequestStateError: the request is finished.
-            ValueError: ``num_computed_tokens`` out of range or not block aligned.
+            InvalidInputError: ``num_computed_tokens`` out of range or not block aligned;
+                the handle keeps the prefix it had (a refused call changes nothing).
         """
-        if num_computed_tokens is not None:
-            self._engine_prefix = num_computed_tokens
+        self._state.check("lookup", self._request_id)
+        prefix = self._engine_prefix if num_computed_tokens is None else num_computed_tokens
         hit = self._off.lookup(
             self._request_id,
             self._hashes,
             len(self._tokens),
-            self._engine_prefix,
+            prefix,
             allow_defer=allow_defer,
         )
+        self._engine_prefix = prefix
         self._hit = hit or 0
-        self._num_computed = max(self._num_computed, self._engine_prefix)
+        self._num_computed = max(self._num_computed, prefix)
         return hit
 
     def load(
@@ -370,9 +464,11 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
             there is nothing to load.
 
         Raises:
-            ValueError: ``num_tokens`` above the hit or not whole blocks, or a table too
-                short.
+            RequestStateError: the request is finished.
+            InvalidInputError: ``num_tokens`` above the hit or not whole blocks.
+            BlockTableError: a table too short or malformed.
         """
+        self._state.check("load", self._request_id)
         n = self._hit if num_tokens is None else num_tokens
         task = self._off.load(self._request_id, block_table, n)
         self._hit = n
@@ -387,13 +483,14 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         only blocks below ``num_computed_tokens``).
 
         Raises:
-            ValueError: ``num_computed_tokens`` above `num_tokens`, or a table that shrank
-                or changed.
             RequestStateError: the request is finished.
+            InvalidInputError: ``num_computed_tokens`` above `num_tokens`.
+            BlockTableError: a table that shrank or changed.
         """
+        self._state.check("advance", self._request_id)
         if num_computed_tokens > len(self._tokens):
-            raise ValueError(
-                f"request {self._request_id!r}: num_computed_tokens={num_computed_tokens} "
+            raise InvalidInputError(
+                f"{self._who}num_computed_tokens={num_computed_tokens} "
                 f"exceeds its {len(self._tokens)} tokens"
             )
         hashes = self._hashes
@@ -409,9 +506,13 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         self._num_computed = num_computed_tokens
 
     def release(self) -> None:
-        """Drop the last lookup's pin without loading it (the engine will not take it)."""
-        if self._off.scheduler.has_request(self._request_id) and not self._done:
-            self._off.release(self._request_id)
+        """Drop the last lookup's pin without loading it (the engine will not take it).
+
+        Raises:
+            RequestStateError: the request is finished.
+        """
+        self._state.check("release", self._request_id)
+        self._off.release(self._request_id)
         self._hit = 0
 
     def preempt(self) -> None:
@@ -423,25 +524,36 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         Raises:
             RequestStateError: the request is finished.
         """
-        if self._done:
-            raise RequestStateError(f"request {self._request_id!r} is finished")
-        if self._off.scheduler.has_request(self._request_id):
-            self._off.preempt(self._request_id)
+        self._state.check("preempt", self._request_id)
+        self._off.preempt(self._request_id)
         self._hit = 0
         self._engine_prefix = 0
         self._num_computed = 0
 
     def finish(self) -> None:
-        """End the request: nothing more is stored for it and its lookup pin is released.
+        """End the request: nothing more is stored for it, its lookup pin is released and
+        its id is given up (ids are never reused).
 
         Its stores in flight complete on their own. Idempotent only through the context
         manager; a second call raises.
 
+        When it raises `PinnerError` (the pinner failed on an earlier transfer, or while
+        pinning the blocks held on finish) or `ClosedError` (the offloader closed and let
+        go of every request), the request is finished all the same, with nothing left
+        behind: do not call it again. Any other error (`WrongContextError`) changed
+        nothing: the handle stays live and the call may be repeated.
+
         Raises:
-            RequestStateError: already finished.
+            RequestStateError: already finished (also through `KVOffloader.finish()`).
+            PinnerError: see above; the request is finished.
+            ClosedError: see above; the request is finished.
         """
-        if self._done:
-            raise RequestStateError(f"request {self._request_id!r} is already finished")
-        self._done = True
-        if self._off.scheduler.has_request(self._request_id):
+        self._state.check("finish", self._request_id)
+        try:
             self._off.finish(self._request_id)
+        except (PinnerError, ClosedError, RequestStateError):
+            # Finished all the same (a RequestStateError: someone finished the id through
+            # KVOffloader.finish() behind the handle's back).
+            self._state = self._state.to(HandleState.FINISHED, self._request_id)
+            raise
+        self._state = self._state.to(HandleState.FINISHED, self._request_id)

@@ -36,6 +36,8 @@ class RequestOffloadState:
             deferred stores are planned (``hold_blocks_on_finish``).
         hold_deadline: the ``plan_stores`` call after which a finished request's hold is
             given up.
+        admitted: a lookup counted the request's tokens in ``prompt_tokens`` since it
+            was registered or last preempted.
     """
 
     request_id: str
@@ -52,3 +54,4 @@ class RequestOffloadState:
     recheck_table: bool = False
     held_gpu_block_ids: list[int] = field(default_factory=list)
     hold_deadline: int = 0
+    admitted: bool = False

@@ -110,7 +110,9 @@ class SchedulerStatistics:
 
     Attributes:
         lookups: calls to ``lookup``.
-        hit_tokens: tokens those lookups found on CPU.
+        hit_tokens: tokens those lookups offered from CPU (counted at every lookup: a
+            request looked up again, after a release or a deferral, counts again); what
+            was used is ``loaded_tokens``.
         miss_tokens: prompt tokens past the engine's own prefix that were not found.
         deferred_lookups: lookups answered "ask again" because the next block was in flight.
         store_plans: store plans made.
@@ -134,6 +136,11 @@ class SchedulerStatistics:
         cancelled_plans: plans undone because their launch raised (`cancel()`).
         held_blocks: GPU blocks finished requests hold now (``hold_blocks_on_finish``).
         hold_expired_blocks: held GPU blocks given up unstored after ``hold_max_steps``.
+        loaded_tokens: tokens whose load completed successfully (tokens the offload tiers
+            served); ``loaded_tokens / prompt_tokens`` is the prefix hit rate.
+        prompt_tokens: tokens of the requests looked up, counted once per admission (at
+            a request's first lookup, and again at its first lookup after a preemption),
+            the engine's own prefix included.
     """
 
     lookups: int
@@ -160,6 +167,8 @@ class SchedulerStatistics:
     cancelled_plans: int = 0
     held_blocks: int = 0
     hold_expired_blocks: int = 0
+    loaded_tokens: int = 0
+    prompt_tokens: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -308,6 +317,8 @@ class OffloadScheduler:
         self._restored_blocks = 0
         self._load_plans = 0
         self._loaded_blocks = 0
+        self._loaded_tokens = 0
+        self._prompt_tokens = 0
         self._failed_stores = 0
         self._failed_loads = 0
         self._abandoned = 0
@@ -362,6 +373,28 @@ class OffloadScheduler:
         """Whether ``request_id`` belongs to a finished request (ids are never reused; the
         last ``FINISHED_IDS_REMEMBERED`` finished ids are remembered)."""
         return request_id in self._finished_ids
+
+    def reserve(self, request_id: str) -> None:
+        """Register ``request_id`` now, before its first call, so no one else can use it.
+
+        `OffloadRequest` reserves its id when it is made; `finish()` gives it up (for
+        good: ids are not reused). A second handle for an id in use is refused here
+        instead of sharing (and mixing up) one request's state.
+
+        Raises:
+            RequestStateError: the id is in use (registered and not dropped yet) or
+                finished.
+        """
+        if request_id in self._requests:
+            raise RequestStateError(
+                f"request id {request_id!r} is in use (a request with that id has not "
+                "finished, or its last transfer is still in flight)"
+            )
+        if request_id in self._finished_ids:
+            raise RequestStateError(
+                f"request {request_id!r} is finished (request ids are not reused)"
+            )
+        self._register(request_id)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -699,6 +732,7 @@ class OffloadScheduler:
         state.gpu_block_set = set()
         state.num_computed_tokens = 0
         state.preempted = True
+        state.admitted = False
 
     def release(self, request_id: str) -> None:
         """Drop the pin of ``request_id``'s last lookup (the engine will not load it).
@@ -800,6 +834,9 @@ class OffloadScheduler:
             state = self._register(rid)
         self._release_pin(state)
         self._lookups += 1
+        if not state.admitted:
+            state.admitted = True
+            self._prompt_tokens += num_tokens
         if no_read or start >= limit:
             self._miss_tokens += num_tokens - num_computed_tokens
             return 0
@@ -1178,6 +1215,7 @@ class OffloadScheduler:
             self._unmark_loading(blocks)
             if ok and current:
                 self._loaded_blocks += len(blocks)
+                self._loaded_tokens += len(blocks) * self._block_size
                 self._bytes_loaded += nbytes
             elif not ok:
                 for block in blocks:
@@ -1353,6 +1391,8 @@ class OffloadScheduler:
             cancelled_plans=self._cancelled,
             held_blocks=self._held_total,
             hold_expired_blocks=self._hold_expired,
+            loaded_tokens=self._loaded_tokens,
+            prompt_tokens=self._prompt_tokens,
         )
 
     def check_invariants(self) -> None:

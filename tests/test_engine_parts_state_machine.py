@@ -4,10 +4,17 @@
   is never handed out; a prefix match returns only blocks registered under those hashes.
 - `OffloadRequest` over a real `KVOffloader`: the handle's hashes always equal hashing all
   its tokens from scratch, the scheduler only ever holds hashes of full computed blocks,
-  and the scheduler's and pool's invariants hold.
+  and the scheduler's and pool's invariants hold. The machine also makes a second handle
+  for an id in use or finished (refused), calls a finished handle (refused, whatever the
+  call), and breaks the pinner's next ``unpin`` (the `PinnerError` it leaves surfaces
+  once, and a ``finish`` it surfaces in still finishes the request).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import anyio
 import anyio.from_thread
@@ -23,7 +30,15 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvoffload import KVLayout, KVOffloader, OffloadConfig, OffloadRequest, hash_prompt
+from kvoffload import (
+    KVLayout,
+    KVOffloader,
+    OffloadConfig,
+    OffloadRequest,
+    PinnerError,
+    RequestStateError,
+    hash_prompt,
+)
 from kvoffload.hashing import BlockHash
 
 pytest.importorskip("transformers")
@@ -117,8 +132,36 @@ TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 
 
+T = TypeVar("T")
+
 BS = 4
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_size=4, dtype="float32", block_size=BS)
+
+
+class BreakablePinner:
+    """A pinner whose next ``unpin`` raises once ``break_next`` is set."""
+
+    def __init__(self) -> None:
+        self.break_next = False
+
+    def pin(self, gpu_block_ids: Sequence[int]) -> None:
+        pass
+
+    def unpin(self, gpu_block_ids: Sequence[int]) -> None:
+        if self.break_next:
+            self.break_next = False
+            raise RuntimeError("unpin broke")
+
+
+AFTER_FINISH: dict[str, Callable[[OffloadRequest], object]] = {
+    "lookup": lambda r: r.lookup(),
+    "load": lambda r: r.load([0]),
+    "advance": lambda r: r.advance([], 0),
+    "extend": lambda r: r.extend([1]),
+    "release": lambda r: r.release(),
+    "preempt": lambda r: r.preempt(),
+    "finish": lambda r: r.finish(),
+}
 
 
 class HandleMachine(RuleBasedStateMachine):
@@ -131,10 +174,12 @@ class HandleMachine(RuleBasedStateMachine):
         kv = [torch.zeros(LAYOUT.tensor_shape(64))]
         config = OffloadConfig(block_size=BS, num_cpu_blocks=12, model_id="sm")
         self.reqs: dict[str, OffloadRequest] = {}
+        self.done: dict[str, OffloadRequest] = {}
         self.tables: dict[str, list[int]] = {}
         self.reported: dict[str, int] = {}
         self.next_id = 0
-        self.off = KVOffloader(config, kv, layout=LAYOUT)
+        self.pinner = BreakablePinner()
+        self.off = KVOffloader(config, kv, layout=LAYOUT, pinner=self.pinner)
         # The offloader's task group must be entered and left in one task.
         self.off_cm = self.portal.wrap_async_context_manager(self.off)
         self.off_cm.__enter__()
@@ -142,22 +187,61 @@ class HandleMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if hasattr(self, "portal"):
             for req in self.reqs.values():
-                self.portal.call(req.__exit__, None, None, None)
+                try:
+                    self.portal.call(req.__exit__, None, None, None)
+                except PinnerError:
+                    assert req.finished
             self.off_cm.__exit__(None, None, None)
             self.portal_cm.__exit__(None, None, None)
+
+    def call(self, f: Callable[..., T], *args: object) -> T:
+        """A step-loop call; the PinnerError a broken unpin left is raised once, by a call
+        that then did nothing, so it is made again."""
+        try:
+            return self.portal.call(f, *args)
+        except PinnerError:
+            return self.portal.call(f, *args)
 
     @rule(prompt=st.lists(st.integers(0, 3), max_size=14))
     def new_request(self, prompt: list[int]) -> None:
         rid = f"r{self.next_id}"
         self.next_id += 1
-        self.reqs[rid] = self.portal.call(self.off.request, rid, prompt)
+        self.reqs[rid] = self.call(self.off.request, rid, prompt)
         self.tables[rid] = []
+
+    @precondition(lambda self: getattr(self, "reqs", None) or getattr(self, "done", None))
+    @rule(data=st.data(), prompt=st.lists(st.integers(0, 3), max_size=14))
+    def second_handle_for_an_id(self, data: st.DataObject, prompt: list[int]) -> None:
+        """A client's retry: another handle for an id that is live (before or after its
+        first call) or finished is refused, and the first handle keeps its request."""
+        rid = data.draw(st.sampled_from(sorted([*self.reqs, *self.done])))
+        live = rid in self.reqs
+        before = self.off.statistics().scheduler.live_requests
+        with pytest.raises(RequestStateError, match="in use" if live else "not reused"):
+            self.call(self.off.request, rid, prompt)
+        assert self.off.statistics().scheduler.live_requests == before
+
+    @precondition(lambda self: getattr(self, "done", None))
+    @rule(data=st.data(), call=st.sampled_from(sorted(AFTER_FINISH)))
+    def call_a_finished_handle(self, data: st.DataObject, call: str) -> None:
+        req = self.done[data.draw(st.sampled_from(sorted(self.done)))]
+        free = self.off.pool.num_free
+        with pytest.raises(RequestStateError, match="already finished"):
+            self.portal.call(AFTER_FINISH[call], req)
+        assert self.off.pool.num_free == free  # nothing pinned, nothing registered
+        assert not self.off.scheduler.has_request(req.request_id) or (
+            self.off.scheduler.request_state(req.request_id).finished
+        )
+
+    @rule()
+    def break_the_next_unpin(self) -> None:
+        self.pinner.break_next = True
 
     @precondition(lambda self: getattr(self, "reqs", None))
     @rule(data=st.data())
     def lookup(self, data: st.DataObject) -> None:
         req = self.reqs[data.draw(st.sampled_from(sorted(self.reqs)))]
-        hit = self.portal.call(req.lookup)
+        hit = self.call(req.lookup)
         assert hit % BS == 0
         assert hit <= max(0, req.num_tokens - 1)
 
@@ -169,8 +253,8 @@ class HandleMachine(RuleBasedStateMachine):
         req.extend(tokens)
         done = data.draw(st.integers(req.num_computed_tokens, req.num_tokens))
         table += list(range(len(table), req.blocks_for(req.num_tokens)))
-        self.portal.call(req.advance, table, done)
-        self.portal.call(self.off.store)
+        self.call(req.advance, table, done)
+        self.call(self.off.store)
         state = self.off.scheduler.request_state(rid)
         # The computed full blocks, and after a preemption those reported before it.
         reported = max(done // BS, self.reported.get(rid, 0))
@@ -181,7 +265,7 @@ class HandleMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def preempt(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.reqs)))
-        self.portal.call(self.reqs[rid].preempt)
+        self.call(self.reqs[rid].preempt)
         self.tables[rid] = []
 
     @precondition(lambda self: getattr(self, "reqs", None))
@@ -190,21 +274,30 @@ class HandleMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.reqs)))
         req = self.reqs.pop(rid)
         del self.tables[rid]
-        self.portal.call(req.__exit__, None, None, None)
+        with contextlib.suppress(PinnerError):  # surfaced once; the request is finished
+            self.portal.call(req.__exit__, None, None, None)
         assert req.finished
+        self.done[rid] = req
+        sched = self.off.scheduler
+        # Dropped now, or kept (finished) only until its last transfer completes.
+        assert not sched.has_request(rid) or sched.request_state(rid).finished
+        assert sched.was_finished(rid)
 
     @rule()
     def drain(self) -> None:
-        self.portal.call(self.off.drain)
+        self.call(self.off.drain)
 
     @invariant()
     def consistent(self) -> None:
         if not hasattr(self, "off"):
             return
-        for req in self.reqs.values():
+        for rid, req in self.reqs.items():
             assert list(req.block_hashes) == hash_prompt(
                 list(req.token_ids), BS, self.off.namespace
             )
+            # A live handle's id is reserved from its creation, before any call.
+            assert self.off.scheduler.has_request(rid)
+            assert not self.off.scheduler.request_state(rid).finished
         self.portal.call(self.off.scheduler.check_invariants)
         self.portal.call(self.off.pool.check_invariants)
 

@@ -24,6 +24,7 @@ from kvoffload.metrics import METRICS, TIER_LABELS, TIER_TEXT_FIELDS, OffloaderC
 from kvoffload.offloader import OffloaderStatistics
 from kvoffload.pool import PoolStatistics
 from kvoffload.scheduler import SchedulerStatistics
+from kvoffload.testing import ControllableCopyEngine
 from kvoffload.tiers.stats import TierManagerStatistics, TierStatistics
 from kvoffload.transfer import PollerStatistics
 
@@ -392,3 +393,92 @@ def test_only_the_metrics_module_imports_prometheus_client() -> None:
             ):
                 importers.append(path.relative_to(package).as_posix())
     assert sorted(set(importers)) == ["metrics.py"]
+
+
+@pytest.mark.anyio
+async def test_the_documented_hit_rate_is_the_fraction_of_prompt_tokens_loaded() -> None:
+    """The PromQL of docs/metrics.md against a tally kept here: hit_tokens counted every
+    lookup, so an engine that looks a request up, releases it (it does not fit) and looks
+    it up again counted the hit each time, and the old query reported far more than was
+    loaded."""
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=4, dtype="float32", block_size=BS)
+    kv = [torch.randn(layout.tensor_shape(32))]
+    engine = ControllableCopyEngine()
+    cfg = OffloadConfig(block_size=BS, num_cpu_blocks=16, pin_memory="never")
+    registry = CollectorRegistry()
+    loaded = prompt = offered = 0
+    async with KVOffloader(cfg, kv, layout=layout, copy_engine=engine) as off:
+        registry.register(OffloaderCollector(off))
+        shared = list(range(3 * BS))
+
+        def look(rid: str, toks: list[int]) -> int:
+            nonlocal offered
+            hit = off.lookup(rid, off.hash_prompt(toks), len(toks))
+            offered += hit
+            return hit
+
+        async def load(rid: str, table: list[int], n: int, *, ok: bool = True) -> None:
+            task = off.load(rid, table, n)
+            assert task is not None
+            engine.complete(task) if ok else engine.fail(task)
+            await off.drain()
+
+        # "a" computes and stores the shared prefix.
+        a = [*shared, 99]
+        assert look("a", a) == 0
+        prompt += len(a)
+        off.update("a", [0, 1, 2, 3], off.hash_prompt(a), len(a))
+        [store] = off.store()
+        engine.complete(store)
+        await off.drain()
+        off.finish("a")
+        # "b" is looked up and released three times (no room yet), then loads 2 of 3 blocks.
+        b = [*shared, 7, 8]
+        for _ in range(3):
+            assert look("b", b) == 12
+            off.release("b")
+        assert look("b", b) == 12
+        prompt += len(b)
+        await load("b", [4, 5, 6, 7], 8)
+        loaded += 8
+        off.finish("b")
+        # "d" loads its hit, is preempted and re-admitted: a second admission, loaded again.
+        d = [*shared, 1, 2, 3]
+        for _ in range(2):
+            assert look("d", d) == 12
+            prompt += len(d)
+            await load("d", [8, 9, 10, 11], 12)
+            loaded += 12
+            off.preempt("d")
+        off.finish("d")
+        # "e" misses; "c"'s load fails (recomputed, so not served).
+        e = [500 + i for i in range(9)]
+        assert look("e", e) == 0
+        prompt += len(e)
+        off.finish("e")
+        c = [*shared, 5]
+        assert look("c", c) == 12
+        prompt += len(c)
+        await load("c", [12, 13, 14, 15], 12, ok=False)
+        off.finish("c")
+        families = scrape(registry)
+        stats = off.statistics().scheduler
+
+    def value(name: str) -> float:
+        [(_, v)] = families[name][1]
+        return v
+
+    assert (stats.loaded_tokens, stats.prompt_tokens, stats.hit_tokens) == (
+        loaded,
+        prompt,
+        offered,
+    )
+    assert value("kvoffload_scheduler_loaded_tokens") == loaded == 32
+    assert value("kvoffload_scheduler_prompt_tokens") == prompt == 13 + 14 + 2 * 15 + 9 + 13
+    assert value("kvoffload_scheduler_hit_tokens") == offered == 4 * 12 + 2 * 12 + 12
+    # The query docs/metrics.md gives, over counters that started at 0:
+    query = re.search(r"rate\((\w+)\[5m\]\) / rate\((\w+)\[5m\]\)", DOCS.read_text())
+    assert query is not None
+    numerator, denominator = query.groups()
+    rate = value(numerator.removesuffix("_total")) / value(denominator.removesuffix("_total"))
+    assert rate == loaded / prompt

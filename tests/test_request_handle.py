@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 import pytest
@@ -13,14 +13,18 @@ from hypothesis import strategies as st
 import kvoffload.request as request_module
 from kvoffload import (
     HashNamespace,
+    InvalidInputError,
     KVLayout,
     KVOffloader,
+    KvOffloadError,
     OffloadConfig,
     OffloadRequest,
+    PinnerError,
     RequestStateError,
     hash_prompt,
 )
-from kvoffload.request import blocks_for, table_slice
+from kvoffload.request import HandleState, blocks_for, table_slice
+from kvoffload.testing import ControllableCopyEngine
 
 pytestmark = pytest.mark.anyio
 
@@ -304,3 +308,256 @@ async def test_namespace_is_the_offloaders() -> None:
             assert list(a.block_hashes) == hash_prompt(list(range(8)), BS, off.namespace)
             assert list(a.block_hashes) != hash_prompt(list(range(8)), BS, other)
             assert "OffloadRequest('a', live" in repr(a)
+
+
+# -- one id, one handle; a finished handle takes no call ------------------------------------
+
+
+async def test_a_second_handle_for_an_id_is_refused_before_either_calls() -> None:
+    """A client's retry makes a second handle for the id before the first made a call: it
+    must be refused, or both drive one scheduler request (one's lookup replaces the other's
+    pin, and a load copies one prompt's prefix into the other's table)."""
+    async with offloader(make_kv()) as off:
+        first = off.request("a", list(range(9)))
+        with pytest.raises(RequestStateError, match=r"request id 'a' is in use"):
+            off.request("a", list(range(100, 109)))
+        assert off.scheduler.has_request("a")  # reserved by the first handle
+        assert first.lookup() == 0  # the first handle is unharmed
+        first.finish()
+        assert not off.scheduler.has_request("a")
+        with pytest.raises(RequestStateError, match=r"'a' is finished \(request ids are not"):
+            off.request("a", [1])
+
+
+CALLS_AFTER_FINISH = {
+    "lookup": lambda r: r.lookup(),
+    "lookup(allow_defer)": lambda r: r.lookup(allow_defer=True),
+    "load": lambda r: r.load([0, 1, 2], 4),
+    "advance": lambda r: r.advance([0, 1, 2], 8),
+    "extend": lambda r: r.extend([1]),
+    "release": lambda r: r.release(),
+    "preempt": lambda r: r.preempt(),
+    "finish": lambda r: r.finish(),
+}
+
+
+@pytest.mark.parametrize("call", sorted(CALLS_AFTER_FINISH))
+@pytest.mark.parametrize("first_call", [False, True])
+async def test_every_call_on_a_finished_handle_is_refused(call: str, first_call: bool) -> None:
+    """Also on a handle finished before its first call: such a handle was forgotten, and a
+    later lookup() re-registered the id and pinned CPU blocks nothing released."""
+    kv = make_kv()
+    async with offloader(kv) as off:
+        prompt = list(range(13))
+        with off.request("seed", prompt) as seed:  # put the prompt's blocks on the CPU
+            seed.advance([20, 21, 22, 23], 13)
+            off.store()
+            await off.drain()
+        req = off.request("a", prompt)
+        if first_call:
+            assert req.lookup() == 12
+        req.finish()
+        with pytest.raises(
+            RequestStateError,
+            match=rf"request 'a' is already finished: {call.split('(', maxsplit=1)[0]}\(\)",
+        ):
+            CALLS_AFTER_FINISH[call](req)
+        assert req.finished
+        assert req.state is HandleState.FINISHED
+        assert not off.scheduler.has_request("a")
+        assert off.scheduler.was_finished("a")
+        assert off.pool.num_free == off.pool.num_blocks  # no pin left behind
+        off.scheduler.check_invariants()
+        req.__exit__(None, None, None)  # leaving 'with' after finish() stays quiet
+
+
+class FailingUnpin:
+    """A pinner whose unpin raises while ``fail`` is set."""
+
+    def __init__(self) -> None:
+        self.fail = False
+        self.pins: list[tuple[int, ...]] = []
+
+    def pin(self, ids: Sequence[int]) -> None:
+        self.pins.append(tuple(ids))
+
+    def unpin(self, ids: Sequence[int]) -> None:
+        if self.fail:
+            raise RuntimeError("unpin broke")
+
+
+@pytest.mark.parametrize("hold", [False, True])
+async def test_finish_that_surfaces_a_pinner_error_leaves_nothing_behind(hold: bool) -> None:
+    """The once-only PinnerError of an earlier unpin surfaced in finish(): the handle was
+    marked finished, the request stayed registered with its pin, and a retry was refused."""
+    pinner = FailingUnpin()
+    config = OffloadConfig(
+        block_size=BS, num_cpu_blocks=32, model_id="m", hold_blocks_on_finish=hold
+    )
+    async with KVOffloader(config, make_kv(), pinner=pinner) as off:
+        prompt = list(range(13))
+        with off.request("seed", prompt) as seed:
+            seed.advance([20, 21, 22, 23], 13)
+            off.store()
+            await off.drain()
+        req = off.request("a", prompt)
+        assert req.lookup() == 12  # pins three CPU blocks
+        pinner.fail = True
+        with off.request("other", list(range(100, 109))) as other:
+            other.advance([10, 11, 12], 9)
+            off.store()
+            await off.drain()  # its completion's unpin raises: PinnerError is pending
+            pinner.fail = False
+            with pytest.raises(PinnerError, match="unpin raised"):
+                req.finish()
+        assert req.finished
+        assert not off.scheduler.has_request("a")
+        assert off.scheduler.was_finished("a")
+        assert off.pool.num_free == off.pool.num_blocks  # the lookup pin was released once
+        off.scheduler.check_invariants()
+        with pytest.raises(RequestStateError, match="already finished"):
+            req.finish()  # the finish is complete: nothing to retry
+        assert off.lookup("b", off.hash_prompt(prompt), 13) == 12  # the error was raised once
+        off.finish("b")
+        assert off.statistics().scheduler.live_requests == 0
+
+
+# -- the handle's errors are in the documented tree ----------------------------------------
+
+
+def _bad_calls(off: KVOffloader) -> dict[str, tuple[Callable[[], object], str]]:
+    def live() -> OffloadRequest:
+        return off.request(f"r{len(made)}", list(range(9)))
+
+    made: list[OffloadRequest] = []
+
+    def with_live(f: Callable[[OffloadRequest], object]) -> Callable[[], object]:
+        def call() -> object:
+            req = live()
+            made.append(req)
+            return f(req)
+
+        return call
+
+    return {
+        "request: a token too big": (
+            lambda: off.request("t", [1, 1 << 64]),
+            r"request 't': token_ids\[1\]=18446744073709551616 is not a 64-bit int",
+        ),
+        "request: a token not an int": (
+            lambda: off.request("t", [1, "x"]),  # type: ignore[list-item]
+            r"request 't': token_ids\[1\]='x' is not a 64-bit int",
+        ),
+        "extend: a bad token": (
+            with_live(lambda r: r.extend([2.5])),  # type: ignore[list-item]
+            r"request 'r0': token_ids\[0\]=2.5 is not a 64-bit int",
+        ),
+        "request: unaligned prefix": (
+            lambda: off.request("u", list(range(9)), num_computed_tokens=3),
+            r"request 'u': num_computed_tokens=3 must be >= 0 and a multiple of block_size=4",
+        ),
+        "request: prefix past the prompt": (
+            lambda: off.request("u", list(range(9)), num_computed_tokens=12),
+            r"request 'u': num_computed_tokens=12 exceeds the prompt's 9 tokens",
+        ),
+        "advance past the tokens": (
+            with_live(lambda r: r.advance([0, 1, 2], 10)),
+            r"request 'r0': num_computed_tokens=10 exceeds its 9 tokens",
+        ),
+        "blocks_for": (
+            with_live(lambda r: r.blocks_for(-1)),
+            r"request 'r0': need num_tokens >= 0 and block_size >= 1, got num_tokens=-1",
+        ),
+        "blocks_needed": (
+            with_live(lambda r: r.blocks_needed(-5)),
+            r"request 'r0': need num_tokens >= 0 .* num_tokens=-5",
+        ),
+        "table_slice: bad range": (
+            with_live(lambda r: r.table_slice([0, 1], 5, 2)),
+            r"request 'r0': need 0 <= start_token \(5\) <= end_token \(2\)",
+        ),
+        "table_slice: table too short": (
+            with_live(lambda r: r.table_slice([0, 1], 0, 9)),
+            r"request 'r0': tokens \[0, 9\) need 3 blocks; the block table has 2",
+        ),
+        "blocks_for()": (lambda: blocks_for(3, 0), r"got num_tokens=3 and block_size=0"),
+        "table_slice()": (lambda: table_slice([0], 0, 9, 4), r"need 3 blocks; the block table"),
+    }
+
+
+BAD_CALLS = [
+    "request: a token too big",
+    "request: a token not an int",
+    "extend: a bad token",
+    "request: unaligned prefix",
+    "request: prefix past the prompt",
+    "advance past the tokens",
+    "blocks_for",
+    "blocks_needed",
+    "table_slice: bad range",
+    "table_slice: table too short",
+    "blocks_for()",
+    "table_slice()",
+]
+
+
+@pytest.mark.parametrize("case", BAD_CALLS)
+async def test_a_bad_argument_raises_in_the_error_tree(case: str) -> None:
+    """Each raised a bare ValueError before; now an InvalidInputError (still a ValueError)
+    naming the request and the values. A refused call registers and reserves nothing."""
+    async with offloader(make_kv()) as off:
+        call, message = _bad_calls(off)[case]
+        with pytest.raises(InvalidInputError, match=message) as info:
+            call()
+        assert isinstance(info.value, KvOffloadError)
+        assert isinstance(info.value, ValueError)
+        for rid in ("t", "u"):
+            assert not off.scheduler.has_request(rid)  # a refused request() reserved nothing
+        assert off.pool.num_free == off.pool.num_blocks
+
+
+async def test_a_refused_lookup_keeps_nothing_of_its_argument() -> None:
+    async with offloader(make_kv()) as off:
+        prompt = list(range(13))
+        with off.request("seed", prompt) as seed:
+            seed.advance([20, 21, 22, 23], 13)
+            off.store()
+            await off.drain()
+        with off.request("a", prompt) as req:
+            with pytest.raises(InvalidInputError, match="num_computed_tokens=3 is not a multiple"):
+                req.lookup(num_computed_tokens=3)
+            assert req.num_computed_tokens == 0
+            assert req.lookup() == 12  # the prefix given at creation, not the refused one
+            with pytest.raises(InvalidInputError, match="num_computed_tokens"):
+                req.lookup(num_computed_tokens=16)
+            assert req.lookup() == 12
+
+
+async def test_a_back_to_back_request_hits_only_once_the_first_store_completed() -> None:
+    """What README "Usage" and docs/integration.md say: a request sharing a prefix with one
+    whose store is still copying gets no hit; allow_defer=True says "ask again", and
+    awaiting the first request's store task (or off.drain()) gives the hit."""
+    engine = ControllableCopyEngine()
+    config = OffloadConfig(block_size=BS, num_cpu_blocks=32, model_id="m")
+    async with KVOffloader(config, make_kv(), copy_engine=engine) as off:
+        prompt = list(range(13))
+        with off.request("a", prompt) as a:
+            a.advance([0, 1, 2, 3], 13)
+            [store] = off.store()
+        with off.request("b", prompt) as b:
+            assert b.lookup() == 0  # the store is in flight: nothing is published yet
+            assert b.lookup(allow_defer=True) is None  # "ask again after the store"
+            engine.complete(store)
+            await store  # or: await off.drain()
+            assert b.lookup(allow_defer=True) == 12
+            b.release()
+
+
+async def test_a_handle_finished_behind_its_back_becomes_finished() -> None:
+    async with offloader(make_kv()) as off:
+        req = off.request("a", list(range(9)))
+        off.finish("a")  # the low-level call, with the handle's id
+        with pytest.raises(RequestStateError, match="'a' is finished"):
+            req.finish()
+        assert req.finished
+        req.__exit__(None, None, None)
