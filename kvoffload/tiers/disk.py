@@ -190,6 +190,7 @@ class DiskTier:
         self._dfd = -1
         self._identity: tuple[int, int] | None = None
         self._owned = False  # the file is one this tier created or initialised
+        self._file_ok = True  # the last check found the file still ours
         self._index: OrderedDict[BlockHash, int] = OrderedDict()
         self._free: list[int] = []  # a stack: the last freed goes first
         self._readers: dict[int, int] = {}
@@ -471,12 +472,14 @@ class DiskTier:
 
     def _check_file(self) -> None:
         """Raise `TierError` when the file was deleted or replaced under us."""
+        self._file_ok = False
         try:
             st = os.stat(self._path)
         except OSError as exc:
             raise TierError(f"disk tier {self._name!r}: {self._path} is gone: {exc}") from exc
         if self._identity is None or (st.st_dev, st.st_ino) != self._identity:
             raise TierError(f"disk tier {self._name!r}: {self._path} was replaced")
+        self._file_ok = True
 
     async def ping(self) -> None:
         """Check the file is still ours and, after a write ran out of space, that a slot's
@@ -515,7 +518,7 @@ class DiskTier:
     def reads_ok(self) -> bool:
         """Whether the tier still serves reads although writes fail: the file system is
         full (``ENOSPC``), and the blocks written before stay readable."""
-        return self._full and self._fd >= 0
+        return self._full and self._file_ok and self._fd >= 0
 
     # -- slots -------------------------------------------------------------------------------
 

@@ -271,7 +271,7 @@ class TierManager:
     def _reads_ok(t: TierState) -> bool:
         """Whether the tier's failure affects writes only (its optional ``reads_ok()``)."""
         reads_ok = getattr(t.tier, "reads_ok", None)
-        return t.healthy and callable(reads_ok) and bool(reads_ok())
+        return t.opened and callable(reads_ok) and bool(reads_ok())
 
     def _fault_write(self, t: TierState, exc: BaseException, op: str) -> None:
         """A write (or a retry of a read-only tier) failed, and reads still work: stop
@@ -309,7 +309,12 @@ class TierManager:
                     else:
                         await t.tier.open()
             except Exception as exc:
-                if self._reads_ok(t):
+                if self._reads_ok(t):  # it answers, but cannot write: read-only
+                    if not t.healthy:
+                        t.healthy = True
+                        t.writable = True  # so that _fault_write starts a new episode
+                        t.recoveries += 1
+                        _log.info("tier_recovered", tier=t.tier.name, writable=False)
                     self._fault_write(t, exc, "ping")
                 else:
                     self._fault(t, exc, "ping" if t.opened else "open")

@@ -79,6 +79,7 @@ class RedisTier:
         self._bulk_limit: int | None = None  # the server's proto-max-bulk-len, when known
         self._write_refused = ""  # why the server refuses every write (reads still work)
         self._bad_replies = 0
+        self._answered = True  # the server answered the last ping
 
     def __repr__(self) -> str:
         return f"RedisTier(name={self._name!r}, url={redact_url(self._url)!r})"
@@ -135,13 +136,15 @@ class RedisTier:
         """Read the server's ``proto-max-bulk-len`` and refuse to start when one block's
         value exceeds it (the server would drop the connection on every write)."""
         try:
-            reply = await self._get_client().config_get("proto-max-bulk-len")
+            reply: Mapping[Any, Any] = await self._get_client().config_get("proto-max-bulk-len")
         except aioredis.ResponseError as exc:  # CONFIG refused or renamed: learn it on a write
             _log.debug("redis_config_refused", tier=self._name, error=str(exc))
             return
-        raw = reply.get("proto-max-bulk-len", reply.get(b"proto-max-bulk-len"))
+        # Keys and values are bytes (no decode_responses); str keys where decoding is on.
+        raw = reply.get(b"proto-max-bulk-len", reply.get("proto-max-bulk-len"))
         if raw is None:
             return
+        raw = raw.decode() if isinstance(raw, bytes) else str(raw)
         self._bulk_limit = int(raw)
         if self._value_nbytes > self._bulk_limit:
             raise TierError(self._too_large(f"the server's proto-max-bulk-len is {raw}"))
@@ -162,16 +165,18 @@ class RedisTier:
             TierError: the server refused a write because a block is larger than its
                 ``proto-max-bulk-len`` (see `reads_ok()`).
         """
-        if self._write_refused:
-            raise TierError(self._write_refused)
+        self._answered = False
         await self._get_client().ping()
+        self._answered = True
+        if self._write_refused:  # it answers: reads work, writes do not
+            raise TierError(self._write_refused)
         if self._bulk_limit is not None and self._value_nbytes > self._bulk_limit:
             await self._check_bulk_limit()
 
     def reads_ok(self) -> bool:
         """Whether only writes fail: the server refuses values of a block's size (its
-        ``proto-max-bulk-len`` is smaller), and the tier still reads."""
-        return bool(self._write_refused)
+        ``proto-max-bulk-len`` is smaller) and answered the last `ping()`."""
+        return bool(self._write_refused) and self._answered
 
     async def exists(self, block_hashes: Sequence[BlockHash]) -> int:
         """The leading run of ``block_hashes`` whose keys exist (one pipelined round trip)."""

@@ -31,7 +31,8 @@ class TierStatistics:
         blocks_promoted: of those, blocks published into the CPU pool.
         read_misses: blocks the probe found but the read did not (evicted meanwhile).
         failed_checks: blocks that failed verification (deleted from the tier).
-        errors: operations that failed (each also marks the tier unhealthy).
+        errors: operations that failed (each also marks the tier unhealthy, or
+            read-only when only writes fail).
         unhealthy_events: times the tier went from healthy to unhealthy, or from writable
             to read-only.
         recoveries: times it came back.
