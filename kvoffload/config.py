@@ -6,7 +6,7 @@ This is the only module that reads the environment. Every other part receives an
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -22,7 +22,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from kvoffload.errors import ConfigError, LayoutMismatchError
-from kvoffload.tiers.settings import TierSettingsList
+from kvoffload.tiers.settings import TierSettingsList, redact_url
 
 __all__ = ["DTypeName", "KVLayout", "LayoutKind", "OffloadConfig"]
 
@@ -67,8 +67,19 @@ def _describe(exc: ValidationError, fields: Collection[str], env_prefix: str | N
         where = ".".join(str(p) for p in loc)
         if env_prefix is not None and loc[0] in fields:
             where += f" (env {env_prefix}{str(loc[0]).upper()})"
-        parts.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
+        parts.append(f"{where}: {err['msg']} (got {_masked(err.get('input'))!r})")
     return "; ".join(parts)
+
+
+def _masked(value: object) -> object:
+    """``value`` with the password of every URL in it masked (`redact_url`), for errors."""
+    if isinstance(value, str):
+        return redact_url(value) if "://" in value else value
+    if isinstance(value, Mapping):
+        return {k: _masked(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_masked(v) for v in value)
+    return value
 
 
 class KVLayout(BaseModel):
@@ -246,7 +257,11 @@ class OffloadConfig(BaseSettings):
             the field, its environment variable and the value.
     """
 
-    model_config = SettingsConfigDict(env_prefix="KVOFFLOAD_", extra="forbid", frozen=True)
+    # The chained ValidationError shows no input (a tier URL may hold a password); the
+    # ConfigError's own message shows it with passwords masked.
+    model_config = SettingsConfigDict(
+        env_prefix="KVOFFLOAD_", extra="forbid", frozen=True, hide_input_in_errors=True
+    )
 
     block_size: int = Field(
         default=16, ge=1, le=65536, description="Tokens per KV block (must equal the layout's)."

@@ -83,6 +83,8 @@ class TierState:
     sick: anyio.Event = field(default_factory=anyio.Event)
     opened: bool = False
     healthy: bool = False
+    # Healthy but unable to write (a full disk): reads are served, write-downs skipped.
+    writable: bool = True
     backoff_s: float = 0.0
     retry_at: float = 0.0
     held: int = 0

@@ -6,6 +6,10 @@ verifies every block it reads before publishing it. All methods are async and mu
 block the event loop (file I/O runs in worker threads). They raise `TierError` (or an
 ``OSError`` / client error, which the manager treats the same) when the tier is
 unreachable; a missing block is a miss, never an error.
+
+A tier may also offer ``reads_ok() -> bool`` (not part of the protocol): asked after a
+failed ``put`` or retry, ``True`` says only writes fail (a full disk), and the manager keeps
+reading from the tier instead of marking it unhealthy.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def build_tier(
                 f"pip install 'kvoffload[redis]' ({exc})"
             ) from exc
         return RedisTier(
-            settings.url,
+            settings.url.get_secret_value(),
             block_nbytes=block_nbytes,
             namespace=namespace,
             key_prefix=settings.key_prefix,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import mmap
 import operator
 import os
@@ -188,6 +189,8 @@ class DiskTier:
         self._fd = -1
         self._dfd = -1
         self._identity: tuple[int, int] | None = None
+        self._owned = False  # the file is one this tier created or initialised
+        self._file_ok = True  # the last check found the file still ours
         self._index: OrderedDict[BlockHash, int] = OrderedDict()
         self._free: list[int] = []  # a stack: the last freed goes first
         self._readers: dict[int, int] = {}
@@ -197,6 +200,7 @@ class DiskTier:
         self._buffered_ios = 0
         self._discarded_at_open = 0
         self._recreated = 0
+        self._adopted = 0
         self._enospc = 0
         self._closed = False
         # Payloads not a whole number of pages leave a gap before the next slot's header;
@@ -270,20 +274,27 @@ class DiskTier:
         body += struct.pack("<I", zlib.crc32(body))
         return body.ljust(_PAGE, b"\0")
 
-    def _open_sync(self) -> None:
+    def _open_sync(self, recover: bool = False) -> None:
+        """Open the file, lock it, and reuse, adopt or initialise it.
+
+        A file this call creates, an empty one, or (at a first open) one that starts with
+        a disk tier's superblock is initialised (truncated and preallocated); a persisted
+        file of this geometry and namespace is reused. When ``recover`` (the path was
+        removed or replaced under a running tier), only a file this call creates is
+        initialised: one of this geometry and namespace is adopted as it is, anything else
+        is refused, untouched.
+        """
         self._close_fds()
+        # With no file open its inode number can be reused: nothing at the path is ours.
+        self._identity = None
+        self._owned = False
         size = self._file_size
-        reuse = False
+        fd, created = self._open_fd(recover)
         try:
-            fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise TierError(
-                f"disk tier {self._name!r}: cannot open {self._path}: "
-                f"{errno.errorcode.get(exc.errno or 0, exc.errno)} {exc.strerror}"
-            ) from exc
-        try:
-            if self._persist and os.fstat(fd).st_size == size:
-                reuse = os.pread(fd, _PAGE, 0) == self._superblock()
+            self._lock(fd)
+            reuse = False
+            if not created:
+                reuse = self._inspect(fd, recover)
             if not reuse:
                 os.ftruncate(fd, 0)
                 if self._preallocate and hasattr(os, "posix_fallocate"):
@@ -291,6 +302,9 @@ class DiskTier:
                 else:  # sparse: space is taken as slots are written
                     os.ftruncate(fd, size)
                 os.pwrite(fd, self._superblock(), 0)
+        except TierError:
+            os.close(fd)
+            raise
         except OSError as exc:
             os.close(fd)
             raise TierError(
@@ -300,6 +314,8 @@ class DiskTier:
         st = os.fstat(fd)
         self._fd = fd
         self._identity = (st.st_dev, st.st_ino)
+        # Removed at close (without persist) only when this tier initialised it.
+        self._owned = not reuse
         self._index.clear()
         self._readers.clear()
         self._doomed.clear()
@@ -325,6 +341,66 @@ class DiskTier:
             discarded=self._discarded_at_open,
             direct_io=self._dfd >= 0,
         )
+
+    def _open_fd(self, recover: bool) -> tuple[int, bool]:
+        """Open (or create) the file: ``(fd, whether this call created it)``."""
+        flags = os.O_RDWR | os.O_CLOEXEC
+        try:
+            try:
+                return os.open(self._path, flags | os.O_CREAT | os.O_EXCL, 0o600), True
+            except FileExistsError:
+                return os.open(self._path, flags), False
+        except OSError as exc:
+            raise TierError(
+                f"disk tier {self._name!r}: cannot open {self._path}: "
+                f"{errno.errorcode.get(exc.errno or 0, exc.errno)} {exc.strerror}"
+            ) from exc
+
+    def _lock(self, fd: int) -> None:
+        """Take the file's exclusive lock, or raise `TierError`: one tier per file."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise TierError(
+                    f"disk tier {self._name!r}: {self._path} is in use by another disk tier "
+                    "(in this process or another one holds its lock); give each tier its own "
+                    "file"
+                ) from exc
+            raise TierError(
+                f"disk tier {self._name!r}: cannot lock {self._path}: "
+                f"{errno.errorcode.get(exc.errno or 0, exc.errno)} {exc.strerror}"
+            ) from exc
+
+    def _inspect(self, fd: int, recover: bool) -> bool:
+        """Whether an existing file is reused (a persisted file of this geometry and
+        namespace); ``False``: initialise it. Raises `TierError` for a file that must
+        not be touched."""
+        st = os.fstat(fd)
+        head = os.pread(fd, _PAGE, 0)
+        ours = st.st_size == self._file_size and head == self._superblock()
+        if recover:
+            if ours:
+                return True
+            why = (
+                "it is not a disk tier file"
+                if not head.startswith(_SUPER_MAGIC)
+                else f"{st.st_size} bytes, this tier's file has {self._file_size}"
+                if st.st_size != self._file_size
+                else "its superblock is of another format, namespace or geometry"
+            )
+            raise TierError(
+                f"disk tier {self._name!r}: {self._path} was replaced by a file this tier "
+                f"cannot adopt ({why}); it is left untouched"
+            )
+        if self._persist and ours:
+            return True
+        if st.st_size and not head.startswith(_SUPER_MAGIC):
+            raise TierError(
+                f"disk tier {self._name!r}: {self._path} holds {st.st_size} bytes that are not "
+                "a disk tier file; refusing to overwrite it (remove it or choose another path)"
+            )
+        return False
 
     def _rebuild(self) -> None:
         free: list[int] = []
@@ -370,7 +446,7 @@ class DiskTier:
         identity = self._identity
         self._threads.shutdown()
         self._close_fds()
-        if not self._persist and identity is not None:
+        if not self._persist and self._owned and identity is not None:
             with contextlib.suppress(OSError):
                 st = os.stat(self._path)
                 if (st.st_dev, st.st_ino) == identity:
@@ -396,20 +472,27 @@ class DiskTier:
 
     def _check_file(self) -> None:
         """Raise `TierError` when the file was deleted or replaced under us."""
+        self._file_ok = False
         try:
             st = os.stat(self._path)
         except OSError as exc:
             raise TierError(f"disk tier {self._name!r}: {self._path} is gone: {exc}") from exc
-        if (st.st_dev, st.st_ino) != self._identity:
+        if self._identity is None or (st.st_dev, st.st_ino) != self._identity:
             raise TierError(f"disk tier {self._name!r}: {self._path} was replaced")
+        self._file_ok = True
 
     async def ping(self) -> None:
-        """Check the file is still ours (recreate it, empty, when it was removed) and,
-        after a write ran out of space, that a slot's worth of space is free again.
+        """Check the file is still ours and, after a write ran out of space, that a slot's
+        worth of space is free again.
+
+        A removed file is created again, empty. A file that replaced it is adopted when it
+        is a persisted file of this geometry and namespace (its blocks are served) and
+        refused otherwise, untouched: the tier never truncates a file it did not create.
 
         Raises:
-            TierError: the file is gone and cannot be created again, or the file system
-                is still full (``ENOSPC`` in the message).
+            TierError: the file is gone and cannot be created again, it was replaced by
+                a file the tier cannot adopt (the path and why are named), or the file
+                system is still full (``ENOSPC`` in the message).
         """
         if self._closed:
             raise TierError(f"disk tier {self._name!r} is closed")
@@ -418,14 +501,24 @@ class DiskTier:
         except TierError:
             if any(self._readers.values()) or self._writing:
                 raise
-            was_persist, self._persist = self._persist, False
-            try:
-                await anyio.to_thread.run_sync(self._open_sync, limiter=self._limiter)
-            finally:
-                self._persist = was_persist
+            await anyio.to_thread.run_sync(self._recover_sync, limiter=self._limiter)
+        await anyio.to_thread.run_sync(self._check_space, limiter=self._limiter)
+
+    def _recover_sync(self) -> None:
+        self._open_sync(recover=True)
+        if self._owned:
             self._recreated += 1
             _log.warning("disk_tier_recreated", tier=self._name, path=str(self._path))
-        await anyio.to_thread.run_sync(self._check_space, limiter=self._limiter)
+        else:
+            self._adopted += 1
+            _log.warning(
+                "disk_tier_adopted", tier=self._name, path=str(self._path), blocks=len(self._index)
+            )
+
+    def reads_ok(self) -> bool:
+        """Whether the tier still serves reads although writes fail: the file system is
+        full (``ENOSPC``), and the blocks written before stay readable."""
+        return self._full and self._file_ok and self._fd >= 0
 
     # -- slots -------------------------------------------------------------------------------
 
@@ -810,6 +903,7 @@ class DiskTier:
             "buffered_ios": self._buffered_ios,
             "discarded_at_open": self._discarded_at_open,
             "recreated": self._recreated,
+            "adopted": self._adopted,
             "enospc_errors": self._enospc,
             "preallocated": self._preallocate,
         }

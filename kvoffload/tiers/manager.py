@@ -21,6 +21,9 @@ The rules, extending DESIGN.md's invariants to tiers:
 * A tier error (refused connection, timeout, I/O error ...) marks the tier unhealthy;
   write-downs to it are skipped, lookups ignore it, and it is pinged with exponential
   backoff until it answers. No tier error reaches the engine's step loop.
+* A tier that cannot write but can still read (a full disk: its ``reads_ok()`` says so)
+  is marked read-only instead: write-downs are skipped, lookups keep reading the blocks
+  it holds, and it is pinged the same way until it can write again.
 """
 
 from __future__ import annotations
@@ -264,9 +267,37 @@ class TierManager:
         t.sick.set()
         t.skipped_unhealthy += self._drop_queue(t)
 
+    @staticmethod
+    def _reads_ok(t: TierState) -> bool:
+        """Whether the tier's failure affects writes only (its optional ``reads_ok()``)."""
+        reads_ok = getattr(t.tier, "reads_ok", None)
+        return t.opened and callable(reads_ok) and bool(reads_ok())
+
+    def _fault_write(self, t: TierState, exc: BaseException, op: str) -> None:
+        """A write (or a retry of a read-only tier) failed, and reads still work: stop
+        writing to the tier, keep reading from it."""
+        t.errors += 1
+        t.last_error = f"{op}: {type(exc).__name__}: {exc}"
+        if t.writable:
+            t.writable = False
+            t.backoff_s = t.retry_initial_s
+            t.unhealthy_events += 1
+            _log.warning(
+                "tier_read_only",
+                tier=t.tier.name,
+                op=op,
+                error=t.last_error,
+                retry_in_s=round(t.backoff_s, 3),
+            )
+        elif op == "ping":
+            t.backoff_s = min(t.backoff_s * 2, t.retry_max_s)
+        t.retry_at = time.monotonic() + t.backoff_s
+        t.sick.set()
+        t.skipped_unhealthy += self._drop_queue(t)
+
     async def _health_loop(self, t: TierState) -> None:
         while True:
-            if t.healthy:
+            if t.healthy and t.writable:
                 await t.sick.wait()
                 t.sick = anyio.Event()
                 continue
@@ -278,9 +309,17 @@ class TierManager:
                     else:
                         await t.tier.open()
             except Exception as exc:
-                self._fault(t, exc, "ping" if t.opened else "open")
+                if self._reads_ok(t):  # it answers, but cannot write: read-only
+                    if not t.healthy:
+                        t.healthy = True
+                        t.writable = True  # so that _fault_write starts a new episode
+                        t.recoveries += 1
+                        _log.info("tier_recovered", tier=t.tier.name, writable=False)
+                    self._fault_write(t, exc, "ping")
+                else:
+                    self._fault(t, exc, "ping" if t.opened else "open")
                 continue
-            t.opened = t.healthy = True
+            t.opened = t.healthy = t.writable = True
             t.backoff_s = 0.0
             t.recoveries += 1
             t.sick = anyio.Event()
@@ -306,7 +345,7 @@ class TierManager:
         if not blocks:
             return
         for t in self._tiers:
-            if not t.healthy:
+            if not (t.healthy and t.writable):
                 t.skipped_unhealthy += len(blocks)
                 continue
             room = max(0, t.max_queued - t.held)
@@ -353,14 +392,17 @@ class TierManager:
         await t.gate.acquire(read=False)
         start = time.perf_counter()
         try:
-            if not t.healthy:
+            if not (t.healthy and t.writable):
                 t.skipped_unhealthy += len(hashes)
                 return
             with anyio.fail_after(t.timeout_s):
                 stored = await t.tier.put(writes)
         except Exception as exc:
             t.writes_failed += len(hashes)
-            self._fault(t, exc, "put")
+            if self._reads_ok(t):
+                self._fault_write(t, exc, "put")
+            else:
+                self._fault(t, exc, "put")
         else:
             t.blocks_written += stored
             t.bytes_written += stored * self._nbytes
@@ -646,6 +688,7 @@ class TierManager:
                     name=t.tier.name,
                     kind=t.kind,
                     healthy=t.healthy,
+                    writable=t.healthy and t.writable,
                     blocks_written=t.blocks_written,
                     bytes_written=t.bytes_written,
                     writes_skipped_full=t.skipped_full,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any, final
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 try:
     import redis.asyncio as aioredis
@@ -24,22 +24,20 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
         "kvoffload.tiers.redis needs the redis extra: pip install 'kvoffload[redis]'"
     ) from exc
 
+from kvoffload._logging import get_logger
 from kvoffload.errors import TierError
 from kvoffload.hashing import BlockHash
 from kvoffload.tiers._threads import IoThreads
 from kvoffload.tiers.base import BlockRead, BlockWrite
 from kvoffload.tiers.format import HEADER_SIZE, checksum
+from kvoffload.tiers.settings import redact_url
 
 __all__ = ["RedisTier"]
 
+_log = get_logger("tiers.redis")
 
-def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+_MIN_BULK_LIMIT = 1 << 20
+"""The smallest ``proto-max-bulk-len`` a server accepts: smaller values never hit it."""
 
 
 @final
@@ -77,9 +75,14 @@ class RedisTier:
         # Values are built and unpacked (copies and checksums) in these threads.
         self._threads = IoThreads(max_connections, f"kvoffload-redis-{name}")
         self._closed = False
+        self._value_nbytes = HEADER_SIZE + block_nbytes
+        self._bulk_limit: int | None = None  # the server's proto-max-bulk-len, when known
+        self._write_refused = ""  # why the server refuses every write (reads still work)
+        self._bad_replies = 0
+        self._answered = True  # the server answered the last ping
 
     def __repr__(self) -> str:
-        return f"RedisTier(name={self._name!r}, url={_redact(self._url)!r})"
+        return f"RedisTier(name={self._name!r}, url={redact_url(self._url)!r})"
 
     @property
     def name(self) -> str:
@@ -111,21 +114,69 @@ class RedisTier:
                 "loop is not asyncio's"
             ) from exc
         if self._client is None:
+            options: dict[str, Any] = {}
+            if urlsplit(self._url).scheme != "unix":
+                options["socket_keepalive"] = True  # a Unix socket connection takes none
             try:
                 pool = aioredis.BlockingConnectionPool.from_url(
                     self._url,
                     max_connections=self._max_connections + 1,
                     retry=Retry(NoBackoff(), 0),
-                    socket_keepalive=True,
+                    **options,
                 )
             except ValueError as exc:
-                raise TierError(f"redis tier {self._name!r}: bad url: {exc}") from exc
+                raise TierError(
+                    f"redis tier {self._name!r}: bad url {redact_url(self._url)!r}: {exc}"
+                ) from exc
             self._client = aioredis.Redis(connection_pool=pool)
-        await self.ping()
+        await self._get_client().ping()
+        await self._check_bulk_limit()
+
+    async def _check_bulk_limit(self) -> None:
+        """Read the server's ``proto-max-bulk-len`` and refuse to start when one block's
+        value exceeds it (the server would drop the connection on every write)."""
+        try:
+            reply: Mapping[Any, Any] = await self._get_client().config_get("proto-max-bulk-len")
+        except aioredis.ResponseError as exc:  # CONFIG refused or renamed: learn it on a write
+            _log.debug("redis_config_refused", tier=self._name, error=str(exc))
+            return
+        # Keys and values are bytes (no decode_responses); str keys where decoding is on.
+        raw = reply.get(b"proto-max-bulk-len", reply.get("proto-max-bulk-len"))
+        if raw is None:
+            return
+        raw = raw.decode() if isinstance(raw, bytes) else str(raw)
+        self._bulk_limit = int(raw)
+        if self._value_nbytes > self._bulk_limit:
+            raise TierError(self._too_large(f"the server's proto-max-bulk-len is {raw}"))
+
+    def _too_large(self, why: str) -> str:
+        return (
+            f"redis tier {self._name!r}: a block is stored as one value of "
+            f"{self._value_nbytes} bytes ({self._nbytes} of KV and a {HEADER_SIZE}-byte "
+            f"header), but {why}: the server refuses every write. Raise the server's "
+            f"proto-max-bulk-len to at least {self._value_nbytes} (then restart the "
+            "offloader) or use smaller blocks"
+        )
 
     async def ping(self) -> None:
-        """Send ``PING``."""
+        """Send ``PING``; check again that a block fits in the server's value limit.
+
+        Raises:
+            TierError: the server refused a write because a block is larger than its
+                ``proto-max-bulk-len`` (see `reads_ok()`).
+        """
+        self._answered = False
         await self._get_client().ping()
+        self._answered = True
+        if self._write_refused:  # it answers: reads work, writes do not
+            raise TierError(self._write_refused)
+        if self._bulk_limit is not None and self._value_nbytes > self._bulk_limit:
+            await self._check_bulk_limit()
+
+    def reads_ok(self) -> bool:
+        """Whether only writes fail: the server refuses values of a block's size (its
+        ``proto-max-bulk-len`` is smaller) and answered the last `ping()`."""
+        return bool(self._write_refused) and self._answered
 
     async def exists(self, block_hashes: Sequence[BlockHash]) -> int:
         """The leading run of ``block_hashes`` whose keys exist (one pipelined round trip)."""
@@ -157,11 +208,38 @@ class RedisTier:
             return [b"".join((block.sealed_header(), block.payload)) for block in blocks]
 
         values = await self._threads.run(build)
-        async with client.pipeline(transaction=False) as pipe:
-            for block, value in zip(blocks, values, strict=True):
-                pipe.set(self.key(block.block_hash), value, ex=self._ttl)
-            acks: list[Any] = await pipe.execute()
+        try:
+            async with client.pipeline(transaction=False) as pipe:
+                for block, value in zip(blocks, values, strict=True):
+                    pipe.set(self.key(block.block_hash), value, ex=self._ttl)
+                acks: list[Any] = await pipe.execute()
+        except (aioredis.ConnectionError, aioredis.ResponseError) as exc:
+            await self._check_refused(exc)
+            raise
         return sum(1 for ack in acks if ack)
+
+    async def _check_refused(self, exc: Exception) -> None:
+        """A write failed: when the value may exceed the server's bulk limit (unknown:
+        CONFIG is refused) and the server still answers, it refused the value's size."""
+        if self._bulk_limit is not None or self._value_nbytes <= _MIN_BULK_LIMIT:
+            return
+        if "bulk length" not in str(exc):  # the server said why ("invalid bulk length")
+            # Or it just closed the connection: it refused the value if it answers PING
+            # (twice: the first may take a connection it closed).
+            for attempt in range(2):
+                try:
+                    await self._get_client().ping()
+                    break
+                except Exception:
+                    if attempt:
+                        return  # the server is down, not refusing our values
+        self._write_refused = self._too_large(
+            f"the server refused a write of it ({type(exc).__name__}: {exc}) and still "
+            f"answers: its proto-max-bulk-len is below {self._value_nbytes} (CONFIG is "
+            "refused, so the limit could not be read at start-up)"
+        )
+        _log.error("redis_write_refused", tier=self._name, error=self._write_refused)
+        raise TierError(self._write_refused) from exc
 
     async def get(
         self, block_hashes: Sequence[BlockHash], into: Sequence[memoryview]
@@ -175,10 +253,32 @@ class RedisTier:
             raise ValueError(f"{len(block_hashes)} hashes but {len(into)} buffers")
         if not block_hashes:
             return []
-        async with self._get_client().pipeline(transaction=False) as pipe:
+        client = self._get_client()
+        async with client.pipeline(transaction=False) as pipe:
             for block_hash in block_hashes:
                 pipe.get(self.key(block_hash))
-            values: list[bytes | None] = await pipe.execute()
+            # An error reply (a key of another type: WRONGTYPE) is that key's miss alone.
+            replies: list[Any] = await pipe.execute(raise_on_error=False)
+        values: list[bytes | None] = []
+        bad: list[bytes] = []
+        for block_hash, reply in zip(block_hashes, replies, strict=True):
+            if reply is None or isinstance(reply, bytes):
+                values.append(reply)
+                continue
+            values.append(None)
+            bad.append(self.key(block_hash))
+            _log.warning(
+                "redis_bad_reply",
+                tier=self._name,
+                key=self.key(block_hash).decode(),
+                error=f"{type(reply).__name__}: {reply}",
+            )
+        if bad:
+            self._bad_replies += len(bad)
+            try:
+                await client.delete(*bad)
+            except aioredis.RedisError as exc:  # the next read finds it again
+                _log.warning("redis_bad_key_not_deleted", tier=self._name, error=repr(exc))
 
         def unpack() -> list[BlockRead | None]:
             out: list[BlockRead | None] = []
@@ -214,9 +314,14 @@ class RedisTier:
             await client.aclose(close_connection_pool=True)
 
     def statistics(self) -> Mapping[str, int | float | str | bool]:
-        """The server URL (password hidden), key prefix and expiry."""
+        """The server URL (password hidden), key prefix, expiry, the keys whose reply was
+        an error (``bad_replies``: a key of another type; each was a miss and deleted), and
+        the server's value limit (``proto_max_bulk_len``, 0 when unknown)."""
         return {
-            "url": _redact(self._url),
+            "url": redact_url(self._url),
             "key_prefix": self._prefix.decode(),
             "ttl_s": self._ttl or 0,
+            "bad_replies": self._bad_replies,
+            "proto_max_bulk_len": self._bulk_limit or 0,
+            "write_refused": self._write_refused,
         }

@@ -11,10 +11,62 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from pydantic import AfterValidator, BaseModel, ByteSize, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_serializer,
+    model_validator,
+)
 
-__all__ = ["DiskTierSettings", "RedisTierSettings", "TierSettings", "TierSettingsList"]
+__all__ = [
+    "DiskTierSettings",
+    "RedisTierSettings",
+    "SecretUrl",
+    "TierSettings",
+    "TierSettingsList",
+    "redact_url",
+]
+
+_MASK = "***"
+_SECRET_PARAMS = frozenset({"password", "pass", "passwd", "secret", "token", "auth"})
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (in the user part or a ``password=`` query parameter)
+    replaced by ``***``; the rest (scheme, user, host, port, path) kept for diagnostics."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if "@" in netloc:
+            userinfo, _, hostport = netloc.rpartition("@")
+            if ":" in userinfo:
+                user = userinfo.split(":", 1)[0]
+                netloc = f"{user}:{_MASK}@{hostport}"
+        query = parts.query
+        if query:
+            pairs = parse_qsl(query, keep_blank_values=True)
+            if any(k.lower() in _SECRET_PARAMS for k, _ in pairs):
+                query = urlencode(
+                    [(k, _MASK if k.lower() in _SECRET_PARAMS else v) for k, v in pairs],
+                    safe="*",
+                )
+        return urlunsplit(parts._replace(netloc=netloc, query=query))
+    except ValueError:
+        return _MASK  # unparsable: show nothing of it
+
+
+class SecretUrl(SecretStr):
+    """A URL that may carry a password: printed, dumped and serialised with the password
+    masked (`redact_url`); `get_secret_value()` gives the real URL to connect with."""
+
+    def _display(self) -> str:
+        return redact_url(self.get_secret_value())
 
 
 class _TierSettingsBase(BaseModel):
@@ -102,13 +154,22 @@ class RedisTierSettings(_TierSettingsBase):
     """A `RedisTier`: one key per block on a Redis or Valkey server.
 
     Attributes:
-        url: ``redis://host:port/db`` (or ``rediss://``, ``unix://``).
+        url: ``redis://host:port/db`` (or ``rediss://``, ``unix:///path/to.sock``), a
+            `SecretUrl`: its password is masked in ``repr``, ``str`` and dumps.
         key_prefix: prefix of every key.
         ttl_s: expiry of each key in seconds; ``None`` leaves eviction to ``maxmemory``.
     """
 
+    # A rejected value never shows in an error message: it may hold the password.
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
+
     kind: Literal["redis"] = "redis"
-    url: str = Field(min_length=1, max_length=4096, description="Server URL, redis://host:port/db.")
+    url: SecretUrl = Field(
+        min_length=1,
+        max_length=4096,
+        description="Server URL, redis://host:port/db; its password is masked wherever the "
+        "settings are printed, dumped or logged (url.get_secret_value() gives it).",
+    )
     key_prefix: str = Field(
         default="kvoffload:", max_length=256, description="Prefix of every key this tier writes."
     )
@@ -118,6 +179,10 @@ class RedisTierSettings(_TierSettingsBase):
     max_in_flight: int = Field(
         default=8, ge=1, le=1024, description="Most commands or pipelines running at once."
     )
+
+    @field_serializer("url", when_used="json")
+    def _url_json(self, url: SecretUrl) -> str:
+        return str(url)  # masked, but still naming the server
 
 
 TierSettings = Annotated[DiskTierSettings | RedisTierSettings, Field(discriminator="kind")]

@@ -15,12 +15,14 @@ class TierStatistics:
     Attributes:
         name: the tier's name.
         kind: ``"disk"``, ``"redis"`` or the class name of a custom tier.
-        healthy: whether the tier is in use now.
+        healthy: whether the tier is in use now (read from, at least).
+        writable: whether write-downs go to it now; ``False`` while it is unhealthy, or
+            healthy but unable to write (a full disk): it then still serves reads.
         blocks_written: blocks the tier reported stored.
         bytes_written: their payload bytes.
         writes_skipped_full: write-downs skipped because the queue was full (back-pressure).
         writes_skipped_unhealthy: write-downs skipped (or dropped from the queue) because
-            the tier was unhealthy.
+            the tier was unhealthy or could not write.
         writes_failed: blocks of write operations that failed.
         writes_held: write-downs queued or running now (each holds a CPU block).
         max_writes_held: the most ever held at once (never above ``max_queued_writes``).
@@ -29,8 +31,10 @@ class TierStatistics:
         blocks_promoted: of those, blocks published into the CPU pool.
         read_misses: blocks the probe found but the read did not (evicted meanwhile).
         failed_checks: blocks that failed verification (deleted from the tier).
-        errors: operations that failed (each also marks the tier unhealthy).
-        unhealthy_events: times the tier went from healthy to unhealthy.
+        errors: operations that failed (each also marks the tier unhealthy, or
+            read-only when only writes fail).
+        unhealthy_events: times the tier went from healthy to unhealthy, or from writable
+            to read-only.
         recoveries: times it came back.
         write_seconds: total time of write operations.
         read_seconds: total time of read operations.
@@ -41,6 +45,7 @@ class TierStatistics:
     name: str
     kind: str
     healthy: bool
+    writable: bool
     blocks_written: int
     bytes_written: int
     writes_skipped_full: int

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from tier_helpers import REDIS_URL_ENV, RedisServer, redis_missing
@@ -39,3 +39,23 @@ def own_redis() -> Iterator[RedisServer]:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture
+def start_redis() -> Iterator[Callable[..., RedisServer]]:
+    """Start redis-servers of this test's own with more options (stopped at the end):
+    ``start_redis("--requirepass", "pw")``, ``start_redis(unix_socket=True)``."""
+    _need_client()
+    servers: list[RedisServer] = []
+
+    def start(*args: str, unix_socket: bool = False) -> RedisServer:
+        server = RedisServer(*args, unix_socket=unix_socket)
+        servers.append(server)
+        server.start()
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.close()

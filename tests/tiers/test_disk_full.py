@@ -188,7 +188,9 @@ async def test_engine_keeps_serving_from_cpu_while_the_disk_is_full(small_fs: Sm
         stats = tier_stats(off)
         assert stats.writes_failed >= 1
         assert stats.unhealthy_events >= 1
-        assert not stats.healthy
+        # It cannot write, but it still reads: healthy, not writable.
+        assert stats.healthy
+        assert not stats.writable
         assert "ENOSPC" in stats.last_error
         assert int(stats.details["enospc_errors"]) >= 1
         assert stats.blocks_written <= 3
@@ -200,13 +202,14 @@ async def test_engine_keeps_serving_from_cpu_while_the_disk_is_full(small_fs: Sm
         errors = tier_stats(off).errors
         await anyio.sleep(0.2)
         stats = tier_stats(off)
-        assert not stats.healthy
+        assert stats.healthy
+        assert not stats.writable
         assert stats.errors > errors
         assert "ENOSPC" in stats.last_error
         assert stats.writes_skipped_unhealthy >= 1
         # Room again: the tier comes back, takes write-downs, and serves them after a reset.
         small_fs.make_room()
-        await wait_until(lambda: tier_stats(off).healthy)
+        await wait_until(lambda: tier_stats(off).writable)
         assert tier_stats(off).recoveries >= 1
         written = tier_stats(off).blocks_written
         fresh = tokens(50, 4)
@@ -216,4 +219,47 @@ async def test_engine_keeps_serving_from_cpu_while_the_disk_is_full(small_fs: Sm
         await off.reset()
         assert await lookup_load(off, kv, "again", fresh, range(24, 28)) == 4 * 4
         assert tier_stats(off).blocks_promoted >= 4
+        check(off)
+
+
+async def test_blocks_written_before_the_disk_filled_are_served_while_it_is_full(
+    small_fs: SmallFs,
+) -> None:
+    # 1 KiB blocks: a slot is 4 KiB (without persist, header pages are never written).
+    kv = make_kv()
+    slot = 4096
+    tier = {
+        "kind": "disk",
+        "path": str(small_fs.root / "kv.bin"),
+        "capacity_bytes": "1MiB",  # more than the file system holds
+        "preallocate": False,
+        "retry_initial_s": 0.02,
+        "retry_max_s": 0.05,
+        "max_batch_blocks": 4,
+    }
+    async with KVOffloader(config([tier], num_cpu_blocks=48), kv) as off:
+        # Ten prompts of four blocks, written down while there is room.
+        prompts = [tokens(60 + p, 4) for p in range(10)]
+        for p, prompt in enumerate(prompts):
+            await compute_and_store(off, kv, f"s{p}", prompt, range(4 * (p % 2), 4 * (p % 2) + 4))
+            await settle(off)
+        assert tier_stats(off).blocks_written == 40
+        # Now the file system fills up: the next write-down fails with ENOSPC.
+        small_fs.leave_free(slot // 2)
+        await compute_and_store(off, kv, "more", tokens(70, 4), range(8, 12))
+        await settle(off)
+        await wait_until(lambda: not tier_stats(off).writable)
+        stats = tier_stats(off)
+        assert "ENOSPC" in stats.last_error
+        assert stats.healthy  # it cannot write, but it reads
+        # The CPU pool forgets everything: all 40 intact blocks come back from the disk,
+        # bit-exact (lookup_load checks every block), while the disk is still full.
+        await off.reset()
+        for p, prompt in enumerate(prompts):
+            assert await lookup_load(off, kv, f"l{p}", prompt, range(16, 20)) == 4 * 4, p
+            await settle(off)
+        stats = tier_stats(off)
+        assert stats.blocks_promoted == 40
+        assert not stats.writable
+        assert small_fs.free() < slot
         check(off)

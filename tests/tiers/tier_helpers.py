@@ -165,7 +165,9 @@ def free_port() -> int:
 class RedisServer:
     """A redis-server process of the test's own on a free loopback port, persistence off."""
 
-    def __init__(self) -> None:
+    def __init__(self, *args: str, unix_socket: bool = False) -> None:
+        """``args``: more server options (``--requirepass``, ``--proto-max-bulk-len`` ...);
+        ``unix_socket``: listen on a socket in the server's directory, no TCP port."""
         name = os.environ.get(REDIS_SERVER_ENV, "redis-server")
         binary = shutil.which(name)
         if binary is None:
@@ -174,20 +176,37 @@ class RedisServer:
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="kvoffload-redis-"))
         self.proc: subprocess.Popen[bytes] | None = None
+        self.args = args
+        self.socket = self.dir / "redis.sock" if unix_socket else None
 
     @property
     def url(self) -> str:
+        if self.socket is not None:
+            return f"unix://{self.socket}?db=0"
         return f"redis://127.0.0.1:{self.port}/0"
+
+    def _answers(self) -> bool:
+        family = socket.AF_UNIX if self.socket is not None else socket.AF_INET
+        address = str(self.socket) if self.socket is not None else ("127.0.0.1", self.port)
+        with socket.socket(family) as s:
+            s.settimeout(0.2)
+            s.connect(address)
+            s.sendall(b"PING\r\n")
+            reply = s.recv(64)
+        # A server with a password answers NOAUTH: it is up all the same.
+        return reply.startswith((b"+PONG", b"-NOAUTH"))
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [
                 self.binary,
                 "--bind", "127.0.0.1",
-                "--port", str(self.port),
+                "--port", "0" if self.socket is not None else str(self.port),
+                *(("--unixsocket", str(self.socket)) if self.socket is not None else ()),
                 "--save", "",
                 "--appendonly", "no",
                 "--dir", str(self.dir),
+                *self.args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -195,13 +214,12 @@ class RedisServer:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
+                if self._answers():
+                    return
             except OSError:
-                time.sleep(0.02)
-        raise RuntimeError(f"redis-server on port {self.port} did not start")
+                pass
+            time.sleep(0.02)
+        raise RuntimeError(f"redis-server at {self.url} did not start")
 
     def stop(self) -> None:
         if self.proc is not None:
