@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 import kvoffload.cli
+import kvoffload.replay as replay_module
 from kvoffload.cli import cli, main
 
 REQUESTS = [[0, 1, 2], [0, 1, 3], [0, 1, 2, 4], [9], [0, 1, 2, 5]]
@@ -372,8 +373,6 @@ def test_a_write_that_fails_late_is_one_line(
 def test_a_capacity_beyond_the_trace_is_capped_and_said(
     tiny: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvoffload.replay as replay_module
-
     built: list[int] = []
     real = replay_module.CpuBlockPool
 

@@ -25,6 +25,7 @@ from kvoffload.replay import (
     run_replay,
     smallest_capacity,
     static_frequency_hits,
+    useful_capacity,
 )
 
 
@@ -238,8 +239,6 @@ def test_synthetic_trace_matches_the_readme_table(trace_path: Path) -> None:
 
 
 def test_a_pool_beyond_useful_capacity_gives_the_same_result_and_is_not_built() -> None:
-    from kvoffload.replay import useful_capacity
-
     # A gap in a prefix (3 found, 1 not) allocates a cached block again: a pool of the
     # distinct blocks alone would evict where a larger one does not.
     requests = ((5,), (3,), (1, 3), (5,))
