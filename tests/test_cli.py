@@ -374,7 +374,7 @@ def test_a_capacity_beyond_the_trace_is_capped_and_said(
     tiny: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     built: list[int] = []
-    real = replay_module.CpuBlockPool
+    real = replay_module.CpuBlockPool  # type: ignore[attr-defined]
 
     def spy(num_blocks: int, **kwargs: object) -> object:
         built.append(num_blocks)
