@@ -17,14 +17,15 @@ import random
 import statistics
 import threading
 import time
+import typing
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import anyio
 import torch
 
-from kvoffload.config import KVLayout
+from kvoffload.bench._args import int_list, output_path, positive_int, write_output
+from kvoffload.config import DTypeName, KVLayout
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.transfer import (
     CompletionPoller,
@@ -51,21 +52,25 @@ def add_parser(subparsers: Any) -> None:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "copy", help="store/load bandwidth vs a contiguous copy", description=__doc__
     )
-    p.add_argument("--blocks", default="1,16,64,256", help="comma-separated batch sizes")
-    p.add_argument("--reps", type=int, default=5, help="repetitions per measurement (median)")
+    p.add_argument(
+        "--blocks", type=int_list, default=[1, 16, 64, 256], help="comma-separated batch sizes"
+    )
+    p.add_argument(
+        "--reps", type=positive_int, default=5, help="repetitions per measurement (median)"
+    )
     p.add_argument("--engine", choices=["auto", "thread", "cuda"], default="auto")
     p.add_argument("--layout", choices=sorted(_LAYOUTS), default="llama3-8b")
     p.add_argument("--kind", choices=["blocks_first", "kv_first"], default="blocks_first")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", choices=typing.get_args(DTypeName), default="bfloat16")
     p.add_argument(
         "--strategy",
         choices=["segments", "staged"],
         default="segments",
         help="thread engine data path",
     )
-    p.add_argument("--latency-samples", type=int, default=200)
+    p.add_argument("--latency-samples", type=positive_int, default=200)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.add_argument("--json", type=output_path, default=None, help="also write the figures here")
     p.set_defaults(run=run)
 
 
@@ -79,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if use_cuda and not torch.cuda.is_available():
         print("--engine cuda: CUDA is not available")
         return 2
-    sizes = sorted({int(s) for s in args.blocks.split(",") if s.strip()})
+    sizes = sorted(set(args.blocks))
     layout = KVLayout(dtype=args.dtype, kind=args.kind, **_LAYOUTS[args.layout])
     return anyio.run(_main, args, layout, sizes, use_cuda)
 
@@ -228,7 +233,7 @@ async def _main(
                 "median": statistics.median(latencies) if latencies else None,
             },
         }
-        args.json.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+        write_output(args.json, json.dumps(payload, indent=2) + "\n")
     return 0
 
 
