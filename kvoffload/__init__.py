@@ -42,8 +42,8 @@ from kvoffload.pool import (
     PoolStatistics,
 )
 from kvoffload.request import OffloadRequest
-from kvoffload.request_state import RequestOffloadState
 from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
+from kvoffload.scheduler.state import RequestOffloadState
 from kvoffload.storage import HostKVBuffer
 from kvoffload.tiers import (
     DiskTier,
