@@ -38,7 +38,7 @@ from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.scheduler.holds import FinishHolds
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import LoadPlanner, LookupExtension
-from kvoffload.scheduler.requests import FINISHED_IDS_REMEMBERED, RequestTable, as_int
+from kvoffload.scheduler.requests import FINISHED_IDS_REMEMBERED, RequestTable
 from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
 from kvoffload.scheduler.stats import Counters, SchedulerStatistics
 from kvoffload.scheduler.stores import GpuCacheView, StorePlanner
@@ -94,9 +94,8 @@ class OffloadScheduler:
         self._config = config
         self._pool = pool
         self._block_size = config.block_size
-        self._bytes_per_block = bytes_per_block
         self._warned_unhashed = False
-        counters = self._counters = Counters()
+        counters = self._counters = Counters(config.block_size, bytes_per_block)
         ledger = self._ledger = BlockLedger(pool)
         table = self._table = RequestTable(
             num_gpu_blocks=num_gpu_blocks, restore_evicted=config.restore_evicted
@@ -220,26 +219,8 @@ class OffloadScheduler:
                 sequence, a hash that is not bytes.
         """
         rid = request_id
-        num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", rid)
-        if num_computed_tokens < 0:
-            raise InvalidInputError(
-                f"request {rid!r}: num_computed_tokens={num_computed_tokens} is negative"
-            )
-        table = self._table
-        state = table.known(rid)
-        new_ids = table.new_table_entries(state, gpu_block_ids, rid)
-        new_hashes = table.new_hashes(state, block_hashes, rid)
-        if state is None:
-            state = table.register(rid)
-        if state.phase is RequestPhase.PREEMPTED:
-            state.move_to(RequestPhase.LIVE)
-            state.gpu_block_ids = []
-            state.gpu_block_set = set()
-        state.recheck_table = False
-        state.gpu_block_ids.extend(new_ids)
-        state.gpu_block_set.update(new_ids)
-        state.block_hashes.extend(new_hashes)
-        state.num_computed_tokens = num_computed_tokens
+        state = self._table.update(rid, gpu_block_ids, block_hashes, num_computed_tokens)
+        num_computed_tokens = state.num_computed_tokens
         if (
             num_computed_tokens // self._block_size > len(state.block_hashes) + 1
             and not self._warned_unhashed
@@ -490,17 +471,7 @@ class OffloadScheduler:
             return plan
         finally:
             if hold_done:
-                self._end_holds(hold_done, plan)
-
-    def _end_holds(self, done: list[RequestOffloadState], plan: StorePlan | None) -> None:
-        holds = []
-        for state in done:
-            held, cursor = state.held_gpu_block_ids, state.num_stored_blocks
-            self._holds.end(state)
-            if plan is not None and plan.plan_id in state.in_flight:
-                holds.append((state, held, cursor))
-        if holds and plan is not None:
-            self._stores.undo[plan.plan_id].holds = holds
+                self._holds.end_planned(hold_done, plan, self._stores.undo)
 
     # -- completion ------------------------------------------------------------------------
 
@@ -531,45 +502,23 @@ class OffloadScheduler:
             counters.ignored_completions += 1
             _log.debug("completion_ignored", plan_id=plan.plan_id, kind=plan.kind)
             return False
-        n = len(rec.blocks)
         current = rec.epoch == ledger.epoch
         if plan.kind == "store":
             del self._stores.undo[plan.plan_id]
-            if ok and current:
-                counters.stored_blocks += rec.published
-                counters.bytes_stored += rec.published * self._bytes_per_block
         else:
             del self._loads.starts[plan.plan_id]
-            if ok and current:
-                counters.loaded_blocks += n
-                counters.loaded_tokens += n * self._block_size
-                counters.bytes_loaded += n * self._bytes_per_block
-        if not current:
-            counters.abandoned_transfers += 1
-        elif not ok:
-            if plan.kind == "store":
-                counters.failed_stores += 1
-            else:
-                counters.failed_loads += 1
+        counters.completed(rec, ok=ok, current=current)
+        if current and not ok:
             # The poller already warned with the cause; this records what was released.
             _log.debug(
                 "failed_transfer_released",
                 kind=plan.kind,
                 plan_id=plan.plan_id,
-                blocks=n,
+                blocks=len(rec.blocks),
                 request_ids=",".join(plan.request_ids),
             )
-        self._detach(plan)
+        self._table.detach(plan)
         return True
-
-    def _detach(self, plan: TransferPlan) -> None:
-        requests = self._requests
-        for rid in plan.request_ids:
-            state = requests.get(rid)
-            if state is None:
-                continue
-            state.in_flight.discard(plan.plan_id)
-            self._table.drop_if_done(state)
 
     def cancel(self, transfer: TransferLike | TransferPlan) -> bool:
         """Undo a plan whose copy was never started (submitting it, or pinning its GPU
@@ -592,23 +541,11 @@ class OffloadScheduler:
         counters.cancelled_plans += 1
         current = rec.epoch == ledger.epoch
         if plan.kind == "store":
-            counters.store_plans -= 1
-            stores = self._stores
-            undo = stores.undo_plan(plan.plan_id, rec.hashes)
-            for state, held, cursor in undo.holds:
-                self._holds.restore(state, held, cursor)
-            stores.roll_back_cursors(undo, current)
+            self._stores.cancel_plan(rec, current, self._holds.restore)
         else:
-            counters.load_plans -= 1
-            start = self._loads.starts.pop(plan.plan_id)
-            owner = self._requests.get(plan.request_ids[0])
-            if owner is not None and current and not owner.finished and not owner.pinned:
-                owner.pinned = rec.blocks  # the ledger keeps the refs as a pin
-                owner.pin_start_block = start
-            else:
-                ledger.unpin(rec.blocks)
+            self._loads.cancel_plan(rec, current)
         _log.debug("plan_cancelled", plan_id=plan.plan_id, kind=plan.kind)
-        self._detach(plan)
+        self._table.detach(plan)
         return True
 
     def reset(self) -> bool:
@@ -665,47 +602,9 @@ class OffloadScheduler:
         """
         ledger = self._ledger
         ledger.check_invariants()
-        pins = {id(p) for p in ledger.pins()}
-        live_refs: dict[BlockHash, int] = {}
-        held = 0
-        for rid, state in self._requests.items():
-            if state.request_id != rid:
-                raise InvariantError(f"request {rid!r} is filed under another id")
-            if state.pinned:
-                if id(state.pinned) not in pins:
-                    raise InvariantError(f"request {rid!r}: its pin is not in the ledger")
-                pins.discard(id(state.pinned))
-            finished = state.finished
-            if finished and (state.pinned or not (state.in_flight or state.held_gpu_block_ids)):
-                raise InvariantError(
-                    f"finished request {rid!r} kept a pin or outlived its transfers"
-                )
-            if (state.phase is RequestPhase.HOLDING) != bool(state.held_gpu_block_ids):
-                raise InvariantError(
-                    f"request {rid!r} in phase {state.phase.value!r} holds "
-                    f"{len(state.held_gpu_block_ids)} GPU blocks"
-                )
-            held += len(state.held_gpu_block_ids)
-            if len(state.gpu_block_set) != len(state.gpu_block_ids) or not (
-                state.gpu_block_set.issuperset(state.gpu_block_ids)
-            ):
-                raise InvariantError(f"request {rid!r}: its block table holds an id twice")
-            if state.preempted and state.num_stored_blocks:
-                raise InvariantError(
-                    f"preempted request {rid!r} has cursor {state.num_stored_blocks}"
-                )
-            if not 0 <= state.num_stored_blocks <= len(state.block_hashes):
-                raise InvariantError(
-                    f"request {rid!r}: cursor {state.num_stored_blocks} outside "
-                    f"[0, {len(state.block_hashes)}]"
-                )
-            for plan_id in state.in_flight:
-                if not ledger.has_plan(plan_id):
-                    raise InvariantError(f"request {rid!r} waits on unknown plan {plan_id}")
-            for block_hash in state.block_hashes[: state.num_stored_blocks]:
-                live_refs[block_hash] = live_refs.get(block_hash, 0) + 1
-        if pins:
-            raise InvariantError(f"{len(pins)} pins in the ledger belong to no request")
+        live_refs, held = self._table.check_invariants(
+            {id(p) for p in ledger.pins()}, ledger.has_plan
+        )
         if live_refs != self._stores.live_refs:
             raise InvariantError("live-request block counts disagree with the cursors")
         if held != self._holds.total:

@@ -9,6 +9,7 @@ not free those GPU blocks until a later ``plan_stores`` has planned them (or
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from typing import final
 
 from kvoffload._logging import get_logger
@@ -16,7 +17,8 @@ from kvoffload.config import OffloadConfig
 from kvoffload.scheduler.requests import RequestTable
 from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
 from kvoffload.scheduler.stats import Counters
-from kvoffload.scheduler.stores import StorePlanner
+from kvoffload.scheduler.stores import StorePlanner, StoreUndo
+from kvoffload.transfer.plan import StorePlan
 
 __all__ = ["FinishHolds"]
 
@@ -83,6 +85,23 @@ class FinishHolds:
         state.move_to(RequestPhase.DRAINING)
         self._stores.reset_cursor(state)
         self._table.drop_if_done(state)
+
+    def end_planned(
+        self,
+        done: list[RequestOffloadState],
+        plan: StorePlan | None,
+        undo: Mapping[int, StoreUndo],
+    ) -> None:
+        """End the holds a ``plan_stores`` call finished with (planned or expired); a
+        plan that read held blocks records how to give the holds back if cancelled."""
+        holds = []
+        for state in done:
+            held, cursor = state.held_gpu_block_ids, state.num_stored_blocks
+            self.end(state)
+            if plan is not None and plan.plan_id in state.in_flight:
+                holds.append((state, held, cursor))
+        if holds and plan is not None:
+            undo[plan.plan_id].holds = holds
 
     def expire(self, state: RequestOffloadState, *, report: bool = True) -> None:
         """Give a hold up unstored (counted in ``hold_expired_blocks``)."""

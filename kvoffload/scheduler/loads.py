@@ -16,7 +16,7 @@ from kvoffload._logging import get_logger
 from kvoffload.errors import InvalidInputError
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.free_queue import CpuBlock
-from kvoffload.scheduler.ledger import BlockLedger
+from kvoffload.scheduler.ledger import BlockLedger, PlanEntry
 from kvoffload.scheduler.requests import RequestTable, as_int, check_hash, length
 from kvoffload.scheduler.state import RequestOffloadState
 from kvoffload.scheduler.stats import Counters
@@ -177,3 +177,15 @@ class LoadPlanner:
         state.in_flight.add(plan.plan_id)
         self._counters.load_plans += 1
         return plan
+
+    def cancel_plan(self, rec: PlanEntry, current: bool) -> None:
+        """A load plan was cancelled (the ledger keeps its blocks as a pin): they become
+        its request's lookup pin again, or are released if that cannot be."""
+        self._counters.load_plans -= 1
+        start = self.starts.pop(rec.plan.plan_id)
+        owner = self._table.requests.get(rec.plan.request_ids[0])
+        if owner is not None and current and not owner.finished and not owner.pinned:
+            owner.pinned = rec.blocks
+            owner.pin_start_block = start
+        else:
+            self._ledger.unpin(rec.blocks)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import NoReturn, final
 
 from kvoffload._logging import get_logger
@@ -16,11 +16,13 @@ from kvoffload.errors import (
     BlockTableError,
     InputTypeError,
     InvalidInputError,
+    InvariantError,
     RequestStateError,
     UnknownRequestError,
 )
 from kvoffload.hashing import BlockHash
-from kvoffload.scheduler.state import RequestOffloadState
+from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
+from kvoffload.transfer.plan import TransferPlan
 
 __all__ = ["FINISHED_IDS_REMEMBERED", "RequestTable", "as_int", "check_hash", "length"]
 
@@ -197,6 +199,106 @@ class RequestTable:
         """Forget a finished request that holds nothing and waits on nothing."""
         if state.finished and not state.in_flight and not state.held_gpu_block_ids:
             self.drop(state)
+
+    def update(
+        self,
+        rid: str,
+        gpu_block_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        num_computed_tokens: int,
+    ) -> RequestOffloadState:
+        """Check an ``update()`` call in full, then apply it (see
+        `OffloadScheduler.update()`); returns the request's state."""
+        num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", rid)
+        if num_computed_tokens < 0:
+            raise InvalidInputError(
+                f"request {rid!r}: num_computed_tokens={num_computed_tokens} is negative"
+            )
+        state = self.known(rid)
+        new_ids = self.new_table_entries(state, gpu_block_ids, rid)
+        new_hashes = self.new_hashes(state, block_hashes, rid)
+        if state is None:
+            state = self.register(rid)
+        if state.phase is RequestPhase.PREEMPTED:
+            state.move_to(RequestPhase.LIVE)
+            state.gpu_block_ids = []
+            state.gpu_block_set = set()
+        state.recheck_table = False
+        state.gpu_block_ids.extend(new_ids)
+        state.gpu_block_set.update(new_ids)
+        state.block_hashes.extend(new_hashes)
+        state.num_computed_tokens = num_computed_tokens
+        return state
+
+    def check_invariants(
+        self, pins: Collection[int], has_plan: Callable[[int], bool]
+    ) -> tuple[dict[BlockHash, int], int]:
+        """Check every request's state: its phase, pin, table, cursor and plans.
+
+        Args:
+            pins: ``id()`` of every pin the ledger holds (each must be one request's).
+            has_plan: whether a plan id is in flight.
+
+        Returns:
+            Hash → live cursors past it, and the GPU blocks held, for the owners of those
+            counts to compare.
+
+        Raises:
+            InvariantError: naming the breach.
+        """
+        unclaimed = set(pins)
+        live_refs: dict[BlockHash, int] = {}
+        held = 0
+        for rid, state in self.requests.items():
+            if state.request_id != rid:
+                raise InvariantError(f"request {rid!r} is filed under another id")
+            if state.pinned:
+                if id(state.pinned) not in unclaimed:
+                    raise InvariantError(f"request {rid!r}: its pin is not in the ledger")
+                unclaimed.discard(id(state.pinned))
+            if state.finished and (
+                state.pinned or not (state.in_flight or state.held_gpu_block_ids)
+            ):
+                raise InvariantError(
+                    f"finished request {rid!r} kept a pin or outlived its transfers"
+                )
+            if (state.phase is RequestPhase.HOLDING) != bool(state.held_gpu_block_ids):
+                raise InvariantError(
+                    f"request {rid!r} in phase {state.phase.value!r} holds "
+                    f"{len(state.held_gpu_block_ids)} GPU blocks"
+                )
+            held += len(state.held_gpu_block_ids)
+            if len(state.gpu_block_set) != len(state.gpu_block_ids) or not (
+                state.gpu_block_set.issuperset(state.gpu_block_ids)
+            ):
+                raise InvariantError(f"request {rid!r}: its block table holds an id twice")
+            if state.preempted and state.num_stored_blocks:
+                raise InvariantError(
+                    f"preempted request {rid!r} has cursor {state.num_stored_blocks}"
+                )
+            if not 0 <= state.num_stored_blocks <= len(state.block_hashes):
+                raise InvariantError(
+                    f"request {rid!r}: cursor {state.num_stored_blocks} outside "
+                    f"[0, {len(state.block_hashes)}]"
+                )
+            for plan_id in state.in_flight:
+                if not has_plan(plan_id):
+                    raise InvariantError(f"request {rid!r} waits on unknown plan {plan_id}")
+            for block_hash in state.block_hashes[: state.num_stored_blocks]:
+                live_refs[block_hash] = live_refs.get(block_hash, 0) + 1
+        if unclaimed:
+            raise InvariantError(f"{len(unclaimed)} pins in the ledger belong to no request")
+        return live_refs, held
+
+    def detach(self, plan: TransferPlan) -> None:
+        """A plan completed or was cancelled: its requests stop waiting on it (a finished
+        one that waits on nothing more is forgotten)."""
+        requests = self.requests
+        for rid in plan.request_ids:
+            state = requests.get(rid)
+            if state is not None:
+                state.in_flight.discard(plan.plan_id)
+                self.drop_if_done(state)
 
     # -- input checks ----------------------------------------------------------------------
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvoffload.scheduler.ledger import PlanEntry
 
 __all__ = ["SchedulerStatistics"]
 
@@ -82,6 +86,8 @@ class Counters:
     """
 
     __slots__ = (
+        "_block_size",
+        "_bytes_per_block",
         "abandoned_transfers",
         "bytes_loaded",
         "bytes_stored",
@@ -107,7 +113,9 @@ class Counters:
         "stored_blocks",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int, bytes_per_block: int) -> None:
+        self._block_size = block_size
+        self._bytes_per_block = bytes_per_block
         self.lookups = 0
         self.hit_tokens = 0
         self.miss_tokens = 0
@@ -131,6 +139,26 @@ class Counters:
         self.hold_expired_blocks = 0
         self.loaded_tokens = 0
         self.prompt_tokens = 0
+
+    def completed(self, rec: PlanEntry, *, ok: bool, current: bool) -> None:
+        """Count a plan the ledger closed (``current``: opened since the last reset)."""
+        if not current:
+            self.abandoned_transfers += 1
+            return
+        store = rec.plan.kind == "store"
+        if not ok:
+            if store:
+                self.failed_stores += 1
+            else:
+                self.failed_loads += 1
+        elif store:
+            self.stored_blocks += rec.published
+            self.bytes_stored += rec.published * self._bytes_per_block
+        else:
+            n = len(rec.blocks)
+            self.loaded_blocks += n
+            self.loaded_tokens += n * self._block_size
+            self.bytes_loaded += n * self._bytes_per_block
 
     def snapshot(
         self, *, live_requests: int, in_flight_transfers: int, held_blocks: int

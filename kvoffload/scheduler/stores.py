@@ -11,7 +11,7 @@ is *deferred*: cursors stay, nothing referenced is evicted.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol, final
 
@@ -21,7 +21,7 @@ from kvoffload.hashing import BlockHash
 from kvoffload.pool.free_queue import CpuBlock
 from kvoffload.pool.policies.admission import AlwaysAdmit, make_admission
 from kvoffload.scheduler._counts import count_down, count_up
-from kvoffload.scheduler.ledger import BlockLedger
+from kvoffload.scheduler.ledger import BlockLedger, PlanEntry
 from kvoffload.scheduler.requests import RequestTable
 from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
 from kvoffload.scheduler.stats import Counters
@@ -333,18 +333,24 @@ class StorePlanner:
 
     # -- undo ------------------------------------------------------------------------------
 
-    def undo_plan(self, plan_id: int, hashes: tuple[BlockHash, ...]) -> StoreUndo:
-        """A store plan was cancelled: put back the admission filter's state and the
-        cursors it moved (not the holds: the caller restores those). Returns its undo."""
-        undo = self.undo.pop(plan_id)
+    def cancel_plan(
+        self,
+        rec: PlanEntry,
+        current: bool,
+        restore_hold: Callable[[RequestOffloadState, list[int], int], None],
+    ) -> None:
+        """A store plan was cancelled (the ledger released its blocks): give back the
+        holds it ended, put the admission filter's state and the cursors it moved back
+        (only of requests still live, and only if no reset came between)."""
+        undo = self.undo.pop(rec.plan.plan_id)
+        counters = self._counters
+        counters.store_plans -= 1
         if self._undo_admission is not None:
-            self._undo_admission(hashes, undo.refused)
+            self._undo_admission(rec.hashes, undo.refused)
         if self._config.restore_evicted:
             self.restore_needed = True  # the plan may have held re-stores
-        return undo
-
-    def roll_back_cursors(self, undo: StoreUndo, current: bool) -> None:
-        """Move back the cursors a cancelled plan moved (requests still live only)."""
+        for state, held, cursor in undo.holds:
+            restore_hold(state, held, cursor)
         requests = self._table.requests
         for state, old in undo.rollback:
             live = requests.get(state.request_id) is state
