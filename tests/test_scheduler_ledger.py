@@ -18,9 +18,11 @@ def test_store_is_pending_until_closed_and_publishes_once() -> None:
     assert ledger.pool.num_cached == 0
     ledger.check_invariants()
     rec = ledger.close(plan.plan_id, ok=True)
-    assert rec is not None and rec.published == 2
+    assert rec is not None
+    assert rec.published == 2
     assert not ledger.pending
-    assert ledger.pool.num_cached == 2 and ledger.pool.num_free == 4
+    assert ledger.pool.num_cached == 2
+    assert ledger.pool.num_free == 4
     assert ledger.close(plan.plan_id, ok=True) is None  # closed once
     ledger.check_invariants()
 
@@ -32,7 +34,8 @@ def test_failed_and_cancelled_stores_publish_nothing() -> None:
     cancelled = ledger.open_store(hs[1:], [1], ("a",), protect=set(), evicted=[], ends=None)
     ledger.close(failed.plan_id, ok=False)
     ledger.cancel(cancelled.plan_id)
-    assert not ledger.pending and ledger.pool.num_cached == 0
+    assert not ledger.pending
+    assert ledger.pool.num_cached == 0
     assert ledger.pool.num_free == 4
     ledger.check_invariants()
 
@@ -49,7 +52,8 @@ def test_a_promotion_skips_pending_and_published_hashes() -> None:
     assert ledger.pending[hs[2]] is promotion.blocks[0]
     ledger.check_invariants()
     assert ledger.close_promotion(promotion, [True, False]) == [True, False]
-    assert ledger.pool.is_cached(hs[2]) and not ledger.pool.is_cached(hs[3])
+    assert ledger.pool.is_cached(hs[2])
+    assert not ledger.pool.is_cached(hs[3])
     assert not ledger.tier_refs()
     ledger.check_invariants()
 
@@ -61,7 +65,8 @@ def test_a_reset_promotion_publishes_nothing() -> None:
     assert promotion is not None
     ledger.reset()
     assert ledger.close_promotion(promotion, [True, True]) == [False, False]
-    assert ledger.pool.num_cached == 0 and ledger.pool.num_free == 4
+    assert ledger.pool.num_cached == 0
+    assert ledger.pool.num_free == 4
     ledger.check_invariants()
 
 
@@ -73,10 +78,12 @@ def test_write_down_refs_are_counted_and_released() -> None:
     block = ledger.pool.get_cached(hs[0])
     assert block is not None
     ledger.open_write_down([block])
-    assert ledger.tier_refs() == {block.block_id: 1} and block.ref_cnt == 1
+    assert ledger.tier_refs() == {block.block_id: 1}
+    assert block.ref_cnt == 1
     ledger.check_invariants()
     ledger.close_write_down([block])
-    assert not ledger.tier_refs() and block.ref_cnt == 0
+    assert not ledger.tier_refs()
+    assert block.ref_cnt == 0
     with pytest.raises(KeyError):
         ledger.close_write_down([block])
 
@@ -139,7 +146,8 @@ def test_phases_follow_the_request() -> None:
     state = sched.request_state("a")
     assert state.phase is RequestPhase.LIVE
     assert sched.finish("a") == (2, 3)  # nothing stored yet: held
-    assert state.phase is RequestPhase.HOLDING and state.finished
+    assert state.phase is RequestPhase.HOLDING
+    assert state.finished
     plan = sched.plan_stores()
     assert plan is not None
     assert state.phase is RequestPhase.DRAINING
