@@ -28,6 +28,8 @@ __all__ = ["FINISHED_IDS_REMEMBERED", "RequestTable", "as_int", "check_hash", "l
 
 _log = get_logger("scheduler")
 
+_PREEMPTED = RequestPhase.PREEMPTED
+
 FINISHED_IDS_REMEMBERED = 65536
 """How many finished request ids a scheduler remembers to refuse their reuse."""
 
@@ -219,7 +221,7 @@ class RequestTable:
         new_hashes = self.new_hashes(state, block_hashes, rid)
         if state is None:
             state = self.register(rid)
-        if state.phase is RequestPhase.PREEMPTED:
+        if state.phase is _PREEMPTED:
             state.move_to(RequestPhase.LIVE)
             state.gpu_block_ids = []
             state.gpu_block_set = set()
