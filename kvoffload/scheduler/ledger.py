@@ -178,9 +178,12 @@ class BlockLedger:
             return None, 0
         loading = self.loading
         concurrent = 0
-        for block in take:
-            if count_up(loading, block.block_id):
+        for block in take:  # count_up() inlined: a loop per block
+            block_id = block.block_id
+            count = loading.get(block_id, 0)
+            if count:
                 concurrent += 1
+            loading[block_id] = count + 1
         plan = LoadPlan(
             plan_id=next(self._plan_ids),
             kind="load",
@@ -195,8 +198,13 @@ class BlockLedger:
 
     def _unmark_loading(self, blocks: list[CpuBlock]) -> None:
         loading = self.loading
-        for block in blocks:
-            count_down(loading, block.block_id)
+        for block in blocks:  # count_down() inlined: a loop per block
+            block_id = block.block_id
+            left = loading[block_id] - 1
+            if left:
+                loading[block_id] = left
+            else:
+                del loading[block_id]
 
     # -- closing plans -----------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ The block-table and hash checks live here once and serve both `update()` and
 from __future__ import annotations
 
 import operator
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Sequence
 from typing import NoReturn, final
 
@@ -29,6 +29,8 @@ __all__ = ["FINISHED_IDS_REMEMBERED", "RequestTable", "as_int", "check_hash", "l
 _log = get_logger("scheduler")
 
 _PREEMPTED = RequestPhase.PREEMPTED
+_HOLDING = RequestPhase.HOLDING
+_DRAINING = RequestPhase.DRAINING
 
 FINISHED_IDS_REMEMBERED = 65536
 """How many finished request ids a scheduler remembers to refuse their reuse."""
@@ -71,15 +73,11 @@ def check_hash(value: object, what: str, rid: str) -> None:
         )
 
 
-def _gpu_id(value: object, j: int, rid: str, limit: int | None) -> int:
-    """Entry ``j`` of a block table as an int in ``[0, limit)``."""
-    g = as_int(value, f"gpu_block_ids[{j}]", rid)
-    if g < 0 or (limit is not None and g >= limit):
-        raise BlockTableError(
-            f"request {rid!r}: gpu_block_ids[{j}]={g} is out of range "
-            f"[0, {limit if limit is not None else 'inf'})"
-        )
-    return g
+def _out_of_range(g: int, j: int, rid: str, limit: int | None) -> NoReturn:
+    raise BlockTableError(
+        f"request {rid!r}: gpu_block_ids[{j}]={g} is out of range "
+        f"[0, {limit if limit is not None else 'inf'})"
+    )
 
 
 def _twice(g: int, first: int, j: int, rid: str) -> NoReturn:
@@ -146,7 +144,7 @@ class RequestTable:
                 raise RequestStateError(
                     f"request {request_id!r} is finished (request ids are not reused)"
                 )
-        elif state.finished:
+        elif state.phase is _DRAINING or state.phase is _HOLDING:  # not the property: hot
             raise RequestStateError(f"request {request_id!r} is finished")
         return state
 
@@ -158,7 +156,7 @@ class RequestTable:
             RequestStateError: it is finished.
         """
         state = self.get(request_id)
-        if state.finished:
+        if state.phase is _DRAINING or state.phase is _HOLDING:
             raise RequestStateError(f"request {request_id!r} is finished")
         return state
 
@@ -234,7 +232,7 @@ class RequestTable:
 
     def check_invariants(
         self, pins: Collection[int], has_plan: Callable[[int], bool]
-    ) -> tuple[dict[BlockHash, int], int]:
+    ) -> tuple[Counter[BlockHash], int]:
         """Check every request's state: its phase, pin, table, cursor and plans.
 
         Args:
@@ -249,7 +247,7 @@ class RequestTable:
             InvariantError: naming the breach.
         """
         unclaimed = set(pins)
-        live_refs: dict[BlockHash, int] = {}
+        live_refs: Counter[BlockHash] = Counter()
         held = 0
         for rid, state in self.requests.items():
             if state.request_id != rid:
@@ -286,8 +284,7 @@ class RequestTable:
             for plan_id in state.in_flight:
                 if not has_plan(plan_id):
                     raise InvariantError(f"request {rid!r} waits on unknown plan {plan_id}")
-            for block_hash in state.block_hashes[: state.num_stored_blocks]:
-                live_refs[block_hash] = live_refs.get(block_hash, 0) + 1
+            live_refs.update(Counter(state.block_hashes[: state.num_stored_blocks]))
         if unclaimed:
             raise InvariantError(f"{len(unclaimed)} pins in the ledger belong to no request")
         return live_refs, held
@@ -296,11 +293,15 @@ class RequestTable:
         """A plan completed or was cancelled: its requests stop waiting on it (a finished
         one that waits on nothing more is forgotten)."""
         requests = self.requests
+        plan_id = plan.plan_id
         for rid in plan.request_ids:
             state = requests.get(rid)
             if state is not None:
-                state.in_flight.discard(plan.plan_id)
-                self.drop_if_done(state)
+                in_flight = state.in_flight
+                in_flight.discard(plan_id)
+                # drop_if_done() inlined: a draining request holds no GPU blocks.
+                if not in_flight and state.phase is _DRAINING:
+                    self.drop(state)
 
     # -- input checks ----------------------------------------------------------------------
 
@@ -318,7 +319,7 @@ class RequestTable:
         old: list[int] = []
         seen: set[int] = set()
         check_from = 0
-        if state is not None and not state.preempted:
+        if state is not None and state.phase is not _PREEMPTED:
             old, seen = state.gpu_block_ids, state.gpu_block_set
             if not (state.recheck_table or self._restore_evicted):
                 check_from = min(state.num_stored_blocks, len(old) - 1) if old else 0
@@ -353,7 +354,9 @@ class RequestTable:
         new = []
         fresh = set()
         for j in range(n_old, n):
-            g = _gpu_id(table[j], j, rid, limit)
+            g = as_int(table[j], f"gpu_block_ids[{j}]", rid)
+            if g < 0 or (limit is not None and g >= limit):
+                _out_of_range(g, j, rid, limit)
             if g in seen or g in fresh:
                 _twice(g, old.index(g) if g in seen else n_old + new.index(g), j, rid)
             fresh.add(g)
@@ -405,9 +408,11 @@ class RequestTable:
                 if g in first_at:
                     _twice(g, first_at[g], j, rid)
                 first_at[g] = j
-        known = state.gpu_block_ids if not state.preempted else []
+        known = state.gpu_block_ids if state.phase is not _PREEMPTED else []
         for j in range(start, start + n):
-            g = _gpu_id(ids[j], j, rid, limit)
+            g = ids[j]
+            if g < 0 or (limit is not None and g >= limit):
+                _out_of_range(g, j, rid, limit)
             if j < len(known) and known[j] != g:
                 raise BlockTableError(
                     f"request {rid!r}: gpu_block_ids[{j}]={g} differs from the table given "

@@ -39,12 +39,13 @@ _PREEMPTED = RequestPhase.PREEMPTED
 _HOLDING = RequestPhase.HOLDING
 _DRAINING = RequestPhase.DRAINING
 
-_NEXT: dict[RequestPhase, frozenset[RequestPhase]] = {
-    _LIVE: frozenset({_PREEMPTED, _HOLDING, _DRAINING}),
-    _PREEMPTED: frozenset({_LIVE, _PREEMPTED, _HOLDING, _DRAINING}),
-    _HOLDING: frozenset({_DRAINING}),
+# Keyed by value, and tuples: an Enum member's hash is a Python-level call.
+_NEXT: dict[str, tuple[RequestPhase, ...]] = {
+    "live": (_PREEMPTED, _HOLDING, _DRAINING),
+    "preempted": (_LIVE, _PREEMPTED, _HOLDING, _DRAINING),
+    "holding": (_DRAINING,),
     # A store plan cancelled after it ended a hold gives the hold back.
-    _DRAINING: frozenset({_HOLDING}),
+    "draining": (_HOLDING,),
 }
 
 
@@ -109,7 +110,7 @@ class RequestOffloadState:
             RequestStateError: ``phase`` may not follow the current one (the message
                 names both).
         """
-        if phase not in _NEXT[self.phase]:
+        if phase not in _NEXT[self.phase._value_]:
             raise RequestStateError(
                 f"request {self.request_id!r} cannot go from phase {self.phase.value!r} "
                 f"to {phase.value!r}"

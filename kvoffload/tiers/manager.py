@@ -34,7 +34,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, final
@@ -712,7 +712,7 @@ class TierManager:
         Raises:
             InvariantError: naming the breach.
         """
-        queued: dict[int, int] = {}
+        queued: Counter[int] = Counter()
         for t in self._tiers:
             if t.held > t.max_queued or t.held < len(t.queue):
                 raise InvariantError(
@@ -720,7 +720,7 @@ class TierManager:
                     f"bound {t.max_queued}"
                 )
             for block in t.queue:
-                queued[block.block_id] = queued.get(block.block_id, 0) + 1
+                queued[block.block_id] += 1
         refs = self._ledger.tier_refs()
         for block_id, n in queued.items():
             if refs.get(block_id, 0) < n:
