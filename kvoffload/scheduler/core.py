@@ -133,11 +133,12 @@ class OffloadScheduler:
         return self._ledger.num_plans
 
     def add_ref_holder(self, holder: Callable[[], Mapping[int, int]]) -> None:
-        """Count references taken outside the scheduler in `check_invariants()`.
+        """Count references taken outside the ledger in `check_invariants()`.
+
+        The tier manager needs none: it takes its references through `ledger`.
 
         Args:
-            holder: returns CPU block id → references it holds now (the tier manager's
-                write-downs and promotions).
+            holder: returns CPU block id → references it holds now.
         """
         self._ledger.add_ref_holder(holder)
 
