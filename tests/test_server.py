@@ -185,6 +185,9 @@ async def test_concurrent_conversations_match_the_engine_in_process() -> None:
     assert summary.hit_rate > 0
     assert summary.loaded_tokens > 0
     assert body["offloader"]["scheduler"]["loaded_blocks"] * BLOCK == summary.loaded_tokens
+    # The server's own timings come back with each turn: a loaded turn waited for its load.
+    assert all(0 < r.server_forward_s <= r.server_ttft_s for r in results)
+    assert all(r.server_load_wait_s > 0 for r in results if r.loaded_tokens)
     # Several requests per step: 9 requests x 6 tokens take fewer steps one by one would.
     generated = sum(len(r.output_ids) for r in results)
     assert body["engine"]["steps"] < generated
@@ -595,3 +598,12 @@ async def test_a_step_loop_that_fails_stops_the_server_and_says_why() -> None:
     error = failed.exc_info[1]
     assert isinstance(error, RuntimeError)
     assert isinstance(error.__cause__, KeyError)  # the traceback shows the cause
+
+
+def test_the_command_line_refuses_a_thread_count_below_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        app_module.main(["--threads", "0"])
+    assert exit_info.value.code == 2
+    assert "--threads must be >= 1, got 0" in capsys.readouterr().err

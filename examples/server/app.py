@@ -578,7 +578,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--no-offload", action="store_true", help="serve without kvoffload (for comparison)"
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch's intra-op threads (default: torch's choice, one per core); 1 on a CPU "
+        "that other work shares",
+    )
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     model = build_model(args.model, device=args.device)
     engine = PagedEngine(
         model,
