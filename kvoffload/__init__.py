@@ -28,8 +28,8 @@ from kvoffload.errors import (
     WrongContextError,
 )
 from kvoffload.hashing import BlockHash, HashNamespace, hash_block_tokens, hash_prompt
-from kvoffload.offloader import GpuBlockPinner, KVOffloader, NoOpPinner, OffloaderStatistics
-from kvoffload.pinner import RefCountPinner
+from kvoffload.offloader import KVOffloader, OffloaderStatistics
+from kvoffload.pinner import GpuBlockPinner, NoOpPinner, RefCountPinner
 from kvoffload.pool import (
     AllBlocksCleared,
     BlockId,
