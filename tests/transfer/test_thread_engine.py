@@ -226,7 +226,8 @@ async def test_loop_keeps_running_while_a_copy_is_in_flight_fm10(host_factory) -
     await engine.aclose()
     assert ticks >= 500, f"only {ticks} loop iterations ran while the copy was held"
     assert not finished_early  # the ticks all ran while the copy was provably in flight
-    assert hook.calls == 1 and hook.on_loop_thread == 0
+    assert hook.calls == 1
+    assert hook.on_loop_thread == 0
     assert task.status.value == "done"
     for layer in range(4):
         assert torch.equal(bits(host.block(122)[layer]), bits(expected[layer]))
