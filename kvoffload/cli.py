@@ -1,8 +1,8 @@
 """The ``kvoffload`` command line: replay traces through the pool, size a pool, benchmark.
 
-Needs the ``cli`` extra (``pip install 'kvoffload[cli]'``); ``--plot`` also needs the
-``plot`` extra. Every command takes ``--json PATH`` (``-`` for standard output) to write
-its figures as JSON, and prints a table otherwise.
+Needs the ``cli`` extra (from a kvoffload clone, ``pip install '.[cli]'``); ``--plot``
+also needs the ``plot`` extra. Every command takes ``--json PATH`` (``-`` for standard
+output) to write its figures as JSON, and prints a table otherwise.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvoffload._extras import needs_extra
+
 try:
     import click
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
     from rich.table import Table
 except ImportError as exc:  # pragma: no cover - exercised without the extra
-    raise ImportError(
-        "the kvoffload command line needs its extra: pip install 'kvoffload[cli]'"
-    ) from exc
+    raise ImportError(needs_extra("the kvoffload command line", "cli")) from exc
 
 from kvoffload.bench.tracegen import SHAPES, generate, write_trace
 from kvoffload.config import KVLayout
@@ -252,9 +252,7 @@ def _plot(report: ReplayReport, path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
-        raise click.ClickException(
-            "--plot needs matplotlib: pip install 'kvoffload[plot]'"
-        ) from None
+        raise click.ClickException(needs_extra("--plot (matplotlib)", "plot")) from None
     capacities = [row.capacity for row in report.rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     names = [r.policy for r in report.rows[0].results] if report.rows else []
