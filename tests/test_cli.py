@@ -233,7 +233,7 @@ def test_copy_bench_writes_json(tmp_path: Path) -> None:
 
 def test_without_the_cli_extra_the_import_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "click", None)  # as if click were not installed
-    with pytest.raises(ImportError, match=r"pip install 'kvoffload\[cli\]'"):
+    with pytest.raises(ImportError, match=r"pip install '\.\[cli\]'"):
         importlib.reload(kvoffload.cli)
     monkeypatch.undo()
     importlib.reload(kvoffload.cli)

@@ -411,7 +411,7 @@ def test_the_command_line_serves_replays_and_shuts_down(
         argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        deadline = time.monotonic() + 90
+        # Wait until it answers or exits; a server that hangs is the per-test timeout's.
         while True:
             assert proc.poll() is None, proc.communicate()[0]
             try:
@@ -419,7 +419,6 @@ def test_the_command_line_serves_replays_and_shuts_down(
                     break
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.1)
         argv = ["--url", url, "--conversations", "2", "--turns", "2", "--user-tokens", "20"]
         assert client_module.main([*argv, "--max-tokens", "3"]) == 0

@@ -19,7 +19,8 @@ invariants hold, no CPU block is referenced, no GPU block is pinned or held.
     python examples/server/app.py --port 8000
     python examples/server/client.py --url http://127.0.0.1:8000
 
-Needs ``pip install 'kvoffload[examples]'``; see docs/server.md.
+Needs the ``examples`` extra (from a kvoffload clone, ``pip install '.[examples]'``); see
+docs/server.md.
 """
 
 from __future__ import annotations
