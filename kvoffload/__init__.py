@@ -29,8 +29,8 @@ from kvoffload.errors import (
 )
 from kvoffload.hashing import BlockHash, HashNamespace, hash_block_tokens, hash_prompt
 from kvoffload.layout import DTypeName, KVLayout, LayoutKind
-from kvoffload.offloader import GpuBlockPinner, KVOffloader, NoOpPinner, OffloaderStatistics
-from kvoffload.pinner import RefCountPinner
+from kvoffload.offloader import KVOffloader, OffloaderStatistics
+from kvoffload.pinner import GpuBlockPinner, NoOpPinner, RefCountPinner
 from kvoffload.pool import (
     AllBlocksCleared,
     BlockId,

@@ -1,35 +1,39 @@
 """The ``kvoffload`` command line: replay traces through the pool, size a pool, benchmark.
 
-Needs the ``cli`` extra (``pip install 'kvoffload[cli]'``); ``--plot`` also needs the
-``plot`` extra. Every command takes ``--json PATH`` (``-`` for standard output) to write
-its figures as JSON, and prints a table otherwise.
+Needs the ``cli`` extra (from a kvoffload clone, ``pip install '.[cli]'``); ``--plot``
+also needs the ``plot`` extra. Every command takes ``--json PATH`` (``-`` for standard
+output) to write its figures as JSON, and prints a table otherwise.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from kvoffload._extras import needs_extra
 
 try:
     import click
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-    from rich.table import Table
 except ImportError as exc:  # pragma: no cover - exercised without the extra
-    raise ImportError(
-        "the kvoffload command line needs its extra: pip install 'kvoffload[cli]'"
-    ) from exc
+    raise ImportError(needs_extra("the kvoffload command line", "cli")) from exc
 
-from kvoffload.bench.tracegen import SHAPES, generate, write_trace
-from kvoffload.config import KVLayout
-from kvoffload.errors import ConfigError
+# Start-up stays light: ``--version`` and ``--help`` import only what the option help
+# needs (none of it imports torch); each command imports its machinery when it runs.
+from kvoffload.bench.tracegen import SHAPES
 from kvoffload.pool.policies import POLICY_NAMES
 from kvoffload.pool.policies.admission import ADMISSION_HELP, parse_admission
-from kvoffload.replay import ReplayReport, Trace, load_trace, run_replay, smallest_capacity
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from kvoffload.replay import ReplayReport, Trace
 
 __all__ = ["LAYOUT_PRESETS", "cli", "main"]
 
@@ -108,13 +112,53 @@ def _layout(_ctx: click.Context | None, param: click.Parameter, value: str) -> d
     return fields
 
 
-def _load(path: Path) -> Trace:
+def _target(_ctx: click.Context | None, param: click.Parameter, value: str) -> float:
+    # click's FloatRange lets NaN through (every comparison with it is false).
     try:
-        return load_trace(path)
+        target = float(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a number") from None
+    if not (math.isfinite(target) and 0.0 < target <= 1.0):
+        raise click.BadParameter(f"must be a number in (0, 1], got {value!r}")
+    return target
+
+
+def _output(_ctx: click.Context | None, param: click.Parameter, value: str | None) -> str | None:
+    """Check before any work that an output path can be written ('-' is standard output)."""
+    if value is None or (value == "-" and param.name == "json_out"):
+        return value
+    path = Path(value)
+    parent = path.parent
+    if path.is_dir():
+        raise click.BadParameter(f"{value!r} is a directory, not a file")
+    if not parent.is_dir():
+        raise click.BadParameter(f"cannot write {value!r}: {str(parent)!r} is not a directory")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise click.BadParameter(f"cannot write {value!r}: permission denied")
+    return value
+
+
+def _load(path: Path) -> Trace:
+    from kvoffload.replay import load_trace  # noqa: PLC0415 (keep start-up light)
+
+    try:
+        trace = load_trace(path)
     except FileNotFoundError as exc:
         raise click.FileError(str(path), hint=str(exc)) from None
-    except ValueError as exc:
+    except OSError as exc:
+        raise click.FileError(str(path), hint=exc.strerror or str(exc)) from None
+    except ValueError as exc:  # TraceFormatError: names the file, line and field
         raise click.ClickException(str(exc)) from None
+    if not trace.num_blocks:
+        raise click.ClickException(f"{path}: the trace holds no request with a block")
+    return trace
+
+
+def _write_text(target: str, text: str) -> None:
+    try:
+        Path(target).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise click.FileError(target, hint=exc.strerror or str(exc)) from None
 
 
 def _write_json(target: str, payload: dict[str, Any]) -> None:
@@ -122,11 +166,18 @@ def _write_json(target: str, payload: dict[str, Any]) -> None:
     if target == "-":
         click.echo(text, nl=False)
     else:
-        Path(target).write_text(text, encoding="utf-8")
+        _write_text(target, text)
 
 
 @contextmanager
 def _progress(enabled: bool, total: int, what: str) -> Iterator[Callable[[int], None]]:
+    from rich.progress import (  # noqa: PLC0415 (keep start-up light)
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TimeElapsedColumn,
+    )
+
     console = Console(stderr=True)
     if not enabled:
         yield lambda _n: None
@@ -147,6 +198,7 @@ _json_option = click.option(
     "json_out",
     metavar="PATH",
     default=None,
+    callback=_output,
     help="Also write the figures as JSON to PATH ('-': standard output, table suppressed).",
 )
 _progress_option = click.option(
@@ -187,7 +239,13 @@ def cli() -> None:
     callback=_admission,
     help=f"Admission filter for every policy: {ADMISSION_HELP}.",
 )
-@click.option("--plot", metavar="PNG", default=None, help="Draw hit rate against capacity.")
+@click.option(
+    "--plot",
+    metavar="PNG",
+    default=None,
+    callback=_output,
+    help="Draw hit rate against capacity (the suffix picks the format: .png, .svg, .pdf).",
+)
 @_json_option
 @_progress_option
 def replay(
@@ -204,8 +262,13 @@ def replay(
 
     Prints the prefix hit rate per capacity and policy next to the optimal bound
     (Belady: evict the block used farthest in the future) and the infinite-capacity
-    ceiling.
+    ceiling. A capacity above what the trace can use (its distinct blocks plus its
+    longest request) replays with that many blocks, and the table says so.
     """
+    from kvoffload.replay import run_replay  # noqa: PLC0415 (keep start-up light)
+
+    if plot is not None:
+        _plot_format(plot)
     data = _load(trace)
     total = len(data.requests) * len(capacity) * len(policies)
     with _progress(progress, total, "replaying") as advance:
@@ -214,11 +277,20 @@ def replay(
         _write_json(json_out, report.to_json())
     if json_out != "-":
         Console().print(_replay_table(report))
+        capped = [row.capacity for row in report.rows if row.pool_blocks < row.capacity]
+        if capped:
+            click.echo(
+                f"capacity {', '.join(f'{c:,}' for c in capped)} replayed with "
+                f"{report.useful_capacity:,} blocks, the most this trace can use "
+                "(a pool that size never evicts)"
+            )
     if plot is not None:
         _plot(report, Path(plot))
 
 
 def _replay_table(report: ReplayReport) -> Table:
+    from rich.table import Table  # noqa: PLC0415 (keep start-up light)
+
     names = [r.policy for r in report.rows[0].results] if report.rows else []
     table = Table(
         title=f"prefix hit rate, {report.trace} ({report.requests:,} requests, "
@@ -245,16 +317,33 @@ def _replay_table(report: ReplayReport) -> Table:
     return table
 
 
-def _plot(report: ReplayReport, path: Path) -> None:
+def _matplotlib() -> Any:
     try:
         import matplotlib  # noqa: PLC0415 (optional extra)
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
-        raise click.ClickException(
-            "--plot needs matplotlib: pip install 'kvoffload[plot]'"
-        ) from None
+        raise click.ClickException(needs_extra("--plot (matplotlib)", "plot")) from None
+    return plt
+
+
+def _plot_format(path: str) -> None:
+    """Refuse, before any work, a --plot path whose suffix matplotlib cannot write."""
+    _matplotlib()
+    from matplotlib.backend_bases import FigureCanvasBase  # noqa: PLC0415 (optional extra)
+
+    suffix = Path(path).suffix.lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in formats:
+        raise click.BadParameter(
+            f"cannot write {path!r}: suffix {suffix!r} is not one of {', '.join(sorted(formats))}",
+            param_hint="'--plot'",
+        )
+
+
+def _plot(report: ReplayReport, path: Path) -> None:
+    plt = _matplotlib()
     capacities = [row.capacity for row in report.rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     names = [r.policy for r in report.rows[0].results] if report.rows else []
@@ -277,8 +366,12 @@ def _plot(report: ReplayReport, path: Path) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as exc:
+        raise click.FileError(str(path), hint=exc.strerror or str(exc)) from None
+    finally:
+        plt.close(fig)
 
 
 @cli.command()
@@ -311,10 +404,10 @@ def _plot(report: ReplayReport, path: Path) -> None:
 )
 @click.option(
     "--target",
-    default=0.9,
+    default="0.9",
     show_default=True,
-    type=click.FloatRange(0.0, 1.0, min_open=True),
-    help="Fraction of the infinite-capacity hit rate to reach.",
+    callback=_target,
+    help="Fraction of the infinite-capacity hit rate to reach, in (0, 1].",
 )
 @click.option("--policy", default="lru", show_default=True, callback=_policy, help="Policy.")
 @click.option(
@@ -339,6 +432,10 @@ def size(
     Bisects the capacity, replaying the trace each time, and converts the answer to GiB
     for the layout (one trace block holds --block-tokens tokens of KV).
     """
+    from kvoffload.config import KVLayout  # noqa: PLC0415 (imports torch)
+    from kvoffload.errors import ConfigError  # noqa: PLC0415
+    from kvoffload.replay import smallest_capacity  # noqa: PLC0415
+
     try:
         kv = KVLayout(dtype=dtype, block_size=block_tokens, **layout)
     except ConfigError as exc:
@@ -365,6 +462,8 @@ def size(
     if json_out is not None:
         _write_json(json_out, payload)
     if json_out != "-":
+        from rich.table import Table  # noqa: PLC0415 (keep start-up light)
+
         table = Table(
             title=f"pool size for {target:.0%} of the ceiling, {policy}", title_justify="left"
         )
@@ -382,18 +481,23 @@ def size(
 
 @cli.command("synth-trace")
 @click.argument("shape", type=click.Choice(SHAPES))
-@click.argument("out", type=click.Path(path_type=Path, dir_okay=False))
+@click.argument("out", callback=_output, metavar="OUT")
 @click.option("--requests", default=4000, show_default=True, type=click.IntRange(1, 10_000_000))
 @click.option("--seed", default=0, show_default=True, type=int, help="Same seed, same trace.")
 @_json_option
-def synth_trace(*, shape: str, out: Path, requests: int, seed: int, json_out: str | None) -> None:
+def synth_trace(*, shape: str, out: str, requests: int, seed: int, json_out: str | None) -> None:
     """Write a seeded synthetic trace of a SHAPE (chat, rag, scan, loop) to OUT.
 
     The traces have the Mooncake format, so ``kvoffload replay`` compares policies on
     reuse shapes other than one recorded trace's.
     """
+    from kvoffload.bench.tracegen import generate, write_trace  # noqa: PLC0415
+
     blocks = generate(shape, requests, seed)
-    write_trace(out, blocks)
+    try:
+        write_trace(out, blocks)
+    except OSError as exc:
+        raise click.FileError(out, hint=exc.strerror or str(exc)) from None
     summary = {
         "path": str(out),
         "shape": shape,

@@ -1,7 +1,7 @@
 """Prometheus metrics for a `KVOffloader`: `OffloaderCollector`.
 
-Needs the optional extra ``prometheus`` (``pip install 'kvoffload[prometheus]'``, which
-brings ``prometheus_client``)::
+Needs the optional extra ``prometheus`` (from a kvoffload clone, ``pip install
+'.[prometheus]'``, which brings ``prometheus_client``)::
 
     from prometheus_client import CollectorRegistry, generate_latest
     from kvoffload.metrics import OffloaderCollector
@@ -40,13 +40,14 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol, final, runtime_checkable
 
+from kvoffload._extras import needs_extra
+
 try:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
     from prometheus_client.registry import Collector
 except ImportError as exc:  # pragma: no cover - exercised by a test that hides the module
     raise ImportError(
-        "kvoffload.metrics needs prometheus_client, which is not installed; "
-        "install the extra with: pip install 'kvoffload[prometheus]'"
+        needs_extra("kvoffload.metrics", "prometheus") + " (prometheus_client is not installed)"
     ) from exc
 
 from kvoffload.offloader import OffloaderStatistics

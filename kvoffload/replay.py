@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, final
 
-from kvoffload.bench.trace import read_trace
+from kvoffload.bench.trace import HASH_ID_MAX, HASH_ID_MIN, read_trace
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.pool.policies import POLICY_NAMES, make_policy
@@ -41,6 +41,7 @@ __all__ = [
     "run_replay",
     "smallest_capacity",
     "static_frequency_hits",
+    "useful_capacity",
 ]
 
 REPLAY_SCHEMA_VERSION = 1
@@ -71,12 +72,31 @@ class Trace:
         return len({b for r in self.requests for b in r})
 
 
+def useful_capacity(requests: Iterable[Sequence[Any]]) -> int:
+    """The largest pool a replay of ``requests`` can use: a larger one gives the same result.
+
+    A pool of the trace's distinct blocks plus its longest request never evicts (the
+    published blocks are distinct, and one request allocates at most its length more), nor
+    does one of as many blocks as the trace accesses; the smaller of the two is returned,
+    at least 1.
+    """
+    seen: set[Any] = set()
+    accesses = longest = 0
+    for request in requests:
+        accesses += len(request)
+        longest = max(longest, len(request))
+        seen.update(request)
+    return max(1, min(accesses, len(seen) + longest))
+
+
 def load_trace(path: str | Path) -> Trace:
     """Read a Mooncake-format trace (one JSON object a line, see ``docs/policies.md``).
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a line is not a trace record; the message names the file and line.
+        TraceFormatError: a line is not a trace record (a ``ValueError``); the message names
+            the file, the line and the field.
+        OSError: the file cannot be read.
     """
     path = Path(path)
     if not path.is_file():
@@ -87,11 +107,16 @@ def load_trace(path: str | Path) -> Trace:
 def _keys(trace: Trace) -> list[list[BlockHash]]:
     intern: dict[int, BlockHash] = {}
     out = []
-    for request in trace.requests:
+    for i, request in enumerate(trace.requests):
         keys = []
         for h in request:
             key = intern.get(h)
             if key is None:
+                if type(h) is not int or not HASH_ID_MIN <= h <= HASH_ID_MAX:
+                    raise ValueError(
+                        f"request {i} of trace {trace.path!r}: block id {h!r} is not an "
+                        "integer in the signed 128-bit range of block keys"
+                    )
                 key = intern[h] = BlockHash(h.to_bytes(16, "little", signed=True))
             keys.append(key)
         out.append(keys)
@@ -130,6 +155,9 @@ def replay_pool(
 ) -> PolicyResult:
     """Replay a trace through a `CpuBlockPool` of ``capacity`` blocks.
 
+    A capacity above `useful_capacity()` replays with that many blocks: a larger pool
+    holds nothing more, and would only cost memory.
+
     Args:
         trace: a `Trace`, or per request its block hashes.
         capacity: pool size in blocks.
@@ -139,9 +167,12 @@ def replay_pool(
 
     Raises:
         ConfigError: unknown policy or admission spec.
-        ValueError: ``capacity`` below 1.
+        ValueError: ``capacity`` below 1, or a block id a key cannot hold.
     """
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
     requests = _keys(trace) if isinstance(trace, Trace) else trace
+    capacity = min(capacity, useful_capacity(requests))
     pool = CpuBlockPool(capacity, policy=make_policy(policy))
     admit = make_admission(admission).admit
     always = admission.strip().lower() == "always"
@@ -302,14 +333,17 @@ class CapacityRow:
     """Every policy at one capacity, with the two references.
 
     Attributes:
-        capacity: pool size in blocks.
+        capacity: pool size in blocks, as asked for.
         results: one per policy, in the order asked for.
         optimal_hit_rate: Belady's prefix hit rate at this capacity.
+        pool_blocks: the blocks the pool was built with: ``capacity``, or the trace's
+            `useful_capacity()` when that is smaller (a larger pool holds nothing more).
     """
 
     capacity: int
     results: tuple[PolicyResult, ...]
     optimal_hit_rate: float
+    pool_blocks: int
 
 
 @final
@@ -322,6 +356,7 @@ class ReplayReport:
         requests: requests in the trace.
         blocks: block accesses in the trace.
         unique_blocks: distinct blocks.
+        useful_capacity: the largest pool the trace can use (`useful_capacity()`).
         admission: the admission spec every policy ran with.
         ceiling_hit_rate: the infinite-capacity prefix hit rate.
         rows: one per capacity, in the order asked for.
@@ -331,6 +366,7 @@ class ReplayReport:
     requests: int
     blocks: int
     unique_blocks: int
+    useful_capacity: int
     admission: str
     ceiling_hit_rate: float
     rows: tuple[CapacityRow, ...] = field(default=())
@@ -361,15 +397,19 @@ def run_replay(
 
     Raises:
         ConfigError: unknown policy or admission spec (checked before anything runs).
-        ValueError: a capacity below 1.
+        ValueError: a capacity below 1, a trace without blocks, or a block id a key
+            cannot hold.
     """
     for name in policies:
         make_policy(name)
     make_admission(admission)
     if any(c < 1 for c in capacities):
         raise ValueError(f"capacities must be >= 1, got {list(capacities)}")
-    keys = _keys(trace)
     total = trace.num_blocks
+    if not total:
+        raise ValueError(f"the trace {trace.path!r} has no blocks: nothing to replay")
+    keys = _keys(trace)
+    useful = useful_capacity(trace.requests)
     rows = []
     for capacity in capacities:
         results = tuple(
@@ -377,15 +417,16 @@ def run_replay(
             for name in policies
         )
         optimal = optimal_hits(trace.requests, capacity)
-        rows.append(CapacityRow(capacity, results, optimal / total if total else 0.0))
+        rows.append(CapacityRow(capacity, results, optimal / total, min(capacity, useful)))
     ceiling = ceiling_hits(trace.requests)
     return ReplayReport(
         trace=trace.path,
         requests=len(trace.requests),
         blocks=total,
         unique_blocks=trace.num_unique,
+        useful_capacity=useful,
         admission=admission,
-        ceiling_hit_rate=ceiling / total if total else 0.0,
+        ceiling_hit_rate=ceiling / total,
         rows=tuple(rows),
     )
 
@@ -415,13 +456,14 @@ def smallest_capacity(
         ``(capacity, hit_rate, ceiling_hit_rate)``.
 
     Raises:
-        ValueError: ``target`` outside (0, 1], or an empty trace.
+        ValueError: ``target`` outside (0, 1] (NaN included), an empty trace, or a block id
+            a key cannot hold.
     """
-    if not 0.0 < target <= 1.0:
+    if not 0.0 < target <= 1.0:  # False for NaN too
         raise ValueError(f"target must be in (0, 1], got {target}")
     total = trace.num_blocks
     if not total:
-        raise ValueError("the trace has no blocks")
+        raise ValueError(f"the trace {trace.path!r} has no blocks: nothing to size")
     ceiling = ceiling_hits(trace.requests) / total
     goal = target * ceiling
     keys = _keys(trace)

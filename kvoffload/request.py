@@ -23,7 +23,7 @@ import contextlib
 import enum
 from collections.abc import Iterator, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, final, overload
+from typing import TYPE_CHECKING, Any, Literal, Protocol, final, overload
 
 from kvoffload.errors import (
     BlockTableError,
@@ -36,7 +36,6 @@ from kvoffload.hashing import BlockHash, _encode_tokens, hash_block_tokens
 from kvoffload.transfer.task import _NoPublicConstructor
 
 if TYPE_CHECKING:
-    from kvoffload.offloader import KVOffloader
     from kvoffload.transfer.task import TransferTask
 
 __all__ = [
@@ -47,6 +46,38 @@ __all__ = [
     "hash_new_blocks",
     "table_slice",
 ]
+
+
+class _StepCalls(Protocol):
+    """The `KVOffloader` calls a handle makes, and all it needs of the offloader."""
+
+    def lookup(
+        self,
+        request_id: str,
+        block_hashes: Sequence[BlockHash],
+        num_tokens: int,
+        num_computed_tokens: int,
+        *,
+        allow_defer: bool,
+    ) -> int | None: ...
+
+    def load(
+        self, request_id: str, gpu_block_ids: Sequence[int], num_tokens: int
+    ) -> TransferTask | None: ...
+
+    def update(
+        self,
+        request_id: str,
+        gpu_block_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        num_computed_tokens: int,
+    ) -> None: ...
+
+    def release(self, request_id: str) -> None: ...
+
+    def preempt(self, request_id: str) -> None: ...
+
+    def finish(self, request_id: str) -> None: ...
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -235,12 +266,14 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
 
     def __init__(
         self,
-        offloader: KVOffloader,
+        offloader: _StepCalls,
         request_id: str,
         prompt_token_ids: Sequence[int],
         num_computed_tokens: int,
+        *,
+        block_size: int,
+        root: BlockHash,
     ) -> None:
-        block_size = offloader.config.block_size
         who = f"request {request_id!r}: "
         if num_computed_tokens < 0 or num_computed_tokens % block_size:
             raise InvalidInputError(
@@ -258,17 +291,13 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         self._block_size = block_size
         self._tokens: list[int] = []
         self._hashes: list[BlockHash] = []
-        self._root = offloader.namespace.root  # the first block's parent
+        self._root = root  # the first block's parent
         self._engine_prefix = num_computed_tokens
         self._num_computed = num_computed_tokens
         self._hit = 0
         self._reported = 0  # hashes given to update so far
         self._state = HandleState.LIVE
         self.extend(prompt_token_ids)
-        # Last, once nothing can be refused any more: the id is this handle's until it
-        # finishes, so a second handle for it (a client's retry) is refused here, before
-        # either makes a call.
-        offloader.scheduler.reserve(request_id)
 
     def __repr__(self) -> str:
         return (

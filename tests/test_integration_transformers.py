@@ -11,7 +11,7 @@ import anyio
 import pytest
 import torch
 
-from kvoffload import ConfigError, KVOffloader, OffloadConfig
+from kvoffload import BlockStateError, ConfigError, KVOffloader, OffloadConfig
 from kvoffload.testing import ControllableCopyEngine
 
 transformers = pytest.importorskip("transformers")
@@ -292,7 +292,7 @@ def test_import_without_the_extra_names_it() -> None:
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
-    assert "pip install 'kvoffload[transformers]'" in out
+    assert "from a kvoffload clone, pip install '.[transformers]'" in out
 
 
 def test_the_core_never_imports_integrations() -> None:
@@ -352,4 +352,141 @@ async def test_abort_at_every_stage_releases_everything(model: Any, stage: str) 
         off.scheduler.check_invariants()
         assert engine.pinner.num_pinned == 0
     engine.allocator.check_invariants()
+    assert engine.allocator.statistics().num_used == 0
+
+
+def crowded_prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(4)
+    return [torch.randint(0, VOCAB, (150,), generator=gen).tolist() for _ in range(8)]
+
+
+async def run_crowd(engine: PagedEngine, *, check_every_step: bool) -> dict[str, list[int]]:
+    for i, p in enumerate(crowded_prompts()):
+        engine.add_request(f"r{i}", p, max_new_tokens=60)
+    results: dict[str, list[int]] = {}
+    while engine.has_work:
+        for out in await engine.step():
+            if out.result is not None:
+                assert out.result.finish_reason == "length", out.result
+                results[out.request_id] = out.result.output_token_ids
+        if check_every_step:
+            engine.check_invariants()  # every GPU block counted once, waiting ones hold none
+    return results
+
+
+@pytest.fixture(scope="module")
+def crowd_reference(model: Any) -> dict[str, list[int]]:
+    async def ample() -> dict[str, list[int]]:
+        # Room for every request at once: nobody is preempted.
+        engine = PagedEngine(model, num_gpu_blocks=256, block_size=16, max_batch_tokens=64)
+        out = await run_crowd(engine, check_every_step=False)
+        assert engine.statistics().preemptions == 0
+        return out
+
+    return anyio.run(ample)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+async def test_a_request_preempted_while_scheduling_is_not_scheduled(
+    model: Any, crowd_reference: dict[str, list[int]], offload: bool
+) -> None:
+    # Eight 150-token prompts answering 60 tokens on 64 blocks of 16, 64 tokens a step: a
+    # request that grows preempts one that the same scheduling loop would reach later.
+    engine = PagedEngine(model, num_gpu_blocks=64, block_size=16, max_batch_tokens=64)
+    if offload:
+        cfg = OffloadConfig(block_size=16, num_cpu_blocks=256, model_id="test-llama")
+        async with KVOffloader(cfg, engine.kv, layout=engine.layout, pinner=engine.pinner) as off:
+            engine.attach(off)
+            results = await run_crowd(engine, check_every_step=True)
+            await off.drain()
+            assert off.statistics().scheduler.live_requests == 0
+            off.scheduler.check_invariants()
+    else:
+        results = await run_crowd(engine, check_every_step=True)
+    assert engine.statistics().preemptions > 0
+    assert results == crowd_reference
+    engine.check_invariants()
+    stats = engine.allocator.statistics()
+    assert stats.num_used == stats.num_held == 0
+    assert stats.num_free == stats.num_blocks
+
+
+def test_engine_invariants_catch_a_waiting_request_that_holds_blocks(model: Any) -> None:
+    engine = PagedEngine(model, num_gpu_blocks=8, block_size=BS)
+    engine.add_request("a", [1, 2, 3], max_new_tokens=1)
+    engine.check_invariants()
+    (r,) = engine._waiting
+    r.table = engine.allocator.allocate(1) or []  # what the scheduling bug left behind
+    with pytest.raises(BlockStateError, match=r"GPU block \d+: 1 references in the allocator"):
+        engine.check_invariants()
+
+
+class UnpinRaisesOnce:
+    """The engine's pinner, whose ``unpin`` raises once (after unpinning) when armed."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.armed = False
+
+    def pin(self, ids: Sequence[int]) -> None:
+        self.inner.pin(ids)
+
+    def unpin(self, ids: Sequence[int]) -> None:
+        self.inner.unpin(ids)
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("unpin exploded")
+
+
+@pytest.mark.parametrize("how", ["abort", "failed_step"])
+async def test_a_finish_that_raises_leaves_the_engine_whole(model: Any, how: str) -> None:
+    engine = PagedEngine(model, num_gpu_blocks=32, block_size=BS)
+    pinner = UnpinRaisesOnce(engine.pinner)
+    copies = ControllableCopyEngine()
+    async with KVOffloader(
+        config(), engine.kv, layout=engine.layout, pinner=pinner, copy_engine=copies
+    ) as off:
+        engine.attach(off)
+        engine.add_request("a", prompts(1, 30)[0], max_new_tokens=1)
+        await engine.run_until_done()
+        engine.add_request("b", prompts(1, 20, seed=9)[0], max_new_tokens=50)
+        await engine.step()  # b runs
+        pinner.armed = True
+        copies.complete_all()  # a completion's unpin raises: the next call on kvoffload says so
+        await off.drain()
+        assert not pinner.armed
+        if how == "abort":
+            res = engine.abort("b")  # ending b is the first call on kvoffload: finish raises
+            assert res is not None
+            assert res.finish_reason == "aborted"
+        else:
+
+            def boom(*args: object, **kwargs: object) -> None:
+                raise RuntimeError("model exploded")
+
+            engine._forward = boom  # type: ignore[method-assign]
+            outs = await engine.step()  # ends b after its failed pass: finish raises
+            del engine._forward
+            (res,) = [o.result for o in outs if o.result is not None]
+            assert res.finish_reason == "error"
+            assert "model exploded" in (res.error or "")
+        assert res.request_id == "b"
+        assert "kvoffload finish failed: PinnerError" in (res.error or "")
+        assert "unpin exploded" in (res.error or "")
+        assert engine.statistics().finish_errors == 1
+        # The engine let go of b: its blocks, its place, its id.
+        assert not engine.has_work
+        assert "b" not in engine._ids
+        engine.check_invariants()
+        # ... and keeps serving.
+        engine.add_request("c", prompts(1, 20, seed=9)[0], max_new_tokens=2)
+        (ok,) = await engine.run_until_done()
+        assert ok.finish_reason == "length"
+        assert ok.error is None
+        copies.complete_all()
+        await off.drain()
+        copies.complete_all()
+        off.scheduler.check_invariants()
+    engine.check_invariants()
+    assert engine.pinner.num_pinned == 0
     assert engine.allocator.statistics().num_used == 0

@@ -25,6 +25,7 @@ from kvoffload.replay import (
     run_replay,
     smallest_capacity,
     static_frequency_hits,
+    useful_capacity,
 )
 
 
@@ -173,6 +174,7 @@ def test_report_json_schema(tmp_path: Path) -> None:
         "trace",
         "requests",
         "blocks",
+        "useful_capacity",
         "unique_blocks",
         "admission",
         "ceiling_hit_rate",
@@ -182,7 +184,7 @@ def test_report_json_schema(tmp_path: Path) -> None:
     assert data["ceiling_hit_rate"] == pytest.approx(5 / 10)
     assert [row["capacity"] for row in data["rows"]] == [2, 8]
     for row in data["rows"]:
-        assert set(row) == {"capacity", "results", "optimal_hit_rate"}
+        assert set(row) == {"capacity", "results", "optimal_hit_rate", "pool_blocks"}
         assert [r["policy"] for r in row["results"]] == ["lru", "arc"]
         for r in row["results"]:
             assert set(r) == {
@@ -234,3 +236,22 @@ def test_synthetic_trace_matches_the_readme_table(trace_path: Path) -> None:
         for name, rate in rates.items():
             assert rate >= rates["lru"] - 0.01, (row.capacity, name, rate)
             assert rate <= row.optimal_hit_rate + 0.02, (row.capacity, name, rate)
+
+
+def test_a_pool_beyond_useful_capacity_gives_the_same_result_and_is_not_built() -> None:
+    # A gap in a prefix (3 found, 1 not) allocates a cached block again: a pool of the
+    # distinct blocks alone would evict where a larger one does not.
+    requests = ((5,), (3,), (1, 3), (5,))
+    trace = Trace("", requests)
+    assert useful_capacity(requests) == 3 + 2
+    for name in ("lru", "arc"):
+        big = replay_pool(trace, 10**8, name)  # would take minutes and GiBs if built
+        assert big == replay_pool(trace, useful_capacity(requests), name)
+        assert big.evictions == 0
+
+
+def test_an_empty_trace_and_a_bad_id_are_refused() -> None:
+    with pytest.raises(ValueError, match="no blocks"):
+        run_replay(Trace("e.jsonl", ((),)), [4])
+    with pytest.raises(ValueError, match=r"block id 170141183460469231731687303715884105728"):
+        replay_pool(Trace("t", ((2**127,),)), 4)

@@ -21,12 +21,12 @@ import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import anyio
 import torch
 
+from kvoffload.bench._args import output_path, positive_int, write_output
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.hashing import BlockHash, hash_block_tokens
 from kvoffload.offloader import KVOffloader
@@ -108,7 +108,9 @@ async def _measure(
     requests: int, prompt: int, steps: int, reps: int
 ) -> tuple[list[float], list[float]]:
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float16", block_size=16)
-    kv = [torch.zeros(layout.tensor_shape(8), dtype=torch.float16)]
+    # Every request's table names GPU blocks 0 .. its length - 1: the GPU cache holds that many.
+    num_gpu_blocks = -(-(prompt + steps) // layout.block_size)
+    kv = [torch.zeros(layout.tensor_shape(num_gpu_blocks), dtype=torch.float16)]
     config = OffloadConfig(block_size=16, num_cpu_blocks=16, pin_memory="never")
     low: list[float] = []
     high: list[float] = []
@@ -150,7 +152,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     print(f"medians of {args.reps} repetitions, alternating which way runs first")
     if args.json:
-        Path(args.json).write_text(json.dumps(asdict(res), indent=2) + "\n", encoding="utf-8")
+        write_output(args.json, json.dumps(asdict(res), indent=2) + "\n")
     return 0
 
 
@@ -162,9 +164,11 @@ def add_parser(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--requests", type=int, default=64, help="decoding requests (default 64)")
-    p.add_argument("--prompt-tokens", type=int, default=2000, help="tokens per prompt")
-    p.add_argument("--steps", type=int, default=200, help="decode steps per repetition")
-    p.add_argument("--reps", type=int, default=7, help="repetitions; medians are shown")
-    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.add_argument(
+        "--requests", type=positive_int, default=64, help="decoding requests (default 64)"
+    )
+    p.add_argument("--prompt-tokens", type=positive_int, default=2000, help="tokens per prompt")
+    p.add_argument("--steps", type=positive_int, default=200, help="decode steps per repetition")
+    p.add_argument("--reps", type=positive_int, default=7, help="repetitions; medians are shown")
+    p.add_argument("--json", type=output_path, default=None, help="also write the figures here")
     p.set_defaults(run=_run)

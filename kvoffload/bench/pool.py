@@ -22,15 +22,17 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
 from tqdm import tqdm
 
+from kvoffload.bench._args import CommandError, int_list, output_path, positive_int, write_output
 from kvoffload.bench.trace import read_trace
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
+from kvoffload.replay import useful_capacity
 
 __all__ = [
     "BLOCK_OPS_DEFINITION",
@@ -325,26 +327,6 @@ def measure(
     return results
 
 
-def _capacities(text: str) -> list[int]:
-    try:
-        values = [int(part.replace("_", "")) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of ints: {text!r}") from exc
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"capacities must be ints >= 1, got {text!r}")
-    return values
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not an int: {text!r}") from exc
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register the ``pool`` subcommand."""
     parser = subparsers.add_parser(
@@ -358,14 +340,16 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument(
         "--capacity",
-        type=_capacities,
+        type=int_list,
         default=[1000, 6000, 20000],
         help="comma-separated pool sizes in blocks (default: 1000,6000,20000)",
     )
     parser.add_argument(
-        "--runs", type=_positive, default=5, help="timed runs per capacity; the median is shown"
+        "--runs", type=positive_int, default=5, help="timed runs per capacity; the median is shown"
     )
-    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument(
+        "--json", type=output_path, default=None, help="also write the figures here"
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(run=run)
 
@@ -377,15 +361,28 @@ def _format_rate(value: float) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed ``args``; print a table; return 0."""
     path: Path = args.trace
-    requests = load_trace_keys(path)
+    try:
+        requests = load_trace_keys(path)
+    except OSError as exc:
+        raise CommandError(f"cannot read trace {str(path)!r}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # TraceFormatError: names the file, line and field
+        raise CommandError(str(exc)) from None
+    if not any(requests):
+        raise CommandError(f"{path}: the trace holds no request with a block")
     synthetic = _is_synthetic(path, len(requests))
+    # A pool larger than the trace's distinct blocks plus its longest request never evicts:
+    # build no larger one (the figures are the same; the memory is not).
+    useful = useful_capacity(requests)
+    if any(c > useful for c in args.capacity):
+        print(f"capacities above {useful:,} (the most this trace can use) run with {useful:,}")
     results = measure(
         requests,
-        args.capacity,
+        [min(c, useful) for c in args.capacity],
         runs=args.runs,
         lru_reference=LRU_REFERENCE if synthetic else None,
         progress=not args.no_progress,
     )
+    results = [replace(r, capacity=c) for r, c in zip(results, args.capacity, strict=True)]
     total = sum(len(r) for r in requests)
     print(f"trace: {path} ({len(requests):,} requests, {total:,} blocks)")
     per_block = bookkeeping_bytes_per_block()
@@ -417,7 +414,7 @@ def run(args: argparse.Namespace) -> int:
             "bookkeeping_bytes_per_block": per_block,
             "results": [asdict(r) for r in results],
         }
-        args.json.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+        write_output(args.json, json.dumps(payload, indent=2) + "\n")
     return 0
 
 
@@ -443,5 +440,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvoffload.bench")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["pool", *(sys.argv[1:] if argv is None else argv)])
-    code: int = args.run(args)
+    try:
+        code: int = args.run(args)
+    except CommandError as exc:
+        print(f"{parser.prog} pool: error: {exc}", file=sys.stderr)
+        return 1
     return code

@@ -14,9 +14,9 @@ import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
+from kvoffload.bench._args import int_list, output_path, positive_int, write_output
 from kvoffload.config import OffloadConfig
 from kvoffload.hashing import BlockHash, HashNamespace, hash_block_tokens
 from kvoffload.pool import CpuBlockPool
@@ -175,12 +175,8 @@ def _run(args: argparse.Namespace) -> int:
     print(f"target <= 2 us per block: {'met' if target_ok else 'NOT met'} (median of {args.reps})")
     if args.json:
         payload: dict[str, Any] = {"results": [asdict(r) for r in results]}
-        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+        write_output(args.json, json.dumps(payload, indent=2) + "\n")
     return 0
-
-
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def add_parser(subparsers: Any) -> None:
@@ -191,15 +187,19 @@ def add_parser(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--requests", type=int, default=256, help="running requests (default 256)")
-    p.add_argument("--blocks-per-request", type=int, default=64, help="blocks per request")
+    p.add_argument(
+        "--requests", type=positive_int, default=256, help="running requests (default 256)"
+    )
+    p.add_argument("--blocks-per-request", type=positive_int, default=64, help="blocks per request")
     p.add_argument(
         "--chunk-blocks",
-        type=_int_list,
+        type=int_list,
         default=[1, 4, 16],
         help="new blocks per request per step, comma separated (default 1,4,16)",
     )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--reps", type=int, default=5, help="repetitions; medians are shown")
-    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.add_argument(
+        "--block-size", type=positive_int, default=16, help="tokens per block (default 16)"
+    )
+    p.add_argument("--reps", type=positive_int, default=5, help="repetitions; medians are shown")
+    p.add_argument("--json", type=output_path, default=None, help="also write the figures here")
     p.set_defaults(run=_run)

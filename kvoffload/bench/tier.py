@@ -24,6 +24,7 @@ ratios (tier over baseline; 1.0 means the tier costs nothing on top of the raw p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import mmap
 import os
@@ -39,6 +40,8 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from kvoffload._extras import needs_extra
+from kvoffload.bench._args import int_list, positive_int
 from kvoffload.hashing import BlockHash
 from kvoffload.tiers.base import BlockWrite, SecondaryTier
 from kvoffload.tiers.disk import DiskTier
@@ -56,14 +59,22 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--kind", choices=["disk", "redis"], required=True)
     p.add_argument(
-        "--block-kib", default="2048,64", help="comma-separated block sizes in KiB (2 MiB, 64 KiB)"
+        "--block-kib",
+        type=int_list,
+        default=[2048, 64],
+        help="comma-separated block sizes in KiB (2 MiB, 64 KiB)",
     )
-    p.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement")
-    p.add_argument("--reps", type=int, default=5, help="repetitions (median)")
-    p.add_argument("--batch", type=int, default=16, help="blocks per tier operation")
-    p.add_argument("--concurrency", type=int, default=4, help="operations in flight")
     p.add_argument(
-        "--chunk-mib", type=int, default=8, help="bytes each side moves before the other's turn"
+        "--total-mib", type=positive_int, default=256, help="bytes moved per measurement"
+    )
+    p.add_argument("--reps", type=positive_int, default=5, help="repetitions (median)")
+    p.add_argument("--batch", type=positive_int, default=16, help="blocks per tier operation")
+    p.add_argument("--concurrency", type=positive_int, default=4, help="operations in flight")
+    p.add_argument(
+        "--chunk-mib",
+        type=positive_int,
+        default=8,
+        help="bytes each side moves before the other's turn",
     )
     p.add_argument(
         "--calibrate",
@@ -71,10 +82,24 @@ def add_parser(subparsers: Any) -> None:
         help="measure the baseline against a second copy of itself instead of the tier: the "
         "spread of its ratio around 1.0 is this machine's noise",
     )
-    p.add_argument("--path", default=None, help="disk: directory of the files (default: tmp)")
+    p.add_argument(
+        "--path", type=_directory, default=None, help="disk: directory of the files (default: tmp)"
+    )
     p.add_argument("--direct-io", choices=["auto", "never"], default="auto")
     p.add_argument("--url", default="redis://127.0.0.1:6379/0", help="redis: server URL")
     p.set_defaults(run=run)
+
+
+def _directory(text: str) -> str:
+    """An existing directory (argparse type): the tier's files are made inside it."""
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist (give a directory)")
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot create files in {text!r}: permission denied")
+    return text
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -87,13 +112,13 @@ def run(args: argparse.Namespace) -> int:
         try:
             import redis.asyncio  # noqa: F401, PLC0415
         except ImportError:
-            print("--kind redis needs the redis extra: pip install 'kvoffload[redis]'")
+            print(needs_extra("--kind redis", "redis"))
             return 2
     print("command: python -m kvoffload.bench " + " ".join(sys.argv[1:] or ["tier"]))
     if args.calibrate:
         print("# --calibrate: the tier column is a second copy of the baseline")
     print(f"{'kind':6} {'block':>8} {'op':5} {'tier GB/s':>10} {'baseline GB/s':>14} {'ratio':>6}")
-    for kib in (int(s) for s in args.block_kib.split(",") if s.strip()):
+    for kib in args.block_kib:
         nbytes = kib * 1024
         n = max(args.batch, (args.total_mib << 20) // nbytes)
         rows = anyio.run(_measure, args, nbytes, n)
@@ -117,8 +142,11 @@ async def _measure(
         return await _redis(args, nbytes, hashes, src, dst)
     finally:
         src = dst = []
-        view.release()
-        memory.close()
+        # While an error propagates, its traceback still holds slices of the buffer and
+        # close() would raise BufferError over it: the mapping then goes with the last slice.
+        with contextlib.suppress(BufferError):
+            view.release()
+            memory.close()
 
 
 Batch = Callable[[int, int], Awaitable[None]]

@@ -1,13 +1,43 @@
-"""Reading Mooncake-format request traces (one JSON object a line)."""
+"""Reading Mooncake-format request traces (one JSON object a line).
+
+The reader is strict: a line that is not a JSON object with the four fields, a number that
+is not finite (``NaN``, ``Infinity``), a count that is not a non-negative integer, or a
+hash id outside the signed 128-bit range that block keys hold is refused with a
+`TraceFormatError` naming the file, the line and the field.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NoReturn
 
-__all__ = ["TraceRequest", "read_trace"]
+__all__ = ["HASH_ID_MAX", "HASH_ID_MIN", "TraceFormatError", "TraceRequest", "read_trace"]
+
+HASH_ID_MIN = -(1 << 127)
+"""The smallest hash id a trace may hold (block keys are 16-byte signed integers)."""
+HASH_ID_MAX = (1 << 127) - 1
+"""The largest hash id a trace may hold."""
+
+
+class TraceFormatError(ValueError):
+    """A trace line is not a trace record; the message names the file, line and field.
+
+    Attributes:
+        path: the trace file.
+        lineno: the line, from 1.
+        field: the field at fault (``None`` when the line as a whole is).
+    """
+
+    def __init__(self, path: str, lineno: int, field: str | None, problem: str) -> None:
+        where = f"{path}:{lineno}" + (f": field {field!r}" if field is not None else "")
+        super().__init__(f"{where}: {problem}")
+        self.path = path
+        self.lineno = lineno
+        self.field = field
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,25 +57,72 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
 
 
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Line:
+    def __init__(self, path: str, lineno: int) -> None:
+        self.path = path
+        self.lineno = lineno
+
+    def fail(self, field: str | None, problem: str) -> NoReturn:
+        raise TraceFormatError(self.path, self.lineno, field, problem)
+
+    def count(self, rec: dict[str, Any], field: str) -> int:
+        value = self.get(rec, field)
+        if type(value) is not int or value < 0:
+            self.fail(field, f"expected an integer >= 0, got {_shown(value)}")
+        return value
+
+    def get(self, rec: dict[str, Any], field: str) -> Any:
+        if field not in rec:
+            self.fail(field, "missing")
+        return rec[field]
+
+
+def _record(line: _Line, rec: Any) -> TraceRequest:
+    if not isinstance(rec, dict):
+        line.fail(None, f"expected a JSON object, got {type(rec).__name__} {_shown(rec)}")
+    ts = line.get(rec, "timestamp")
+    if type(ts) not in (int, float) or not math.isfinite(ts):
+        line.fail("timestamp", f"expected a finite number, got {_shown(ts)}")
+    input_length = line.count(rec, "input_length")
+    output_length = line.count(rec, "output_length")
+    raw = line.get(rec, "hash_ids")
+    if not isinstance(raw, list):
+        line.fail("hash_ids", f"expected a list of integers, got {_shown(raw)}")
+    for i, h in enumerate(raw):
+        if type(h) is not int:
+            line.fail(f"hash_ids[{i}]", f"expected an integer, got {_shown(h)}")
+        if not HASH_ID_MIN <= h <= HASH_ID_MAX:
+            line.fail(f"hash_ids[{i}]", f"{h} is outside the signed 128-bit range of block keys")
+    return TraceRequest(float(ts), input_length, output_length, tuple(raw))
+
+
 def read_trace(path: str | Path, *, limit: int | None = None) -> Iterator[TraceRequest]:
     """Yield the requests of a Mooncake-format trace file.
 
     Raises:
-        ValueError: a line is not valid JSON or lacks a field; the message names the line.
+        TraceFormatError: a line is not a trace record (a ``ValueError``); the message names
+            the file, the line and the field.
+        OSError: the file cannot be read.
     """
-    with Path(path).open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    name = str(path)
+    with Path(path).open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
             if limit is not None and lineno > limit:
                 return
-            if not line.strip():
+            line = _Line(name, lineno)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                line.fail(None, f"not UTF-8 text ({exc.reason} at byte {exc.start})")
+            if not text.strip():
                 continue
             try:
-                rec = json.loads(line)
-                yield TraceRequest(
-                    timestamp_ms=float(rec["timestamp"]),
-                    input_length=int(rec["input_length"]),
-                    output_length=int(rec["output_length"]),
-                    hash_ids=tuple(int(h) for h in rec["hash_ids"]),
-                )
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{lineno}: not a trace record ({exc!r})") from exc
+                rec = json.loads(text)  # NaN and Infinity parse; the field checks refuse them
+            except (ValueError, RecursionError) as exc:
+                line.fail(None, f"not JSON: {exc}")
+            yield _record(line, rec)

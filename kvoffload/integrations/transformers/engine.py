@@ -8,6 +8,12 @@ GPU prefix cache, then looks the rest up in the CPU pool and loads the hit; a re
 that cannot get blocks waits, and a running request that runs out of blocks is preempted
 and re-admitted later. Every request ends with a `GenerationResult`, also when it is
 aborted or its step fails.
+
+A request is in one place at a time: waiting (it holds no GPU block) or running (it holds
+its table). A request preempted during a step's scheduling is not scheduled again in that
+step; it goes back to the waiting queue with its blocks freed and its handle preempted, and
+its next admission starts from there. `PagedEngine.check_invariants` checks that every GPU
+block is counted once.
 """
 
 from __future__ import annotations
@@ -24,8 +30,15 @@ import anyio.to_thread
 import torch
 from transformers import AttentionInterface
 
+from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout
-from kvoffload.errors import ClosedError, ConfigError, TransferError
+from kvoffload.errors import (
+    BlockStateError,
+    ClosedError,
+    ConfigError,
+    KvOffloadError,
+    TransferError,
+)
 from kvoffload.hashing import BlockHash, HashNamespace
 from kvoffload.integrations.transformers.allocator import GpuBlockAllocator
 from kvoffload.integrations.transformers.attention import (
@@ -47,6 +60,8 @@ from kvoffload.request import OffloadRequest, hash_new_blocks
 from kvoffload.transfer.task import TransferTask
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "PagedEngine"]
+
+_log = get_logger("integrations.transformers")
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama"})
 """``config.model_type`` values the engine accepts: decoder-only, rotary, full attention."""
@@ -127,6 +142,12 @@ class PagedEngine:
 
     Raises:
         ConfigError: an unsupported architecture or a bad size (the message says which).
+
+    A kvoffload error raised while a request ends (its handle's ``finish()``, e.g. a
+    once-only `PinnerError` about an earlier transfer) does not stop the step or the
+    engine: the request's GPU blocks and id are released all the same, its result keeps
+    its finish reason and names the error in `GenerationResult.error`, the error is logged
+    (``request_finish_failed``) and `EngineStatistics.finish_errors` counts it.
     """
 
     def __init__(
@@ -190,7 +211,7 @@ class PagedEngine:
         self._ids: set[str] = set()
         self._in_step = False
         self._steps = self._computed = self._gpu_cached = self._loaded = 0
-        self._preemptions = self._failed_loads = 0
+        self._preemptions = self._failed_loads = self._finish_errors = 0
 
     @property
     def pinner(self) -> RefCountPinner:
@@ -305,8 +326,44 @@ class PagedEngine:
             loaded_tokens=self._loaded,
             preemptions=self._preemptions,
             failed_loads=self._failed_loads,
+            finish_errors=self._finish_errors,
             allocator=self.allocator.statistics(),
         )
+
+    def check_invariants(self) -> None:
+        """Check that every GPU block is accounted for once.
+
+        Each block's reference count in the allocator equals the number of running
+        requests' tables that name it; a waiting request holds no block and no load; every
+        request is either waiting or running, once, under an id in use; and the allocator's
+        own bookkeeping holds (`GpuBlockAllocator.check_invariants`).
+
+        Raises:
+            BlockStateError: what does not add up, with the block or request.
+        """
+        self.allocator.check_invariants()
+        counts = [0] * self.allocator.num_blocks
+        for r in self._running:
+            for b in r.table:
+                counts[b] += 1
+        for b, n in enumerate(counts):
+            refs = self.allocator.ref_count(b)
+            if refs != n:
+                raise BlockStateError(
+                    f"GPU block {b}: {refs} references in the allocator, {n} in running "
+                    "requests' tables"
+                )
+        for r in self._waiting:
+            if r.table or r.load_task is not None:
+                raise BlockStateError(
+                    f"request {r.result.request_id!r} waits but holds {len(r.table)} GPU "
+                    f"blocks{' and a load' if r.load_task is not None else ''}"
+                )
+        ids = [r.result.request_id for r in (*self._waiting, *self._running)]
+        if len(set(ids)) != len(ids) or set(ids) != self._ids:
+            raise BlockStateError(
+                f"requests {sorted(ids)} do not match the ids in use {sorted(self._ids)}"
+            )
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -365,6 +422,8 @@ class PagedEngine:
         bs = self._block_size
         while self._waiting and len(self._running) < self._max_running:
             r = self._waiting[0]
+            if r.table:  # never after a `_preempt`; reset rather than leak the old table
+                self._reset(r)
             n = len(r.tokens)
             if r.handle is None and self._off is not None:
                 r.handle = self._off.request(r.result.request_id, r.tokens)
@@ -421,6 +480,8 @@ class PagedEngine:
         for r in decoding + prefilling:
             if budget <= 0:
                 break
+            if r not in self._running:
+                continue  # preempted by an earlier request's `_grow` in this loop
             q = min(len(r.tokens) - r.num_computed, budget)
             if not self._grow(r, r.num_computed + q, [s for s, _ in segs]):
                 continue
@@ -443,14 +504,19 @@ class PagedEngine:
         return True
 
     def _preempt(self, r: _Req) -> None:
+        """Move a running request back to the front of the waiting queue, reset."""
         self._running.remove(r)
-        self.allocator.free(r.table)
-        r.table, r.num_computed, r.num_cached_blocks = [], 0, 0
-        if r.handle is not None:
-            r.handle.preempt()
         r.result.preemptions += 1
         self._preemptions += 1
         self._waiting.appendleft(r)
+        self._reset(r)
+
+    def _reset(self, r: _Req) -> None:
+        """Free ``r``'s GPU blocks and rewind it and its handle to nothing computed."""
+        table, r.table, r.num_computed, r.num_cached_blocks = r.table, [], 0, 0
+        self.allocator.free(table)
+        if r.handle is not None:
+            r.handle.preempt()
 
     async def _wait_for_blocks(self) -> None:
         if self._off is not None and self.allocator.statistics().num_held:
@@ -539,14 +605,30 @@ class PagedEngine:
             outputs.append(StepOutput(r.result.request_id, sampled, self._end(r, reason)))
 
     def _end(self, r: _Req, reason: FinishReason, error: str | None = None) -> GenerationResult:
-        if r.table:
-            self.allocator.free(r.table)
-            r.table = []
-        if r.handle is not None and not r.handle.finished:
-            with contextlib.suppress(ClosedError):  # a closed offloader let go of it already
-                r.handle.finish()
+        """Release everything ``r`` holds and close its result; never raises for kvoffload."""
+        table, r.table = r.table, []
+        self._ids.discard(r.result.request_id)
         r.result.finish_reason = reason
         r.result.error = error
         r.result.total_s = time.perf_counter() - r.t0
-        self._ids.discard(r.result.request_id)
+        if table:
+            self.allocator.free(table)
+        if r.handle is not None and not r.handle.finished:
+            try:
+                r.handle.finish()
+            except ClosedError:
+                pass  # a closed offloader let go of it already
+            except KvOffloadError as exc:
+                self._finish_errors += 1
+                _log.warning(
+                    "request_finish_failed",
+                    request_id=r.result.request_id,
+                    error=repr(exc),
+                    cause=repr(exc.__cause__),
+                )
+                note = f"kvoffload finish failed: {exc!r}"
+                r.result.error = note if error is None else f"{error}; {note}"
+                if not r.handle.finished:  # a handle that lets a refused finish be retried
+                    with contextlib.suppress(KvOffloadError):
+                        r.handle.finish()
         return r.result

@@ -33,7 +33,9 @@ class GenerationResult:
         preemptions: how often the request was preempted.
         finish_reason: ``"length"`` (``max_new_tokens``), ``"stop"`` (the end token),
             ``"aborted"`` or ``"error"``.
-        error: what failed, for ``"error"``.
+        error: what failed, for ``"error"``; with another reason, what failed while the
+            request ended (its kvoffload handle's ``finish()`` raised; the tokens are
+            complete and its blocks were released), else ``None``.
     """
 
     request_id: str
@@ -79,6 +81,8 @@ class EngineStatistics:
         loaded_tokens: prompt tokens loaded from the CPU pool.
         preemptions: running requests preempted for lack of blocks.
         failed_loads: loads that failed (their tokens were recomputed).
+        finish_errors: requests whose kvoffload handle raised while they ended (each
+            result names the error; its blocks were released all the same).
         allocator: the block allocator's counters.
     """
 
@@ -90,4 +94,5 @@ class EngineStatistics:
     loaded_tokens: int
     preemptions: int
     failed_loads: int
+    finish_errors: int
     allocator: AllocatorStatistics

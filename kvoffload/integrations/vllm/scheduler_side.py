@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, final
 
 from kvoffload._logging import get_logger
+from kvoffload.build import build_core
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import ConfigError, InvariantError
 from kvoffload.hashing import BlockHash, HashNamespace, hash_block_tokens
@@ -24,8 +25,7 @@ from kvoffload.integrations.vllm.metadata import (
     KVOffloadConnectorMetadata,
     KVOffloadWorkerMetadata,
 )
-from kvoffload.pool import AllBlocksCleared, BlockRemoved, BlockStored, CpuBlockPool
-from kvoffload.scheduler import OffloadScheduler
+from kvoffload.pool import AllBlocksCleared, BlockRemoved, BlockStored
 from kvoffload.transfer.plan import LoadPlan, StorePlan, TransferPlan
 
 if TYPE_CHECKING:
@@ -89,6 +89,8 @@ class SchedulerSide:
 
     Raises:
         ConfigError: the pool size does not fit the layout.
+        HostMemoryError: the pool's bookkeeping exceeds the memory left (see
+            `kvoffload.build.check_host_memory()`).
     """
 
     def __init__(
@@ -104,11 +106,10 @@ class SchedulerSide:
         self.config = config
         self.layout = layout
         self.world_size = world_size
-        num_blocks = config.resolve_num_cpu_blocks(layout)
-        self.pool = CpuBlockPool(num_blocks, enable_events=config.enable_events)
-        self.scheduler = OffloadScheduler(
-            config, self.pool, bytes_per_block=layout.bytes_per_block * world_size
-        )
+        # The pool's bookkeeping lives here; each worker allocates its own host buffer.
+        core = build_core(config, layout, world_size=world_size, host_buffer=False)
+        self.pool = core.pool
+        self.scheduler = core.scheduler
         self._root = namespace.root
         self._block_size = layout.block_size
         self._requests: dict[str, _RequestHashes] = {}
