@@ -3,7 +3,7 @@
 The names below are the public API; submodules documented in ``docs/api.md`` hold the rest.
 """
 
-from kvoffload.config import DTypeName, KVLayout, LayoutKind, OffloadConfig
+from kvoffload.config import OffloadConfig
 from kvoffload.errors import (
     BlockStateError,
     BlockTableError,
@@ -28,6 +28,7 @@ from kvoffload.errors import (
     WrongContextError,
 )
 from kvoffload.hashing import BlockHash, HashNamespace, hash_block_tokens, hash_prompt
+from kvoffload.layout import DTypeName, KVLayout, LayoutKind
 from kvoffload.offloader import KVOffloader, OffloaderStatistics
 from kvoffload.pinner import GpuBlockPinner, NoOpPinner, RefCountPinner
 from kvoffload.pool import (

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NewType
 from kvoffload.errors import InputTypeError, InvalidInputError
 
 if TYPE_CHECKING:
-    from kvoffload.config import KVLayout
+    from kvoffload.layout import KVLayout
 
 __all__ = ["BlockHash", "HashNamespace", "hash_block_tokens", "hash_prompt"]
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvoffload._extras import needs_extra
+from kvoffload.config import DiskTierSettings, RedisTierSettings
 from kvoffload.errors import ConfigError
 from kvoffload.tiers.base import SecondaryTier
 from kvoffload.tiers.disk import DiskTier
-from kvoffload.tiers.settings import DiskTierSettings, RedisTierSettings
 
 if TYPE_CHECKING:
-    from kvoffload.tiers.settings import TierSettings
+    from kvoffload.config import TierSettings
 
 __all__ = ["build_tier"]
 

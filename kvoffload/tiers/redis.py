@@ -25,12 +25,12 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
     raise ImportError(needs_extra("kvoffload.tiers.redis", "redis")) from exc
 
 from kvoffload._logging import get_logger
+from kvoffload.config import redact_url
 from kvoffload.errors import TierError
 from kvoffload.hashing import BlockHash
 from kvoffload.tiers._threads import IoThreads
 from kvoffload.tiers.base import BlockRead, BlockWrite
 from kvoffload.tiers.format import HEADER_SIZE, checksum
-from kvoffload.tiers.settings import redact_url
 
 __all__ = ["RedisTier"]
 
