@@ -349,3 +349,13 @@ def test_block_hasher_is_slotted_and_shares_its_list() -> None:
     assert hashes is hasher.block_hashes  # one list that grows: a caller may bind it once
     assert len(hashes) == 2
     assert (hasher.root, hasher.block_size, hasher.extra) == (HashNamespace().root, 2, b"x")
+
+
+def test_hash_new_blocks_appends_nothing_for_a_bad_token() -> None:
+    root = HashNamespace().root
+    hashes: list[BlockHash] = []
+    with pytest.raises(InputTypeError, match="is not a 64-bit int"):
+        hash_new_blocks(hashes, [1, 2, 3, 4, 5, 1 << 70], 2, root)
+    assert hashes == []  # not the two blocks ahead of the bad one
+    hash_new_blocks(hashes, [1, 2, 3, 4, 5, 1 << 70, 7], 4, root)  # the tail is not read
+    assert hashes == _chain(root, [1, 2, 3, 4], 4)
