@@ -677,3 +677,38 @@ async def test_a_pinner_error_from_the_drain_of_a_step_that_waits_for_blocks(mod
         off.scheduler.check_invariants()
     engine.check_invariants()
     assert engine.pinner.num_pinned == 0
+
+
+async def test_a_completion_whose_unpin_raises_surfaces_at_the_next_advance(model: Any) -> None:
+    # The real path, with no shortcut: a completion's unpin raises; b's next step calls
+    # advance first, which raises the PinnerError; the step still delivers b's token.
+    engine = PagedEngine(model, num_gpu_blocks=32, block_size=BS)
+    pinner = UnpinRaisesOnce(engine.pinner)
+    copies = ControllableCopyEngine()
+    async with KVOffloader(
+        config(), engine.kv, layout=engine.layout, pinner=pinner, copy_engine=copies
+    ) as off:
+        engine.attach(off)
+        engine.add_request("a", prompts(1, 30)[0], max_new_tokens=1)
+        await engine.run_until_done()
+        engine.add_request("b", prompts(1, 20, seed=9)[0], max_new_tokens=3)
+        await engine.step()  # b runs
+        pinner.armed = True
+        copies.complete_all()
+        await off.drain()
+        assert not pinner.armed
+        (out,) = await engine.step()  # b decodes: its advance surfaces the error
+        assert out.request_id == "b"
+        assert out.token_id is not None
+        assert engine.statistics().pinner_errors == 1
+        engine.check_invariants()
+        (res,) = await engine.run_until_done()
+        assert res.finish_reason == "length"
+        assert len(res.output_token_ids) == 3
+        assert "kvoffload advance raised PinnerError" in (res.error or "")
+        assert engine.statistics().finish_errors == 0
+        copies.complete_all()
+        await off.drain()
+        off.scheduler.check_invariants()
+    engine.check_invariants()
+    assert engine.pinner.num_pinned == 0
