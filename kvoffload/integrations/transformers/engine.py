@@ -35,7 +35,7 @@ from transformers import AttentionInterface
 
 from kvoffload.config import KVLayout
 from kvoffload.errors import ConfigError
-from kvoffload.hashing import HashNamespace
+from kvoffload.hashing import BlockHasher, HashNamespace
 from kvoffload.integrations.transformers.allocator import GpuBlockAllocator
 from kvoffload.integrations.transformers.attention import ATTENTION_NAME, paged_attention
 from kvoffload.integrations.transformers.batching import _Batcher
@@ -47,7 +47,7 @@ from kvoffload.integrations.transformers.results import (
     GenerationResult,
     StepOutput,
 )
-from kvoffload.integrations.transformers.state import _Counters, _Hasher, _Req
+from kvoffload.integrations.transformers.state import _Counters, _Req
 from kvoffload.offloader import KVOffloader
 from kvoffload.pinner import RefCountPinner
 
@@ -241,7 +241,7 @@ class PagedEngine:
                 f"request {request_id!r} needs {need} blocks; the cache has "
                 f"{self.allocator.num_blocks}"
             )
-        hasher = None if off is not None else _Hasher(self._root, self._block_size)
+        hasher = None if off is not None else BlockHasher(self._root, self._block_size)
         self._batch.add(_Req(request_id, prompt, max_new_tokens, eos_token_id, hasher))
 
     def abort(self, request_id: str) -> GenerationResult | None:

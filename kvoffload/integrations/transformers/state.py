@@ -15,25 +15,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvoffload.hashing import BlockHash
+from kvoffload.hashing import BlockHash, BlockHasher
 from kvoffload.integrations.transformers.results import GenerationResult
-from kvoffload.request import OffloadRequest, hash_new_blocks
+from kvoffload.request import OffloadRequest
 from kvoffload.transfer.task import TransferTask
 
 __all__: list[str] = []
-
-
-class _Hasher:
-    """Incremental block hashes for a request when no offloader gives a handle."""
-
-    __slots__ = ("_block_size", "_root", "block_hashes")
-
-    def __init__(self, root: BlockHash, block_size: int) -> None:
-        self._root, self._block_size = root, block_size
-        self.block_hashes: list[BlockHash] = []
-
-    def update(self, tokens: Sequence[int]) -> None:
-        hash_new_blocks(self.block_hashes, tokens, self._block_size, self._root)
 
 
 class _Req:
@@ -56,7 +43,7 @@ class _Req:
     )
 
     def __init__(
-        self, rid: str, prompt: list[int], max_new: int, eos: int | None, hasher: _Hasher | None
+        self, rid: str, prompt: list[int], max_new: int, eos: int | None, hasher: BlockHasher | None
     ) -> None:
         self.tokens = prompt
         self.max_new, self.eos = max_new, eos
