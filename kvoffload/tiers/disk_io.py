@@ -123,19 +123,23 @@ class DiskIo:
         for lo, hi in layout.runs([slot for _, slot in jobs]):
             first, last = jobs[lo][1], jobs[hi - 1][1]
             # The headers, with the payload checksums in them, in this thread.
-            headers = [jobs[k][0].sealed_header() for k in range(lo, hi)]
-            for k, header in zip(range(lo, hi), headers, strict=True):
+            headers: list[bytes] = []
+            payloads: list[memoryview] = []
+            for block, slot in jobs[lo:hi]:
+                header = block.sealed_header()
                 if len(header) > ENTRY:
                     raise ValueError(
                         f"disk tier {name!r}: header of {len(header)} bytes for slot "
-                        f"{jobs[k][1]}; a header takes at most {ENTRY}"
+                        f"{slot}; a header takes at most {ENTRY}"
                     )
-            payloads = [jobs[k][0].payload for k in range(lo, hi)]
-            buffers: list[memoryview] = []
-            for payload in payloads:
-                if buffers and pad is not None:
-                    buffers.append(pad)
-                buffers.append(payload)
+                headers.append(header)
+                payloads.append(block.payload)
+            if pad is None:
+                buffers = payloads.copy()
+            else:
+                buffers = payloads[:1]
+                for payload in payloads[1:]:
+                    buffers += (pad, payload)
             if page is None:
                 image.stage(first, headers)
                 self._write_all(first, last, buffers, payloads, layout.offset(first))
@@ -177,34 +181,43 @@ class DiskIo:
         nbytes = layout.block_nbytes
         span = layout.payload_span
         images = self._image.data
-        reads = []
+        reads: list[BlockRead] = []
         for lo, hi in layout.runs([slot for _, slot in jobs]):
-            buffers: list[memoryview] = []
+            run = jobs[lo:hi]
             payloads = []
-            for k in range(lo, hi):
-                payload = into[jobs[k][0]][:nbytes]
-                if buffers and scratch is not None:
-                    buffers.append(scratch)
-                buffers.append(payload)
-                payloads.append(payload)
-            first = jobs[lo][1]
+            for i, _ in run:
+                buf = into[i]
+                payloads.append(buf if len(buf) == nbytes else buf[:nbytes])
+            if scratch is None:
+                buffers = payloads.copy()
+            else:
+                buffers = payloads[:1]
+                for payload in payloads[1:]:
+                    buffers += (scratch, payload)
+            first = run[0][1]
             try:
                 n = self.io(False, buffers, payloads, layout.offset(first))
             except OSError as exc:
                 self._file.note_error(exc)
                 raise TierError(
-                    f"disk tier {self._name!r}: read of slots {first}..{jobs[hi - 1][1]} "
+                    f"disk tier {self._name!r}: read of slots {first}..{run[-1][1]} "
                     f"failed: {errno_name(exc)} {exc.strerror}"
                 ) from exc
             finally:
                 buffers.clear()
-            for k in range(lo, hi):
-                got = min(nbytes, max(0, n - (k - lo) * span))
+            got = n
+            for (_, slot), payload in zip(run, payloads, strict=True):
+                at = slot * ENTRY
                 # The checksum of what just landed, while it is in this core's cache;
                 # the manager compares it with the header before publishing.
-                payload_checksum = checksum(payloads[k - lo]) if got == nbytes else None
-                at = jobs[k][1] * ENTRY
-                reads.append(BlockRead(bytes(images[at : at + HEADER_SIZE]), got, payload_checksum))
+                if got >= nbytes:
+                    read = BlockRead(
+                        bytes(images[at : at + HEADER_SIZE]), nbytes, checksum(payload)
+                    )
+                else:
+                    read = BlockRead(bytes(images[at : at + HEADER_SIZE]), max(0, got))
+                reads.append(read)
+                got -= span
         return reads
 
     def _write_all(
