@@ -436,11 +436,6 @@ def test_bench_pool_missing_trace_is_one_line(
     assert "No such file" in err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvoffload/__init__.py imports kvoffload.config (and it torch) eagerly: the "
-    "command line's own imports are light, the package's are not yet",
-)
 @pytest.mark.parametrize(
     "argv",
     [["kvoffload.cli", "--version"], ["kvoffload.cli", "--help"], ["kvoffload.bench", "--help"]],
