@@ -23,7 +23,8 @@ prefix cache or loaded from CPU, and the time to first token (TTFT) both ways.
     python examples/hf_chat.py --profile
     python examples/hf_chat.py --model /path/to/llama-checkpoint
 
-Needs ``pip install 'kvoffload[transformers]'`` (and ``[plot]`` for ``--plot``).
+Needs the ``transformers`` extra (from a kvoffload clone, ``pip install '.[transformers]'``;
+and ``.[plot]`` for ``--plot``).
 """
 
 from __future__ import annotations
@@ -310,7 +311,9 @@ def plot(turns: list[Turn], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'kvoffload[plot]'") from None
+        raise SystemExit(
+            "--plot needs matplotlib: from a kvoffload clone, pip install '.[plot]'"
+        ) from None
     xs = sorted({x.turn for x in turns})
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, way in (

@@ -143,7 +143,8 @@ def plot(workload: Workload, capacities: Sequence[int], path: Path, *, progress:
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
         raise SystemExit(
-            "--plot needs matplotlib: pip install 'kvoffload[plot]' (or pip install matplotlib)"
+            "--plot needs matplotlib: from a kvoffload clone, pip install '.[plot]' "
+            "(or pip install matplotlib)"
         ) from None
     rates = [replay(workload, c, progress=progress).hit_rate for c in capacities]
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -381,7 +381,9 @@ def plot(served: list[Served], path: Path, xlabel: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'kvoffload[plot]'") from None
+        raise SystemExit(
+            "--plot needs matplotlib: from a kvoffload clone, pip install '.[plot]'"
+        ) from None
     series = {
         "with offload": [(r.group, r.ttft_s) for r in served],
         "full prefill (verified requests)": [

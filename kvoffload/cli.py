@@ -1,8 +1,8 @@
 """The ``kvoffload`` command line: replay traces through the pool, size a pool, benchmark.
 
-Needs the ``cli`` extra (``pip install 'kvoffload[cli]'``); ``--plot`` also needs the
-``plot`` extra. Every command takes ``--json PATH`` (``-`` for standard output) to write
-its figures as JSON, and prints a table otherwise.
+Needs the ``cli`` extra (from a kvoffload clone, ``pip install '.[cli]'``); ``--plot``
+also needs the ``plot`` extra. Every command takes ``--json PATH`` (``-`` for standard
+output) to write its figures as JSON, and prints a table otherwise.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvoffload._extras import needs_extra
+
 try:
     import click
     from rich.console import Console
 except ImportError as exc:  # pragma: no cover - exercised without the extra
-    raise ImportError(
-        "the kvoffload command line needs its extra: pip install 'kvoffload[cli]'"
-    ) from exc
+    raise ImportError(needs_extra("the kvoffload command line", "cli")) from exc
 
 # Start-up stays light: ``--version`` and ``--help`` import only what the option help
 # needs (none of it imports torch); each command imports its machinery when it runs.
@@ -324,9 +324,7 @@ def _matplotlib() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
-        raise click.ClickException(
-            "--plot needs matplotlib: pip install 'kvoffload[plot]'"
-        ) from None
+        raise click.ClickException(needs_extra("--plot (matplotlib)", "plot")) from None
     return plt
 
 

@@ -1,74 +1,233 @@
-"""Configuration: `OffloadConfig` (settings) and `KVLayout` (tensor geometry).
+"""Configuration: `OffloadConfig` and the settings of its secondary tiers.
 
 This is the only module that reads the environment. Every other part receives an
-``OffloadConfig`` object.
+``OffloadConfig`` object. A tier is chosen by its ``kind``; pydantic picks the model from
+that field, so an error names the tier's position, its kind and the field
+(``tiers.0.disk.capacity_bytes``). In the environment the whole list is JSON::
+
+    KVOFFLOAD_TIERS='[{"kind": "disk", "path": "/mnt/nvme/kv.bin", "capacity_bytes": "64GiB"}]'
+
+The tensor geometry, `KVLayout`, lives in `kvoffload.layout` and is re-exported here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-import torch
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ByteSize,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
+    field_serializer,
     field_validator,
     model_validator,
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
-from kvoffload.errors import ConfigError, LayoutMismatchError
-from kvoffload.tiers.settings import TierSettingsList, redact_url
+from kvoffload._validation import describe, frozen_setattr, not_bool
+from kvoffload.errors import ConfigError
+from kvoffload.layout import DTypeName, KVLayout, LayoutKind
+from kvoffload.pool.policies import POLICY_NAMES
+from kvoffload.pool.policies.admission import parse_admission
 
-__all__ = ["DTypeName", "KVLayout", "LayoutKind", "OffloadConfig"]
-
-DTypeName = Literal[
-    "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8"
+__all__ = [
+    "DTypeName",
+    "DiskTierSettings",
+    "KVLayout",
+    "LayoutKind",
+    "OffloadConfig",
+    "RedisTierSettings",
+    "SecretUrl",
+    "TierSettings",
+    "TierSettingsList",
+    "redact_url",
 ]
-"""KV dtypes kvoffload can move (by their torch names)."""
-
-LayoutKind = Literal["blocks_first", "kv_first"]
-"""How an engine lays out one layer's KV tensor.
-
-* ``"blocks_first"``: ``[num_blocks, 2, block_size, num_kv_heads, head_size]``
-* ``"kv_first"``: ``[2, num_blocks, block_size, num_kv_heads, head_size]``
-"""
 
 _GIB = 1 << 30
 
-
-def _not_bool(value: object) -> object:
-    """Refuse ``True``/``False`` where a count is expected (pydantic would take 1/0)."""
-    if isinstance(value, bool):
-        # pydantic turns only ValueError into a validation error
-        raise ValueError(f"a count must be an int, not a bool ({value!r})")  # noqa: TRY004
-    return value
+_MASK = "***"
+_SECRET_PARAMS = frozenset({"password", "pass", "passwd", "secret", "token", "auth"})
 
 
-def _frozen_setattr(model: BaseModel, name: str, value: object) -> None:
-    cls = type(model).__name__
-    raise ConfigError(
-        f"{cls} is frozen: cannot set {name}={value!r}; build a new {cls} with the value "
-        "(it is validated again)"
+def redact_url(url: str) -> str:
+    """``url`` with its password (in the user part or a ``password=`` query parameter)
+    replaced by ``***``; the rest (scheme, user, host, port, path) kept for diagnostics."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if "@" in netloc:
+            userinfo, _, hostport = netloc.rpartition("@")
+            if ":" in userinfo:
+                user = userinfo.split(":", 1)[0]
+                netloc = f"{user}:{_MASK}@{hostport}"
+        query = parts.query
+        if query:
+            pairs = parse_qsl(query, keep_blank_values=True)
+            if any(k.lower() in _SECRET_PARAMS for k, _ in pairs):
+                query = urlencode(
+                    [(k, _MASK if k.lower() in _SECRET_PARAMS else v) for k, v in pairs],
+                    safe="*",
+                )
+        return urlunsplit(parts._replace(netloc=netloc, query=query))
+    except ValueError:
+        return _MASK  # unparsable: show nothing of it
+
+
+class SecretUrl(SecretStr):
+    """A URL that may carry a password: printed, dumped and serialised with the password
+    masked (`redact_url`); `get_secret_value()` gives the real URL to connect with."""
+
+    def _display(self) -> str:
+        return redact_url(self.get_secret_value())
+
+
+class _TierSettingsBase(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=64,
+        description="Name in statistics and logs (default: the kind and the position).",
+    )
+    max_queued_writes: int = Field(
+        default=64,
+        ge=1,
+        le=1 << 16,
+        description="Most write-downs queued or in flight; each holds a CPU block. When full, "
+        "new write-downs are skipped and counted.",
+    )
+    max_in_flight: int = Field(
+        default=4,
+        ge=1,
+        le=1024,
+        description="Most tier operations running at once; reads always keep one for themselves.",
+    )
+    max_batch_blocks: int = Field(
+        default=16, ge=1, le=4096, description="Most blocks one tier operation moves."
+    )
+    op_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=3600,
+        description="An operation running longer marks the tier unhealthy.",
+    )
+    retry_initial_s: float = Field(
+        default=0.5, gt=0, le=3600, description="First wait before an unhealthy tier is retried."
+    )
+    retry_max_s: float = Field(
+        default=30.0, gt=0, le=86400, description="Longest wait between retries (backoff cap)."
+    )
+
+    @model_validator(mode="after")
+    def _retry_order(self) -> _TierSettingsBase:
+        if self.retry_max_s < self.retry_initial_s:
+            raise ValueError(
+                f"retry_max_s={self.retry_max_s} is below retry_initial_s={self.retry_initial_s}"
+            )
+        return self
+
+
+class DiskTierSettings(_TierSettingsBase):
+    """A `DiskTier`: one preallocated file on a local disk.
+
+    Attributes:
+        path: the file (created; its directory must exist).
+        capacity_bytes: file size; whole slots of one block (rounded up to 4 KiB) and
+            128 bytes of a header page shared by 32 slots (`DiskTier.file_bytes`).
+        persist: keep the file on close and reuse its blocks at the next start.
+        direct_io: ``auto`` uses ``O_DIRECT`` where the file system and the buffers allow
+            it; ``never`` always goes through the page cache.
+        preallocate: reserve the file's space at start-up (a full disk fails the open);
+            ``False`` makes a sparse file whose writes can fail with ``ENOSPC`` mid-run.
+    """
+
+    kind: Literal["disk"] = "disk"
+    path: Path = Field(description="The tier's file; its directory must exist.")
+    capacity_bytes: ByteSize = Field(
+        ge=1 << 20, le=1 << 50, description="File size (e.g. '64GiB'), turned into whole slots."
+    )
+    persist: bool = Field(
+        default=False,
+        description="Keep the file on close; rebuild the index from slot headers at start-up.",
+    )
+    direct_io: Literal["auto", "never"] = Field(
+        default="auto", description="Use O_DIRECT where possible (auto) or never."
+    )
+    preallocate: bool = Field(
+        default=True,
+        description="Reserve the whole file at start-up (posix_fallocate); false: a sparse "
+        "file that takes disk space as blocks are written, so a full disk shows up as "
+        "failed writes (ENOSPC) mid-run.",
     )
 
 
-def _describe(exc: ValidationError, fields: Collection[str], env_prefix: str | None) -> str:
-    parts = []
-    for err in exc.errors():
-        loc = err["loc"]
-        if not loc:  # a cross-field check: its message names the fields
-            parts.append(err["msg"].removeprefix("Value error, "))
-            continue
-        where = ".".join(str(p) for p in loc)
-        if env_prefix is not None and loc[0] in fields:
-            where += f" (env {env_prefix}{str(loc[0]).upper()})"
-        parts.append(f"{where}: {err['msg']} (got {_masked(err.get('input'))!r})")
-    return "; ".join(parts)
+class RedisTierSettings(_TierSettingsBase):
+    """A `RedisTier`: one key per block on a Redis or Valkey server.
+
+    Attributes:
+        url: ``redis://host:port/db`` (or ``rediss://``, ``unix:///path/to.sock``), a
+            `SecretUrl`: its password is masked in ``repr``, ``str`` and dumps.
+        key_prefix: prefix of every key.
+        ttl_s: expiry of each key in seconds; ``None`` leaves eviction to ``maxmemory``.
+    """
+
+    # A rejected value never shows in an error message: it may hold the password.
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
+
+    kind: Literal["redis"] = "redis"
+    url: SecretUrl = Field(
+        min_length=1,
+        max_length=4096,
+        description="Server URL, redis://host:port/db; its password is masked wherever the "
+        "settings are printed, dumped or logged (url.get_secret_value() gives it).",
+    )
+    key_prefix: str = Field(
+        default="kvoffload:", max_length=256, description="Prefix of every key this tier writes."
+    )
+    ttl_s: int | None = Field(
+        default=None, ge=1, le=365 * 86400, description="Key expiry in seconds (None: none)."
+    )
+    max_in_flight: int = Field(
+        default=8, ge=1, le=1024, description="Most commands or pipelines running at once."
+    )
+
+    @field_serializer("url", when_used="json")
+    def _url_json(self, url: SecretUrl) -> str:
+        return str(url)  # masked, but still naming the server
+
+
+TierSettings = Annotated[DiskTierSettings | RedisTierSettings, Field(discriminator="kind")]
+"""One entry of ``OffloadConfig.tiers``: a `DiskTierSettings` or a `RedisTierSettings`."""
+
+
+def _check_tiers(
+    tiers: tuple[DiskTierSettings | RedisTierSettings, ...],
+) -> tuple[DiskTierSettings | RedisTierSettings, ...]:
+    names: dict[str, int] = {}
+    paths: dict[Path, int] = {}
+    for i, tier in enumerate(tiers):
+        name = tier.name or f"{tier.kind}{i}"
+        if name in names:
+            raise ValueError(f"tiers[{i}] and tiers[{names[name]}] are both named {name!r}")
+        names[name] = i
+        if isinstance(tier, DiskTierSettings):
+            path = tier.path.expanduser().absolute()
+            if path in paths:
+                raise ValueError(f"tiers[{i}] and tiers[{paths[path]}] share the path {path}")
+            paths[path] = i
+    return tiers
+
+
+TierSettingsList = Annotated[tuple[TierSettings, ...], AfterValidator(_check_tiers)]
+"""The type of ``OffloadConfig.tiers``: tier settings with unique names and disk paths."""
 
 
 def _masked(value: object) -> object:
@@ -80,171 +239,6 @@ def _masked(value: object) -> object:
     if isinstance(value, list | tuple):
         return type(value)(_masked(v) for v in value)
     return value
-
-
-class KVLayout(BaseModel):
-    """Geometry of an engine's KV cache: one tensor per layer, all alike.
-
-    Each layer's tensor holds K and V for every GPU block, shaped as ``kind`` says.
-    A CPU block holds all layers of one GPU block: ``bytes_per_block`` bytes.
-
-    Raises:
-        ConfigError: a field is out of bounds (the message names it and the value).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    num_layers: int = Field(ge=1, le=4096, description="Number of attention layers.")
-    num_kv_heads: int = Field(ge=1, le=4096, description="KV heads per layer (after TP split).")
-    head_size: int = Field(ge=1, le=65536, description="Elements per head.")
-    dtype: DTypeName = Field(description="Element type of the KV tensors (torch name).")
-    block_size: int = Field(ge=1, le=65536, description="Tokens per block.")
-    kind: LayoutKind = Field(default="blocks_first", description="Per-layer tensor layout.")
-
-    def __init__(self, **values: Any) -> None:
-        try:
-            super().__init__(**values)
-        except ValidationError as exc:
-            raise ConfigError(
-                f"invalid KVLayout: {_describe(exc, type(self).model_fields, None)}"
-            ) from exc
-
-    _no_bool = field_validator(
-        "num_layers", "num_kv_heads", "head_size", "block_size", mode="before"
-    )(_not_bool)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        _frozen_setattr(self, name, value)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The element type as a ``torch.dtype``."""
-        dt: torch.dtype = getattr(torch, self.dtype)
-        return dt
-
-    @property
-    def element_size(self) -> int:
-        """Bytes per element."""
-        return torch.empty((), dtype=self.torch_dtype).element_size()
-
-    @property
-    def block_shape(self) -> tuple[int, int, int, int]:
-        """Shape of one layer's part of one block: ``(2, block_size, heads, head_size)``."""
-        return (2, self.block_size, self.num_kv_heads, self.head_size)
-
-    @property
-    def bytes_per_layer_block(self) -> int:
-        """Bytes of one layer's K and V for one block."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.element_size
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Bytes of one block across all layers: the size of one CPU block."""
-        return self.num_layers * self.bytes_per_layer_block
-
-    def tensor_shape(self, num_gpu_blocks: int) -> tuple[int, ...]:
-        """The shape one layer's tensor has for ``num_gpu_blocks`` blocks."""
-        per_block = (self.block_size, self.num_kv_heads, self.head_size)
-        if self.kind == "blocks_first":
-            return (num_gpu_blocks, 2, *per_block)
-        return (2, num_gpu_blocks, *per_block)
-
-    def num_gpu_blocks(self, tensors: Sequence[torch.Tensor]) -> int:
-        """Validate ``tensors`` against this layout and return the GPU block count.
-
-        Raises:
-            LayoutMismatchError: wrong layer count, shape, dtype, device or strides;
-                the message names the layer and both values.
-        """
-        if len(tensors) != self.num_layers:
-            raise LayoutMismatchError(
-                f"expected {self.num_layers} layer tensors, got {len(tensors)}"
-            )
-        if not tensors:
-            raise LayoutMismatchError("no KV tensors given")
-        first = tensors[0]
-        if first.dim() != 5:
-            raise LayoutMismatchError(
-                f"layer 0: expected a 5-d tensor, got shape {tuple(first.shape)}"
-            )
-        n = int(first.shape[0] if self.kind == "blocks_first" else first.shape[1])
-        want = self.tensor_shape(n)
-        for i, t in enumerate(tensors):
-            if tuple(t.shape) != want:
-                raise LayoutMismatchError(
-                    f"layer {i}: shape {tuple(t.shape)} does not match {self.kind} layout {want}"
-                )
-            if t.dtype != self.torch_dtype:
-                raise LayoutMismatchError(
-                    f"layer {i}: dtype {t.dtype} != layout dtype {self.dtype}"
-                )
-            if t.device != first.device:
-                raise LayoutMismatchError(
-                    f"layer {i}: device {t.device} differs from layer 0's {first.device}"
-                )
-            if not t.is_contiguous():
-                raise LayoutMismatchError(f"layer {i}: tensor is not contiguous")
-        return n
-
-    @classmethod
-    def from_tensors(
-        cls,
-        tensors: Sequence[torch.Tensor],
-        *,
-        kind: LayoutKind | None = None,
-        block_size: int | None = None,
-    ) -> KVLayout:
-        """Infer the layout from an engine's per-layer KV tensors and validate all of them.
-
-        Args:
-            tensors: one tensor per layer.
-            kind: the layout kind; inferred from which dimension is 2 when omitted
-                (required when both the first two dimensions are 2).
-            block_size: when given, must equal the tensors' block dimension.
-
-        Raises:
-            LayoutMismatchError: the tensors disagree with each other, with ``kind`` or
-                with ``block_size``, or the kind cannot be inferred.
-        """
-        if not tensors:
-            raise LayoutMismatchError("no KV tensors given")
-        shape = tuple(tensors[0].shape)
-        if len(shape) != 5:
-            raise LayoutMismatchError(f"layer 0: expected a 5-d tensor, got shape {shape}")
-        if kind is None:
-            if shape[0] == 2 and shape[1] == 2:
-                raise LayoutMismatchError(
-                    f"layer 0: shape {shape} is ambiguous between blocks_first and kv_first; "
-                    "pass kind="
-                )
-            if shape[1] == 2:
-                kind = "blocks_first"
-            elif shape[0] == 2:
-                kind = "kv_first"
-            else:
-                raise LayoutMismatchError(
-                    f"layer 0: shape {shape} has no K/V dimension of size 2 in position 0 or 1"
-                )
-        elif (kind == "blocks_first" and shape[1] != 2) or (kind == "kv_first" and shape[0] != 2):
-            raise LayoutMismatchError(f"layer 0: shape {shape} is not a {kind} layout")
-        if block_size is not None and shape[2] != block_size:
-            raise LayoutMismatchError(
-                f"layer 0: block dimension {shape[2]} != block_size {block_size}"
-            )
-        dtype_name = str(tensors[0].dtype).removeprefix("torch.")
-        try:
-            layout = cls(
-                num_layers=len(tensors),
-                num_kv_heads=shape[3],
-                head_size=shape[4],
-                dtype=dtype_name,
-                block_size=shape[2],
-                kind=kind,
-            )
-        except ConfigError as exc:
-            raise LayoutMismatchError(str(exc)) from exc
-        layout.num_gpu_blocks(tensors)
-        return layout
 
 
 class OffloadConfig(BaseSettings):
@@ -339,8 +333,6 @@ class OffloadConfig(BaseSettings):
     @field_validator("eviction_policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:
-        from kvoffload.pool.policies import POLICY_NAMES  # noqa: PLC0415 (import cycle)
-
         name = value.strip().lower()
         if name not in POLICY_NAMES:
             raise ValueError(f"unknown eviction policy; known: {', '.join(POLICY_NAMES)}")
@@ -349,8 +341,6 @@ class OffloadConfig(BaseSettings):
     @field_validator("store_admission")
     @classmethod
     def _known_admission(cls, value: str) -> str:
-        from kvoffload.pool.policies.admission import parse_admission  # noqa: PLC0415
-
         parse_admission(value)
         return value.strip().lower()
 
@@ -386,7 +376,7 @@ class OffloadConfig(BaseSettings):
         except ValidationError as exc:
             fields = type(self).model_fields
             raise ConfigError(
-                f"invalid OffloadConfig: {_describe(exc, fields, 'KVOFFLOAD_')}"
+                f"invalid OffloadConfig: {describe(exc, fields, 'KVOFFLOAD_', _masked)}"
             ) from exc
         except SettingsError as exc:  # e.g. KVOFFLOAD_TIERS that is not JSON
             raise ConfigError(f"invalid OffloadConfig: {exc} (list fields take JSON)") from exc
@@ -399,10 +389,10 @@ class OffloadConfig(BaseSettings):
         "hold_max_blocks",
         "hold_max_steps",
         mode="before",
-    )(_not_bool)
+    )(not_bool)
 
     def __setattr__(self, name: str, value: object) -> None:
-        _frozen_setattr(self, name, value)
+        frozen_setattr(self, name, value)
 
     @model_validator(mode="after")
     def _exactly_one_size(self) -> OffloadConfig:

@@ -15,20 +15,21 @@ import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NewType
+from typing import TYPE_CHECKING, NewType, final
 
 from kvoffload.errors import InputTypeError, InvalidInputError
 
 if TYPE_CHECKING:
-    from kvoffload.config import KVLayout
+    from kvoffload.layout import KVLayout
 
-__all__ = ["BlockHash", "HashNamespace", "hash_block_tokens", "hash_prompt"]
+__all__ = ["BlockHash", "BlockHasher", "HashNamespace", "hash_block_tokens", "hash_prompt"]
 
 BlockHash = NewType("BlockHash", bytes)
 """A block's 32-byte sha256 key."""
 
 _VERSION = b"kvoffload-block-hash-v1"
 _BIG_ENDIAN = sys.byteorder == "big"
+_sha256 = hashlib.sha256
 
 
 def _field(value: str | int) -> bytes:
@@ -113,6 +114,8 @@ def hash_prompt(
 ) -> list[BlockHash]:
     """Hash every full block of a prompt; a trailing partial block is not hashed.
 
+    The same hashes as `BlockHasher` (and as `hash_block_tokens` chained block by block).
+
     Args:
         token_ids: the prompt's tokens.
         block_size: tokens per block.
@@ -120,13 +123,134 @@ def hash_prompt(
 
     Raises:
         InvalidInputError: ``block_size`` is below 1.
-        InputTypeError: a token is not a 64-bit int.
+        InputTypeError: a token of a full block is not a 64-bit int.
     """
-    if block_size < 1:
-        raise InvalidInputError(f"block_size must be >= 1, got {block_size}")
-    parent = namespace.root
-    hashes: list[BlockHash] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes
+    hasher = BlockHasher(namespace.root, block_size)
+    hasher.extend(token_ids[: len(token_ids) // block_size * block_size])
+    return list(hasher.block_hashes)
+
+
+@final
+class BlockHasher:
+    """The chained hashes of a token stream's full blocks, grown as tokens arrive.
+
+    `extend()` appends tokens and hashes each block they fill, once, chained from the
+    previous block's hash (``root`` for the first); the tokens of the partial last block
+    are kept until it fills. Every block's hash equals `hash_block_tokens` of its tokens,
+    its parent and ``extra``, so a stream fed in any chunks gives `hash_prompt`'s hashes.
+
+    Args:
+        root: the first block's parent, usually ``namespace.root``.
+        block_size: tokens per block.
+        extra: bytes mixed into every block's hash (a LoRA id, a salt: see
+            `hash_block_tokens`).
+
+    Raises:
+        InvalidInputError: ``block_size`` is below 1.
+
+    The hasher is not thread-safe.
+    """
+
+    __slots__ = ("_block_size", "_extra", "_hashes", "_header", "_parent", "_root", "_tail")
+
+    def __init__(self, root: BlockHash, block_size: int, extra: bytes = b"") -> None:
+        if block_size < 1:
+            raise InvalidInputError(f"block_size must be >= 1, got {block_size}")
+        self._root = root
+        self._block_size = block_size
+        self._extra = bytes(extra)
+        self._header = struct.pack("<QQ", block_size, len(extra))  # every block's length fields
+        self._parent = root
+        self._hashes: list[BlockHash] = []
+        self._tail: list[int] = []  # the tokens of the partial last block
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockHasher(block_size={self._block_size}, blocks={len(self._hashes)}, "
+            f"tail={len(self._tail)})"
+        )
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Append tokens and hash each block they fill.
+
+        Raises:
+            InputTypeError: a token is not a 64-bit int (the message gives its index in
+                ``token_ids``); nothing is appended then. Also a ``TypeError`` and a
+                ``ValueError``.
+        """
+        tail = self._tail
+        n = len(token_ids)
+        if len(tail) + n < self._block_size:  # no block fills (the common decode step)
+            if n == 1:
+                token = token_ids[0]
+                if type(token) is not int or token >> 63 not in (0, -1):
+                    _encode_tokens(token_ids)  # raises, or accepts an int-like token
+            elif n:
+                _encode_tokens(token_ids)
+            tail.extend(token_ids)
+            return
+        self._fill(token_ids)
+
+    def _fill(self, token_ids: Sequence[int]) -> None:
+        bs = self._block_size
+        tail = self._tail
+        have = len(tail)
+        take = (have + len(token_ids)) // bs * bs - have  # tokens of token_ids in full blocks
+        rest = token_ids[take:]
+        try:
+            # Tokens are checked (and encoded) before anything changes.
+            data = _encode_tokens([*tail, *token_ids[:take]] if have else token_ids[:take])
+            if rest:
+                _encode_tokens(rest)
+        except InputTypeError:
+            _encode_tokens(token_ids)  # the same error, indexed within token_ids
+            raise
+        parent, header, extra = self._parent, self._header, self._extra
+        append = self._hashes.append
+        step = 8 * bs
+        view = memoryview(data)
+        for start in range(0, len(data), step):
+            h = _sha256(parent)
+            h.update(header)
+            h.update(view[start : start + step])
+            if extra:
+                h.update(extra)
+            parent = BlockHash(h.digest())
+            append(parent)
+        self._parent = parent
+        tail[:] = rest
+
+    def update(self, token_ids: Sequence[int]) -> None:
+        """Catch up with a stream that grew: ``token_ids`` starts with every token given so
+        far; hash the blocks its new tokens fill (as `extend()` with those tokens).
+
+        Raises:
+            InputTypeError: a new token is not a 64-bit int; nothing is appended then.
+        """
+        self.extend(token_ids[self.num_tokens :])
+
+    @property
+    def block_hashes(self) -> Sequence[BlockHash]:
+        """The hashes of the full blocks so far: one list that only grows (no copy is
+        made; do not modify it)."""
+        return self._hashes
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens appended so far, in full blocks and in the tail."""
+        return len(self._hashes) * self._block_size + len(self._tail)
+
+    @property
+    def root(self) -> BlockHash:
+        """The first block's parent."""
+        return self._root
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._block_size
+
+    @property
+    def extra(self) -> bytes:
+        """The bytes mixed into every block's hash."""
+        return self._extra

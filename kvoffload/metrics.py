@@ -1,7 +1,7 @@
 """Prometheus metrics for a `KVOffloader`: `OffloaderCollector`.
 
-Needs the optional extra ``prometheus`` (``pip install 'kvoffload[prometheus]'``, which
-brings ``prometheus_client``)::
+Needs the optional extra ``prometheus`` (from a kvoffload clone, ``pip install
+'.[prometheus]'``, which brings ``prometheus_client``)::
 
     from prometheus_client import CollectorRegistry, generate_latest
     from kvoffload.metrics import OffloaderCollector
@@ -14,7 +14,9 @@ The collector reads `KVOffloader.statistics()` at every scrape and nothing else:
 no counters of its own and never reaches into the pool, scheduler or poller. Each field of
 `OffloaderStatistics` becomes one metric named ``kvoffload_<part>_<field>``: counters
 (monotonic since the offloader was made, exposed with a ``_total`` suffix) and gauges (a
-current value). `METRICS` lists them; ``docs/metrics.md`` documents each.
+current value; a boolean is 1 or 0). `METRICS` lists them; ``docs/metrics.md`` documents
+each. A metric's help text is its field's entry in the ``Attributes:`` section of the
+statistics class's docstring (`attribute_docs`), read once at import.
 
 With tiers (``OffloadConfig.tiers``), the `TierManagerStatistics` fields become
 ``kvoffload_tiers_<field>`` and each tier's `TierStatistics` fields
@@ -31,22 +33,28 @@ returns the latest snapshot, and refresh that snapshot from the event loop.
 
 from __future__ import annotations
 
+import inspect
 import re
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol, final, runtime_checkable
+
+from kvoffload._extras import needs_extra
 
 try:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
     from prometheus_client.registry import Collector
 except ImportError as exc:  # pragma: no cover - exercised by a test that hides the module
     raise ImportError(
-        "kvoffload.metrics needs prometheus_client, which is not installed; "
-        "install the extra with: pip install 'kvoffload[prometheus]'"
+        needs_extra("kvoffload.metrics", "prometheus") + " (prometheus_client is not installed)"
     ) from exc
 
 from kvoffload.offloader import OffloaderStatistics
-from kvoffload.tiers.stats import TierStatistics
+from kvoffload.pool import PoolStatistics
+from kvoffload.scheduler import SchedulerStatistics
+from kvoffload.tiers.stats import TierManagerStatistics, TierStatistics
+from kvoffload.transfer import PollerStatistics
 
 __all__ = [
     "METRICS",
@@ -56,6 +64,7 @@ __all__ = [
     "OffloaderCollector",
     "Source",
     "StatisticsSource",
+    "attribute_docs",
 ]
 
 Part = Literal["pool", "scheduler", "poller", "tiers", "tier"]
@@ -97,7 +106,8 @@ class MetricSpec:
             ``tiers.tiers``, one sample per tier labelled `TIER_LABELS`.
         field: the attribute of that part's statistics (``details`` of a tier: one
             sample per numeric entry, labelled ``detail`` too).
-        documentation: the HELP text.
+        documentation: the HELP text: the field's entry in the ``Attributes:`` section
+            of its statistics class's docstring.
     """
 
     name: str
@@ -107,229 +117,166 @@ class MetricSpec:
     documentation: str
 
 
-def _c(part: Part, field: str, name: str, doc: str) -> MetricSpec:
-    return MetricSpec(f"{part}_{name}", "counter", part, field, doc)
+_STATISTICS: Mapping[Part, type] = {
+    "pool": PoolStatistics,
+    "scheduler": SchedulerStatistics,
+    "poller": PollerStatistics,
+    "tiers": TierManagerStatistics,
+    "tier": TierStatistics,
+}
+"""The statistics class each part's fields belong to; their docstrings are the help texts."""
+
+_ENTRY = re.compile(r"(\w+)(?: \(.*?\))?: (.*)")
+_MARKUP = re.compile(r"``?([^`]*)``?")
 
 
-def _g(part: Part, field: str, name: str, doc: str) -> MetricSpec:
-    return MetricSpec(f"{part}_{name}", "gauge", part, field, doc)
+def attribute_docs(cls: type) -> dict[str, str]:
+    """The ``Attributes:`` section of a statistics dataclass's docstring, as help texts.
+
+    Each entry (a field's name, a colon, its text and any indented continuation lines)
+    becomes one line: whitespace runs joined, the backticks of code and cross-references
+    dropped, the first letter upper case (unless the text starts with code). Under
+    ``python -OO`` (no docstrings) the result is empty, and each help text is the part
+    and field name.
+
+    Raises:
+        ValueError: the docstring has no ``Attributes:`` section, or a line of it is not
+            an entry (``name: text``) or an indented continuation.
+    """
+    if sys.flags.optimize >= 2:  # python -OO stripped the docstrings
+        return {}
+    lines = inspect.cleandoc(cls.__doc__ or "").splitlines()
+    if "Attributes:" not in lines:
+        raise ValueError(f"{cls.__qualname__}'s docstring has no 'Attributes:' section")
+    entries: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in lines[lines.index("Attributes:") + 1 :]:
+        indent = len(line) - len(line.lstrip())
+        if not line.strip():
+            continue
+        if indent == 0:
+            break  # the next section
+        if indent >= 8 and current is not None:  # a continuation line
+            current.append(line.strip())
+            continue
+        match = _ENTRY.fullmatch(line.strip()) if indent == 4 else None
+        if match is None:
+            raise ValueError(f"{cls.__qualname__}'s Attributes: cannot read {line.strip()!r}")
+        current = entries[match[1]] = [match[2]]
+    return {name: _help(" ".join(words)) for name, words in entries.items()}
+
+
+def _help(text: str) -> str:
+    plain = _MARKUP.sub(r"\1", " ".join(text.split()))
+    if text.startswith("`"):  # a name in code keeps its case
+        return plain
+    return plain[:1].upper() + plain[1:]
+
+
+_DOCS: Mapping[Part, Mapping[str, str]] = {
+    part: attribute_docs(cls) for part, cls in _STATISTICS.items()
+}
+
+
+def _help_of(part: Part, field: str) -> str:
+    docs = _DOCS[part]
+    if not docs:  # python -OO
+        return f"{part} {field}"
+    if field not in docs:
+        raise ValueError(
+            f"{_STATISTICS[part].__qualname__}.{field} has no entry in the class's "
+            "'Attributes:' docstring section, which is its metric's help text"
+        )
+    return docs[field]
+
+
+def _spec(kind: Literal["counter", "gauge"], part: Part, field: str, name: str) -> MetricSpec:
+    return MetricSpec(f"{part}_{name}", kind, part, field, _help_of(part, field))
+
+
+def _c(part: Part, field: str, name: str) -> MetricSpec:
+    return _spec("counter", part, field, name)
+
+
+def _g(part: Part, field: str, name: str) -> MetricSpec:
+    return _spec("gauge", part, field, name)
 
 
 METRICS: tuple[MetricSpec, ...] = (
     # -- the CPU block pool (PoolStatistics) --
-    _g("pool", "num_blocks", "blocks", "CPU blocks in the pool."),
-    _g("pool", "num_free", "free_blocks", "CPU blocks with no reference (evictable or empty)."),
-    _g("pool", "num_cached", "cached_blocks", "CPU blocks whose hash is published for lookup."),
-    _c("pool", "lookups", "lookups", "Prefix lookups the pool answered."),
-    _c("pool", "hit_blocks", "hit_blocks", "Blocks those pool lookups returned."),
-    _c("pool", "evictions", "evictions", "Published blocks unpublished to be reused."),
+    _g("pool", "num_blocks", "blocks"),
+    _g("pool", "num_free", "free_blocks"),
+    _g("pool", "num_cached", "cached_blocks"),
+    _c("pool", "lookups", "lookups"),
+    _c("pool", "hit_blocks", "hit_blocks"),
+    _c("pool", "evictions", "evictions"),
     # -- the scheduler (SchedulerStatistics) --
-    _c("scheduler", "lookups", "lookups", "Calls to lookup."),
-    _c(
-        "scheduler",
-        "hit_tokens",
-        "hit_tokens",
-        "Tokens lookups offered from CPU, counted at every lookup (a repeated lookup counts "
-        "again); loaded_tokens is what was used.",
-    ),
-    _c(
-        "scheduler",
-        "miss_tokens",
-        "miss_tokens",
-        "Prompt tokens past the engine's own prefix that lookups did not find.",
-    ),
-    _c(
-        "scheduler",
-        "deferred_lookups",
-        "deferred_lookups",
-        "Lookups answered 'ask again' because the next block was still in flight.",
-    ),
-    _c("scheduler", "store_plans", "store_plans", "Store plans made."),
-    _c("scheduler", "stored_blocks", "stored_blocks", "Blocks stored and published."),
-    _c(
-        "scheduler",
-        "deferred_blocks",
-        "deferred_blocks",
-        "Blocks a store step could not allocate CPU space for (counted per step).",
-    ),
-    _c("scheduler", "deferred_steps", "deferred_steps", "Store steps that deferred a block."),
-    _c(
-        "scheduler",
-        "evicted_while_live",
-        "evicted_while_live_blocks",
-        "CPU blocks evicted while a running request's store cursor was past them.",
-    ),
-    _c(
-        "scheduler",
-        "restored_blocks",
-        "restored_blocks",
-        "Evicted blocks of running requests stored again (restore_evicted).",
-    ),
-    _c("scheduler", "load_plans", "load_plans", "Load plans made."),
-    _c("scheduler", "loaded_blocks", "loaded_blocks", "Blocks loaded from CPU."),
-    _c(
-        "scheduler",
-        "loaded_tokens",
-        "loaded_tokens",
-        "Tokens whose load from CPU completed successfully (served by the offload tiers).",
-    ),
-    _c(
-        "scheduler",
-        "prompt_tokens",
-        "prompt_tokens",
-        "Tokens of the requests looked up, once per admission (the engine's own prefix included).",
-    ),
-    _c("scheduler", "failed_stores", "failed_stores", "Store transfers that failed."),
-    _c("scheduler", "failed_loads", "failed_loads", "Load transfers that failed."),
-    _c(
-        "scheduler",
-        "abandoned_transfers",
-        "abandoned_transfers",
-        "Transfers that completed after a reset (nothing published).",
-    ),
-    _c(
-        "scheduler",
-        "ignored_completions",
-        "ignored_completions",
-        "Completions of unknown or already completed plans, ignored.",
-    ),
-    _c("scheduler", "bytes_stored", "stored_bytes", "Bytes of completed stores."),
-    _c("scheduler", "bytes_loaded", "loaded_bytes", "Bytes of completed loads."),
-    _g("scheduler", "live_requests", "live_requests", "Requests the scheduler holds state for."),
-    _g(
-        "scheduler",
-        "in_flight_transfers",
-        "in_flight_transfers",
-        "Transfer plans not completed yet.",
-    ),
-    _c(
-        "scheduler",
-        "concurrent_load_blocks",
-        "concurrent_load_blocks",
-        "Blocks planned for a load while another load of the same CPU block was in flight.",
-    ),
-    _c(
-        "scheduler",
-        "cancelled_plans",
-        "cancelled_plans",
-        "Plans undone because their launch (pinning or submitting) raised.",
-    ),
-    _g(
-        "scheduler",
-        "held_blocks",
-        "held_blocks",
-        "GPU blocks finished requests hold for stores still to come (hold_blocks_on_finish).",
-    ),
-    _c(
-        "scheduler",
-        "hold_expired_blocks",
-        "hold_expired_blocks",
-        "Held GPU blocks given up unstored after hold_max_steps store steps.",
-    ),
+    _c("scheduler", "lookups", "lookups"),
+    _c("scheduler", "hit_tokens", "hit_tokens"),
+    _c("scheduler", "miss_tokens", "miss_tokens"),
+    _c("scheduler", "deferred_lookups", "deferred_lookups"),
+    _c("scheduler", "store_plans", "store_plans"),
+    _c("scheduler", "stored_blocks", "stored_blocks"),
+    _c("scheduler", "deferred_blocks", "deferred_blocks"),
+    _c("scheduler", "deferred_steps", "deferred_steps"),
+    _c("scheduler", "evicted_while_live", "evicted_while_live_blocks"),
+    _c("scheduler", "restored_blocks", "restored_blocks"),
+    _c("scheduler", "load_plans", "load_plans"),
+    _c("scheduler", "loaded_blocks", "loaded_blocks"),
+    _c("scheduler", "loaded_tokens", "loaded_tokens"),
+    _c("scheduler", "prompt_tokens", "prompt_tokens"),
+    _c("scheduler", "failed_stores", "failed_stores"),
+    _c("scheduler", "failed_loads", "failed_loads"),
+    _c("scheduler", "abandoned_transfers", "abandoned_transfers"),
+    _c("scheduler", "ignored_completions", "ignored_completions"),
+    _c("scheduler", "bytes_stored", "stored_bytes"),
+    _c("scheduler", "bytes_loaded", "loaded_bytes"),
+    _g("scheduler", "live_requests", "live_requests"),
+    _g("scheduler", "in_flight_transfers", "in_flight_transfers"),
+    _c("scheduler", "concurrent_load_blocks", "concurrent_load_blocks"),
+    _c("scheduler", "cancelled_plans", "cancelled_plans"),
+    _g("scheduler", "held_blocks", "held_blocks"),
+    _c("scheduler", "hold_expired_blocks", "hold_expired_blocks"),
     # -- the completion poller (PollerStatistics) --
-    _g("poller", "in_flight", "in_flight_tasks", "Transfers the poller waits on."),
-    _c("poller", "completed", "completed", "Transfers delivered as done."),
-    _c("poller", "failed", "failed", "Transfers delivered as failed."),
-    _c("poller", "abandoned", "abandoned", "Transfers delivered as abandoned."),
-    _c("poller", "callback_errors", "callback_errors", "Completion callbacks that raised."),
-    _c("poller", "polls", "polls", "Query rounds the poller made."),
-    _g(
-        "poller",
-        "observe_latency_median_s",
-        "observe_latency_median_seconds",
-        "Median time from a copy's end to the poller seeing it, over recent copies.",
-    ),
-    _g(
-        "poller",
-        "observe_latency_p99_s",
-        "observe_latency_p99_seconds",
-        "99th percentile of the time from a copy's end to the poller seeing it.",
-    ),
+    _g("poller", "in_flight", "in_flight_tasks"),
+    _c("poller", "completed", "completed"),
+    _c("poller", "failed", "failed"),
+    _c("poller", "abandoned", "abandoned"),
+    _c("poller", "callback_errors", "callback_errors"),
+    _c("poller", "polls", "polls"),
+    _g("poller", "observe_latency_median_s", "observe_latency_median_seconds"),
+    _g("poller", "observe_latency_p99_s", "observe_latency_p99_seconds"),
     # -- the tier manager (TierManagerStatistics) --
-    _c("tiers", "promotions", "promotions", "Promotions from the tiers started by lookups."),
-    _c(
-        "tiers",
-        "promotions_no_space",
-        "promotions_no_space",
-        "Promotions that found blocks in a tier but no free CPU block.",
-    ),
-    _c(
-        "tiers",
-        "deferred_lookups",
-        "deferred_lookups",
-        "Lookups answered 'ask again' because a promotion was in flight.",
-    ),
-    _c(
-        "tiers",
-        "promotion_errors",
-        "promotion_errors",
-        "Promotions ended by an unexpected error (nothing published).",
-    ),
-    _g("tiers", "promotions_in_flight", "promotions_in_flight", "Promotions running now."),
-    _g("tiers", "refs_held", "held_refs", "CPU block references the tier manager holds now."),
+    _c("tiers", "promotions", "promotions"),
+    _c("tiers", "promotions_no_space", "promotions_no_space"),
+    _c("tiers", "deferred_lookups", "deferred_lookups"),
+    _c("tiers", "promotion_errors", "promotion_errors"),
+    _g("tiers", "promotions_in_flight", "promotions_in_flight"),
+    _g("tiers", "refs_held", "held_refs"),
     # -- each tier (TierStatistics), labelled tier and kind --
-    _g("tier", "healthy", "healthy", "1 while the tier is in use, 0 while it is unhealthy."),
-    _c("tier", "blocks_written", "written_blocks", "Blocks the tier reported stored."),
-    _c("tier", "bytes_written", "written_bytes", "Payload bytes of those blocks."),
-    _c(
-        "tier",
-        "writes_skipped_full",
-        "writes_skipped_full",
-        "Write-downs skipped because the tier's queue was full (back-pressure).",
-    ),
-    _c(
-        "tier",
-        "writes_skipped_unhealthy",
-        "writes_skipped_unhealthy",
-        "Write-downs skipped or dropped from the queue because the tier was unhealthy.",
-    ),
-    _c("tier", "writes_failed", "writes_failed", "Blocks of write operations that failed."),
-    _g(
-        "tier",
-        "writes_held",
-        "held_writes",
-        "Write-downs queued or running now (each holds a CPU block).",
-    ),
-    _g(
-        "tier",
-        "max_writes_held",
-        "max_held_writes",
-        "The most write-downs ever held at once (never above the queue bound).",
-    ),
-    _c("tier", "blocks_read", "read_blocks", "Blocks read from the tier and verified."),
-    _c("tier", "bytes_read", "read_bytes", "Payload bytes of those blocks."),
-    _c(
-        "tier", "blocks_promoted", "promoted_blocks", "Verified blocks published into the CPU pool."
-    ),
-    _c(
-        "tier",
-        "read_misses",
-        "read_misses",
-        "Blocks the probe found but the read did not (evicted meanwhile).",
-    ),
-    _c(
-        "tier",
-        "failed_checks",
-        "failed_checks",
-        "Blocks that failed verification (never published; deleted from the tier).",
-    ),
-    _c("tier", "errors", "errors", "Tier operations that failed (each marks the tier unhealthy)."),
-    _c(
-        "tier",
-        "unhealthy_events",
-        "unhealthy_events",
-        "Times the tier went from healthy to unhealthy.",
-    ),
-    _c("tier", "recoveries", "recoveries", "Times the tier came back after being unhealthy."),
-    _c("tier", "write_seconds", "write_seconds", "Time spent in the tier's write operations."),
-    _c("tier", "read_seconds", "read_seconds", "Time spent in the tier's read operations."),
-    _g(
-        "tier",
-        "details",
-        "detail",
-        "The tier's own figures (slots, I/O counts ...), one sample per numeric entry.",
-    ),
+    _g("tier", "healthy", "healthy"),
+    _g("tier", "writable", "writable"),
+    _c("tier", "blocks_written", "written_blocks"),
+    _c("tier", "bytes_written", "written_bytes"),
+    _c("tier", "writes_skipped_full", "writes_skipped_full"),
+    _c("tier", "writes_skipped_unhealthy", "writes_skipped_unhealthy"),
+    _c("tier", "writes_failed", "writes_failed"),
+    _g("tier", "writes_held", "held_writes"),
+    _g("tier", "max_writes_held", "max_held_writes"),
+    _c("tier", "blocks_read", "read_blocks"),
+    _c("tier", "bytes_read", "read_bytes"),
+    _c("tier", "blocks_promoted", "promoted_blocks"),
+    _c("tier", "read_misses", "read_misses"),
+    _c("tier", "failed_checks", "failed_checks"),
+    _c("tier", "errors", "errors"),
+    _c("tier", "unhealthy_events", "unhealthy_events"),
+    _c("tier", "recoveries", "recoveries"),
+    _c("tier", "write_seconds", "write_seconds"),
+    _c("tier", "read_seconds", "read_seconds"),
+    _g("tier", "details", "detail"),
 )
+"""Every exported metric, in exposition order. Names and kinds are fixed here; each help
+text is the field's entry in its statistics class's docstring (`attribute_docs`)."""
 
 
 Source = StatisticsSource | Callable[[], OffloaderStatistics]

@@ -10,101 +10,30 @@ completions are processed whether or not anyone does.
 
 from __future__ import annotations
 
-import enum
-import os
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal, Protocol, final, overload
+from typing import Literal, final, overload
 
-import anyio
-import anyio.abc
-import anyio.to_thread
 import torch
 
-from kvoffload._logging import get_logger
+from kvoffload._session import Session
+from kvoffload.build import POOL_BOOKKEEPING_BYTES_PER_BLOCK, plan_core
 from kvoffload.config import KVLayout, OffloadConfig
-from kvoffload.errors import (
-    ClosedError,
-    ConfigError,
-    ForkedProcessError,
-    HostMemoryError,
-    LayoutMismatchError,
-    PinnerError,
-    WrongContextError,
-)
+from kvoffload.errors import LayoutMismatchError
 from kvoffload.hashing import BlockHash, HashNamespace, hash_prompt
+from kvoffload.pinner import GpuBlockPinner, NoOpPinner
 from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
 from kvoffload.request import OffloadRequest
 from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
-from kvoffload.storage.host_buffer import HostKVBuffer, available_host_memory
-from kvoffload.tiers.build import build_tier
+from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.tiers.manager import TierManager
 from kvoffload.tiers.stats import TierManagerStatistics
-from kvoffload.transfer.cuda_engine import CudaCopyEngine
 from kvoffload.transfer.engine import CopyEngine
-from kvoffload.transfer.plan import StorePlan, TransferPlan
-from kvoffload.transfer.poller import CompletionPoller, PollerStatistics
-from kvoffload.transfer.task import TransferStatus, TransferTask
-from kvoffload.transfer.thread_engine import ThreadCopyEngine
+from kvoffload.transfer.poller import PollerStatistics
+from kvoffload.transfer.task import TransferTask
 
-__all__ = [
-    "POOL_BOOKKEEPING_BYTES_PER_BLOCK",
-    "GpuBlockPinner",
-    "KVOffloader",
-    "NoOpPinner",
-    "OffloaderStatistics",
-]
-
-_log = get_logger("offloader")
-
-POOL_BOOKKEEPING_BYTES_PER_BLOCK = 128
-"""Python memory the CPU block pool needs per block, rounded up (about 112 bytes measured:
-see ``python -m kvoffload.bench pool``), counted with the host buffer before anything is
-allocated."""
-
-_INLINE_POOL_BLOCKS = 1 << 16
-"""Pools up to this many blocks are built at once; larger ones in a worker thread on entry."""
-
-
-class GpuBlockPinner(Protocol):
-    """How the engine keeps GPU blocks alive while a copy reads or writes them.
-
-    ``pin`` is called with a transfer's GPU block ids right before it is submitted and
-    ``unpin`` with the same ids once its completion was observed (success or not). The
-    engine must not hand a pinned block to another request (a pin count per block is the
-    usual implementation: the same block may be pinned by two transfers). With
-    ``hold_blocks_on_finish``, ``finish()`` also pins the blocks a finished request still
-    has to store, and unpins them once their store is planned (or given up).
-
-    A pinner that raises is contained: when ``pin`` raises, the transfer is not started
-    and its plan is undone (`PinnerError` is raised from the call that started it); when
-    ``unpin`` raises, the completion is still recorded and every reference released, and
-    the next step-loop call raises `PinnerError` once.
-    """
-
-    def pin(self, gpu_block_ids: Sequence[int]) -> None:
-        """Keep these blocks from being reused."""
-
-    def unpin(self, gpu_block_ids: Sequence[int]) -> None:
-        """Release one pin on each of these blocks."""
-
-
-@final
-class NoOpPinner:
-    """The default `GpuBlockPinner`: does nothing.
-
-    Correct only when the engine itself never reuses a GPU block that a transfer in
-    flight names, for example because it frees blocks of finished or preempted requests
-    only after awaiting their tasks, or because it never reuses blocks within a step.
-    """
-
-    def pin(self, gpu_block_ids: Sequence[int]) -> None:
-        """Do nothing."""
-
-    def unpin(self, gpu_block_ids: Sequence[int]) -> None:
-        """Do nothing."""
+__all__ = ["POOL_BOOKKEEPING_BYTES_PER_BLOCK", "KVOffloader", "OffloaderStatistics"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,27 +44,6 @@ class OffloaderStatistics:
     scheduler: SchedulerStatistics
     poller: PollerStatistics
     tiers: TierManagerStatistics | None = None
-
-
-class _State(enum.Enum):
-    CREATED = "created"
-    OPEN = "open"
-    CLOSING = "closing"
-    CLOSED = "closed"
-
-    def to(self, target: _State) -> _State:
-        allowed = {
-            _State.CREATED: {_State.OPEN, _State.CLOSED},
-            _State.OPEN: {_State.CLOSING},
-            _State.CLOSING: {_State.CLOSED},
-            _State.CLOSED: set(),
-        }[self]
-        if target not in allowed:
-            raise ClosedError(
-                f"KVOffloader cannot go from {self.value} to {target.value}"
-                + (" (it can be entered once)" if target is _State.OPEN else "")
-            )
-        return target
 
 
 @final
@@ -175,102 +83,40 @@ class KVOffloader:
     ) -> None:
         if layout is None:
             layout = KVLayout.from_tensors(gpu_kv, block_size=config.block_size)
-        self._num_gpu_blocks = layout.num_gpu_blocks(gpu_kv)
-        num_cpu_blocks = config.resolve_num_cpu_blocks(layout)
-        if self._num_gpu_blocks < 1:
+        num_gpu_blocks = layout.num_gpu_blocks(gpu_kv)
+        if num_gpu_blocks < 1:
             raise LayoutMismatchError(
                 f"the KV tensors hold no GPU block (shape {tuple(gpu_kv[0].shape)})"
             )
-        _check_host_memory(num_cpu_blocks, layout, host_buffer=copy_engine is None)
+        plan = plan_core(
+            config, layout, num_gpu_blocks=num_gpu_blocks, host_buffer=copy_engine is None
+        )
+        self._num_cpu_blocks = plan.num_cpu_blocks
         self._config = config
         self._layout = layout
-        self._gpu_kv = tuple(gpu_kv)
-        self._num_cpu_blocks = num_cpu_blocks
-        self._pool: CpuBlockPool
-        self._scheduler: OffloadScheduler
-        self._built = False
-        if num_cpu_blocks <= _INLINE_POOL_BLOCKS:
-            self._build_parts()
         self._namespace = HashNamespace.from_layout(
             layout, model_id=config.model_id, salt=config.hash_salt
         )
-        self._engine = copy_engine
-        self._pinner: GpuBlockPinner = pinner if pinner is not None else NoOpPinner()
-        self._poller = CompletionPoller(self._on_complete, poll_interval_s=config.poll_interval_s)
-        self._tasks: dict[int, TransferTask] = {}
-        self._host: HostKVBuffer | None = None
-        self._task_group: anyio.abc.TaskGroup | None = None
-        self._tiers: TierManager | None = None
-        self._state = _State.CREATED
-        self._pid = os.getpid()
-        self._loop_thread: int | None = None
-        self._owner_task: int | None = None
-        self._pinner_error: BaseException | None = None
-
-    def _build_parts(self) -> None:
-        self._pool = CpuBlockPool(
-            self._num_cpu_blocks,
-            enable_events=self._config.enable_events,
-            policy=self._config.eviction_policy,
+        self._session = Session(
+            plan,
+            layout,
+            gpu_kv,
+            self._namespace,
+            pinner if pinner is not None else NoOpPinner(),
+            copy_engine,
         )
-        self._scheduler = OffloadScheduler(
-            self._config,
-            self._pool,
-            bytes_per_block=self._layout.bytes_per_block,
-            num_gpu_blocks=self._num_gpu_blocks,
-        )
-        self._built = True
-
-    def _parts(self) -> None:
-        if not self._built:
-            raise ClosedError(
-                f"KVOffloader's pool of {self._num_cpu_blocks} blocks is built on entering "
-                "'async with' (off the event loop); use it inside"
-            )
 
     def __repr__(self) -> str:
+        session = self._session
         return (
-            f"KVOffloader(state={self._state.value}, cpu_blocks={self._num_cpu_blocks}, "
-            f"in_flight={len(self._tasks)})"
+            f"KVOffloader(state={session.state}, cpu_blocks={self._num_cpu_blocks}, "
+            f"in_flight={session.launcher.num_in_flight if session.built else 0})"
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def __aenter__(self) -> KVOffloader:
-        self._state = self._state.to(_State.OPEN)
-        self._loop_thread = threading.get_ident()
-        self._owner_task = anyio.get_current_task().id
-        try:
-            if not self._built:
-                await anyio.to_thread.run_sync(self._build_parts)
-            if self._engine is None:
-                self._host = await HostKVBuffer.create(
-                    self._layout,
-                    self._num_cpu_blocks,
-                    pin_memory=self._config.pin_memory,
-                    pin_chunk_bytes=int(self._config.pin_chunk_bytes),
-                )
-                if self._gpu_kv[0].is_cuda:
-                    self._engine = CudaCopyEngine(self._layout, self._gpu_kv, self._host)
-                else:
-                    self._engine = ThreadCopyEngine(self._layout, self._gpu_kv, self._host)
-            self._task_group = anyio.create_task_group()
-            await self._task_group.__aenter__()
-            await self._task_group.start(self._poller.run)
-            if self._config.tiers:
-                self._tiers = self._make_tiers()
-                await self._task_group.start(self._tiers.run)
-        except BaseException:
-            self._state = _State.CLOSING
-            await self._shutdown()
-            raise
-        _log.info(
-            "offloader_opened",
-            cpu_blocks=self._num_cpu_blocks,
-            bytes_per_block=self._layout.bytes_per_block,
-            engine=type(self._engine).__name__,
-            pinned=self._host.is_pinned if self._host is not None else None,
-        )
+        await self._session.open()
         return self
 
     async def __aexit__(
@@ -297,105 +143,13 @@ class KVOffloader:
             WrongContextError: called from another thread or from a task other than the
                 one that entered; nothing was closed.
         """
-        if self._state in {_State.CLOSING, _State.CLOSED}:
-            return
-        if self._state is _State.CREATED:
-            self._state = self._state.to(_State.CLOSED)
-            return
-        self._check_process()
-        self._check_thread("aclose")
-        if anyio.get_current_task().id != self._owner_task:
-            raise WrongContextError(
-                "KVOffloader.aclose() must be called from the task that entered it "
-                "(a task group's exit needs its own task); close it there, e.g. by leaving "
-                "'async with'"
-            )
-        self._state = self._state.to(_State.CLOSING)
-        await self._shutdown()
-
-    async def _shutdown(self) -> None:
-        try:
-            with anyio.CancelScope(shield=True):
-                if self._engine is not None:
-                    await self._engine.aclose()
-                # Every copy has ended now. Deliver what the poller has not (it may have
-                # been cancelled with the scope around 'async with').
-                poller = self._poller
-                while poller.in_flight:
-                    poller.poll()
-                    if poller.in_flight:
-                        await anyio.sleep(self._config.poll_interval_s)
-                if self._built:
-                    self._scheduler.release_all_holds()
-                    self._unpin_released_holds()
-                if self._tiers is not None:
-                    await self._tiers.aclose()
-        finally:
-            try:
-                if self._task_group is not None:
-                    task_group, self._task_group = self._task_group, None
-                    task_group.cancel_scope.cancel()
-                    await task_group.__aexit__(None, None, None)
-            finally:
-                if self._host is not None:
-                    self._host.close()
-                self._state = _State.CLOSED
-                if self._built:
-                    _log.info("offloader_closed", **_counts(self._scheduler.statistics()))
-
-    def _make_tiers(self) -> TierManager:
-        if self._host is None:
-            raise ConfigError(
-                "tiers need the host buffer this offloader makes; they cannot be used with "
-                "a copy_engine given by the caller"
-            )
-        digest = self._namespace.root
-        nbytes = self._layout.bytes_per_block
-        tiers = [
-            (build_tier(s, i, namespace=digest, block_nbytes=nbytes), s)
-            for i, s in enumerate(self._config.tiers)
-        ]
-        return TierManager(tiers, scheduler=self._scheduler, host=self._host, namespace=digest)
+        if self._session.begin_close():
+            await self._session.shutdown()
 
     @property
     def tiers(self) -> TierManager | None:
         """The tier manager, when ``config.tiers`` is set (for inspection)."""
-        return self._tiers
-
-    def _check_process(self) -> None:
-        if os.getpid() != self._pid:
-            raise ForkedProcessError(
-                f"KVOffloader was created in process {self._pid} and used in forked process "
-                f"{os.getpid()}; create a new one in the child"
-            )
-
-    def _check_thread(self, what: str) -> None:
-        if self._loop_thread is not None and threading.get_ident() != self._loop_thread:
-            raise WrongContextError(
-                f"KVOffloader.{what}() called from thread {threading.current_thread().name!r}; "
-                "the step loop runs on the event loop's thread (from a worker thread, use "
-                "anyio.from_thread.run_sync)"
-            )
-
-    def _check(self, what: str, *, pinner_error: bool = True) -> CopyEngine:
-        self._check_process()
-        if self._state is not _State.OPEN or self._engine is None:
-            raise ClosedError(f"KVOffloader is {self._state.value}; use it inside 'async with'")
-        self._check_thread(what)
-        self._poller.check_health()
-        if pinner_error:
-            self._raise_pinner_error()
-        return self._engine
-
-    def _raise_pinner_error(self) -> None:
-        """Raise, once, the error an earlier ``unpin`` raised."""
-        error = self._pinner_error
-        if error is not None:
-            self._pinner_error = None
-            raise PinnerError(
-                f"the GpuBlockPinner's unpin raised after a transfer completed: {error!r} "
-                "(the transfer was recorded and its references released)"
-            ) from error
+        return self._session.tiers
 
     # -- properties --------------------------------------------------------------------------
 
@@ -417,19 +171,19 @@ class KVOffloader:
     @property
     def scheduler(self) -> OffloadScheduler:
         """The scheduler (for inspection; drive it through this object)."""
-        self._parts()
-        return self._scheduler
+        self._session.check_built()
+        return self._session.scheduler
 
     @property
     def pool(self) -> CpuBlockPool:
         """The CPU block pool."""
-        self._parts()
-        return self._pool
+        self._session.check_built()
+        return self._session.pool
 
     @property
     def host(self) -> HostKVBuffer | None:
         """The host buffer, when this object made the copy engine."""
-        return self._host
+        return self._session.host
 
     def hash_prompt(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """Hash a prompt's full blocks in this offloader's namespace."""
@@ -457,8 +211,21 @@ class KVOffloader:
             InvalidInputError: ``num_computed_tokens`` out of range or not block aligned.
             InputTypeError: a token is not a 64-bit int.
         """
-        self._check("request")
-        return OffloadRequest._create(self, request_id, prompt_token_ids, num_computed_tokens)
+        session = self._session
+        session.check("request")
+        handle: OffloadRequest = OffloadRequest._create(
+            self,
+            request_id,
+            prompt_token_ids,
+            num_computed_tokens,
+            block_size=self._config.block_size,
+            root=self._namespace.root,
+        )
+        # Last, once nothing can be refused any more: the id is the handle's until it
+        # finishes, so a second handle for it (a client's retry) is refused here, before
+        # either makes a call.
+        session.scheduler.reserve(request_id)
+        return handle
 
     # -- the engine's step loop ----------------------------------------------------------------
 
@@ -509,9 +276,10 @@ class KVOffloader:
                 step-loop call checks this). PinnerError: the pinner's ``unpin`` raised
                 after an earlier completion (once).
         """
-        self._check("lookup")
+        session = self._session
+        session.check("lookup")
         # With tiers, the scheduler asks the tier manager after the CPU lookup.
-        return self._scheduler.lookup(
+        return session.scheduler.lookup(
             request_id,
             block_hashes,
             num_tokens,
@@ -543,11 +311,12 @@ class KVOffloader:
             PinnerError: the pinner's ``pin`` raised; the load was not started and the
                 hit stays pinned.
         """
-        engine = self._check("load")
-        plan = self._scheduler.plan_load(request_id, gpu_block_ids, num_tokens)
+        session = self._session
+        engine = session.check("load")
+        plan = session.scheduler.plan_load(request_id, gpu_block_ids, num_tokens)
         if plan is None:
             return None
-        return self._submit(engine, plan, None)
+        return session.launcher.launch(engine, plan, None)
 
     def update(
         self,
@@ -560,8 +329,9 @@ class KVOffloader:
 
         See `OffloadScheduler.update()`.
         """
-        self._check("update")
-        self._scheduler.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
+        session = self._session
+        session.check("update")
+        session.scheduler.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
 
     def store(
         self, *, after: object | None = None, gpu_cache: GpuCacheView | None = None
@@ -583,14 +353,15 @@ class KVOffloader:
                 same blocks are planned by the next call.
             PinnerError: the pinner's ``pin`` raised; the plan is undone the same way.
         """
-        engine = self._check("store")
-        plan = self._scheduler.plan_stores(gpu_cache)
+        session = self._session
+        engine = session.check("store")
+        plan = session.scheduler.plan_stores(gpu_cache)
         try:
             if plan is None:
                 return []
-            return [self._submit(engine, plan, after)]
+            return [session.launcher.launch(engine, plan, after)]
         finally:
-            self._unpin_released_holds()
+            session.launcher.unpin_released_holds()
 
     def finish(self, request_id: str) -> None:
         """The engine finished a request. See `OffloadScheduler.finish()`.
@@ -608,36 +379,33 @@ class KVOffloader:
                 finished without holding them), or its ``unpin`` raised after an earlier
                 completion (once; the request is finished all the same).
         """
-        self._check("finish", pinner_error=False)
-        held = self._scheduler.finish(request_id)
+        session = self._session
+        session.check("finish", pinner_error=False)
+        held = session.scheduler.finish(request_id)
         if held:
-            try:
-                self._pinner.pin(held)
-            except Exception as exc:
-                self._scheduler.cancel_hold(request_id)
-                raise PinnerError(
-                    f"the GpuBlockPinner's pin raised for the blocks request {request_id!r} "
-                    f"holds on finish: {exc!r}"
-                ) from exc
-        self._raise_pinner_error()
+            session.launcher.hold(request_id, held)
+        session.launcher.raise_pinner_error()
 
     def preempt(self, request_id: str) -> None:
         """The engine preempted a request. See `OffloadScheduler.preempt()`."""
-        self._check("preempt")
-        self._scheduler.preempt(request_id)
+        session = self._session
+        session.check("preempt")
+        session.scheduler.preempt(request_id)
 
     def release(self, request_id: str) -> None:
         """Drop a lookup pin the engine will not load. See `OffloadScheduler.release()`."""
-        self._check("release")
-        self._scheduler.release(request_id)
+        session = self._session
+        session.check("release")
+        session.scheduler.release(request_id)
 
     async def drain(self) -> None:
         """Wait until every transfer in flight has completed and been processed.
 
         Cancellation cancels only the wait.
         """
-        self._check("drain")
-        await self._poller.drain()
+        session = self._session
+        session.check("drain")
+        await session.launcher.poller.drain()
 
     async def reset(self) -> bool:
         """Empty the CPU prefix cache and wait for the transfers in flight to end.
@@ -652,98 +420,30 @@ class KVOffloader:
 
         Cancellation cancels only the wait; the reset itself has happened.
         """
-        self._check("reset")
-        self._scheduler.reset()
-        if self._tiers is not None:
-            self._tiers.reset()
-        self._unpin_released_holds()
-        for task in self._tasks.values():
-            task._abandon()  # the owner's reset is what _abandon is for
-        await self._poller.drain()
-        return self._pool.num_cached == 0 and self._scheduler.num_in_flight == 0
+        session = self._session
+        session.check("reset")
+        session.scheduler.reset()
+        if session.tiers is not None:
+            session.tiers.reset()
+        launcher = session.launcher
+        launcher.unpin_released_holds()
+        launcher.abandon_all()
+        await launcher.poller.drain()
+        return session.pool.num_cached == 0 and session.scheduler.num_in_flight == 0
 
     def statistics(self) -> OffloaderStatistics:
         """Counters of the pool, the scheduler and the poller."""
-        self._parts()
+        session = self._session
+        session.check_built()
+        tiers = session.tiers
         return OffloaderStatistics(
-            pool=self._pool.statistics(),
-            scheduler=self._scheduler.statistics(),
-            poller=self._poller.statistics(),
-            tiers=self._tiers.statistics() if self._tiers is not None else None,
+            pool=session.pool.statistics(),
+            scheduler=session.scheduler.statistics(),
+            poller=session.launcher.poller.statistics(),
+            tiers=tiers.statistics() if tiers is not None else None,
         )
 
     def take_events(self) -> list[PoolEvent]:
         """Pool events since the last call (``enable_events=True``), for KV-aware routers."""
-        self._parts()
-        return self._pool.take_events()
-
-    # -- internals -------------------------------------------------------------------------
-
-    def _submit(self, engine: CopyEngine, plan: TransferPlan, after: object | None) -> TransferTask:
-        try:
-            self._pinner.pin(plan.gpu_block_ids)
-        except Exception as exc:
-            self._scheduler.cancel(plan)
-            _log.error("pinner_failed", call="pin", plan_id=plan.plan_id, error=repr(exc))
-            raise PinnerError(
-                f"the GpuBlockPinner's pin raised for {plan.kind} plan {plan.plan_id}: "
-                f"{exc!r} (the transfer was not started; nothing is lost)"
-            ) from exc
-        try:
-            task = engine.submit(plan, after=after)
-        except BaseException:
-            self._unpin(plan.gpu_block_ids, plan.plan_id)
-            self._scheduler.cancel(plan)
-            raise
-        self._tasks[plan.plan_id] = task
-        self._poller.track(task)
-        return task
-
-    def _unpin(self, gpu_block_ids: Sequence[int], plan_id: int | None) -> None:
-        try:
-            self._pinner.unpin(gpu_block_ids)
-        except Exception as exc:
-            _log.error("pinner_failed", call="unpin", plan_id=plan_id, error=repr(exc))
-            self._pinner_error = exc
-
-    def _unpin_released_holds(self) -> None:
-        released = self._scheduler.take_released_holds()
-        if released:
-            self._unpin(released, None)
-
-    def _on_complete(self, task: TransferTask) -> None:
-        self._tasks.pop(task.plan.plan_id, None)
-        try:
-            ok = task.status is TransferStatus.DONE
-            self._scheduler.complete(task, ok=ok)
-            if ok and self._tiers is not None and isinstance(task.plan, StorePlan):
-                self._tiers.on_stored(task.plan)
-        finally:
-            self._unpin(task.gpu_block_ids, task.plan.plan_id)
-
-
-def _check_host_memory(num_blocks: int, layout: KVLayout, *, host_buffer: bool) -> None:
-    """Refuse a pool whose host buffer and bookkeeping exceed the memory left."""
-    available = available_host_memory()
-    if available is None:
-        return
-    host = num_blocks * layout.bytes_per_block if host_buffer else 0
-    bookkeeping = num_blocks * POOL_BOOKKEEPING_BYTES_PER_BLOCK
-    if host + bookkeeping > available:
-        raise HostMemoryError(
-            f"a CPU pool of {num_blocks} blocks needs {host} bytes of host buffer "
-            f"({layout.bytes_per_block} per block) and about {bookkeeping} bytes of "
-            f"bookkeeping ({POOL_BOOKKEEPING_BYTES_PER_BLOCK} per block), {host + bookkeeping} "
-            f"in all, but this process can still use {available} bytes (MemAvailable and the "
-            "cgroup limit); lower num_cpu_blocks or cpu_bytes"
-        )
-
-
-def _counts(stats: SchedulerStatistics) -> dict[str, int]:
-    return {
-        "stored_blocks": stats.stored_blocks,
-        "loaded_blocks": stats.loaded_blocks,
-        "deferred_blocks": stats.deferred_blocks,
-        "failed_stores": stats.failed_stores,
-        "failed_loads": stats.failed_loads,
-    }
+        self._session.check_built()
+        return self._session.pool.take_events()

@@ -1,4 +1,7 @@
-"""A ready `GpuBlockPinner` for engines that have a GPU block allocator.
+"""How the engine keeps GPU blocks alive while a copy reads or writes them.
+
+`GpuBlockPinner` is the protocol an engine implements, `NoOpPinner` the default that does
+nothing, and `RefCountPinner` a ready pinner for engines that have a GPU block allocator.
 
 kvoffload pins a transfer's GPU blocks right before it submits the copy and unpins them
 once the copy's completion was observed. Between the two, the engine must not hand those
@@ -15,11 +18,50 @@ list then.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import final
+from typing import Protocol, final
 
 from kvoffload.errors import BlockStateError
 
-__all__ = ["RefCountPinner"]
+__all__ = ["GpuBlockPinner", "NoOpPinner", "RefCountPinner"]
+
+
+class GpuBlockPinner(Protocol):
+    """How the engine keeps GPU blocks alive while a copy reads or writes them.
+
+    ``pin`` is called with a transfer's GPU block ids right before it is submitted and
+    ``unpin`` with the same ids once its completion was observed (success or not). The
+    engine must not hand a pinned block to another request (a pin count per block is the
+    usual implementation: the same block may be pinned by two transfers). With
+    ``hold_blocks_on_finish``, ``finish()`` also pins the blocks a finished request still
+    has to store, and unpins them once their store is planned (or given up).
+
+    A pinner that raises is contained: when ``pin`` raises, the transfer is not started
+    and its plan is undone (`PinnerError` is raised from the call that started it); when
+    ``unpin`` raises, the completion is still recorded and every reference released, and
+    the next step-loop call raises `PinnerError` once.
+    """
+
+    def pin(self, gpu_block_ids: Sequence[int]) -> None:
+        """Keep these blocks from being reused."""
+
+    def unpin(self, gpu_block_ids: Sequence[int]) -> None:
+        """Release one pin on each of these blocks."""
+
+
+@final
+class NoOpPinner:
+    """The default `GpuBlockPinner`: does nothing.
+
+    Correct only when the engine itself never reuses a GPU block that a transfer in
+    flight names, for example because it frees blocks of finished or preempted requests
+    only after awaiting their tasks, or because it never reuses blocks within a step.
+    """
+
+    def pin(self, gpu_block_ids: Sequence[int]) -> None:
+        """Do nothing."""
+
+    def unpin(self, gpu_block_ids: Sequence[int]) -> None:
+        """Do nothing."""
 
 
 @final

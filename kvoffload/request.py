@@ -23,7 +23,7 @@ import contextlib
 import enum
 from collections.abc import Iterator, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, final, overload
+from typing import TYPE_CHECKING, Any, Literal, Protocol, final, overload
 
 from kvoffload.errors import (
     BlockTableError,
@@ -32,11 +32,10 @@ from kvoffload.errors import (
     PinnerError,
     RequestStateError,
 )
-from kvoffload.hashing import BlockHash, _encode_tokens, hash_block_tokens
+from kvoffload.hashing import BlockHash, BlockHasher
 from kvoffload.transfer.task import _NoPublicConstructor
 
 if TYPE_CHECKING:
-    from kvoffload.offloader import KVOffloader
     from kvoffload.transfer.task import TransferTask
 
 __all__ = [
@@ -47,6 +46,38 @@ __all__ = [
     "hash_new_blocks",
     "table_slice",
 ]
+
+
+class _StepCalls(Protocol):
+    """The `KVOffloader` calls a handle makes, and all it needs of the offloader."""
+
+    def lookup(
+        self,
+        request_id: str,
+        block_hashes: Sequence[BlockHash],
+        num_tokens: int,
+        num_computed_tokens: int,
+        *,
+        allow_defer: bool,
+    ) -> int | None: ...
+
+    def load(
+        self, request_id: str, gpu_block_ids: Sequence[int], num_tokens: int
+    ) -> TransferTask | None: ...
+
+    def update(
+        self,
+        request_id: str,
+        gpu_block_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        num_computed_tokens: int,
+    ) -> None: ...
+
+    def release(self, request_id: str) -> None: ...
+
+    def preempt(self, request_id: str) -> None: ...
+
+    def finish(self, request_id: str) -> None: ...
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -75,15 +106,19 @@ def hash_new_blocks(
 
     ``block_hashes`` holds the hashes of the first full blocks of ``token_ids`` (none at
     first); each new full block is hashed once, chained from the previous block's hash
-    (``root`` for the first block). Tokens are not checked here: `hash_block_tokens`
-    raises ``ValueError`` for a token that is not a 64-bit int.
+    (``root`` for the first block), by a `BlockHasher` (which keeps this state itself).
+    The tokens after the last full block are not looked at.
+
+    Raises:
+        InputTypeError: a token of a new full block is not a 64-bit int; nothing is
+            appended then (also a ``TypeError`` and a ``ValueError``).
     """
-    if len(token_ids) < (len(block_hashes) + 1) * block_size:
+    done = len(block_hashes) * block_size
+    if len(token_ids) < done + block_size:
         return  # no block filled up (the common decode step)
-    parent = block_hashes[-1] if block_hashes else root
-    for start in range(len(block_hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
-        block_hashes.append(parent)
+    hasher = BlockHasher(block_hashes[-1] if block_hashes else root, block_size)
+    hasher.extend(token_ids[done : len(token_ids) // block_size * block_size])
+    block_hashes.extend(hasher.block_hashes)
 
 
 def table_slice(
@@ -170,7 +205,7 @@ class ReadOnlyList(Sequence[Any]):
 
     __slots__ = ("_items",)
 
-    def __init__(self, items: list[Any]) -> None:
+    def __init__(self, items: Sequence[Any]) -> None:
         self._items = items
 
     @overload
@@ -221,13 +256,13 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
     __slots__ = (
         "_block_size",
         "_engine_prefix",
+        "_hasher",
         "_hashes",
         "_hit",
         "_num_computed",
         "_off",
         "_reported",
         "_request_id",
-        "_root",
         "_state",
         "_tokens",
         "_who",
@@ -235,12 +270,14 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
 
     def __init__(
         self,
-        offloader: KVOffloader,
+        offloader: _StepCalls,
         request_id: str,
         prompt_token_ids: Sequence[int],
         num_computed_tokens: int,
+        *,
+        block_size: int,
+        root: BlockHash,
     ) -> None:
-        block_size = offloader.config.block_size
         who = f"request {request_id!r}: "
         if num_computed_tokens < 0 or num_computed_tokens % block_size:
             raise InvalidInputError(
@@ -257,18 +294,14 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         self._who = who
         self._block_size = block_size
         self._tokens: list[int] = []
-        self._hashes: list[BlockHash] = []
-        self._root = offloader.namespace.root  # the first block's parent
+        self._hasher = BlockHasher(root, block_size)
+        self._hashes = self._hasher.block_hashes  # the hasher's own list, bound once
         self._engine_prefix = num_computed_tokens
         self._num_computed = num_computed_tokens
         self._hit = 0
         self._reported = 0  # hashes given to update so far
         self._state = HandleState.LIVE
         self.extend(prompt_token_ids)
-        # Last, once nothing can be refused any more: the id is this handle's until it
-        # finishes, so a second handle for it (a client's retry) is refused here, before
-        # either makes a call.
-        offloader.scheduler.reserve(request_id)
 
     def __repr__(self) -> str:
         return (
@@ -306,17 +339,11 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
                 ``TypeError`` and a ``ValueError``).
         """
         self._state.check("extend", self._request_id)
-        if (
-            len(token_ids) != 1
-            or type(token_ids[0]) is not int
-            or token_ids[0] >> 63 not in (0, -1)
-        ):
-            try:  # what hashing will accept, checked before appending
-                _encode_tokens(token_ids)
-            except InvalidInputError as exc:
-                raise type(exc)(f"{self._who}{exc}") from None
+        try:  # the hasher checks every token before it changes anything
+            self._hasher.extend(token_ids)
+        except InvalidInputError as exc:
+            raise type(exc)(f"{self._who}{exc}") from None
         self._tokens.extend(token_ids)
-        hash_new_blocks(self._hashes, self._tokens, self._block_size, self._root)
 
     @property
     def request_id(self) -> str:

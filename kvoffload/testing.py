@@ -17,8 +17,8 @@ from typing import final
 import anyio
 import torch
 
-from kvoffload.config import KVLayout
 from kvoffload.errors import ClosedError, InvariantError
+from kvoffload.layout import KVLayout
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.transfer.engine import CopyEngine
 from kvoffload.transfer.gather import BlockMover, validate_plan

@@ -1,13 +1,46 @@
 #!/usr/bin/env bash
-# Set up the dev environment (once) and run every check CI runs, stopping at the first
-# failure: the test suite (next to a throwaway redis-server on 127.0.0.1, installed from
-# the system package manager when missing), the Redis tier's tests again against Valkey
-# (installed from Debian's backports when missing), ruff (lint and format), mypy --strict, the
-# docs site built with --strict, every script in examples/, and the vLLM integration
-# tests on a real vLLM engine on CPU in their own environment (.venv-vllm).
+# Set up the dev environment (once, in .venv) and run every check CI runs, stopping at the
+# first failure: the test suite (next to a throwaway redis-server on 127.0.0.1), the Redis
+# tier's tests again against a throwaway valkey-server, ruff (lint and format), mypy
+# --strict, the docs site built with --strict, every script in examples/, and the vLLM
+# integration tests on a real vLLM engine on CPU in their own environment (.venv-vllm).
 #
-# Usage: bash scripts/test.sh        (from any directory; no prompts)
+# It needs redis-server and valkey-server on PATH and installs them (with apt-get, as root)
+# only when asked: under CI=true, with KVOFFLOAD_INSTALL_SYSTEM_PACKAGES=1, or with
+# --install-system-packages. It then prints what it installs first and starts or enables no
+# service. Without them it says what is missing and how to get it, and fails before running
+# anything. Python packages go into .venv and .venv-vllm only.
+#
+# Usage: bash scripts/test.sh [--install-system-packages]   (from any directory; no prompts)
 set -euo pipefail
+
+for arg in "$@"; do
+    case "$arg" in
+        --install-system-packages) export KVOFFLOAD_INSTALL_SYSTEM_PACKAGES=1 ;;
+        -h | --help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
+        *) echo "test.sh: unknown argument $arg (--install-system-packages)" >&2; exit 2 ;;
+    esac
+done
+
+# The servers first: a missing one fails now, not ten minutes in.
+# shellcheck source=scripts/_system_packages.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_system_packages.sh"
+missing=()
+for server in redis-server valkey-server; do
+    command -v "$server" >/dev/null 2>&1 || missing+=("$server")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    if ! system_installs_allowed; then
+        for server in "${missing[@]}"; do
+            missing_server_message "$server" test.sh >&2
+        done
+        exit 1
+    fi
+    echo "test.sh: will install with apt-get (no service started or enabled): ${missing[*]}" >&2
+    for server in "${missing[@]}"; do
+        ensure_server "$server" test.sh || exit 1
+    done
+fi
 
 export PIP_NO_INPUT=1 PIP_ROOT_USER_ACTION=ignore
 # shellcheck source=scripts/_env.sh

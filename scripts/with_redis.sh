@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Run a command next to a throwaway redis-server: scripts/with_redis.sh CMD [ARGS...]
 #
-# Installs the server from the system package manager when it is missing, starts it on
+# When the server is missing it installs it with apt-get only under CI=true or
+# KVOFFLOAD_INSTALL_SYSTEM_PACKAGES=1 (printing what it installs, starting no service);
+# otherwise it says what is missing and how to get it, and exits 1. It starts the server on
 # 127.0.0.1 on a free port with persistence off (in a temporary directory), exports its
 # URL as KVOFFLOAD_TEST_REDIS_URL, runs CMD, and stops the server by its process id at the
 # end, whether CMD passed or not. Exits with CMD's status.
@@ -16,16 +18,9 @@ case "$server" in
     redis-server | valkey-server) ;;
     *) echo "with_redis: KVOFFLOAD_TEST_REDIS_SERVER=$server: redis-server or valkey-server" >&2; exit 2 ;;
 esac
-if ! command -v "$server" >/dev/null 2>&1; then
-    echo "with_redis: installing $server" >&2
-    if [ "$server" = valkey-server ]; then
-        bash "$(dirname "$0")/install_valkey.sh" >&2
-    else
-        export DEBIAN_FRONTEND=noninteractive
-        apt-get update -qq >&2
-        apt-get install -y -qq --no-install-recommends redis-server >&2
-    fi
-fi
+# shellcheck source=scripts/_system_packages.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_system_packages.sh"
+ensure_server "$server" with_redis || exit 1
 cli="${server%-server}-cli"  # redis-cli or valkey-cli, from the same packages
 
 dir="$(mktemp -d "${TMPDIR:-/tmp}/kvoffload-redis.XXXXXX")"

@@ -11,8 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.config import KVLayout
-from kvoffload.hashing import BlockHash, HashNamespace, hash_block_tokens, hash_prompt
+from kvoffload.errors import InputTypeError
+from kvoffload.hashing import (
+    BlockHash,
+    BlockHasher,
+    HashNamespace,
+    hash_block_tokens,
+    hash_prompt,
+)
 from kvoffload.pool.block_pool import CpuBlockPool
+from kvoffload.request import hash_new_blocks
 
 INT64 = st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1)
 BLOCK = st.lists(INT64, min_size=1, max_size=8)
@@ -250,3 +258,104 @@ def test_prompts_share_keys_exactly_over_their_common_full_blocks(
     # once a block differs, every later key differs too: it depends on the whole chain
     assert not set(ha[same:]) & set(hb[same:])
     assert not set(ha[same:]) & set(hb[:same])
+
+
+# -- BlockHasher --------------------------------------------------------------------------
+
+
+def _chain(root: BlockHash, tokens: list[int], bs: int, extra: bytes = b"") -> list[BlockHash]:
+    """The reference: `hash_block_tokens` block by block."""
+    out: list[BlockHash] = []
+    parent = root
+    for start in range(0, len(tokens) - bs + 1, bs):
+        parent = hash_block_tokens(parent, tokens[start : start + bs], extra)
+        out.append(parent)
+    return out
+
+
+@settings(max_examples=60)
+@given(
+    tokens=st.lists(INT64, max_size=80),
+    bs=st.integers(min_value=1, max_value=9),
+    cuts=st.lists(st.integers(min_value=0, max_value=20), max_size=20),
+    extra=st.one_of(st.just(b""), st.binary(min_size=1, max_size=12)),
+    as_tuples=st.booleans(),
+)
+def test_block_hasher_fed_in_any_chunks_gives_todays_hashes(
+    tokens: list[int], bs: int, cuts: list[int], extra: bytes, as_tuples: bool
+) -> None:
+    ns = HashNamespace(model_id="m", salt="s")
+    hasher = BlockHasher(ns.root, bs, extra)
+    start = 0
+    for size in [*cuts, len(tokens)]:  # the last chunk takes what is left
+        chunk = tokens[start : start + size]
+        hasher.extend(tuple(chunk) if as_tuples else chunk)
+        start += len(chunk)
+        assert list(hasher.block_hashes) == _chain(ns.root, tokens[:start], bs, extra)
+        assert hasher.num_tokens == start
+    if not extra:
+        assert list(hasher.block_hashes) == hash_prompt(tokens, bs, ns)
+
+
+@settings(max_examples=30)
+@given(
+    tokens=st.lists(INT64, max_size=60),
+    bs=st.integers(min_value=1, max_value=8),
+    steps=st.lists(st.integers(min_value=0, max_value=15), max_size=10),
+)
+def test_block_hasher_update_catches_up_with_a_growing_stream(
+    tokens: list[int], bs: int, steps: list[int]
+) -> None:
+    """``update(all_tokens)``: what the engines' per-request hashers call each step."""
+    root = HashNamespace().root
+    hasher = BlockHasher(root, bs)
+    old: list[BlockHash] = []
+    seen = 0
+    for step in [*steps, len(tokens)]:
+        seen = min(len(tokens), seen + step)
+        hasher.update(tokens[:seen])
+        hash_new_blocks(old, tokens[:seen], bs, root)
+        assert list(hasher.block_hashes) == old == _chain(root, tokens[:seen], bs)
+
+
+def test_block_hasher_refuses_a_bad_token_and_changes_nothing() -> None:
+    root = HashNamespace().root
+    hasher = BlockHasher(root, 4)
+    hasher.extend([1, 2, 3])
+    for bad, where in (
+        ([4, 5, 1 << 70, 6, 7], "token_ids[2]=1180591620717411303424"),  # fills a block
+        ([2.5], "token_ids[0]=2.5"),  # the one-token path
+        ([4, 5, 6, 7, 8, "x"], "token_ids[5]='x'"),  # in the new tail
+    ):
+        with pytest.raises(InputTypeError, match="is not a 64-bit int") as info:
+            hasher.extend(bad)  # type: ignore[arg-type]
+        assert where in str(info.value)
+        assert hasher.num_tokens == 3
+        assert list(hasher.block_hashes) == []
+    hasher.extend([4])
+    assert list(hasher.block_hashes) == _chain(root, [1, 2, 3, 4], 4)
+
+
+def test_block_hasher_bad_block_size() -> None:
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        BlockHasher(HashNamespace().root, 0)
+
+
+def test_block_hasher_is_slotted_and_shares_its_list() -> None:
+    hasher = BlockHasher(HashNamespace().root, 2, b"x")
+    assert not hasattr(hasher, "__dict__")
+    hashes = hasher.block_hashes
+    hasher.extend([1, 2, 3, 4, 5])
+    assert hashes is hasher.block_hashes  # one list that grows: a caller may bind it once
+    assert len(hashes) == 2
+    assert (hasher.root, hasher.block_size, hasher.extra) == (HashNamespace().root, 2, b"x")
+
+
+def test_hash_new_blocks_appends_nothing_for_a_bad_token() -> None:
+    root = HashNamespace().root
+    hashes: list[BlockHash] = []
+    with pytest.raises(InputTypeError, match="is not a 64-bit int"):
+        hash_new_blocks(hashes, [1, 2, 3, 4, 5, 1 << 70], 2, root)
+    assert hashes == []  # not the two blocks ahead of the bad one
+    hash_new_blocks(hashes, [1, 2, 3, 4, 5, 1 << 70, 7], 4, root)  # the tail is not read
+    assert hashes == _chain(root, [1, 2, 3, 4], 4)

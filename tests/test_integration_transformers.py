@@ -11,7 +11,7 @@ import anyio
 import pytest
 import torch
 
-from kvoffload import ConfigError, KVOffloader, OffloadConfig
+from kvoffload import BlockStateError, ConfigError, KVOffloader, OffloadConfig
 from kvoffload.testing import ControllableCopyEngine
 
 transformers = pytest.importorskip("transformers")
@@ -169,10 +169,10 @@ async def test_abort_and_a_failing_step_leave_nothing_behind(model: Any) -> None
         def boom(*args: object, **kwargs: object) -> None:
             raise RuntimeError("model exploded")
 
-        real = engine._forward
-        engine._forward = boom  # type: ignore[method-assign]
+        real = engine._pass.run
+        engine._pass.run = boom  # type: ignore[method-assign,assignment]
         outs = await engine.step()
-        engine._forward = real  # type: ignore[method-assign]
+        engine._pass.run = real  # type: ignore[method-assign]
         (failed,) = [o.result for o in outs if o.result is not None]
         assert failed.request_id == "b"
         assert failed.finish_reason == "error"
@@ -292,7 +292,7 @@ def test_import_without_the_extra_names_it() -> None:
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
-    assert "pip install 'kvoffload[transformers]'" in out
+    assert "from a kvoffload clone, pip install '.[transformers]'" in out
 
 
 def test_the_core_never_imports_integrations() -> None:
@@ -322,20 +322,20 @@ async def test_abort_at_every_stage_releases_everything(model: Any, stage: str) 
         if stage == "queued":
             ended.append(engine.abort("x"))
         elif stage == "loading":
-            real = engine._await_loads
+            real = engine._batch.await_loads
 
             async def abort_while_loading() -> None:
-                assert any(r.load_task is not None for r in engine._running)
+                assert any(r.load_task is not None for r in engine._batch.running)
                 ended.append(engine.abort("x"))  # a client leaving mid-load
                 await real()
 
-            engine._await_loads = abort_while_loading  # type: ignore[method-assign]
+            engine._batch.await_loads = abort_while_loading  # type: ignore[method-assign]
             outs = await engine.step()
             ended.extend(o.result for o in outs if o.result is not None)
         else:
             while True:
                 await engine.step()
-                (r,) = engine._running
+                (r,) = engine._batch.running
                 if stage == "prefilling" or r.result.output_token_ids:
                     break
             assert (r.num_computed < len(r.tokens) - 1) == (stage == "prefilling")
@@ -353,3 +353,362 @@ async def test_abort_at_every_stage_releases_everything(model: Any, stage: str) 
         assert engine.pinner.num_pinned == 0
     engine.allocator.check_invariants()
     assert engine.allocator.statistics().num_used == 0
+
+
+def crowded_prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(4)
+    return [torch.randint(0, VOCAB, (150,), generator=gen).tolist() for _ in range(8)]
+
+
+async def run_crowd(engine: PagedEngine, *, check_every_step: bool) -> dict[str, list[int]]:
+    for i, p in enumerate(crowded_prompts()):
+        engine.add_request(f"r{i}", p, max_new_tokens=60)
+    results: dict[str, list[int]] = {}
+    streamed: dict[str, list[int]] = {}
+    while engine.has_work:
+        for out in await engine.step():
+            if out.token_id is not None:
+                streamed.setdefault(out.request_id, []).append(out.token_id)
+            if out.result is not None:
+                assert out.result.finish_reason == "length", out.result
+                results[out.request_id] = out.result.output_token_ids
+        if check_every_step:
+            engine.check_invariants()  # every GPU block counted once, waiting ones hold none
+    assert streamed == results  # every step delivered its outputs
+    return results
+
+
+@pytest.fixture(scope="module")
+def crowd_reference(model: Any) -> dict[str, list[int]]:
+    async def ample() -> dict[str, list[int]]:
+        # Room for every request at once: nobody is preempted.
+        engine = PagedEngine(model, num_gpu_blocks=256, block_size=16, max_batch_tokens=64)
+        out = await run_crowd(engine, check_every_step=False)
+        assert engine.statistics().preemptions == 0
+        return out
+
+    return anyio.run(ample)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+async def test_a_request_preempted_while_scheduling_is_not_scheduled(
+    model: Any, crowd_reference: dict[str, list[int]], offload: bool
+) -> None:
+    # Eight 150-token prompts answering 60 tokens on 64 blocks of 16, 64 tokens a step: a
+    # request that grows preempts one that the same scheduling loop would reach later.
+    engine = PagedEngine(model, num_gpu_blocks=64, block_size=16, max_batch_tokens=64)
+    if offload:
+        cfg = OffloadConfig(block_size=16, num_cpu_blocks=256, model_id="test-llama")
+        async with KVOffloader(cfg, engine.kv, layout=engine.layout, pinner=engine.pinner) as off:
+            engine.attach(off)
+            results = await run_crowd(engine, check_every_step=True)
+            await off.drain()
+            assert off.statistics().scheduler.live_requests == 0
+            off.scheduler.check_invariants()
+    else:
+        results = await run_crowd(engine, check_every_step=True)
+    assert engine.statistics().preemptions > 0
+    assert results == crowd_reference
+    engine.check_invariants()
+    stats = engine.allocator.statistics()
+    assert stats.num_used == stats.num_held == 0
+    assert stats.num_free == stats.num_blocks
+
+
+def test_engine_invariants_catch_a_waiting_request_that_holds_blocks(model: Any) -> None:
+    engine = PagedEngine(model, num_gpu_blocks=8, block_size=BS)
+    engine.add_request("a", [1, 2, 3], max_new_tokens=1)
+    engine.check_invariants()
+    (r,) = engine._batch.waiting
+    r.table = engine.allocator.allocate(1) or []  # what the scheduling bug left behind
+    with pytest.raises(BlockStateError, match=r"GPU block \d+: 1 references in the allocator"):
+        engine.check_invariants()
+
+
+class UnpinRaisesOnce:
+    """The engine's pinner, whose ``unpin`` raises once (after unpinning) when armed."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.armed = False
+
+    def pin(self, ids: Sequence[int]) -> None:
+        self.inner.pin(ids)
+
+    def unpin(self, ids: Sequence[int]) -> None:
+        self.inner.unpin(ids)
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("unpin exploded")
+
+
+@pytest.mark.parametrize("how", ["abort", "failed_step"])
+async def test_a_finish_that_raises_leaves_the_engine_whole(model: Any, how: str) -> None:
+    engine = PagedEngine(model, num_gpu_blocks=32, block_size=BS)
+    pinner = UnpinRaisesOnce(engine.pinner)
+    copies = ControllableCopyEngine()
+    async with KVOffloader(
+        config(), engine.kv, layout=engine.layout, pinner=pinner, copy_engine=copies
+    ) as off:
+        engine.attach(off)
+        engine.add_request("a", prompts(1, 30)[0], max_new_tokens=1)
+        await engine.run_until_done()
+        engine.add_request("b", prompts(1, 20, seed=9)[0], max_new_tokens=50)
+        await engine.step()  # b runs
+        pinner.armed = True
+        copies.complete_all()  # a completion's unpin raises: the next call on kvoffload says so
+        await off.drain()
+        assert not pinner.armed
+        if how == "abort":
+            res = engine.abort("b")  # ending b is the first call on kvoffload: finish raises
+            assert res is not None
+            assert res.finish_reason == "aborted"
+        else:
+
+            def boom(*args: object, **kwargs: object) -> None:
+                raise RuntimeError("model exploded")
+
+            real = engine._pass.run
+            engine._pass.run = boom  # type: ignore[method-assign,assignment]
+            outs = await engine.step()  # ends b after its failed pass: finish raises
+            engine._pass.run = real  # type: ignore[method-assign]
+            (res,) = [o.result for o in outs if o.result is not None]
+            assert res.finish_reason == "error"
+            assert "model exploded" in (res.error or "")
+        assert res.request_id == "b"
+        assert "kvoffload finish failed: PinnerError" in (res.error or "")
+        assert "unpin exploded" in (res.error or "")
+        assert engine.statistics().finish_errors == 1
+        # The engine let go of b: its blocks, its place, its id.
+        assert not engine.has_work
+        assert "b" not in engine._batch.ids
+        engine.check_invariants()
+        # ... and keeps serving.
+        engine.add_request("c", prompts(1, 20, seed=9)[0], max_new_tokens=2)
+        (ok,) = await engine.run_until_done()
+        assert ok.finish_reason == "length"
+        assert ok.error is None
+        copies.complete_all()
+        await off.drain()
+        copies.complete_all()
+        off.scheduler.check_invariants()
+    engine.check_invariants()
+    assert engine.pinner.num_pinned == 0
+    assert engine.allocator.statistics().num_used == 0
+
+
+def surface_pinner_error_at(off: KVOffloader, call: str, nth: int, pinner: UnpinRaisesOnce) -> Any:
+    """Make the ``nth`` call of ``off.<call>`` the one that surfaces a once-only PinnerError.
+
+    Right before that call, the pinner's ``unpin`` raises the way it does inside a
+    completion (`KVOffloader._on_complete` ends in ``_unpin``), so the offloader's next
+    step-loop call, this one, raises `PinnerError` once. Returns what records the calls.
+    """
+    real = getattr(off, call)
+    seen = {"calls": 0, "fired": 0}
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        seen["calls"] += 1
+        if seen["calls"] == nth:
+            seen["fired"] += 1
+            pinner.armed = True
+            off._unpin([], None)  # what a completion does when its unpin raises
+            assert not pinner.armed
+        return real(*args, **kwargs)
+
+    setattr(off, call, wrapper)
+    return seen
+
+
+# The offloader's call, and the engine's name for it in a result's error.
+SURFACES = {
+    "request": "request",
+    "lookup": "lookup",
+    "load": "load",
+    "release": "release",
+    "preempt": "preempt",
+    "update": "advance",
+    "store": "store",
+}
+
+
+@pytest.mark.parametrize("call", sorted(SURFACES))
+async def test_a_pinner_error_from_any_step_call_leaves_the_engine_whole(
+    model: Any, crowd_reference: dict[str, list[int]], call: str
+) -> None:
+    # The crowd of the preemption test makes every call below during its steps.
+    engine = PagedEngine(model, num_gpu_blocks=64, block_size=16, max_batch_tokens=64)
+    pinner = UnpinRaisesOnce(engine.pinner)
+    cfg = OffloadConfig(block_size=16, num_cpu_blocks=256, model_id="test-llama")
+    async with KVOffloader(cfg, engine.kv, layout=engine.layout, pinner=pinner) as off:
+        engine.attach(off)
+        seen = surface_pinner_error_at(off, call, 2, pinner)
+        # every step's outputs arrive, every request ends right, every step leaves the
+        # engine whole (run_crowd checks the invariants after each)
+        results = await run_crowd(engine, check_every_step=True)
+        assert seen["fired"] == 1
+        assert results == crowd_reference
+        stats = engine.statistics()
+        assert stats.pinner_errors == 1
+        assert stats.failed_loads == 0  # the load was made again, and it loaded
+        await off.drain()
+        assert off.statistics().scheduler.live_requests == 0
+        off.scheduler.check_invariants()
+    engine.check_invariants()
+    assert engine.pinner.num_pinned == 0
+    assert engine.allocator.statistics().num_used == 0
+
+
+@pytest.mark.parametrize("call", sorted(SURFACES))
+async def test_the_request_whose_call_surfaced_a_pinner_error_names_it(
+    model: Any, call: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = PagedEngine(model, num_gpu_blocks=64, block_size=16, max_batch_tokens=64)
+    pinner = UnpinRaisesOnce(engine.pinner)
+    cfg = OffloadConfig(block_size=16, num_cpu_blocks=256, model_id="test-llama")
+    async with KVOffloader(cfg, engine.kv, layout=engine.layout, pinner=pinner) as off:
+        engine.attach(off)
+        surface_pinner_error_at(off, call, 2, pinner)
+        for i, p in enumerate(crowded_prompts()):
+            engine.add_request(f"r{i}", p, max_new_tokens=60)
+        with caplog.at_level("WARNING", logger="kvoffload"):
+            results = await engine.run_until_done()
+        errors = [r.error for r in results if r.error is not None]
+        if call == "store":  # no request's call: the step's results are what it owes
+            assert errors == []
+        else:
+            (error,) = errors
+            assert f"kvoffload {SURFACES[call]} raised PinnerError" in error
+            assert "unpin exploded" in error
+        assert all(r.finish_reason == "length" for r in results)
+        assert len(results) == 8
+        (logged,) = [r for r in caplog.records if "offload_call_failed" in r.getMessage()]
+        assert f"call={SURFACES[call]}" in logged.getMessage()
+        assert "unpin exploded" in logged.getMessage()  # the cause
+        await off.drain()
+        off.scheduler.check_invariants()
+    engine.check_invariants()
+
+
+class PinRaises:
+    """The engine's pinner, whose ``pin`` raises ``failures`` more times."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.failures = 0
+
+    def pin(self, ids: Sequence[int]) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("pin exploded")
+        self.inner.pin(ids)
+
+    def unpin(self, ids: Sequence[int]) -> None:
+        self.inner.unpin(ids)
+
+
+@pytest.mark.parametrize("call", ["load", "store"])
+async def test_a_pin_that_keeps_raising_gives_up_the_transfer_not_the_step(
+    model: Any, crowd_reference: dict[str, list[int]], call: str
+) -> None:
+    engine = PagedEngine(model, num_gpu_blocks=64, block_size=16, max_batch_tokens=64)
+    pinner = PinRaises(engine.pinner)
+    cfg = OffloadConfig(block_size=16, num_cpu_blocks=256, model_id="test-llama")
+    async with KVOffloader(cfg, engine.kv, layout=engine.layout, pinner=pinner) as off:
+        engine.attach(off)
+        real = getattr(off, call)
+        fired = []
+
+        def fail_twice(*args: Any, **kwargs: Any) -> Any:
+            if not fired:
+                fired.append(call)
+                pinner.failures = 2  # this call and its retry
+            return real(*args, **kwargs)
+
+        setattr(off, call, fail_twice)
+        results = await run_crowd(engine, check_every_step=True)
+        assert fired == [call]
+        assert results == crowd_reference  # a load given up is recomputed
+        stats = engine.statistics()
+        assert stats.pinner_errors == 2
+        assert stats.failed_loads == (1 if call == "load" else 0)
+        await off.drain()
+        assert off.statistics().scheduler.live_requests == 0
+        off.scheduler.check_invariants()
+    engine.check_invariants()
+    assert engine.pinner.num_pinned == 0
+    assert engine.allocator.statistics().num_used == 0
+
+
+async def test_a_pinner_error_from_the_drain_of_a_step_that_waits_for_blocks(model: Any) -> None:
+    engine = PagedEngine(model, num_gpu_blocks=8, block_size=BS)
+    pinner = UnpinRaisesOnce(engine.pinner)
+    copies = ControllableCopyEngine()
+    async with KVOffloader(
+        config(), engine.kv, layout=engine.layout, pinner=pinner, copy_engine=copies
+    ) as off:
+        engine.attach(off)
+        engine.add_request("a", prompts(1, 40)[0], max_new_tokens=1)
+        await engine.run_until_done()
+        assert engine.allocator.statistics().num_held > 0  # a's stores pin its blocks
+        real = off.drain
+        fired = []
+
+        def complete_then_drain() -> Any:
+            if not fired:  # the first drain: a's stores end, and drain surfaces the error
+                fired.append(True)
+                copies.complete_all()
+                pinner.armed = True
+                off._unpin([], None)  # what a completion does when its unpin raises
+            return real()
+
+        off.drain = complete_then_drain  # type: ignore[method-assign]
+        engine.add_request("b", prompts(1, 30, seed=9)[0], max_new_tokens=2)
+        assert await engine.step() == []  # b does not fit until a's stores release blocks
+        assert fired
+        assert engine.statistics().pinner_errors == 1
+        assert engine.allocator.statistics().num_held == 0
+        engine.check_invariants()
+        (ok,) = await engine.run_until_done()
+        assert ok.finish_reason == "length"
+        assert ok.error is None
+        copies.complete_all()
+        await real()
+        off.scheduler.check_invariants()
+    engine.check_invariants()
+    assert engine.pinner.num_pinned == 0
+
+
+async def test_a_completion_whose_unpin_raises_surfaces_at_the_next_advance(model: Any) -> None:
+    # The real path, with no shortcut: a completion's unpin raises; b's next step calls
+    # advance first, which raises the PinnerError; the step still delivers b's token.
+    engine = PagedEngine(model, num_gpu_blocks=32, block_size=BS)
+    pinner = UnpinRaisesOnce(engine.pinner)
+    copies = ControllableCopyEngine()
+    async with KVOffloader(
+        config(), engine.kv, layout=engine.layout, pinner=pinner, copy_engine=copies
+    ) as off:
+        engine.attach(off)
+        engine.add_request("a", prompts(1, 30)[0], max_new_tokens=1)
+        await engine.run_until_done()
+        engine.add_request("b", prompts(1, 20, seed=9)[0], max_new_tokens=3)
+        await engine.step()  # b runs
+        pinner.armed = True
+        copies.complete_all()
+        await off.drain()
+        assert not pinner.armed
+        (out,) = await engine.step()  # b decodes: its advance surfaces the error
+        assert out.request_id == "b"
+        assert out.token_id is not None
+        assert engine.statistics().pinner_errors == 1
+        engine.check_invariants()
+        (res,) = await engine.run_until_done()
+        assert res.finish_reason == "length"
+        assert len(res.output_token_ids) == 3
+        assert "kvoffload advance raised PinnerError" in (res.error or "")
+        assert engine.statistics().finish_errors == 0
+        copies.complete_all()
+        await off.drain()
+        off.scheduler.check_invariants()
+    engine.check_invariants()
+    assert engine.pinner.num_pinned == 0

@@ -5,7 +5,9 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import inspect
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +22,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvoffload as kvoffload_package
 from kvoffload import KVLayout, KVOffloader, OffloadConfig
-from kvoffload.metrics import METRICS, TIER_LABELS, TIER_TEXT_FIELDS, OffloaderCollector
+from kvoffload.metrics import (
+    METRICS,
+    TIER_LABELS,
+    TIER_TEXT_FIELDS,
+    MetricSpec,
+    OffloaderCollector,
+    attribute_docs,
+)
 from kvoffload.offloader import OffloaderStatistics
 from kvoffload.pool import PoolStatistics
 from kvoffload.scheduler import SchedulerStatistics
@@ -134,11 +143,119 @@ def test_every_statistics_field_is_exported_exactly_once() -> None:
         assert spec.documentation.endswith("."), spec
 
 
-def test_docs_list_every_metric_with_its_type() -> None:
+def doc_row(spec: MetricSpec) -> str:
+    """The row of docs/metrics.md for one metric."""
+    name = full_name(spec.name, spec.kind)
+    return f"| `{name}` | {spec.kind} | `{spec.field}` | {spec.documentation} |"
+
+
+def test_docs_list_every_metric_with_its_type_field_and_help() -> None:
+    """docs/metrics.md's tables are METRICS, row for row, help text included."""
     text = DOCS.read_text()
-    rows = dict(re.findall(r"^\| `(kvoffload_[a-z0-9_]+)` \| (counter|gauge) \|", text, re.M))
-    expected = {full_name(spec.name, spec.kind): spec.kind for spec in METRICS}
-    assert rows == expected
+    rows = [line for line in text.splitlines() if line.startswith("| `kvoffload_")]
+    expected = [doc_row(spec) for spec in METRICS]
+    assert rows == expected, "docs/metrics.md's rows should be:\n" + "\n".join(expected)
+
+
+STATISTICS = {**PARTS, "tiers": TierManagerStatistics, "tier": TierStatistics}
+
+
+def griffe_attributes(cls: type) -> dict[str, str]:
+    """The ``Attributes:`` of ``cls``'s docstring as the docs' own parser (griffe) reads it."""
+    griffe = pytest.importorskip("griffe", reason="needs the docs tools (mkdocstrings)")
+    assert cls.__doc__ is not None
+    docstring = griffe.Docstring(inspect.cleandoc(cls.__doc__), parser="google")
+    sections = [s for s in docstring.parse() if s.kind.value == "attributes"]
+    assert len(sections) == 1, f"{cls.__name__}: expected one Attributes section"
+    return {a.name: a.description for a in sections[0].value}
+
+
+@pytest.mark.parametrize("part", sorted(STATISTICS))
+def test_every_statistics_field_is_documented(part: str) -> None:
+    cls = STATISTICS[part]
+    documented = griffe_attributes(cls)
+    assert list(documented) == [f.name for f in dataclasses.fields(cls)]
+    assert set(attribute_docs(cls)) == set(documented)
+
+
+def plain(text: str) -> str:
+    """The help text a docstring entry makes: one line, no code backticks, a capital."""
+    one = re.sub(r"``?([^`]*)``?", r"\1", " ".join(text.split()))
+    return one if text.startswith("`") else one[:1].upper() + one[1:]
+
+
+def test_help_texts_are_the_statistics_docstrings() -> None:
+    for spec in METRICS:
+        entry = griffe_attributes(STATISTICS[spec.part])[spec.field]
+        assert spec.documentation == plain(entry), spec
+        assert "`" not in spec.documentation, spec
+        assert "\n" not in spec.documentation, spec
+
+
+def test_only_numbers_and_booleans_are_exported() -> None:
+    numeric = {"int", "float", "bool", "float | None"}
+    for spec in METRICS:
+        if (spec.part, spec.field) == ("tier", "details"):
+            continue  # one sample per numeric entry
+        field_type = {f.name: f.type for f in dataclasses.fields(STATISTICS[spec.part])}
+        assert field_type[spec.field] in numeric, spec
+
+
+class _Documented:
+    """A class for the docstring reader.
+
+    Attributes:
+        plain: a text.
+        wrapped (int): a ``code`` name and a `cross-ref` on
+            two lines.
+        code_first: ``x`` keeps its case.
+
+    Note:
+        not an attribute: ignored.
+    """
+
+
+class _Undocumented:
+    """No attributes here."""
+
+
+class _Malformed:
+    """A class whose attributes cannot be read.
+
+    Attributes:
+        fine: a text.
+      odd indentation
+    """
+
+
+def test_attribute_docs_reads_google_style_entries() -> None:
+    assert attribute_docs(_Documented) == {
+        "plain": "A text.",
+        "wrapped": "A code name and a cross-ref on two lines.",
+        "code_first": "x keeps its case.",
+    }
+    assert {k: plain(v) for k, v in griffe_attributes(_Documented).items()} == attribute_docs(
+        _Documented
+    )
+
+
+def test_attribute_docs_refuses_what_it_cannot_read() -> None:
+    with pytest.raises(ValueError, match="_Undocumented's docstring has no 'Attributes:'"):
+        attribute_docs(_Undocumented)
+    with pytest.raises(ValueError, match="cannot read 'odd indentation'"):
+        attribute_docs(_Malformed)
+
+
+def test_the_collector_imports_without_docstrings() -> None:
+    """Under ``python -OO`` there are no docstrings: the help texts fall back to names."""
+    code = (
+        "from kvoffload.metrics import METRICS\n"
+        "print(sorted({s.documentation == f'{s.part} {s.field}' for s in METRICS}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-OO", "-c", code], check=True, capture_output=True, text=True
+    )
+    assert out.stdout.split() == ["[True]"]
 
 
 def test_collect_reports_each_field_of_the_statistics() -> None:
@@ -372,7 +489,7 @@ def test_import_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> N
             monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
     monkeypatch.delitem(sys.modules, "kvoffload.metrics")
-    with pytest.raises(ImportError, match=re.escape("pip install 'kvoffload[prometheus]'")):
+    with pytest.raises(ImportError, match=re.escape("pip install '.[prometheus]'")):
         importlib.import_module("kvoffload.metrics")
 
 

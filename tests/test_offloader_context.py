@@ -18,7 +18,8 @@ import anyio.to_thread
 import pytest
 import torch
 
-import kvoffload.offloader as offloader_module
+import kvoffload.build as build_module
+from kvoffload._session import Session
 from kvoffload.bench.pool import bookkeeping_bytes_per_block
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import (
@@ -246,8 +247,8 @@ def test_a_pool_too_large_for_memory_is_refused_before_anything_is_built(
     def no_pool(*args: object, **kwargs: object) -> None:
         raise AssertionError("the pool was built before the memory check")
 
-    monkeypatch.setattr(offloader_module, "CpuBlockPool", no_pool)
-    monkeypatch.setattr(offloader_module, "available_host_memory", lambda: 1 << 30)
+    monkeypatch.setattr(build_module, "CpuBlockPool", no_pool)
+    monkeypatch.setattr(build_module, "available_host_memory", lambda: 1 << 30)
     per_block = layout().bytes_per_block
     with pytest.raises(HostMemoryError) as info:
         KVOffloader(config(num_cpu_blocks=1 << 31), make_kv())
@@ -265,13 +266,13 @@ async def test_a_large_pool_is_built_off_the_event_loop(monkeypatch: pytest.Monk
     tiny = KVLayout(num_layers=1, num_kv_heads=1, head_size=1, dtype="float16", block_size=BS)
     kv = [torch.zeros(tiny.tensor_shape(8), dtype=torch.float16)]
     built_on: list[int] = []
-    real = KVOffloader._build_parts
+    real = Session.build
 
-    def record(self: KVOffloader) -> None:
+    def record(self: Session) -> None:
         built_on.append(threading.get_ident())
         real(self)
 
-    monkeypatch.setattr(KVOffloader, "_build_parts", record)
+    monkeypatch.setattr(Session, "build", record)
     off = KVOffloader(config(num_cpu_blocks=70_000), kv)
     assert built_on == []
     with pytest.raises(ClosedError, match="built on entering"):

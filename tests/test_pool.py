@@ -1,8 +1,11 @@
 from __future__ import annotations
 
 import dataclasses
-import time
+import os
+import sys
 import tracemalloc
+from types import FrameType
+from typing import Any
 
 import pytest
 import torch
@@ -516,15 +519,42 @@ def test_fm16_hit_miss_cycles_return_to_baseline() -> None:
     pool.check_invariants()
 
 
+def _lines_of_failed_allocate(pool: CpuBlockPool, n: int, **kwargs: Any) -> int:
+    """Lines of kvoffload's code that one refused ``pool.allocate(n, ...)`` runs."""
+    count = 0
+
+    def local(frame: FrameType, event: str, arg: object) -> object:
+        nonlocal count
+        if event == "line":
+            count += 1
+        return local
+
+    def trace(frame: FrameType, event: str, arg: object) -> object:
+        return local if f"{os.sep}kvoffload{os.sep}" in frame.f_code.co_filename else None
+
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        with pytest.raises(OutOfBlocksError):
+            pool.allocate(n, **kwargs)
+    finally:
+        sys.settrace(previous)
+    assert count > 0
+    return count
+
+
 def test_fm24_full_pool_of_referenced_blocks_fails_fast() -> None:
     pool = CpuBlockPool(1000)
     held = pool.allocate(1000)
-    start = time.perf_counter()
+    small = CpuBlockPool(10)
+    small_held = small.allocate(10)
+    # Failing fast: a refused allocate does as much work on 1,000 referenced blocks as on
+    # 10 (it never walks them), counted in lines of kvoffload's code run, not in seconds.
+    assert _lines_of_failed_allocate(pool, 3) == _lines_of_failed_allocate(small, 3)
+    small.free(small_held)
     for _ in range(1000):
         with pytest.raises(OutOfBlocksError) as info:
             pool.allocate(3)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 1.0
     assert info.value.requested == 3
     assert info.value.num_free == 0
     assert "cannot allocate 3 CPU block(s): only 0 free" in str(info.value)
@@ -537,10 +567,15 @@ def test_fm24_full_pool_of_referenced_blocks_fails_fast() -> None:
 def test_fm24_only_protected_blocks_free_fails_fast() -> None:
     pool = CpuBlockPool(100)
     held = pool.allocate(98)
-    start = time.perf_counter()
     with pytest.raises(OutOfBlocksError, match=r"only 0 free"):
         pool.allocate(1, protect=[pool.block(98), pool.block(99)])
-    assert time.perf_counter() - start < 0.5
+    small = CpuBlockPool(4)
+    small_held = small.allocate(2)
+    # As much work with 98 referenced blocks as with 2: the refusal never walks them.
+    assert _lines_of_failed_allocate(
+        pool, 1, protect=[pool.block(98), pool.block(99)]
+    ) == _lines_of_failed_allocate(small, 1, protect=[small.block(2), small.block(3)])
+    small.free(small_held)
     pool.free(held)
     pool.check_invariants()
 

@@ -16,6 +16,30 @@ def test_all_is_sorted_and_resolves() -> None:
         assert hasattr(kvoffload, name), name
 
 
+def test_lazy_names_match_the_type_checking_imports() -> None:
+    """Every public name is imported lazily from the module its typed import names."""
+    import ast  # noqa: PLC0415
+
+    tree = ast.parse(importlib.resources.files("kvoffload").joinpath("__init__.py").read_text())
+    guarded = next(n for n in tree.body if isinstance(n, ast.If))
+    typed = {
+        alias.asname or alias.name: node.module
+        for node in guarded.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    where = kvoffload._WHERE
+    assert typed == where
+    assert set(where) == set(kvoffload.__all__) - {"__version__"}
+    for name, module in where.items():
+        assert getattr(kvoffload, name) is getattr(importlib.import_module(module), name)
+
+
+def test_an_unknown_name_is_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no_such_name"):
+        kvoffload.no_such_name
+
+
 def test_py_typed_ships() -> None:
     assert importlib.resources.files("kvoffload").joinpath("py.typed").is_file()
 

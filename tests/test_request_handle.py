@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvoffload.request as request_module
+import kvoffload.hashing as hashing_module
 from kvoffload import (
     HashNamespace,
     InvalidInputError,
@@ -91,14 +91,23 @@ def test_incremental_hashes_equal_hashing_everything(
 
 
 async def test_extend_hashes_each_new_block_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    real = request_module.hash_block_tokens
+    calls: list[int] = []  # the token bytes each block hash covered
+    real = hashing_module._sha256
 
-    def counting(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
-        calls.append(len(tokens))
-        return real(parent, tokens, extra)  # type: ignore[arg-type]
+    class Counting:
+        def __init__(self, parent: bytes) -> None:
+            self._h = real(parent)
+            calls.append(0)
 
-    monkeypatch.setattr(request_module, "hash_block_tokens", counting)
+        def update(self, data: bytes) -> None:
+            if len(data) != 16:  # not the two length fields
+                calls[-1] += len(data) // 8
+            self._h.update(data)
+
+        def digest(self) -> bytes:
+            return self._h.digest()
+
+    monkeypatch.setattr(hashing_module, "_sha256", Counting)
     async with offloader(make_kv()) as off:
         with off.request("r", list(range(10))) as req:
             assert len(calls) == 2  # the prompt's two full blocks
@@ -106,6 +115,9 @@ async def test_extend_hashes_each_new_block_once(monkeypatch: pytest.MonkeyPatch
                 req.extend([100 + t])
             assert len(calls) == 6  # 24 tokens: four more blocks, each hashed once
             assert calls == [BS] * 6
+            assert list(req.block_hashes) == hash_prompt(
+                [*range(10), *range(100, 114)], BS, off.namespace
+            )
 
 
 async def test_a_bad_token_appends_nothing() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import logging
 import os
 import re
 import signal
@@ -106,6 +107,7 @@ async def serving(
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful_s)
     server = uvicorn.Server(config)
+    app_module.bind_server(app, server)  # a failed step loop stops this server
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         for _ in range(500):
@@ -183,6 +185,9 @@ async def test_concurrent_conversations_match_the_engine_in_process() -> None:
     assert summary.hit_rate > 0
     assert summary.loaded_tokens > 0
     assert body["offloader"]["scheduler"]["loaded_blocks"] * BLOCK == summary.loaded_tokens
+    # The server's own timings come back with each turn: a loaded turn waited for its load.
+    assert all(0 < r.server_forward_s <= r.server_ttft_s for r in results)
+    assert all(r.server_load_wait_s > 0 for r in results if r.loaded_tokens)
     # Several requests per step: 9 requests x 6 tokens take fewer steps one by one would.
     generated = sum(len(r.output_ids) for r in results)
     assert body["engine"]["steps"] < generated
@@ -293,32 +298,67 @@ async def test_shutdown_with_transfers_in_flight_leaves_the_offloader_whole() ->
     assert report.requests.aborted == 1  # the stream still open at shutdown
 
 
-BAD_REQUESTS: list[tuple[Any, str, str | None]] = [
-    ({"prompt": [1, 2], "temperature": 0.7}, "temperature=0.7: only greedy", "temperature"),
-    ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens", "max_tokens"),
-    ({"prompt": [1, 999]}, "token id 999 is outside the vocabulary [0, 256)", "prompt"),
-    ({"prompt": []}, "prompt", "prompt"),
-    ({"prompt": [1, 2], "top_k": 3}, "top_k: Extra inputs are not permitted", "top_k"),
-    ({"prompt": [1, 2], "n": 2}, "n: Input should be 1 (got 2)", "n"),
-    ({"prompt": [[1, 2]]}, "list of integer token ids, got [[1, 2]]", "prompt"),
-    ({"prompt": [1, True]}, "list of integer token ids", "prompt"),
+BAD_REQUESTS: list[tuple[Any, int, str, str | None]] = [
+    ({"prompt": [1, 2], "temperature": 0.7}, 422, "temperature=0.7: only greedy", "temperature"),
+    ({"prompt": [1, 2], "max_tokens": 0}, 422, "max_tokens", "max_tokens"),
+    ({"prompt": [1, 999]}, 400, "token id 999 is outside the vocabulary [0, 256)", "prompt"),
+    ({"prompt": []}, 422, "prompt", "prompt"),
+    ({"prompt": [1, 2], "top_k": 3}, 422, "top_k: Extra inputs are not permitted", "top_k"),
+    ({"prompt": [1, 2], "n": 2}, 422, "n: Input should be 1 (got 2)", "n"),
+    ({"prompt": [[1, 2]]}, 422, "list of integer token ids, got [[1, 2]]", "prompt"),
+    ({"prompt": [1, True]}, 422, "list of integer token ids", "prompt"),
+    # strict types: nothing is converted
+    (
+        {"prompt": [1, 2], "max_tokens": "5"},
+        422,
+        "max_tokens: Input should be a valid integer (got '5')",
+        "max_tokens",
+    ),
+    (
+        {"prompt": [1, 2], "max_tokens": True},
+        422,
+        "max_tokens: Input should be a valid integer (got True)",
+        "max_tokens",
+    ),
+    (
+        {"prompt": [1, 2], "max_tokens": 5.0},
+        422,
+        "max_tokens: Input should be a valid integer",
+        "max_tokens",
+    ),
+    (
+        {"prompt": [1, 2], "stream": "yes"},
+        422,
+        "stream: Input should be a valid boolean (got 'yes')",
+        "stream",
+    ),
+    (
+        {"prompt": [1, 2], "stream": 1},
+        422,
+        "stream: Input should be a valid boolean (got 1)",
+        "stream",
+    ),
+    ({"prompt": [1, 2], "n": True}, 422, "n: Input should be a valid integer (got True)", "n"),
+    ({"prompt": [1, 2], "model": 7}, 422, "model: Input should be a valid string (got 7)", "model"),
     (
         {"prompt": [1, 2], "max_tokens": 10_000},
+        400,
         "needs 2501 blocks; the cache has 48 (a prompt of 2 tokens plus max_tokens=10000)",
         "max_tokens",
     ),
-    ({}, "prompt: Field required", "prompt"),
-    ("not json", "not a valid request", None),
+    ({}, 422, "prompt: Field required", "prompt"),
+    ("not json", 400, "not a valid request", None),
+    ("[1, 2]", 400, "not a valid request", None),
 ]
 
 
-async def test_bad_requests_get_a_400_naming_the_field_and_value() -> None:
+async def test_bad_requests_get_a_4xx_naming_the_field_and_value() -> None:
     app = app_module.create_app(tiny_engine(), offload_config())
     async with serving(app) as (url, _server), httpx.AsyncClient(base_url=url) as client:
-        for body, words, param in BAD_REQUESTS:
+        for body, status, words, param in BAD_REQUESTS:
             content = body if isinstance(body, str) else json.dumps(body)
             response = await client.post("/v1/completions", content=content)
-            assert response.status_code == 400, body
+            assert response.status_code == status, (body, response.text)
             error = response.json()["error"]
             assert words in error["message"], (body, error)
             assert error["param"] == param, (body, error)
@@ -371,7 +411,7 @@ def test_the_command_line_serves_replays_and_shuts_down(
         argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        deadline = time.monotonic() + 90
+        # Wait until it answers or exits; a server that hangs is the per-test timeout's.
         while True:
             assert proc.poll() is None, proc.communicate()[0]
             try:
@@ -379,7 +419,6 @@ def test_the_command_line_serves_replays_and_shuts_down(
                     break
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.1)
         argv = ["--url", url, "--conversations", "2", "--turns", "2", "--user-tokens", "20"]
         assert client_module.main([*argv, "--max-tokens", "3"]) == 0
@@ -465,3 +504,105 @@ async def test_a_client_that_leaves_while_its_prefix_loads_is_aborted() -> None:
         await until(client, lambda s: s["offloader"]["scheduler"]["in_flight_transfers"] == 0)
         assert (await stats(client))["offloader"]["scheduler"]["loaded_blocks"] == 10
     assert_whole(app)
+
+
+class Records(logging.Handler):
+    """Collects what a logger emits."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@asynccontextmanager
+async def server_log() -> AsyncIterator[Records]:
+    """What the server logs (uvicorn's error log, where the example writes); enter it
+    after `serving`, whose logging configuration replaces the handlers."""
+    logger = logging.getLogger("uvicorn.error")
+    handler, level = Records(), logger.level
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+async def test_a_client_that_leaves_mid_body_is_logged_in_one_line() -> None:
+    app = app_module.create_app(tiny_engine(), offload_config())
+    async with serving(app) as (url, _server), server_log() as log:
+        logging.getLogger("uvicorn.error").setLevel(logging.INFO)  # serving() set WARNING
+        host, port = url.removeprefix("http://").split(":")
+        _reader, writer = await asyncio.open_connection(host, int(port))
+        head = (
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Content-Length: 1000\r\n\r\n"
+        )
+        writer.write(head.encode() + b'{"prompt": [1, 2,')
+        await writer.drain()
+        writer.close()  # gone, 983 bytes short
+        await writer.wait_closed()
+        for _ in range(300):
+            if any("left before sending" in r.getMessage() for r in log.records):
+                break
+            await asyncio.sleep(0.01)
+        async with httpx.AsyncClient(base_url=url) as client:  # still serving
+            ok = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+            assert ok.status_code == 200
+            assert (await stats(client))["server"]["submitted"] == 1
+    left = [r for r in log.records if "left before sending" in r.getMessage()]
+    assert len(left) == 1
+    assert "\n" not in left[0].getMessage()
+    assert left[0].levelno == logging.INFO
+    assert not [r for r in log.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert_whole(app)
+
+
+async def test_a_step_loop_that_fails_stops_the_server_and_says_why() -> None:
+    engine = tiny_engine(num_gpu_blocks=160)
+    app = app_module.create_app(engine, offload_config())
+    real_step = engine.step
+
+    async def step() -> Any:
+        if engine.statistics().steps >= 3:
+            try:
+                raise KeyError("the cause")
+            except KeyError as cause:
+                raise RuntimeError("step exploded") from cause
+        return await real_step()
+
+    engine.step = step  # type: ignore[method-assign]
+    async with serving(app) as (url, server), server_log() as log:
+        async with httpx.AsyncClient(base_url=url) as client:
+            body = {"prompt": list(range(30)), "max_tokens": 100}
+            response = await client.post("/v1/completions", json=body)
+            assert response.status_code == 503
+            message = response.json()["error"]["message"]
+            assert "step loop failed (RuntimeError('step exploded'))" in message
+        for _ in range(300):  # the server stops by itself: no zombie answering 503
+            if server.should_exit:
+                break
+            await asyncio.sleep(0.01)
+        assert server.should_exit
+    state = app.state.server
+    assert isinstance(state.failure, RuntimeError)
+    assert state.report is not None  # the lifespan's shutdown ran
+    assert state.report.requests.aborted == 1
+    (failed,) = [r for r in log.records if r.levelno >= logging.ERROR]
+    assert "the step loop failed" in failed.getMessage()
+    assert failed.exc_info is not None
+    error = failed.exc_info[1]
+    assert isinstance(error, RuntimeError)
+    assert isinstance(error.__cause__, KeyError)  # the traceback shows the cause
+
+
+def test_the_command_line_refuses_a_thread_count_below_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        app_module.main(["--threads", "0"])
+    assert exit_info.value.code == 2
+    assert "--threads must be >= 1, got 0" in capsys.readouterr().err

@@ -20,7 +20,7 @@ def test_import_without_vllm_names_the_extra() -> None:
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
-    assert "pip install 'kvoffload[vllm]'" in done.stdout
+    assert "from a kvoffload clone, pip install '.[vllm]'" in done.stdout
 
 
 def test_core_does_not_import_the_integration() -> None:

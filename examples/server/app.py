@@ -19,7 +19,8 @@ invariants hold, no CPU block is referenced, no GPU block is pinned or held.
     python examples/server/app.py --port 8000
     python examples/server/client.py --url http://127.0.0.1:8000
 
-Needs ``pip install 'kvoffload[examples]'``; see docs/server.md.
+Needs the ``examples`` extra (from a kvoffload clone, ``pip install '.[examples]'``); see
+docs/server.md.
 """
 
 from __future__ import annotations
@@ -29,27 +30,31 @@ import codecs
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
+import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any
 
 import anyio
+import anyio.abc
 import torch
 import uvicorn
 from anyio.streams.memory import MemoryObjectReceiveStream
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic_core import PydanticCustomError
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -67,6 +72,8 @@ from kvoffload.transfer import ThreadCopyEngine
 from kvoffload.transfer.thread_engine import CopyHook
 
 QUICK = os.environ.get("KVOFFLOAD_EXAMPLE_QUICK") == "1"  # CI and tests: a smaller model
+
+log = logging.getLogger("uvicorn.error")  # the server's log: uvicorn configures and prints it
 
 # -- the toy tokenizer ----------------------------------------------------------------------
 
@@ -101,16 +108,26 @@ class ByteTokenizer:
 # -- the request body ------------------------------------------------------------------------
 
 
-class CompletionRequest(BaseModel):
-    """The body of ``POST /v1/completions`` (the OpenAI fields this server supports)."""
+def _only_one(n: int) -> int:
+    if n != 1:
+        raise PydanticCustomError("literal_error", "Input should be 1")
+    return n
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+
+class CompletionRequest(BaseModel):
+    """The body of ``POST /v1/completions`` (the OpenAI fields this server supports).
+
+    Strict: a field of the wrong JSON type is refused, never converted (``"5"`` or
+    ``true`` is not a ``max_tokens``, ``"yes"`` not a ``stream``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     prompt: str | list[StrictInt] = Field(min_length=1)
     max_tokens: int = Field(default=16, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=0.0)
     stream: bool = False
-    n: Literal[1] = 1
+    n: Annotated[int, AfterValidator(_only_one)] = 1
     model: str | None = None
     user: str | None = None
 
@@ -121,11 +138,16 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    """The first error as a message naming the field and the value, and the field."""
+def _validation_error(exc: ValidationError) -> JSONResponse:
+    """A 400 for a body that is not a JSON object; a 422 naming the first bad field."""
     first = exc.errors()[0]
     if not first["loc"]:
-        return f"the body is not a valid request: {first['msg']}", None
+        return _error(400, f"the body is not a valid request: {first['msg']}")
+    return _error(422, *_field_message(first))
+
+
+def _field_message(first: Any) -> tuple[str, str]:
+    """A field's error as a message naming the field and the value, and the field."""
     param = str(first["loc"][0])
     got = first.get("input")
     if param == "temperature":
@@ -151,6 +173,22 @@ class ServerState:
     offloader: KVOffloader | None = None
     report: ShutdownReport | None = None
     rejected: int = 0
+    stop: Callable[[], None] | None = None
+    """Asks the HTTP server to shut down (`bind_server` sets it)."""
+    failure: BaseException | None = None
+    """What ended the step loop, when it failed."""
+
+
+def _not_running(state: ServerState) -> str:
+    if state.failure is not None:
+        return f"the server is stopping: its step loop failed ({state.failure!r})"
+    return "the server is not running"
+
+
+def bind_server(app: Starlette, server: uvicorn.Server) -> None:
+    """Let ``app`` stop ``server`` when its step loop fails."""
+    state: ServerState = app.state.server
+    state.stop = lambda: setattr(server, "should_exit", True)
 
 
 class _ServerCollector(Collector):
@@ -245,14 +283,19 @@ async def completions(request: Request) -> Response:
     """``POST /v1/completions``."""
     state = _state(request)
     try:
-        body = CompletionRequest.model_validate_json(await request.body())
+        raw = await request.body()
+    except ClientDisconnect:
+        log.info("a client left before sending the whole body of %s", request.url.path)
+        return Response(status_code=400)  # nobody reads it
+    try:
+        body = CompletionRequest.model_validate_json(raw)
     except ValidationError as exc:
         state.rejected += 1
-        return _error(400, *_validation_message(exc))
+        return _validation_error(exc)
     prompt = state.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
     cid = f"cmpl-{uuid.uuid4().hex[:24]}"
     if state.loop is None:
-        return _error(503, "the server is not running")
+        return _error(503, _not_running(state))
     stack = AsyncExitStack()
     try:
         events = await stack.enter_async_context(state.loop.submit(prompt, body.max_tokens))
@@ -292,6 +335,8 @@ async def _complete(
     if result.finish_reason == "error":
         return _error(500, f"the model failed on this request: {result.error}")
     if result.finish_reason == "aborted":
+        if state.failure is not None:
+            return _error(503, _not_running(state))
         return _error(503, "the request was aborted (the server is shutting down)")
     if result.ttft_s is not None:
         state.ttft.observe(result.ttft_s)
@@ -372,7 +417,7 @@ async def stats(request: Request) -> Response:
     """``GET /stats``: the offloader's, the engine's and the server's counters as JSON."""
     state = _state(request)
     if state.loop is None:
-        return _error(503, "the server is not running")
+        return _error(503, _not_running(state))
     off = state.offloader
     return JSONResponse(
         {
@@ -400,7 +445,11 @@ def create_app(
 ) -> Starlette:
     """The Starlette app; the offloader and the step loop live in its lifespan.
 
-    After shutdown, ``app.state.server.report`` holds the `ShutdownReport`.
+    After shutdown, ``app.state.server.report`` holds the `ShutdownReport`. When the
+    step loop fails, the error is logged with its cause, every request still open is
+    ended (503), and the server is stopped: through the hook `bind_server` installs, or
+    else by a SIGINT to this process, as Ctrl-C would. ``app.state.server.failure``
+    then holds the error.
 
     Args:
         engine: the engine, with no offloader attached and no request in progress.
@@ -431,9 +480,22 @@ def create_app(
                 stack.callback(engine.attach, None)
                 registry.register(OffloaderCollector(off))
             state.offloader, state.loop = off, loop
+
+            async def run_loop(*, task_status: anyio.abc.TaskStatus[None]) -> None:
+                try:
+                    await loop.run(task_status=task_status)
+                except Exception as exc:  # a dead loop must not leave a server answering 503
+                    state.failure = exc
+                    state.loop = None
+                    log.exception("the step loop failed; stopping the server")
+                    if state.stop is not None:
+                        state.stop()
+                    else:
+                        signal.raise_signal(signal.SIGINT)
+
             try:
                 async with anyio.create_task_group() as tg:
-                    await tg.start(loop.run)
+                    await tg.start(run_loop)
                     yield
                     in_flight = off.statistics().scheduler.in_flight_transfers if off else 0
                     tg.cancel_scope.cancel()
@@ -517,7 +579,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--no-offload", action="store_true", help="serve without kvoffload (for comparison)"
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch's intra-op threads (default: torch's choice, one per core); 1 on a CPU "
+        "that other work shares",
+    )
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     model = build_model(args.model, device=args.device)
     engine = PagedEngine(
         model,
@@ -537,6 +609,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5)
     )
+    bind_server(app, server)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C after shutdown
         server.run()
     report = app.state.server.report
@@ -544,6 +617,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("the server did not start", file=sys.stderr)
         return 1
     print(f"shutdown: {report.describe()}", flush=True)
+    failure = app.state.server.failure
+    if failure is not None:
+        print(f"the step loop failed: {failure!r}", file=sys.stderr)
+        return 1
     return 0 if report.whole else 1
 
 

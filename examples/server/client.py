@@ -41,6 +41,8 @@ class TurnResult:
     output_ids: list[int]
     ttft_s: float
     server_ttft_s: float
+    server_load_wait_s: float
+    server_forward_s: float
     gpu_cached_tokens: int
     loaded_tokens: int
     computed_tokens: int
@@ -120,6 +122,8 @@ async def conversation(
                 output_ids=output,
                 ttft_s=ttft,
                 server_ttft_s=float(info.get("ttft_s", 0.0)),
+                server_load_wait_s=float(info.get("load_wait_s", 0.0)),
+                server_forward_s=float(info.get("forward_s", 0.0)),
                 gpu_cached_tokens=int(info.get("gpu_cached_tokens", 0)),
                 loaded_tokens=int(info.get("loaded_tokens", 0)),
                 computed_tokens=int(info.get("computed_tokens", 0)),

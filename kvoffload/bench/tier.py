@@ -40,6 +40,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from kvoffload._extras import needs_extra
 from kvoffload.bench._args import int_list, positive_int
 from kvoffload.hashing import BlockHash
 from kvoffload.tiers.base import BlockWrite, SecondaryTier
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             import redis.asyncio  # noqa: F401, PLC0415
         except ImportError:
-            print("--kind redis needs the redis extra: pip install 'kvoffload[redis]'")
+            print(needs_extra("--kind redis", "redis"))
             return 2
     print("command: python -m kvoffload.bench " + " ".join(sys.argv[1:] or ["tier"]))
     if args.calibrate:

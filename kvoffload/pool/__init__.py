@@ -1,5 +1,6 @@
 """The CPU block pool and its LRU free queue."""
 
+from kvoffload.pool.block import BlockId, CpuBlock
 from kvoffload.pool.block_pool import (
     AllBlocksCleared,
     BlockRemoved,
@@ -8,7 +9,7 @@ from kvoffload.pool.block_pool import (
     PoolEvent,
     PoolStatistics,
 )
-from kvoffload.pool.free_queue import BlockId, CpuBlock, LruFreeQueue
+from kvoffload.pool.free_queue import LruFreeQueue
 
 __all__ = [
     "AllBlocksCleared",

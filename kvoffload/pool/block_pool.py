@@ -16,7 +16,8 @@ from typing import final
 
 from kvoffload.errors import BlockStateError, InvariantError, OutOfBlocksError
 from kvoffload.hashing import BlockHash
-from kvoffload.pool.free_queue import BlockId, CpuBlock, LruFreeQueue
+from kvoffload.pool.block import BlockId, CpuBlock
+from kvoffload.pool.free_queue import LruFreeQueue
 from kvoffload.pool.policies import EvictionPolicy, LruPolicy, make_policy
 
 __all__ = [

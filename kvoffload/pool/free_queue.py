@@ -9,30 +9,15 @@ A block is in at most one queue at a time; its links are ``None`` while it is no
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NewType, final
+from typing import final
 
 from kvoffload.errors import BlockStateError, InvalidInputError, InvariantError, OutOfBlocksError
+from kvoffload.pool.block import BlockId, CpuBlock, QueueNode
 
-if TYPE_CHECKING:
-    from kvoffload.hashing import BlockHash
-
-__all__ = ["BlockId", "CpuBlock", "LruFreeQueue"]
-
-BlockId = NewType("BlockId", int)
-"""Index of a CPU block in the pool (and of its byte range in the host buffer)."""
+__all__ = ["BlockId", "CpuBlock", "LruFreeQueue"]  # the first two from kvoffload.pool.block
 
 
-class _Node:
-    """A link in the free queue: a sentinel, or the base of `CpuBlock`."""
-
-    __slots__ = ()
-
-    _prev: _Node | None
-    _next: _Node | None
-
-
-class _Sentinel(_Node):
+class _Sentinel(QueueNode):
     """One of the two private ends of a queue; never a block."""
 
     __slots__ = ("_next", "_prev")
@@ -40,32 +25,6 @@ class _Sentinel(_Node):
     def __init__(self) -> None:
         self._prev = None
         self._next = None
-
-
-@final
-@dataclass(slots=True, eq=False)
-class CpuBlock(_Node):
-    """One CPU block of the pool.
-
-    Attributes:
-        block_id: index of the block, stable for the pool's life.
-        ref_cnt: holders of the block; 0 means it sits in the free queue and may be evicted.
-        block_hash: the key the block is published under, ``None`` until published.
-    """
-
-    block_id: BlockId
-    ref_cnt: int = 0
-    block_hash: BlockHash | None = None
-    _prev: _Node | None = field(default=None, init=False, repr=False)
-    _next: _Node | None = field(default=None, init=False, repr=False)
-    # The owning pool's token (not the pool: no reference cycle), for one identity test
-    # per block in `CpuBlockPool.touch` and `CpuBlockPool.free`.
-    _owner: object = field(default=None, init=False, repr=False)
-
-    @property
-    def is_free(self) -> bool:
-        """Whether the block sits in a free queue."""
-        return self._prev is not None
 
 
 @final
@@ -216,7 +175,7 @@ class LruFreeQueue:
         """
         out: list[CpuBlock] = []
         seen: set[int] = set()
-        prev: _Node = self._head
+        prev: QueueNode = self._head
         node = self._head._next
         while node is not self._tail:
             if node is None or node._prev is not prev:

@@ -17,8 +17,8 @@ import anyio.to_thread
 import torch
 
 from kvoffload._logging import get_logger
-from kvoffload.config import KVLayout
 from kvoffload.errors import ClosedError, ForkedProcessError, HostMemoryError, InvalidInputError
+from kvoffload.layout import KVLayout
 
 __all__ = [
     "CudaHostRegistrar",

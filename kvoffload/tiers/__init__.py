@@ -6,12 +6,12 @@ into CPU blocks when a lookup finds them only in a tier. See ``docs/tiers.md``.
 
 from __future__ import annotations
 
+from kvoffload.config import DiskTierSettings, RedisTierSettings, TierSettings
 from kvoffload.tiers.base import BlockRead, BlockWrite, SecondaryTier
 from kvoffload.tiers.build import build_tier
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.format import HEADER_SIZE, BlockHeader, encode_header, verify_block
 from kvoffload.tiers.manager import TierManager
-from kvoffload.tiers.settings import DiskTierSettings, RedisTierSettings, TierSettings
 from kvoffload.tiers.stats import TierManagerStatistics, TierStatistics
 
 __all__ = [

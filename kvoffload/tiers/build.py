@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvoffload._extras import needs_extra
+from kvoffload.config import DiskTierSettings, RedisTierSettings
 from kvoffload.errors import ConfigError
 from kvoffload.tiers.base import SecondaryTier
 from kvoffload.tiers.disk import DiskTier
-from kvoffload.tiers.settings import DiskTierSettings, RedisTierSettings
 
 if TYPE_CHECKING:
-    from kvoffload.tiers.settings import TierSettings
+    from kvoffload.config import TierSettings
 
 __all__ = ["build_tier"]
 
@@ -48,8 +49,7 @@ def build_tier(
             from kvoffload.tiers.redis import RedisTier  # noqa: PLC0415 - optional extra
         except ImportError as exc:
             raise ConfigError(
-                f"tiers[{index}] ({name!r}): the redis tier needs the redis extra: "
-                f"pip install 'kvoffload[redis]' ({exc})"
+                f"tiers[{index}] ({name!r}): {needs_extra('the redis tier', 'redis')} ({exc})"
             ) from exc
         return RedisTier(
             settings.url.get_secret_value(),

@@ -1,4 +1,4 @@
-"""`RedisTier`: one key per block on a Redis or Valkey server (``kvoffload[redis]``).
+"""`RedisTier`: one key per block on a Redis or Valkey server (the ``redis`` extra).
 
 A block is one value: the 96-byte header (format version, namespace digest, block hash,
 payload length, checksum) followed by the payload, written with a single ``SET`` so a
@@ -15,22 +15,22 @@ from collections.abc import Mapping, Sequence
 from typing import Any, final
 from urllib.parse import urlsplit
 
+from kvoffload._extras import needs_extra
+
 try:
     import redis.asyncio as aioredis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - exercised without the extra
-    raise ImportError(
-        "kvoffload.tiers.redis needs the redis extra: pip install 'kvoffload[redis]'"
-    ) from exc
+    raise ImportError(needs_extra("kvoffload.tiers.redis", "redis")) from exc
 
 from kvoffload._logging import get_logger
+from kvoffload.config import redact_url
 from kvoffload.errors import TierError
 from kvoffload.hashing import BlockHash
 from kvoffload.tiers._threads import IoThreads
 from kvoffload.tiers.base import BlockRead, BlockWrite
 from kvoffload.tiers.format import HEADER_SIZE, checksum
-from kvoffload.tiers.settings import redact_url
 
 __all__ = ["RedisTier"]
 

@@ -12,34 +12,41 @@ __all__ = ["TierManagerStatistics", "TierStatistics"]
 class TierStatistics:
     """Counters of one tier, as the manager saw it.
 
+    Each entry is also the help text of the tier's metric (`kvoffload.metrics`).
+
     Attributes:
         name: the tier's name.
         kind: ``"disk"``, ``"redis"`` or the class name of a custom tier.
-        healthy: whether the tier is in use now (read from, at least).
-        writable: whether write-downs go to it now; ``False`` while it is unhealthy, or
+        healthy: whether the tier is in use now (read from, at least); false while it is
+            unhealthy.
+        writable: whether write-downs go to the tier now; false while it is unhealthy, or
             healthy but unable to write (a full disk): it then still serves reads.
         blocks_written: blocks the tier reported stored.
-        bytes_written: their payload bytes.
-        writes_skipped_full: write-downs skipped because the queue was full (back-pressure).
+        bytes_written: payload bytes of the blocks the tier reported stored.
+        writes_skipped_full: write-downs skipped because the tier's queue was full
+            (back-pressure).
         writes_skipped_unhealthy: write-downs skipped (or dropped from the queue) because
             the tier was unhealthy or could not write.
         writes_failed: blocks of write operations that failed.
         writes_held: write-downs queued or running now (each holds a CPU block).
-        max_writes_held: the most ever held at once (never above ``max_queued_writes``).
-        blocks_read: blocks read and verified.
-        bytes_read: their payload bytes.
-        blocks_promoted: of those, blocks published into the CPU pool.
+        max_writes_held: the most write-downs ever held at once (never above
+            ``max_queued_writes``).
+        blocks_read: blocks read from the tier and verified.
+        bytes_read: payload bytes of the blocks read from the tier and verified.
+        blocks_promoted: verified blocks published into the CPU pool.
         read_misses: blocks the probe found but the read did not (evicted meanwhile).
-        failed_checks: blocks that failed verification (deleted from the tier).
-        errors: operations that failed (each also marks the tier unhealthy, or
-            read-only when only writes fail).
+        failed_checks: blocks that failed verification (never published; deleted from
+            the tier).
+        errors: tier operations that failed (each marks the tier unhealthy, or read-only
+            when only writes fail).
         unhealthy_events: times the tier went from healthy to unhealthy, or from writable
             to read-only.
-        recoveries: times it came back.
-        write_seconds: total time of write operations.
-        read_seconds: total time of read operations.
+        recoveries: times the tier came back after being unhealthy or read-only.
+        write_seconds: time spent in the tier's write operations.
+        read_seconds: time spent in the tier's read operations.
         last_error: the last error's message ("" if none).
-        details: the tier's own figures (`SecondaryTier.statistics()`).
+        details: the tier's own figures (slots, I/O counts ...), from
+            `SecondaryTier.statistics()`.
     """
 
     name: str
@@ -71,14 +78,18 @@ class TierStatistics:
 class TierManagerStatistics:
     """Counters of a `TierManager`.
 
+    Each entry is also the help text of the manager's metric (`kvoffload.metrics`).
+
     Attributes:
         tiers: one entry per tier, in order.
-        promotions: promotion jobs started by lookups.
-        promotions_no_space: promotions that found blocks but no free CPU block.
-        deferred_lookups: lookups answered ``None`` because a promotion was in flight.
-        promotion_errors: promotions ended by an unexpected error (logged; nothing published).
-        promotions_in_flight: promotion jobs running now.
-        refs_held: CPU block references the manager holds now.
+        promotions: promotions from the tiers started by lookups.
+        promotions_no_space: promotions that found blocks in a tier but no free CPU block.
+        deferred_lookups: lookups answered ``None`` ("ask again") because a promotion was
+            in flight.
+        promotion_errors: promotions ended by an unexpected error (logged; nothing
+            published).
+        promotions_in_flight: promotions running now.
+        refs_held: CPU block references the tier manager holds now.
     """
 
     tiers: tuple[TierStatistics, ...]

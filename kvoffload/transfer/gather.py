@@ -25,8 +25,8 @@ from typing import final
 
 import torch
 
-from kvoffload.config import KVLayout
 from kvoffload.errors import InvalidInputError, LayoutMismatchError
+from kvoffload.layout import KVLayout
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.transfer.plan import TransferPlan
 

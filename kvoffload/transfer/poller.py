@@ -60,16 +60,19 @@ def _threadsafe_scheduler() -> _Threadsafe | None:
 class PollerStatistics:
     """A snapshot of a `CompletionPoller`.
 
+    Each entry is also the help text of the poller's metric (`kvoffload.metrics`).
+
     Attributes:
-        in_flight: tracked tasks not delivered yet.
-        completed: tasks delivered as done.
-        failed: tasks delivered as failed.
-        abandoned: tasks delivered as abandoned.
+        in_flight: transfers tracked and not delivered yet.
+        completed: transfers delivered as done.
+        failed: transfers delivered as failed.
+        abandoned: transfers delivered as abandoned.
         callback_errors: times the completion callback raised.
-        polls: query rounds made.
+        polls: query rounds the poller made.
         observe_latency_median_s: median time from a copy's end to the poller seeing it,
             over recent copies whose end time is known (``None`` if none is).
-        observe_latency_p99_s: the 99th percentile of the same.
+        observe_latency_p99_s: 99th percentile of the time from a copy's end to the
+            poller seeing it, over the same copies (``None`` if none is known).
     """
 
     in_flight: int

@@ -19,8 +19,8 @@ import anyio.to_thread
 import torch
 
 from kvoffload._logging import get_logger
-from kvoffload.config import KVLayout
 from kvoffload.errors import InputTypeError, LayoutMismatchError
+from kvoffload.layout import KVLayout
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.transfer.engine import _EngineBase, _InFlight, check_open
 from kvoffload.transfer.gather import BlockMover

@@ -11,7 +11,9 @@ def _need_client() -> None:
     try:
         import redis.asyncio  # noqa: F401, PLC0415
     except ImportError:
-        redis_missing("the redis package is not installed (pip install 'kvoffload[redis]')")
+        redis_missing(
+            "the redis package is not installed (from a kvoffload clone: pip install '.[redis]')"
+        )
 
 
 @pytest.fixture

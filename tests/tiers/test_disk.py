@@ -239,7 +239,7 @@ async def test_a_failed_header_page_write_never_serves_the_new_payload(
     t = tier(path, slots=4, persist=True)
     await t.open()
     await t.put([write(0), write(1)])  # slots 0-1: the run starts the extent, one call
-    real_io = t._io
+    real_io = t._io.io
     header_page = t._header_offset(0)
 
     def io(write_: bool, buffers: list[memoryview], payloads: list[memoryview], at: int) -> int:
@@ -247,7 +247,7 @@ async def test_a_failed_header_page_write_never_serves_the_new_payload(
             raise OSError(5, "Input/output error")  # the page alone, after the payload
         return real_io(write_, buffers, payloads, at)
 
-    monkeypatch.setattr(t, "_io", io)
+    monkeypatch.setattr(t._io, "io", io)
     await t.delete([h(1)])
     with pytest.raises(TierError, match="EIO"):
         await t.put([write(2)])  # slot 1 again: payload written, header page not

@@ -101,10 +101,10 @@ def test_redis_tier_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) 
         if name in sys.modules:
             monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "redis", None)  # what an absent package looks like
-    with pytest.raises(ImportError, match=r"pip install 'kvoffload\[redis\]'"):
+    with pytest.raises(ImportError, match=r"pip install '\.\[redis\]'"):
         importlib.import_module("kvoffload.tiers.redis")
     settings = RedisTierSettings(url="redis://127.0.0.1:1/0")
-    with pytest.raises(ConfigError, match=r"tiers\[0\] \('redis0'\).*kvoffload\[redis\]"):
+    with pytest.raises(ConfigError, match=r"tiers\[0\] \('redis0'\).*pip install '\.\[redis\]'"):
         build_tier(settings, 0, namespace=b"\0" * 32, block_nbytes=1024)
 
 

@@ -1,6 +1,6 @@
 """Hugging Face ``transformers`` integration: a paged-KV engine that offloads with kvoffload.
 
-Install with ``pip install 'kvoffload[transformers]'``. Public API::
+Install from a kvoffload clone with ``pip install '.[transformers]'``. Public API::
 
     from kvoffload.integrations.transformers import PagedEngine
 
@@ -33,13 +33,12 @@ refused with a `kvoffload.ConfigError`.
 
 from __future__ import annotations
 
+from kvoffload._extras import needs_extra
+
 try:
     import transformers as _transformers  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
-    raise ImportError(
-        "kvoffload.integrations.transformers needs the 'transformers' package: "
-        "pip install 'kvoffload[transformers]'"
-    ) from exc
+    raise ImportError(needs_extra("kvoffload.integrations.transformers", "transformers")) from exc
 
 from kvoffload.integrations.transformers.allocator import AllocatorStatistics, GpuBlockAllocator
 from kvoffload.integrations.transformers.attention import (

@@ -162,6 +162,11 @@ class GpuBlockAllocator:
                 self._held.discard(b)
                 self._free[b] = None
 
+    def ref_count(self, block_id: int) -> int:
+        """How many requests' tables hold ``block_id`` (the references `allocate` and
+        `match` gave and `free` has not taken back)."""
+        return self._refs[block_id]
+
     def is_cached(self, block_id: int) -> bool:
         """Whether a block is registered under a hash."""
         return block_id in self._hash_of

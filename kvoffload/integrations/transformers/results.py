@@ -33,7 +33,12 @@ class GenerationResult:
         preemptions: how often the request was preempted.
         finish_reason: ``"length"`` (``max_new_tokens``), ``"stop"`` (the end token),
             ``"aborted"`` or ``"error"``.
-        error: what failed, for ``"error"``.
+        error: what failed, for ``"error"``; with another reason, what kvoffload raised
+            that the engine contained: a `PinnerError` one of the request's calls surfaced
+            (``kvoffload lookup raised …``; the call was made again, see
+            `EngineStatistics.pinner_errors`) or its handle's ``finish()`` raising
+            (``kvoffload finish failed: …``; the tokens are complete and its blocks were
+            released); else ``None``. Several are joined with ``"; "``.
     """
 
     request_id: str
@@ -79,6 +84,13 @@ class EngineStatistics:
         loaded_tokens: prompt tokens loaded from the CPU pool.
         preemptions: running requests preempted for lack of blocks.
         failed_loads: loads that failed (their tokens were recomputed).
+        finish_errors: requests whose kvoffload handle raised while they ended (each
+            result names the error; its blocks were released all the same).
+        pinner_errors: how often a step's other calls on kvoffload (``request``,
+            ``lookup``, ``load``, ``release``, ``preempt``, ``advance``, ``store``,
+            ``drain``) raised a `PinnerError`: each was logged (``offload_call_failed``,
+            with its cause) and the call made again, so no request or step result was
+            lost; a request's own call is also named in its `GenerationResult.error`.
         allocator: the block allocator's counters.
     """
 
@@ -90,4 +102,6 @@ class EngineStatistics:
     loaded_tokens: int
     preemptions: int
     failed_loads: int
+    finish_errors: int
+    pinner_errors: int
     allocator: AllocatorStatistics

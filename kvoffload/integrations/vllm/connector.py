@@ -62,6 +62,24 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
     failures (`_copy_hook`).
     """
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Check ``kv_connector_extra_config`` before vLLM loads the model; no layout needed.
+
+        vLLM asks this in its scheduler process (the engine core) while it picks the KV
+        cache layout, before any worker loads weights or builds a connector: a misspelt
+        key or a bad value then stops start-up at once with a `ConfigError` naming it,
+        instead of from each worker after the model has loaded.
+
+        Raises:
+            ConfigError: as `offload_config` (the key named, the valid keys listed).
+        """
+        transfer = vllm_config.kv_transfer_config
+        block_size = vllm_config.cache_config.block_size
+        if transfer is not None and block_size is not None:
+            offload_config(transfer.kv_connector_extra_config, block_size=block_size)
+        return None
+
     def __init__(
         self,
         vllm_config: VllmConfig,

@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, final
 
 from kvoffload._logging import get_logger
+from kvoffload.build import build_core
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import ConfigError, InvariantError
-from kvoffload.hashing import BlockHash, HashNamespace, hash_block_tokens
+from kvoffload.hashing import BlockHash, BlockHasher, HashNamespace
 from kvoffload.integrations.vllm.metadata import (
     KVOffloadConnectorMetadata,
     KVOffloadWorkerMetadata,
 )
-from kvoffload.pool import AllBlocksCleared, BlockRemoved, BlockStored, CpuBlockPool
-from kvoffload.scheduler import OffloadScheduler
+from kvoffload.pool import AllBlocksCleared, BlockRemoved, BlockStored
 from kvoffload.transfer.plan import LoadPlan, StorePlan, TransferPlan
 
 if TYPE_CHECKING:
@@ -55,8 +55,11 @@ class _RequestHashes:
     """The kvoffload block hashes of one request's tokens, grown as it runs."""
 
     request: Request
-    extra: bytes
-    hashes: list[BlockHash] = field(default_factory=list)
+    hasher: BlockHasher
+
+    @property
+    def hashes(self) -> Sequence[BlockHash]:
+        return self.hasher.block_hashes
 
 
 class _FreeQueueView:
@@ -89,6 +92,8 @@ class SchedulerSide:
 
     Raises:
         ConfigError: the pool size does not fit the layout.
+        HostMemoryError: the pool's bookkeeping exceeds the memory left (see
+            `kvoffload.build.check_host_memory()`).
     """
 
     def __init__(
@@ -104,11 +109,10 @@ class SchedulerSide:
         self.config = config
         self.layout = layout
         self.world_size = world_size
-        num_blocks = config.resolve_num_cpu_blocks(layout)
-        self.pool = CpuBlockPool(num_blocks, enable_events=config.enable_events)
-        self.scheduler = OffloadScheduler(
-            config, self.pool, bytes_per_block=layout.bytes_per_block * world_size
-        )
+        # The pool's bookkeeping lives here; each worker allocates its own host buffer.
+        core = build_core(config, layout, world_size=world_size, host_buffer=False)
+        self.pool = core.pool
+        self.scheduler = core.scheduler
         self._root = namespace.root
         self._block_size = layout.block_size
         self._requests: dict[str, _RequestHashes] = {}
@@ -137,7 +141,7 @@ class SchedulerSide:
     def _offloadable(self, request: Request) -> bool:
         return not request.mm_features and request.prompt_embeds is None
 
-    def _hashes(self, request: Request, num_tokens: int) -> list[BlockHash]:
+    def _hashes(self, request: Request, num_tokens: int) -> Sequence[BlockHash]:
         """Hashes of the request's full blocks below ``num_tokens``."""
         entry = self._requests.get(request.request_id)
         if entry is None or entry.request is not request:
@@ -146,17 +150,15 @@ class SchedulerSide:
                 parts.append(f"lora:{request.lora_request.lora_name}")
             if request.cache_salt:
                 parts.append(f"salt:{request.cache_salt}")
-            entry = _RequestHashes(request, "\x00".join(parts).encode())
+            extra = "\x00".join(parts).encode()
+            entry = _RequestHashes(request, BlockHasher(self._root, self._block_size, extra))
             self._requests[request.request_id] = entry
-        hashes = entry.hashes
+        hasher = entry.hasher
+        hashes = hasher.block_hashes
         bs = self._block_size
         want = min(num_tokens, request.num_tokens) // bs
-        if len(hashes) < want:
-            tokens = request.all_token_ids
-            parent = hashes[-1] if hashes else self._root
-            for i in range(len(hashes), want):
-                parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], entry.extra)
-                hashes.append(parent)
+        if len(hashes) < want:  # whole blocks only: the hasher keeps no tail here
+            hasher.extend(request.all_token_ids[len(hashes) * bs : want * bs])
         return hashes[:want]
 
     # -- vLLM scheduler hooks ----------------------------------------------------------

@@ -7,6 +7,7 @@ talking to each other.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -36,17 +37,32 @@ def offload_config(extra: Mapping[str, Any] | None, *, block_size: int) -> Offlo
         The settings.
 
     Raises:
-        ConfigError: a field is unknown or out of bounds (named with its value), or
-            ``block_size`` differs from vLLM's.
+        ConfigError: a key is unknown (named, with the closest valid key and the list of
+            valid keys), a value is invalid (the field and value named), or ``block_size``
+            differs from vLLM's.
     """
     values = dict(extra or {})
+    valid = sorted(OffloadConfig.model_fields)
+    unknown = sorted(str(key) for key in values if key not in OffloadConfig.model_fields)
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hints.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+        raise ConfigError(
+            f"kv_connector_extra_config: unknown key {', '.join(hints)}; "
+            f"valid keys: {', '.join(valid)}"
+        )
     given = values.setdefault("block_size", block_size)
     if given != block_size:
         raise ConfigError(
             f"kv_connector_extra_config block_size={given!r} differs from vLLM's "
             f"block_size={block_size}; leave it out to use vLLM's"
         )
-    return OffloadConfig(**values)
+    try:
+        return OffloadConfig(**values)
+    except ConfigError as exc:
+        raise ConfigError(f"kv_connector_extra_config: {exc}") from exc
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

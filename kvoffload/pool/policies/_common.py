@@ -10,7 +10,8 @@ from kvoffload.errors import InvariantError
 
 if TYPE_CHECKING:
     from kvoffload.hashing import BlockHash
-    from kvoffload.pool.free_queue import CpuBlock, LruFreeQueue
+    from kvoffload.pool.block import CpuBlock
+    from kvoffload.pool.free_queue import LruFreeQueue
 
 __all__ = ["GhostList", "PolicyBase"]
 

@@ -10,7 +10,7 @@ from kvoffload.errors import InvariantError
 from kvoffload.pool.policies._common import GhostList, PolicyBase
 
 if TYPE_CHECKING:
-    from kvoffload.pool.free_queue import CpuBlock
+    from kvoffload.pool.block import CpuBlock
 
 __all__ = ["ArcPolicy"]
 

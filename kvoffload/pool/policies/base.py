@@ -28,7 +28,8 @@ from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from kvoffload.pool.free_queue import CpuBlock, LruFreeQueue
+    from kvoffload.pool.block import CpuBlock
+    from kvoffload.pool.free_queue import LruFreeQueue
 
 __all__ = ["EvictionPolicy"]
 

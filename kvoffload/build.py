@@ -1,0 +1,252 @@
+"""One way to build the core: `build_core()` and `plan_core()`.
+
+Every entry point builds the CPU block pool (with its eviction policy) and the
+`OffloadScheduler` (with its store admission filter) here, from one `OffloadConfig`:
+`KVOffloader`, and the scheduler side of the vLLM connector. So a setting reaches the same
+objects whichever way kvoffload is embedded.
+
+`plan_core()` sizes the pool and checks that it fits in the memory this process can still
+use, before anything is allocated; `CorePlan.build()` then builds it (a large pool takes a
+while: `KVOffloader` builds one above `INLINE_POOL_BLOCKS` blocks in a worker thread).
+
+Each `OffloadConfig` field is read by exactly one kind of part, listed in `CORE_FIELDS`,
+`TIER_FIELDS` and `ENTRY_POINT_FIELDS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, final
+
+from kvoffload.config import KVLayout, OffloadConfig
+from kvoffload.errors import ConfigError, HostMemoryError
+from kvoffload.pool.block_pool import CpuBlockPool
+from kvoffload.scheduler import OffloadScheduler
+from kvoffload.storage.host_buffer import available_host_memory
+from kvoffload.tiers.build import build_tier
+from kvoffload.tiers.manager import TierManager
+
+if TYPE_CHECKING:
+    from kvoffload.hashing import HashNamespace
+    from kvoffload.pool.policies import EvictionPolicy
+    from kvoffload.storage.host_buffer import HostKVBuffer
+
+__all__ = [
+    "CORE_FIELDS",
+    "ENTRY_POINT_FIELDS",
+    "INLINE_POOL_BLOCKS",
+    "POOL_BOOKKEEPING_BYTES_PER_BLOCK",
+    "TIER_FIELDS",
+    "Core",
+    "CorePlan",
+    "build_core",
+    "build_tiers",
+    "check_host_memory",
+    "plan_core",
+]
+
+POOL_BOOKKEEPING_BYTES_PER_BLOCK = 128
+"""Python memory the CPU block pool needs per block, rounded up (about 112 bytes measured:
+see ``python -m kvoffload.bench pool``), counted with the host buffer before anything is
+allocated."""
+
+INLINE_POOL_BLOCKS = 1 << 16
+"""`KVOffloader` builds pools up to this many blocks at once, larger ones in a worker
+thread on entering ``async with``."""
+
+CORE_FIELDS: frozenset[str] = frozenset(
+    {
+        # the pool: its size, eviction policy and events
+        "num_cpu_blocks",
+        "cpu_bytes",
+        "eviction_policy",
+        "enable_events",
+        # the scheduler: it reads these from the config it is given
+        "block_size",
+        "store_mode",
+        "lazy_offload_blocks",
+        "restore_evicted",
+        "max_store_blocks_per_step",
+        "store_admission",
+        "hold_blocks_on_finish",
+        "hold_max_blocks",
+        "hold_max_steps",
+    }
+)
+"""The `OffloadConfig` fields that configure the core (pool, policy, admission, scheduler):
+`build_core()` hands them on, the same way for every entry point."""
+
+TIER_FIELDS: frozenset[str] = frozenset({"tiers"})
+"""The `OffloadConfig` fields that configure the secondary tiers (`build_tiers()`)."""
+
+ENTRY_POINT_FIELDS: frozenset[str] = frozenset(
+    {"pin_memory", "pin_chunk_bytes", "poll_interval_s", "model_id", "hash_salt"}
+)
+"""The `OffloadConfig` fields the entry point reads itself, not the core: the host buffer's
+pinning, the completion poller's interval, and the hash namespace."""
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Core:
+    """The built core: the CPU block pool and the scheduler that owns its references.
+
+    The eviction policy is attached to the pool (`policy`); the store admission filter is
+    the scheduler's, made from ``config.store_admission``.
+    """
+
+    pool: CpuBlockPool
+    scheduler: OffloadScheduler
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The pool's eviction policy (``config.eviction_policy``)."""
+        return self.pool.policy
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class CorePlan:
+    """A core sized and checked against the memory left, not built yet (`plan_core()`)."""
+
+    config: OffloadConfig
+    num_cpu_blocks: int
+    """CPU blocks of the pool."""
+    bytes_per_block: int
+    """Bytes one CPU block stands for, for the scheduler's byte counters."""
+    num_gpu_blocks: int | None
+    """The engine's GPU block count (``None``: block ids are only checked to be >= 0)."""
+
+    @property
+    def builds_inline(self) -> bool:
+        """Whether the pool is small enough to build on the event loop's thread."""
+        return self.num_cpu_blocks <= INLINE_POOL_BLOCKS
+
+    def build(self) -> Core:
+        """Build the pool (policy and events from the config) and its scheduler."""
+        config = self.config
+        pool = CpuBlockPool(
+            self.num_cpu_blocks,
+            enable_events=config.enable_events,
+            policy=config.eviction_policy,
+        )
+        scheduler = OffloadScheduler(
+            config,
+            pool,
+            bytes_per_block=self.bytes_per_block,
+            num_gpu_blocks=self.num_gpu_blocks,
+        )
+        return Core(pool, scheduler)
+
+
+def plan_core(
+    config: OffloadConfig,
+    layout: KVLayout,
+    *,
+    num_gpu_blocks: int | None = None,
+    world_size: int = 1,
+    host_buffer: bool,
+) -> CorePlan:
+    """Size the core for ``layout`` and check that it fits in memory; build nothing yet.
+
+    Args:
+        config: the settings.
+        layout: one CPU block's geometry (with ``world_size > 1``, one rank's shard).
+        num_gpu_blocks: the engine's GPU block count, when known.
+        world_size: ranks that each hold a shard of every block (the byte counters count
+            all of them).
+        host_buffer: whether this process also allocates the host buffer (its bytes are
+            counted with the pool's bookkeeping).
+
+    Raises:
+        ConfigError: the pool size or block size does not fit the layout.
+        HostMemoryError: see `check_host_memory()`.
+    """
+    num_cpu_blocks = config.resolve_num_cpu_blocks(layout)
+    check_host_memory(num_cpu_blocks, layout, host_buffer=host_buffer)
+    return CorePlan(
+        config,
+        num_cpu_blocks,
+        bytes_per_block=layout.bytes_per_block * world_size,
+        num_gpu_blocks=num_gpu_blocks,
+    )
+
+
+def build_core(
+    config: OffloadConfig,
+    layout: KVLayout,
+    *,
+    num_gpu_blocks: int | None = None,
+    world_size: int = 1,
+    host_buffer: bool,
+) -> Core:
+    """`plan_core()`, then build the core at once. Same arguments and errors."""
+    return plan_core(
+        config,
+        layout,
+        num_gpu_blocks=num_gpu_blocks,
+        world_size=world_size,
+        host_buffer=host_buffer,
+    ).build()
+
+
+def check_host_memory(num_blocks: int, layout: KVLayout, *, host_buffer: bool) -> None:
+    """Refuse a pool whose host buffer and bookkeeping exceed the memory left.
+
+    Args:
+        num_blocks: CPU blocks of the pool.
+        layout: one CPU block's geometry.
+        host_buffer: count the host buffer too (``num_blocks * layout.bytes_per_block``);
+            otherwise only the bookkeeping (`POOL_BOOKKEEPING_BYTES_PER_BLOCK` per block).
+
+    Raises:
+        HostMemoryError: the total exceeds what this process can still use (MemAvailable
+            and the cgroup limit; not checked where neither can be read).
+    """
+    available = available_host_memory()
+    if available is None:
+        return
+    host = num_blocks * layout.bytes_per_block if host_buffer else 0
+    bookkeeping = num_blocks * POOL_BOOKKEEPING_BYTES_PER_BLOCK
+    if host + bookkeeping > available:
+        raise HostMemoryError(
+            f"a CPU pool of {num_blocks} blocks needs {host} bytes of host buffer "
+            f"({layout.bytes_per_block} per block) and about {bookkeeping} bytes of "
+            f"bookkeeping ({POOL_BOOKKEEPING_BYTES_PER_BLOCK} per block), {host + bookkeeping} "
+            f"in all, but this process can still use {available} bytes (MemAvailable and the "
+            "cgroup limit); lower num_cpu_blocks or cpu_bytes"
+        )
+
+
+def build_tiers(
+    config: OffloadConfig,
+    layout: KVLayout,
+    scheduler: OffloadScheduler,
+    host: HostKVBuffer | None,
+    namespace: HashNamespace,
+) -> TierManager:
+    """The tier manager for ``config.tiers`` over a built core (tiers not opened yet).
+
+    Args:
+        config: the settings.
+        layout: one CPU block's geometry.
+        scheduler: the core's scheduler.
+        host: the host buffer the tiers read and write (``None``: the caller gave its own
+            copy engine, and tiers cannot be used).
+        namespace: the hash namespace; its root namespaces every tier's keys.
+
+    Raises:
+        ConfigError: no host buffer, or a tier's settings do not fit (see `build_tier()`).
+    """
+    if host is None:
+        raise ConfigError(
+            "tiers need the host buffer this offloader makes; they cannot be used with "
+            "a copy_engine given by the caller"
+        )
+    digest = namespace.root
+    nbytes = layout.bytes_per_block
+    tiers = [
+        (build_tier(s, i, namespace=digest, block_nbytes=nbytes), s)
+        for i, s in enumerate(config.tiers)
+    ]
+    return TierManager(tiers, scheduler=scheduler, host=host, namespace=digest)

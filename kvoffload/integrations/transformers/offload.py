@@ -1,0 +1,160 @@
+"""`PagedEngine`'s calls on kvoffload, and what it does when one raises a `PinnerError`.
+
+Every call a step makes on the attached `KVOffloader` (directly, or through a request's
+`OffloadRequest` handle) goes through `_OffloadCalls`. When the engine's `GpuBlockPinner`
+raised in ``unpin`` while a transfer completed, the offloader's next step-loop call raises
+a `PinnerError` once, before doing anything (the completion itself was recorded). That call
+can be any of them (``request``, ``lookup``, ``load``, ``release``, ``preempt``,
+``update`` through ``advance``, ``store``, ``drain``, ``finish``), so each is contained
+here the same way: the error is logged (``offload_call_failed`` with the call, the request
+and the cause), counted in `EngineStatistics.pinner_errors`, noted for the request the call
+was for (its `GenerationResult.error` names it when it ends), and the call is made once more,
+which then does what the first was asked to do. A second `PinnerError` can only come from a
+pinner whose ``pin`` keeps raising, in ``load`` or ``store``: the load is given up (its hit
+released, its tokens recomputed) and the stores are left for the next step (the offloader
+undid their plan). ``finish`` is contained by `_OffloadCalls.finish`: the request is finished
+all the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, final
+
+from kvoffload._logging import get_logger
+from kvoffload.errors import ClosedError, KvOffloadError, PinnerError
+from kvoffload.integrations.transformers.state import _Counters, _Req
+from kvoffload.offloader import KVOffloader
+from kvoffload.transfer.task import TransferTask
+
+__all__: list[str] = []
+
+_log = get_logger("integrations.transformers")
+
+_T = TypeVar("_T")
+
+
+@final
+class _OffloadCalls:
+    """The attached offloader (or none) and every call the engine makes on it."""
+
+    __slots__ = ("_counters", "off")
+
+    def __init__(self, counters: _Counters) -> None:
+        self._counters = counters
+        self.off: KVOffloader | None = None
+        """The attached offloader."""
+
+    def _contained(self, call: str, r: _Req | None, exc: PinnerError) -> None:
+        """Log, count and note a `PinnerError` that ``call`` raised."""
+        self._counters.pinner_errors += 1
+        _log.warning(
+            "offload_call_failed",
+            call=call,
+            request_id=None if r is None else r.request_id,
+            error=repr(exc),
+            cause=repr(exc.__cause__),
+        )
+        if r is not None:
+            r.notes.append(f"kvoffload {call} raised {exc!r}")
+
+    def _call(
+        self, call: str, r: _Req | None, fn: Callable[..., _T], *args: Any, **kwargs: Any
+    ) -> _T:
+        """``fn(*args, **kwargs)``; after a `PinnerError`, contained, once more."""
+        try:
+            return fn(*args, **kwargs)
+        except PinnerError as exc:
+            self._contained(call, r, exc)
+        return fn(*args, **kwargs)
+
+    def open(self, r: _Req) -> None:
+        """Give ``r`` its handle (the first admission with an offloader attached)."""
+        if self.off is not None:
+            r.handle = self._call("request", r, self.off.request, r.request_id, r.tokens)
+
+    def lookup(self, r: _Req, num_computed_tokens: int) -> int:
+        """Tokens of ``r`` loadable past the engine's prefix (pinned), or 0 without a handle."""
+        if r.handle is None:
+            return 0
+        return self._call("lookup", r, r.handle.lookup, num_computed_tokens=num_computed_tokens)
+
+    def load(self, r: _Req) -> TransferTask | None:
+        """Start loading the last lookup's hit into ``r``'s table.
+
+        Returns:
+            The transfer, or ``None`` when it could not start (the pinner's ``pin`` kept
+            raising): the hit is released and the caller recomputes those tokens.
+        """
+        handle = r.handle
+        if handle is None:
+            return None
+        try:
+            return self._call("load", r, handle.load, r.table)
+        except PinnerError as exc:
+            self._contained("load", r, exc)
+        self.release(r)
+        return None
+
+    def release(self, r: _Req) -> None:
+        """Drop ``r``'s lookup pin (it will not be loaded now)."""
+        if r.handle is not None:
+            self._call("release", r, r.handle.release)
+
+    def preempt(self, r: _Req) -> None:
+        """Tell kvoffload ``r``'s GPU blocks are gone."""
+        if r.handle is not None:
+            self._call("preempt", r, r.handle.preempt)
+
+    def advance(self, r: _Req, table: Sequence[int], num_computed: int) -> None:
+        """Report ``r``'s step."""
+        if r.handle is not None:
+            self._call("advance", r, r.handle.advance, table, num_computed)
+
+    def store(self) -> None:
+        """Start this step's stores (left for the next step if the pinner's ``pin`` keeps
+        raising)."""
+        if self.off is None:
+            return
+        try:
+            self._call("store", None, self.off.store)
+        except PinnerError as exc:
+            self._contained("store", None, exc)
+
+    async def drain(self) -> None:
+        """Wait for the transfers in flight."""
+        if self.off is None:
+            return
+        try:
+            await self.off.drain()
+        except PinnerError as exc:
+            self._contained("drain", None, exc)
+            await self.off.drain()
+
+    def finish(self, r: _Req) -> str | None:
+        """Finish ``r``'s handle; never raises for kvoffload.
+
+        Returns:
+            What failed, for `GenerationResult.error`, or ``None``.
+        """
+        handle = r.handle
+        if handle is None or handle.finished:
+            return None
+        try:
+            handle.finish()
+        except ClosedError:
+            return None  # a closed offloader let go of it already
+        except KvOffloadError as exc:
+            self._counters.finish_errors += 1
+            _log.warning(
+                "request_finish_failed",
+                request_id=r.request_id,
+                error=repr(exc),
+                cause=repr(exc.__cause__),
+            )
+            if not handle.finished:  # a handle that lets a refused finish be retried
+                with contextlib.suppress(KvOffloadError):
+                    handle.finish()
+            return f"kvoffload finish failed: {exc!r}"
+        return None

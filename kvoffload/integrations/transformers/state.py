@@ -1,0 +1,83 @@
+"""What `PagedEngine` keeps per request, and its counters.
+
+A `_Req` is one request as the engine sees it: its tokens, its GPU block table, how far it
+is computed, its kvoffload handle (or, with no offloader attached, its own block hasher)
+and the `GenerationResult` it ends with. `_Counters` are the numbers
+`PagedEngine.statistics` reports. Both are shared by the engine's parts: the batching
+(`kvoffload.integrations.transformers.batching`), the forward pass
+(`kvoffload.integrations.transformers.forward`) and the calls on kvoffload
+(`kvoffload.integrations.transformers.offload`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvoffload.hashing import BlockHash, BlockHasher
+from kvoffload.integrations.transformers.results import GenerationResult
+from kvoffload.request import OffloadRequest
+from kvoffload.transfer.task import TransferTask
+
+__all__: list[str] = []
+
+
+class _Req:
+    """One request: waiting (no table, no load) or running (its table)."""
+
+    __slots__ = (
+        "aborted",
+        "eos",
+        "handle",
+        "hasher",
+        "load_task",
+        "max_new",
+        "notes",
+        "num_cached_blocks",
+        "num_computed",
+        "result",
+        "t0",
+        "table",
+        "tokens",
+    )
+
+    def __init__(
+        self, rid: str, prompt: list[int], max_new: int, eos: int | None, hasher: BlockHasher | None
+    ) -> None:
+        self.tokens = prompt
+        self.max_new, self.eos = max_new, eos
+        self.handle: OffloadRequest | None = None
+        self.hasher = hasher
+        self.table: list[int] = []
+        self.num_computed = 0
+        self.num_cached_blocks = 0  # blocks registered in the GPU prefix cache
+        self.load_task: TransferTask | None = None
+        self.aborted = False
+        self.notes: list[str] = []  # kvoffload errors contained along the way, for `result.error`
+        self.t0 = time.perf_counter()
+        self.result = GenerationResult(rid, len(prompt))
+
+    @property
+    def request_id(self) -> str:
+        return self.result.request_id
+
+    @property
+    def hashes(self) -> Sequence[BlockHash]:
+        if self.handle is not None:
+            return self.handle.block_hashes
+        return self.hasher.block_hashes if self.hasher is not None else ()
+
+
+@dataclass(slots=True)
+class _Counters:
+    """The engine's counters (see `EngineStatistics`)."""
+
+    steps: int = 0
+    computed: int = 0
+    gpu_cached: int = 0
+    loaded: int = 0
+    preemptions: int = 0
+    failed_loads: int = 0
+    finish_errors: int = 0
+    pinner_errors: int = 0
