@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvoffload.errors import ConfigError
+from kvoffload.pool.policies.adaptive import AdaptivePolicy, AdaptiveStatistics
 from kvoffload.pool.policies.arc import ArcPolicy
 from kvoffload.pool.policies.base import EvictionPolicy
 from kvoffload.pool.policies.gdfreq import PrefixFrequencyPolicy
@@ -17,6 +18,8 @@ from kvoffload.pool.policies.s3fifo import S3FifoPolicy
 
 __all__ = [
     "POLICY_NAMES",
+    "AdaptivePolicy",
+    "AdaptiveStatistics",
     "ArcPolicy",
     "EvictionPolicy",
     "LruPolicy",
@@ -30,6 +33,7 @@ _REGISTRY: dict[str, Callable[[], EvictionPolicy]] = {
     "arc": ArcPolicy,
     "s3fifo": S3FifoPolicy,
     "prefix-freq": PrefixFrequencyPolicy,
+    "adaptive": AdaptivePolicy,
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
