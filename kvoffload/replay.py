@@ -25,7 +25,7 @@ from typing import Any, final
 from kvoffload.bench.trace import read_trace
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
-from kvoffload.pool.policies import POLICY_NAMES, make_policy
+from kvoffload.pool.policies import POLICY_NAMES, STATIC_POLICY_NAMES, make_policy
 from kvoffload.pool.policies.admission import make_admission
 
 __all__ = [
@@ -305,11 +305,16 @@ class CapacityRow:
         capacity: pool size in blocks.
         results: one per policy, in the order asked for.
         optimal_hit_rate: Belady's prefix hit rate at this capacity.
+        best_static_policy: the static policy (any but ``"adaptive"``) with the highest
+            hit rate among those replayed (the first one on a tie), ``None`` if none was.
+        best_static_hit_rate: its hit rate, ``None`` if none was replayed.
     """
 
     capacity: int
     results: tuple[PolicyResult, ...]
     optimal_hit_rate: float
+    best_static_policy: str | None = None
+    best_static_hit_rate: float | None = None
 
 
 @final
@@ -377,7 +382,17 @@ def run_replay(
             for name in policies
         )
         optimal = optimal_hits(trace.requests, capacity)
-        rows.append(CapacityRow(capacity, results, optimal / total if total else 0.0))
+        static = [r for r in results if r.policy in STATIC_POLICY_NAMES]
+        best = max(static, key=lambda r: r.hit_rate) if static else None
+        rows.append(
+            CapacityRow(
+                capacity,
+                results,
+                optimal / total if total else 0.0,
+                best.policy if best is not None else None,
+                best.hit_rate if best is not None else None,
+            )
+        )
     ceiling = ceiling_hits(trace.requests)
     return ReplayReport(
         trace=trace.path,

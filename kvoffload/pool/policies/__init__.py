@@ -1,7 +1,8 @@
 """Eviction policies for `CpuBlockPool`, and admission filters for stores.
 
 `make_policy()` turns a name (`OffloadConfig.eviction_policy`, ``kvoffload replay
---policy``) into a fresh policy; `POLICY_NAMES` lists the registered names.
+--policy``) into a fresh policy; `POLICY_NAMES` lists the registered names and
+`STATIC_POLICY_NAMES` those but the adaptive one (which follows the others).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kvoffload.pool.policies.s3fifo import S3FifoPolicy
 
 __all__ = [
     "POLICY_NAMES",
+    "STATIC_POLICY_NAMES",
     "AdaptivePolicy",
     "AdaptiveStatistics",
     "ArcPolicy",
@@ -38,6 +40,9 @@ _REGISTRY: dict[str, Callable[[], EvictionPolicy]] = {
 
 POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 """Registered policy names, the default (``"lru"``) first."""
+
+STATIC_POLICY_NAMES: tuple[str, ...] = tuple(n for n in POLICY_NAMES if n != "adaptive")
+"""The registered policies that rank blocks by one fixed rule (all but ``"adaptive"``)."""
 
 
 def make_policy(policy: EvictionPolicy | str | None) -> EvictionPolicy:

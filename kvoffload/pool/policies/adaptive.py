@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_EXPERTS", "AdaptivePolicy", "AdaptiveStatistics"]
 
-DEFAULT_EXPERTS: tuple[str, ...] = ("lru", "prefix-freq", "s3fifo", "arc")
+DEFAULT_EXPERTS: tuple[str, ...] = ("lru", "s3fifo", "arc", "prefix-freq")
 """The experts `AdaptivePolicy` chooses among by default; the first one leads at the start."""
 
 
@@ -61,7 +61,11 @@ def _expert_entries(policy: EvictionPolicy) -> int:
     """Ids and hashes an expert's own structures hold (its shadow pool's are counted apart)."""
     if isinstance(policy, ArcPolicy):
         return (
-            len(policy._t1) + len(policy._t2) + len(policy._b1) + len(policy._b2) + len(policy._empty)
+            len(policy._t1)
+            + len(policy._t2)
+            + len(policy._b1)
+            + len(policy._b2)
+            + len(policy._empty)
         )
     if isinstance(policy, S3FifoPolicy):
         return len(policy._small) + len(policy._main) + len(policy._ghost) + len(policy._empty)
@@ -118,6 +122,7 @@ class AdaptivePolicy(PolicyBase):
 
     __slots__ = (
         "_capacity",
+        "_confidence",
         "_experts",
         "_hits",
         "_last",
@@ -137,7 +142,8 @@ class AdaptivePolicy(PolicyBase):
         *,
         experts: Sequence[str] = DEFAULT_EXPERTS,
         window: float = 16.0,
-        margin: float = 0.02,
+        margin: float = 0.0,
+        confidence: float = 1.0,
     ) -> None:
         from kvoffload.pool.policies import POLICY_NAMES  # noqa: PLC0415 (import cycle)
 
@@ -158,6 +164,7 @@ class AdaptivePolicy(PolicyBase):
         self._experts = names
         self._window = float(window)
         self._margin = float(margin)
+        self._confidence = float(confidence)
         self._capacity = 0
         self._tau = math.inf
         self._shadows: list[CpuBlockPool] = []
@@ -256,7 +263,10 @@ class AdaptivePolicy(PolicyBase):
         self._note_evicted(evicted)
         leader = self._leader
         best = max(range(len(scores)), key=scores.__getitem__)
-        if best != leader and scores[best] > scores[leader] * (1.0 + self._margin):
+        lead = scores[best] - scores[leader]
+        if best != leader and lead > self._margin * scores[leader] + self._confidence * math.sqrt(
+            scores[best] + scores[leader]
+        ):
             self._leader = best
             self._switches += 1
             self._rebuild_orphans()
