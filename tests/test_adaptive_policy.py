@@ -71,6 +71,8 @@ def test_registered_and_configurable() -> None:
         ({"window": 0}, "window must be > 0"),
         ({"margin": 1.0}, r"margin must be in \[0, 1\)"),
         ({"margin": -0.1}, r"margin must be in \[0, 1\)"),
+        ({"confidence": -1.0}, "confidence must be finite and >= 0"),
+        ({"confidence": float("inf")}, "confidence must be finite and >= 0"),
     ],
 )
 def test_arguments_are_checked(kwargs: dict[str, object], match: str) -> None:
@@ -194,7 +196,13 @@ def test_check_reports_a_broken_bound() -> None:
         policy.check()
 
 
-def test_metadata_stays_within_its_bound_after_a_long_scan() -> None:
+@pytest.mark.parametrize(
+    ("experts", "per_block", "extra"),
+    [(DEFAULT_EXPERTS, 15, 0), (STATIC_POLICY_NAMES, 23, 64)],
+)
+def test_metadata_stays_within_its_bound_after_a_long_scan(
+    experts: Sequence[str], per_block: int, extra: int
+) -> None:
     """A scan of 40 pools' worth of one-off blocks (with a small hot set reused) leaves
     the policy with no more metadata than its documented O(capacity) bound."""
     capacity = 300
@@ -202,25 +210,26 @@ def test_metadata_stays_within_its_bound_after_a_long_scan() -> None:
     requests: list[list[BlockHash]] = []
     for q in range(600):
         requests.append(hot[q % 5] if q % 3 == 0 else [h(q * 1000 + j) for j in range(30)])
-    policy = AdaptivePolicy()
+    policy = AdaptivePolicy(experts=experts)
     pool = CpuBlockPool(capacity, policy=policy)
     replay(pool, requests)
     pool.check_invariants()
     stats = policy.statistics()
     assert sum(len(r) for r in requests) > 40 * capacity
-    bound = policy.metadata_bound
-    assert bound == (2 * 4 + 3 + 2 + 6 + 4) * capacity + 64
-    assert 4 * 2 * capacity <= stats.metadata_entries <= bound
+    assert policy.metadata_bound == per_block * capacity + extra
+    # Every shadow is full (C records, C hashes); nothing grew with the 12,000 accesses.
+    assert 2 * len(experts) * capacity <= stats.metadata_entries <= policy.metadata_bound
     assert len(policy._where) <= 2 * capacity
     assert len(policy._orphans) <= capacity
 
 
 # The target on every generated shape: within 0.005 of the best static policy, never more
-# than 0.005 below LRU (hit rates only). Trace sizes keep the whole test near 30 s.
+# than 0.005 below LRU (hit rates only), on the traces `kvoffload synth-trace` writes by
+# default (4,000 requests: the learning phase is part of what is judged).
 TARGET_CASES = [
-    (shape, capacity, requests)
+    (shape, capacity, 4000)
     for shape in ("chat", "rag", "scan", "loop")
-    for capacity, requests in ((500, 1500), (2000, 2500), (6000, 4000))
+    for capacity in (500, 2000, 6000)
 ]
 
 

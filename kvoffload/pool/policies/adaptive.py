@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_EXPERTS", "AdaptivePolicy", "AdaptiveStatistics"]
 
-DEFAULT_EXPERTS: tuple[str, ...] = ("lru", "s3fifo", "arc", "prefix-freq")
+DEFAULT_EXPERTS: tuple[str, ...] = ("lru", "s3fifo", "arc")
 """The experts `AdaptivePolicy` chooses among by default; the first one leads at the start."""
 
 
@@ -89,35 +89,44 @@ def _expert_bound(name: str, capacity: int) -> int:
 class AdaptivePolicy(PolicyBase):
     """Evict like the expert whose shadow pool has had the most recent prefix hits.
 
-    Each expert (by default LRU, ``prefix-freq``, S3-FIFO and ARC) runs in a shadow pool
-    of the same size that stores hashes only. Every block the real pool frees with a
-    published hash is a use of that hash (the pool frees a request's blocks together, tail
-    first, so one `on_free` call is one request's chain); the shadows replay each such
-    request exactly as the real pool would (lookup, pin the leading hits, store the rest,
-    free tail first), so a shadow's hits are the hits the expert would have had on the
-    traffic so far. Each expert's score is its shadow's prefix hits, decayed with a time
-    constant of ``window`` times the pool size in block accesses; the leader changes when
-    another expert's score exceeds the leader's by more than a ``margin`` fraction.
+    Each expert (by default LRU, S3-FIFO, ARC and ``prefix-freq``) runs in a shadow pool
+    of the same size that holds hashes only. A lookup is a request's use of its blocks:
+    the pool passes the looked-up hashes to `on_lookup`, and every shadow replays the
+    request the way the replay tools drive a pool (look up, pin the leading hits, store
+    the rest as far as blocks are free, free tail first), so under `kvoffload.replay` a
+    shadow's hits are exactly those of the expert on its own. A lookup repeated before
+    anything was freed (a request asking again) is not a new use. Each expert's score is
+    its shadow's prefix hits, decayed with a time constant of ``window`` times the pool
+    size in block accesses. The leader changes when another expert's score ``s`` beats
+    the leader's ``l`` by more than ``margin * l + confidence * sqrt(s + l)``: the square
+    root is the noise of hit counts, so a lead has to be real before the pool follows it
+    (each change costs hits while the pool's contents move over).
 
-    To evict, the policy takes free blocks that hold nothing findable, then free blocks
-    whose hash the leader's shadow has evicted (oldest first), then the least recently
-    freed blocks. The real pool therefore tracks the leader's contents one request behind.
+    The shadows replay a request at its lookup, before the pool allocates for it, so the
+    blocks the leader's shadow evicted for it are known when the pool asks for victims:
+    the policy takes free blocks that hold nothing findable, then free blocks whose hash
+    the leader's shadow no longer holds (in the order it dropped them), then the least
+    recently freed blocks. Under one leader the pool's contents are the leader's.
 
     Memory is bounded by the pool size ``C``: per expert a shadow pool (``C`` block
     records, at most ``C`` hashes) and the expert's own metadata (none for LRU, at most
     ``3C`` entries for ARC, ``2C`` for S3-FIFO, ``6C + 64`` for ``prefix-freq``), plus at
-    most ``4C`` ids and hashes of the policy's own (`metadata_bound`).
+    most ``4C`` ids and hashes of the policy's own (`metadata_bound`); the time per
+    request is that of one replay step per expert.
 
     Args:
         experts: registered policy names to choose among (not ``"adaptive"``); the first
-            leads until another one does better.
+            leads until another one does better, and wins ties.
         window: decay time constant of the scores, in multiples of the pool size (block
             accesses); ``math.inf`` counts every hit since the start equally.
-        margin: how much (a fraction of the leader's score) another expert must lead by
-            to take over; damps switches between experts that score about the same.
+        margin: the lead (a fraction of the leader's score) another expert needs to take
+            over, on top of the ``confidence`` term.
+        confidence: the lead, in standard deviations of the hit counts, another expert
+            needs to take over.
 
     Raises:
-        ValueError: no experts, a repeated or unknown expert, or a bad window or margin.
+        ValueError: no experts, a repeated or unknown expert, or a window, margin or
+            confidence out of range.
     """
 
     __slots__ = (
@@ -143,7 +152,7 @@ class AdaptivePolicy(PolicyBase):
         experts: Sequence[str] = DEFAULT_EXPERTS,
         window: float = 16.0,
         margin: float = 0.0,
-        confidence: float = 1.0,
+        confidence: float = 0.5,
     ) -> None:
         from kvoffload.pool.policies import POLICY_NAMES  # noqa: PLC0415 (import cycle)
 
@@ -160,6 +169,8 @@ class AdaptivePolicy(PolicyBase):
             raise ValueError(f"window must be > 0, got {window}")
         if not 0.0 <= margin < 1.0:
             raise ValueError(f"margin must be in [0, 1), got {margin}")
+        if not 0.0 <= confidence < math.inf:
+            raise ValueError(f"confidence must be finite and >= 0, got {confidence}")
         super().__init__()
         self._experts = names
         self._window = float(window)
