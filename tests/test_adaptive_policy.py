@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Sequence
+from pathlib import Path
 
 import pytest
 
-from kvoffload.bench.tracegen import generate
+from kvoffload.bench.tracegen import generate, write_trace
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvariantError
 from kvoffload.hashing import BlockHash
@@ -19,7 +21,7 @@ from kvoffload.pool.policies import (
     make_policy,
 )
 from kvoffload.pool.policies.adaptive import DEFAULT_EXPERTS
-from kvoffload.replay import Trace, replay_pool, run_replay
+from kvoffload.replay import Trace, load_trace, replay_pool, run_replay
 
 
 def h(i: int) -> BlockHash:
@@ -244,3 +246,50 @@ def test_adaptive_meets_its_target_on_the_generated_shapes(
     assert row.best_static_hit_rate == max(rates.values())
     assert adaptive >= row.best_static_hit_rate - 0.005, (rates, adaptive)
     assert adaptive >= rates["lru"] - 0.005, (rates, adaptive)
+
+
+def test_replay_rows_name_the_best_static_policy() -> None:
+    trace = Trace("", tuple(tuple(r) for r in generate("scan", 400)))
+    report = run_replay(trace, [200, 5000], ["lru", "s3fifo", "adaptive"])
+    for row in report.rows:
+        rates = {r.policy: r.hit_rate for r in row.results}
+        best = "s3fifo" if rates["s3fifo"] > rates["lru"] else "lru"  # first on a tie
+        assert row.best_static_policy == best
+        assert row.best_static_hit_rate == rates[best]
+    assert report.rows[0].best_static_policy == "s3fifo"  # scan resistance pays at 200
+    data = report.to_json()["rows"][0]
+    assert data["best_static_policy"] == "s3fifo"
+    assert data["best_static_hit_rate"] == pytest.approx(report.rows[0].best_static_hit_rate)
+    (alone,) = run_replay(trace, [200], ["adaptive"]).rows
+    assert alone.best_static_policy is None
+    assert alone.best_static_hit_rate is None
+
+
+def test_cli_replay_table_has_the_adaptive_policy_and_the_best_static_one(
+    tmp_path: Path,
+) -> None:
+    from click.testing import CliRunner  # noqa: PLC0415 (the cli extra)
+
+    from kvoffload.cli import cli  # noqa: PLC0415
+
+    path = tmp_path / "scan.jsonl"
+    write_trace(path, generate("scan", 300))
+    result = CliRunner().invoke(
+        cli,
+        ["replay", str(path), "--capacity", "200", "--no-progress"],
+        catch_exceptions=False,
+        env={"COLUMNS": "200"},
+    )
+    assert result.exit_code == 0, result.output
+    assert "adaptive" in result.output
+    assert "best static" in result.output
+    (row,) = run_replay(load_trace(path), [200]).rows
+    assert f"{row.best_static_hit_rate:.4f} ({row.best_static_policy})" in result.output
+    only = CliRunner().invoke(
+        cli,
+        ["replay", str(path), "--capacity", "200", "--policy", "adaptive", "--no-progress"],
+        catch_exceptions=False,
+        env={"COLUMNS": "200"},
+    )
+    assert only.exit_code == 0, only.output
+    assert re.search(r"│\s+-\s+│", only.output)  # no static policy ran: no best one

@@ -25,7 +25,7 @@ from kvoffload.pool.policies.s3fifo import S3FifoPolicy
 if TYPE_CHECKING:
     from kvoffload.hashing import BlockHash
     from kvoffload.pool.block_pool import CpuBlockPool
-    from kvoffload.pool.free_queue import CpuBlock
+    from kvoffload.pool.free_queue import CpuBlock, LruFreeQueue
     from kvoffload.pool.policies.base import EvictionPolicy
 
 __all__ = ["DEFAULT_EXPERTS", "AdaptivePolicy", "AdaptiveStatistics"]
@@ -188,7 +188,7 @@ class AdaptivePolicy(PolicyBase):
         # The real block each freed hash was last seen in (checked when used).
         self._where: dict[BlockHash, int] = {}
         # The hashes of the last lookup replayed, until the next free.
-        self._last: Sequence[BlockHash] | None = None
+        self._last: tuple[BlockHash, ...] | None = None
 
     @property
     def name(self) -> str:
@@ -247,12 +247,13 @@ class AdaptivePolicy(PolicyBase):
 
     def on_lookup(self, block_hashes: Sequence[BlockHash], hits: int) -> None:
         """Replay the looked-up request in every shadow (a repeat of the last one is skipped)."""
-        if not block_hashes or block_hashes == self._last:
+        keys = tuple(block_hashes)
+        if not keys or keys == self._last:
             return
-        self._last = block_hashes
-        self._observe(block_hashes)
+        self._last = keys
+        self._observe(keys)
 
-    def _observe(self, keys: Sequence[BlockHash]) -> None:
+    def _observe(self, keys: tuple[BlockHash, ...]) -> None:
         """Replay one request (its hashes in prefix order) in every shadow; rescore."""
         decay = math.exp(-len(keys) / self._tau)
         scores, hits = self._scores, self._hits
@@ -291,13 +292,17 @@ class AdaptivePolicy(PolicyBase):
 
     def _rebuild_orphans(self) -> None:
         """After a change of leader: the free blocks its shadow does not hold, oldest first."""
-        assert self._free is not None
         cached = self._shadows[self._leader].is_cached
         self._orphans = OrderedDict(
             (b.block_id, None)
-            for b in self._free
+            for b in self._free_queue()
             if b.block_hash is not None and not cached(b.block_hash)
         )
+
+    def _free_queue(self) -> LruFreeQueue:
+        if self._free is None:
+            raise InvariantError("AdaptivePolicy is not attached to a pool")
+        return self._free
 
     # -- choosing victims --------------------------------------------------------------------
 
@@ -308,9 +313,8 @@ class AdaptivePolicy(PolicyBase):
         if len(out) < n:
             self._take_orphans(n, protect, out)
         if len(out) < n:
-            assert self._free is not None
             chosen = {b.block_id for b in out}
-            for block in self._free:
+            for block in self._free_queue():
                 if block.block_id not in chosen and block not in protect:
                     out.append(block)
                     if len(out) == n:
@@ -331,8 +335,10 @@ class AdaptivePolicy(PolicyBase):
         for block_id in orphans:
             block = blocks[block_id]
             block_hash = block.block_hash
-            if block.ref_cnt or block_id in chosen or (
-                block_hash is not None and cached(block_hash)
+            if (
+                block.ref_cnt
+                or block_id in chosen
+                or (block_hash is not None and cached(block_hash))
             ):
                 stale.append(block_id)
             elif block not in protect:
