@@ -200,7 +200,7 @@ def test_check_reports_a_broken_bound() -> None:
 
 @pytest.mark.parametrize(
     ("experts", "per_block", "extra"),
-    [(DEFAULT_EXPERTS, 15, 0), (STATIC_POLICY_NAMES, 23, 64)],
+    [(DEFAULT_EXPERTS, 16, 0), (STATIC_POLICY_NAMES, 24, 64)],
 )
 def test_metadata_stays_within_its_bound_after_a_long_scan(
     experts: Sequence[str], per_block: int, extra: int
@@ -223,6 +223,18 @@ def test_metadata_stays_within_its_bound_after_a_long_scan(
     assert 2 * len(experts) * capacity <= stats.metadata_entries <= policy.metadata_bound
     assert len(policy._where) <= 2 * capacity
     assert len(policy._orphans) <= capacity
+
+
+def test_a_run_of_hits_keeps_a_frequency_experts_heap_in_bound() -> None:
+    """``prefix-freq`` compacts its heap only when it evicts; in a shadow that only hits,
+    the adaptive policy compacts it, so the bound holds (it grew by 50 a request)."""
+    policy = AdaptivePolicy(experts=("lru", "prefix-freq"))
+    pool = CpuBlockPool(100, policy=policy)
+    keys = [h(i) for i in range(50)]
+    replay(pool, [keys] * 1000)
+    pool.check_invariants()
+    assert policy.statistics().shadow_hits == {"lru": 999 * 50, "prefix-freq": 999 * 50}
+    assert policy.metadata_entries() <= policy.metadata_bound == (2 + 2 + 6 + 4) * 100 + 64
 
 
 # The target on every generated shape: within 0.005 of the best static policy, never more

@@ -77,11 +77,13 @@ def _expert_entries(policy: EvictionPolicy) -> int:
 def _expert_bound(name: str, capacity: int) -> int:
     """The most `_expert_entries` can reach for an expert of a ``capacity``-block pool."""
     if name == "arc":
-        return 3 * capacity  # T1 + T2 + B1 + B2 <= 2C, the empty queue <= C
+        return 4 * capacity  # T1, T2 and the empty queue <= C, B1 <= C, B2 <= 2C
     if name == "s3fifo":
         return 2 * capacity  # both queues and the empty queue <= C, the ghost list < C
     if name == "prefix-freq":
-        return 6 * capacity + 64  # heap <= 4C + 64 after a victims call, + C pushed by a free
+        # The heap is compacted past 4C + 64 (by its victims() or after each replay, see
+        # `AdaptivePolicy._observe`), then one request pushes at most C; the empty queue <= C.
+        return 6 * capacity + 64
     return 0
 
 
@@ -110,7 +112,7 @@ class AdaptivePolicy(PolicyBase):
 
     Memory is bounded by the pool size ``C``: per expert a shadow pool (``C`` block
     records, at most ``C`` hashes) and the expert's own metadata (none for LRU, at most
-    ``3C`` entries for ARC, ``2C`` for S3-FIFO, ``6C + 64`` for ``prefix-freq``), plus at
+    ``4C`` entries for ARC, ``2C`` for S3-FIFO, ``6C + 64`` for ``prefix-freq``), plus at
     most ``4C`` ids and hashes of the policy's own (`metadata_bound`); the time per
     request is that of one replay step per expert.
 
@@ -133,6 +135,7 @@ class AdaptivePolicy(PolicyBase):
         "_capacity",
         "_confidence",
         "_experts",
+        "_heaps",
         "_hits",
         "_last",
         "_leader",
@@ -179,6 +182,7 @@ class AdaptivePolicy(PolicyBase):
         self._capacity = 0
         self._tau = math.inf
         self._shadows: list[CpuBlockPool] = []
+        self._heaps: list[PrefixFrequencyPolicy] = []
         self._scores = [0.0] * len(names)
         self._hits = [0] * len(names)
         self._leader = 0
@@ -222,6 +226,9 @@ class AdaptivePolicy(PolicyBase):
         self._capacity = num_blocks
         self._tau = self._window * num_blocks
         self._shadows = [CpuBlockPool(num_blocks, policy=name) for name in self._experts]
+        self._heaps = [
+            s.policy for s in self._shadows if isinstance(s.policy, PrefixFrequencyPolicy)
+        ]
 
     # -- what the pool tells the policy -----------------------------------------------------
 
@@ -272,6 +279,10 @@ class AdaptivePolicy(PolicyBase):
             shadow.free(held)
             hits[i] += h
             scores[i] = scores[i] * decay + h
+        for heap_policy in self._heaps:
+            # Its heap is compacted only when it evicts; a run of hits would grow it.
+            if len(heap_policy._heap) > 4 * self._capacity + 64:
+                heap_policy._compact()
         self._note_evicted(evicted)
         leader = self._leader
         best = max(range(len(scores)), key=scores.__getitem__)
