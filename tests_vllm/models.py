@@ -21,10 +21,17 @@ arguments the tests use with it.
 
 from __future__ import annotations
 
+import gc
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm import LLM
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 VOCAB = 512
 EOS = 1
@@ -49,13 +56,11 @@ class ModelCase:
     Attributes:
         name: short name (test ids, directory names).
         config: the ``config.json`` contents.
-        env: environment variables the engine needs for this family (none by default).
         kwargs: `vllm.LLM` arguments that differ from `engine_kwargs`' defaults.
     """
 
     name: str
     config: dict[str, Any]
-    env: dict[str, str] = field(default_factory=dict)
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -266,3 +271,32 @@ def engine_kwargs(
     kwargs.update(case.kwargs)
     kwargs.update(overrides)
     return kwargs
+
+
+@contextmanager
+def started(**kwargs: Any) -> Iterator[LLM]:
+    """A `vllm.LLM` built from ``kwargs``, shut down with vLLM's process-wide state on
+    exit (also when it fails to start, so the next engine in the process starts clean)."""
+    from vllm import LLM  # noqa: PLC0415
+    from vllm.distributed.kv_transfer.kv_transfer_state import (  # noqa: PLC0415
+        ensure_kv_transfer_shutdown,
+    )
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # noqa: PLC0415
+
+    llm = None
+    try:
+        llm = LLM(**kwargs)
+        yield llm
+    finally:
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+        ensure_kv_transfer_shutdown()
+        cleanup_dist_env_and_memory()
+        gc.collect()
+
+
+def kv_cache_config_of(llm: LLM) -> KVCacheConfig:
+    """The KV cache configuration the scheduler of an in-process engine got."""
+    config: KVCacheConfig = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    return config

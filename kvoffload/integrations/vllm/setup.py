@@ -130,6 +130,27 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig) -> tuple[KVLayou
     return layout, list(groups[0].layer_names)
 
 
+def refuse_recurrent_hybrid(vllm_config: VllmConfig) -> None:
+    """Refuse a model with recurrent-state layers next to attention, before it loads.
+
+    Such a model's KV cache has recurrent-state groups (one state per request, snapshots
+    at block boundaries), which reach a connector only through vLLM's hybrid KV cache
+    manager, and vLLM turns that off for a connector without HMA support.
+
+    Raises:
+        ConfigError: ``vllm_config``'s model is such a hybrid (its architecture named).
+    """
+    model = vllm_config.model_config
+    if model is None or not model.is_hybrid:
+        return
+    raise ConfigError(
+        f"KVOffloadConnector cannot offload {model.architecture}: its recurrent-state "
+        "layers (Mamba, linear attention) next to attention need kvoffload's KV cache "
+        "group support (state snapshots); without it vLLM would fail at start-up with "
+        "'Failed to promote local KV cache specs to one unified type'"
+    )
+
+
 def model_namespace_id(vllm_config: VllmConfig, config: OffloadConfig) -> str:
     """The ``model_id`` mixed into block hashes: the configured one, or vLLM's model
     name, revision and KV cache dtype."""
