@@ -24,6 +24,7 @@ from vllm.v1.kv_cache_interface import (
     MLAAttentionSpec,
     SinkFullAttentionSpec,
     SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
 )
 
 from kvoffload.errors import ConfigError
@@ -284,3 +285,19 @@ def test_the_connector_still_takes_one_plain_full_group() -> None:
     assert (layout.num_layers, layout.bytes_per_layer_block) == (2, 8192)
     layout, _ = layout_from_kv_cache_config(LLAMA4_NO_HMA)
     assert layout.num_layers == 4
+
+
+def test_layers_of_one_kind_with_different_pages_keep_their_own_page_sizes() -> None:
+    # vLLM wraps them in UniformTypeKVCacheSpecs (e.g. two head sizes, all full attention).
+    wide = full(head_size=64)
+    specs = {attn("0"): full(), attn("1"): wide}
+    uniform = UniformTypeKVCacheSpecs(block_size=32, kv_cache_specs=specs)
+    (group,) = describe_groups(config(([attn("0"), attn("1")], uniform)))
+    assert group.kind == "full"
+    assert group.page_bytes == (8192, 16384)
+    assert group.uniform_page_bytes is None
+    assert group.bytes_per_block == 8192 + 16384
+    assert group.spec == "UniformTypeKVCacheSpecs of FullAttentionSpec"
+    assert refusal([group]) is None  # the kind and page are fine: the layout check refuses
+    with pytest.raises(ConfigError, match="UniformTypeKVCacheSpecs is not plain full attention"):
+        layout_from_kv_cache_config(config(([attn("0"), attn("1")], uniform)))
