@@ -300,6 +300,7 @@ def _replay_table(report: ReplayReport) -> Table:
     table.add_column("capacity", justify="right")
     for name in names:
         table.add_column(name, justify="right")
+    table.add_column("best static", justify="right")
     table.add_column("optimal", justify="right", style="cyan")
     table.add_column("ceiling", justify="right", style="cyan")
     for row in report.rows:
@@ -308,9 +309,15 @@ def _replay_table(report: ReplayReport) -> Table:
             f"[bold]{r.hit_rate:.4f}[/bold]" if r.hit_rate == best else f"{r.hit_rate:.4f}"
             for r in row.results
         ]
+        static = (
+            f"{row.best_static_hit_rate:.4f} ({row.best_static_policy})"
+            if row.best_static_hit_rate is not None
+            else "-"
+        )
         table.add_row(
             f"{row.capacity:,}",
             *cells,
+            static,
             f"{row.optimal_hit_rate:.4f}",
             f"{report.ceiling_hit_rate:.4f}",
         )

@@ -320,7 +320,8 @@ class OffloadConfig(BaseSettings):
         min_length=1,
         max_length=64,
         description="Which free CPU block is reused first: lru (default, fastest), arc, "
-        "s3fifo or prefix-freq (see docs/policies.md).",
+        "s3fifo, prefix-freq, or adaptive (follows whichever of them fits the traffic; "
+        "see docs/policies.md).",
     )
     store_admission: str = Field(
         default="always",

@@ -25,7 +25,7 @@ from typing import Any, final
 from kvoffload.bench.trace import HASH_ID_MAX, HASH_ID_MIN, read_trace
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
-from kvoffload.pool.policies import POLICY_NAMES, make_policy
+from kvoffload.pool.policies import POLICY_NAMES, STATIC_POLICY_NAMES, make_policy
 from kvoffload.pool.policies.admission import make_admission
 
 __all__ = [
@@ -338,12 +338,17 @@ class CapacityRow:
         optimal_hit_rate: Belady's prefix hit rate at this capacity.
         pool_blocks: the blocks the pool was built with: ``capacity``, or the trace's
             `useful_capacity()` when that is smaller (a larger pool holds nothing more).
+        best_static_policy: the static policy (any but ``"adaptive"``) with the highest
+            hit rate among those replayed (the first one on a tie), ``None`` if none was.
+        best_static_hit_rate: its hit rate, ``None`` if none was replayed.
     """
 
     capacity: int
     results: tuple[PolicyResult, ...]
     optimal_hit_rate: float
     pool_blocks: int
+    best_static_policy: str | None = None
+    best_static_hit_rate: float | None = None
 
 
 @final
@@ -417,7 +422,18 @@ def run_replay(
             for name in policies
         )
         optimal = optimal_hits(trace.requests, capacity)
-        rows.append(CapacityRow(capacity, results, optimal / total, min(capacity, useful)))
+        static = [r for r in results if r.policy in STATIC_POLICY_NAMES]
+        best = max(static, key=lambda r: r.hit_rate) if static else None
+        rows.append(
+            CapacityRow(
+                capacity,
+                results,
+                optimal / total,
+                min(capacity, useful),
+                best.policy if best is not None else None,
+                best.hit_rate if best is not None else None,
+            )
+        )
     ceiling = ceiling_hits(trace.requests)
     return ReplayReport(
         trace=trace.path,

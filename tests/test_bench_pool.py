@@ -124,6 +124,7 @@ def test_cli_shows_progress_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixt
         ["--capacity", "0"],
         ["--capacity", "ten"],
         ["--runs", "0"],
+        ["--policy", "mru"],
     ],
 )
 def test_cli_rejects_bad_arguments(
@@ -134,6 +135,27 @@ def test_cli_rejects_bad_arguments(
         bench.main(["--trace", str(trace), *argv])
     assert info.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_cli_replays_with_another_policy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--policy``: the pool under test changes, the textbook LRU pool stays the reference
+    (their hit rates may then differ: only LRU's must equal the baseline's)."""
+    trace = write_trace(tmp_path / "tiny.jsonl", [[0, 1, 2], [5, 6], [0, 1, 2], [7, 8], [0, 1]])
+    out_json = tmp_path / "figures.json"
+    argv = ["--trace", str(trace), "--capacity", "4", "--runs", "1", "--no-progress"]
+    assert bench.main([*argv, "--policy", "Adaptive", "--json", str(out_json)]) == 0
+    out, _ = capsys.readouterr()
+    assert "eviction policy: adaptive" in out
+    figures = json.loads(out_json.read_text())
+    assert figures["policy"] == "adaptive"
+    (result,) = figures["results"]
+    expected = bench.replay(
+        CpuBlockPool(4, policy="adaptive"),
+        [keys(*r) for r in [[0, 1, 2], [5, 6], [0, 1, 2], [7, 8], [0, 1]]],
+    )
+    assert result["hit_rate"] == pytest.approx(expected.hit_rate)
 
 
 def test_cli_names_a_bad_trace_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

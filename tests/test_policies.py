@@ -14,6 +14,8 @@ from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.pool.free_queue import CpuBlock, LruFreeQueue
 from kvoffload.pool.policies import (
     POLICY_NAMES,
+    STATIC_POLICY_NAMES,
+    AdaptivePolicy,
     ArcPolicy,
     EvictionPolicy,
     LruPolicy,
@@ -116,7 +118,7 @@ def touch_seq(model: object, pool: CpuBlockPool, chosen: Sequence[CpuBlock]) -> 
     pool.touch(chosen)
 
 
-@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("name", STATIC_POLICY_NAMES)
 @settings(max_examples=40, deadline=None)
 @given(ops=OPS)
 def test_policy_matches_its_reference_model(
@@ -135,7 +137,7 @@ def test_lru_through_the_protocol_matches_the_fast_path(
 
 def test_registry_and_names() -> None:
     assert POLICY_NAMES[0] == "lru"
-    assert set(POLICY_NAMES) == {"lru", "arc", "s3fifo", "prefix-freq"}
+    assert set(POLICY_NAMES) == {"lru", "arc", "s3fifo", "prefix-freq", "adaptive"}
     for name in POLICY_NAMES:
         policy = make_policy(name)
         assert policy.name == name
@@ -153,7 +155,9 @@ def test_unknown_policy_lists_the_known_ones() -> None:
         CpuBlockPool(4, policy="belady")
 
 
-@pytest.mark.parametrize("cls", [LruPolicy, ArcPolicy, S3FifoPolicy, PrefixFrequencyPolicy])
+@pytest.mark.parametrize(
+    "cls", [LruPolicy, ArcPolicy, S3FifoPolicy, PrefixFrequencyPolicy, AdaptivePolicy]
+)
 def test_a_policy_serves_one_pool(cls: type) -> None:
     policy = cls()
     CpuBlockPool(4, policy=policy)

@@ -184,7 +184,19 @@ def test_report_json_schema(tmp_path: Path) -> None:
     assert data["ceiling_hit_rate"] == pytest.approx(5 / 10)
     assert [row["capacity"] for row in data["rows"]] == [2, 8]
     for row in data["rows"]:
-        assert set(row) == {"capacity", "results", "optimal_hit_rate", "pool_blocks"}
+        assert set(row) == {
+            "capacity",
+            "results",
+            "optimal_hit_rate",
+            "best_static_policy",
+            "best_static_hit_rate",
+            "pool_blocks",
+        }
+        best = max(row["results"], key=lambda r: r["hit_rate"])
+        assert (row["best_static_policy"], row["best_static_hit_rate"]) == (
+            best["policy"],
+            best["hit_rate"],
+        )
         assert [r["policy"] for r in row["results"]] == ["lru", "arc"]
         for r in row["results"]:
             assert set(r) == {

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from engine_runs import kvoffload_config, new_llm
 from harness import vllm_config
+from models import QWEN3_NEXT, write_model
 
 from kvoffload.errors import ConfigError
 from kvoffload.integrations.vllm import KVOffloadConnector
@@ -58,3 +59,15 @@ def test_a_misspelt_key_stops_the_engine_before_any_connector_is_built(
     with pytest.raises(ConfigError, match=r"unknown key 'num_cpu_blokcs'.*valid keys"):
         new_llm(model_dir, kvoffload_config({"num_cpu_blokcs": 64}))
     assert built == []  # neither a worker nor the scheduler got as far as a connector
+
+
+def test_a_recurrent_hybrid_is_refused_by_the_layout_query(tmp_path: Path) -> None:
+    # Without it, vLLM loads the model and then fails with "Failed to promote local KV
+    # cache specs to one unified type" (the hybrid manager is off for this connector).
+    qwen3_next = write_model(tmp_path / "qwen3-next", QWEN3_NEXT)
+    config = vllm_config(qwen3_next, {"num_cpu_blocks": 8}, num_gpu_blocks=16)
+    with pytest.raises(
+        ConfigError,
+        match=r"cannot offload Qwen3NextForCausalLM: its recurrent-state layers .*group support",
+    ):
+        KVOffloadConnector.get_required_kvcache_layout(config)

@@ -10,7 +10,7 @@ The pool touches no tensors.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import final
 
@@ -28,6 +28,8 @@ __all__ = [
     "PoolEvent",
     "PoolStatistics",
 ]
+
+_LookupHook = Callable[[Sequence[BlockHash], int], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +105,7 @@ class CpuBlockPool:
         "_hooked",
         "_lookups",
         "_num_blocks",
+        "_on_lookup",
         "_policy",
         "_token",
     )
@@ -132,6 +135,10 @@ class CpuBlockPool:
         self._policy.attach(self._blocks, self._free)
         # LRU is the free queue itself: the inlined paths below serve it without calls.
         self._hooked = None if isinstance(self._policy, LruPolicy) else self._policy
+        # The optional lookup hook (see `EvictionPolicy`); ``None`` for every built-in
+        # policy but the adaptive one, and then `lookup()` costs one test more.
+        on_lookup = getattr(self._hooked, "on_lookup", None)
+        self._on_lookup: _LookupHook | None = on_lookup if callable(on_lookup) else None
 
     def __repr__(self) -> str:
         return (
@@ -483,8 +490,11 @@ class CpuBlockPool:
     def lookup(self, block_hashes: Iterable[BlockHash]) -> list[CpuBlock]:
         """The longest leading run of published blocks for ``block_hashes``.
 
-        Does not take references: callers `touch()` what they keep.
+        Does not take references: callers `touch()` what they keep. A policy with an
+        ``on_lookup`` hook is told of the hashes looked up and how many hit.
         """
+        if self._on_lookup is not None:
+            return self._lookup_observed(block_hashes, self._on_lookup)
         get = self._cached.get
         hits: list[CpuBlock] = []
         append = hits.append
@@ -495,6 +505,23 @@ class CpuBlockPool:
             append(block)
         self._lookups += 1
         self._hit_blocks += len(hits)
+        return hits
+
+    def _lookup_observed(
+        self, block_hashes: Iterable[BlockHash], on_lookup: _LookupHook
+    ) -> list[CpuBlock]:
+        if type(block_hashes) is not list and type(block_hashes) is not tuple:
+            block_hashes = list(block_hashes)
+        get = self._cached.get
+        hits: list[CpuBlock] = []
+        for block_hash in block_hashes:
+            block = get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self._lookups += 1
+        self._hit_blocks += len(hits)
+        on_lookup(block_hashes, len(hits))
         return hits
 
     def reset_prefix_cache(self) -> bool:

@@ -21,6 +21,7 @@ from kvoffload.integrations.vllm.setup import (
     layout_from_kv_cache_config,
     model_namespace_id,
     offload_config,
+    refuse_recurrent_hybrid,
 )
 from kvoffload.integrations.vllm.worker_side import WorkerSide
 
@@ -71,13 +72,20 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         key or a bad value then stops start-up at once with a `ConfigError` naming it,
         instead of from each worker after the model has loaded.
 
+        A model with recurrent-state layers (Mamba, linear attention) next to attention
+        is refused here too: vLLM turns its hybrid KV cache manager off for this
+        connector, and would then fail after loading the model with "Failed to promote
+        local KV cache specs to one unified type".
+
         Raises:
-            ConfigError: as `offload_config` (the key named, the valid keys listed).
+            ConfigError: as `offload_config` (the key named, the valid keys listed), or
+                the model has recurrent-state layers (its architecture named).
         """
         transfer = vllm_config.kv_transfer_config
         block_size = vllm_config.cache_config.block_size
         if transfer is not None and block_size is not None:
             offload_config(transfer.kv_connector_extra_config, block_size=block_size)
+        refuse_recurrent_hybrid(vllm_config)
         return None
 
     def __init__(

@@ -15,6 +15,7 @@ import torch
 
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import ConfigError
+from kvoffload.integrations.vllm.groups import describe_groups, refusal
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,9 +73,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig) -> tuple[KVLayout, list[str]]:
     """The layout of one CPU block, and the attention layers it covers in order.
 
-    Only models whose KV cache is one group of full-attention layers are supported; a
-    model with more groups (sliding window, hybrid Mamba, MLA next to attention) is
-    refused with the group it cannot offload.
+    Only models whose KV cache is one group of full-attention layers with K/V pages are
+    supported (chunked local attention that vLLM allocates as full attention included);
+    any other model is refused with each group it cannot offload, its kind and why (see
+    `kvoffload.integrations.vllm.groups.refusal`).
 
     Args:
         kv_cache_config: the KV cache configuration vLLM passes to the connector.
@@ -85,30 +87,29 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig) -> tuple[KVLayou
 
     Raises:
         ConfigError: the cache has more or fewer than one group, or its group is not plain
-            full attention, or its page size does not match K and V of the layout.
+            full attention with K/V pages (a sliding window, chunked local attention as
+            its own group, a recurrent state, an MLA latent, a packed page), or its page
+            size does not match K and V of the layout.
     """
     from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: PLC0415
 
     groups = kv_cache_config.kv_cache_groups
-    described = [
-        f"group {i}: {type(g.kv_cache_spec).__name__} ({len(g.layer_names)} layers, "
-        f"e.g. {g.layer_names[0] if g.layer_names else '-'})"
-        for i, g in enumerate(groups)
-    ]
-    if len(groups) != 1:
-        raise ConfigError(
-            "KVOffloadConnector supports models with exactly one KV cache group of full "
-            f"attention layers; this model has {len(groups)}: " + "; ".join(described)
-        )
+    described = describe_groups(kv_cache_config)
+    reason = refusal(described)
+    if reason is not None:
+        raise ConfigError(f"KVOffloadConnector cannot offload this model's KV cache: {reason}")
     spec = groups[0].kv_cache_spec
-    if type(spec) is not FullAttentionSpec or spec.sliding_window is not None:
+    where = f"{described[0].name} ({len(groups[0].layer_names)} layers)"
+    if type(spec) is not FullAttentionSpec:
         raise ConfigError(
-            "KVOffloadConnector supports full attention KV caches only; unsupported " + described[0]
+            f"KVOffloadConnector cannot offload this model's KV cache: {described[0].name}: "
+            f"{type(spec).__name__} is not plain full attention (FullAttentionSpec); this "
+            "spec needs kvoffload's KV cache group support"
         )
     head_size_v = spec.head_size_v if spec.head_size_v is not None else spec.head_size
     if head_size_v != spec.head_size:
         raise ConfigError(
-            f"KVOffloadConnector needs K and V of one head size; {described[0]} has "
+            f"KVOffloadConnector needs K and V of one head size; {where} has "
             f"head_size={spec.head_size}, head_size_v={head_size_v}"
         )
     layout = KVLayout(
@@ -121,12 +122,33 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig) -> tuple[KVLayou
     )
     if spec.page_size_bytes != layout.bytes_per_layer_block:
         raise ConfigError(
-            f"{described[0]}: a page of {spec.page_size_bytes} bytes per layer is not K and "
+            f"{where}: a page of {spec.page_size_bytes} bytes per layer is not K and "
             f"V of {spec.block_size} tokens x {spec.num_kv_heads} heads x {spec.head_size} "
             f"({layout.bytes_per_layer_block} bytes); padded or quantized pages are not "
             "supported"
         )
     return layout, list(groups[0].layer_names)
+
+
+def refuse_recurrent_hybrid(vllm_config: VllmConfig) -> None:
+    """Refuse a model with recurrent-state layers next to attention, before it loads.
+
+    Such a model's KV cache has recurrent-state groups (one state per request, snapshots
+    at block boundaries), which reach a connector only through vLLM's hybrid KV cache
+    manager, and vLLM turns that off for a connector without HMA support.
+
+    Raises:
+        ConfigError: ``vllm_config``'s model is such a hybrid (its architecture named).
+    """
+    model = vllm_config.model_config
+    if model is None or not model.is_hybrid:
+        return
+    raise ConfigError(
+        f"KVOffloadConnector cannot offload {model.architecture}: its recurrent-state "
+        "layers (Mamba, linear attention) next to attention need kvoffload's KV cache "
+        "group support (state snapshots); without it vLLM would fail at start-up with "
+        "'Failed to promote local KV cache specs to one unified type'"
+    )
 
 
 def model_namespace_id(vllm_config: VllmConfig, config: OffloadConfig) -> str:

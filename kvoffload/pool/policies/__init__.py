@@ -1,7 +1,8 @@
 """Eviction policies for `CpuBlockPool`, and admission filters for stores.
 
 `make_policy()` turns a name (`OffloadConfig.eviction_policy`, ``kvoffload replay
---policy``) into a fresh policy; `POLICY_NAMES` lists the registered names.
+--policy``) into a fresh policy; `POLICY_NAMES` lists the registered names and
+`STATIC_POLICY_NAMES` those but the adaptive one (which follows the others).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvoffload.errors import ConfigError
+from kvoffload.pool.policies.adaptive import AdaptivePolicy, AdaptiveStatistics
 from kvoffload.pool.policies.arc import ArcPolicy
 from kvoffload.pool.policies.base import EvictionPolicy
 from kvoffload.pool.policies.gdfreq import PrefixFrequencyPolicy
@@ -17,6 +19,9 @@ from kvoffload.pool.policies.s3fifo import S3FifoPolicy
 
 __all__ = [
     "POLICY_NAMES",
+    "STATIC_POLICY_NAMES",
+    "AdaptivePolicy",
+    "AdaptiveStatistics",
     "ArcPolicy",
     "EvictionPolicy",
     "LruPolicy",
@@ -30,10 +35,14 @@ _REGISTRY: dict[str, Callable[[], EvictionPolicy]] = {
     "arc": ArcPolicy,
     "s3fifo": S3FifoPolicy,
     "prefix-freq": PrefixFrequencyPolicy,
+    "adaptive": AdaptivePolicy,
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 """Registered policy names, the default (``"lru"``) first."""
+
+STATIC_POLICY_NAMES: tuple[str, ...] = tuple(n for n in POLICY_NAMES if n != "adaptive")
+"""The registered policies that rank blocks by one fixed rule (all but ``"adaptive"``)."""
 
 
 def make_policy(policy: EvictionPolicy | str | None) -> EvictionPolicy:

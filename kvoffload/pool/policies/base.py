@@ -13,6 +13,12 @@ the free blocks. The pool tells it what happened to each block and asks it for v
   reuse). They come in the order the caller gave them, once each; the scheduler and the
   replay free a request's blocks together, tail first, so one call is one prefix chain
   (or a few).
+* ``on_lookup(block_hashes, hits)``, optional: a policy that defines it is told of every
+  `CpuBlockPool.lookup`, with the hashes looked up (a sequence, in prefix order) and how
+  many of them hit, after the lookup. It is how `AdaptivePolicy` sees a request's misses,
+  which no other call carries. It is not a member of the protocol, so a policy without it
+  still is an `EvictionPolicy`; the pool looks for it once, when the policy is attached,
+  and LRU and the other built-in policies, which lack it, pay nothing for it.
 * `EvictionPolicy.victims`: pick blocks to reuse. The pool checks the answer (distinct,
   free, not protected, as many as asked) before it changes anything, so a faulty policy
   raises `InvariantError` instead of evicting a block that holds a reference.

@@ -1,0 +1,291 @@
+"""vLLM's KV cache groups as neutral, engine-agnostic descriptions.
+
+vLLM describes a model's KV cache as a `KVCacheConfig`: a list of `KVCacheGroupSpec`
+(layer names sharing one block table) each with a `KVCacheSpec` subclass. `describe_groups`
+translates that into one frozen `GroupDescription` per group, with no vLLM type in it:
+what kvoffload's core needs to know about a group to store and load its blocks (what a
+hit requires of it, the geometry of one block's page, the layers it covers).
+
+`refusal` says why the connector, which today offloads exactly one group of plain
+full-attention K/V pages, cannot offload a model, naming the group, its kind and why.
+See ``docs/groups.md`` for what each vLLM spec means for offload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, final
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
+
+__all__ = ["GroupDescription", "GroupKind", "PageFormat", "describe_groups", "refusal"]
+
+GroupKind = Literal["full", "sliding_window", "chunked", "recurrent", "none"]
+"""What a prefix hit at N tokens needs from a group.
+
+- ``full``: every block below N (hits are downward-closed);
+- ``sliding_window``: the blocks covering the last ``window - 1`` tokens before N;
+- ``chunked``: the blocks of the attention chunk that N falls in;
+- ``recurrent``: one state snapshot, taken at a block boundary at or before N - 1;
+- ``none``: nothing can be reused (not prefix-cacheable); never stored.
+"""
+
+PageFormat = Literal["kv", "mla", "state", "opaque"]
+"""What one layer's page of one block holds: K and V heads (``kv``), an MLA latent with
+its rope part (``mla``), a recurrent state (``state``), or bytes kvoffload does not
+interpret (``opaque``: quantized with scales, packed, or an unknown spec)."""
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class GroupDescription:
+    """One vLLM KV cache group, as kvoffload's group model will take it.
+
+    Attributes:
+        index: the group's position in ``KVCacheConfig.kv_cache_groups`` (vLLM's group
+            id: block-id lists per group arrive in this order).
+        name: ``"group <index>"``, for messages and metrics.
+        kind: what a hit needs from this group (`GroupKind`).
+        spec: the vLLM spec's class name and the fields that decided ``kind``, for
+            messages (e.g. ``"FullAttentionSpec with sliding_window=128"``).
+        block_size: tokens per block (for ``recurrent``, tokens between snapshots).
+        sliding_window: the window in tokens of a ``sliding_window`` group, else
+            ``None``; also set on a ``full`` group whose layers vLLM allocates as full
+            attention but computes with a window (hybrid manager off).
+        attention_chunk_size: the chunk in tokens of a ``chunked`` group, else ``None``;
+            also set on a ``full`` group as ``sliding_window`` is.
+        layer_names: the group's layers, in vLLM's order.
+        page_bytes: bytes one block of each layer occupies in vLLM's cache, padding
+            included (one per layer, in ``layer_names`` order).
+        content_bytes: of those, the bytes that hold data (without padding).
+        dtype: the element type of the per-layer tensors vLLM registers with the
+            connector (``"float32"``, ``"bfloat16"``, ``"uint8"``, ``"float8_e4m3fn"``;
+            ``"int8"`` for recurrent states, which vLLM registers as raw bytes).
+        page_format: what a page holds (`PageFormat`).
+        num_kv_heads: K/V heads (or MLA latent slots) per page; ``None`` for states.
+        head_size: K head size, or the MLA latent width; ``None`` for states.
+        head_size_v: V head size (0 for MLA); ``None`` for states.
+        prefix_cacheable: whether vLLM keys this group's blocks by prefix hash and lets
+            external KV be loaded into it.
+    """
+
+    index: int
+    name: str
+    kind: GroupKind
+    spec: str
+    block_size: int
+    sliding_window: int | None
+    attention_chunk_size: int | None
+    layer_names: tuple[str, ...]
+    page_bytes: tuple[int, ...]
+    content_bytes: tuple[int, ...]
+    dtype: str
+    page_format: PageFormat
+    num_kv_heads: int | None = None
+    head_size: int | None = None
+    head_size_v: int | None = None
+    prefix_cacheable: bool = True
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across all the group's layers, padding included."""
+        return sum(self.page_bytes)
+
+    @property
+    def uniform_page_bytes(self) -> int | None:
+        """The page size when every layer has the same one, else ``None``."""
+        sizes = set(self.page_bytes)
+        return sizes.pop() if len(sizes) == 1 else None
+
+
+def _dtype_name(dtype: object) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _spec_label(spec: KVCacheSpec) -> str:
+    """The spec's class and the fields that decide its kind."""
+    extras = [
+        f"{attr}={getattr(spec, attr)}"
+        for attr in ("sliding_window", "attention_chunk_size", "rswa_window", "mamba_cache_mode")
+        if getattr(spec, attr, None) is not None
+    ]
+    label = type(spec).__name__
+    return f"{label} with {', '.join(extras)}" if extras else label
+
+
+def _layer_specs(
+    group: KVCacheGroupSpec,
+) -> list[tuple[str, KVCacheSpec]]:
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs  # noqa: PLC0415
+
+    spec = group.kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return [(name, spec.kv_cache_specs[name]) for name in group.layer_names]
+    return [(name, spec) for name in group.layer_names]
+
+
+def _kind_of(spec: KVCacheSpec) -> tuple[GroupKind, int | None, int | None]:
+    """The group kind of one layer's spec, its sliding window and its attention chunk."""
+    from vllm.v1.kv_cache_interface import (  # noqa: PLC0415
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        RSWASpec,
+        SlidingWindowSpec,
+    )
+
+    if not spec.prefix_cacheable:
+        return "none", None, None
+    if isinstance(spec, MambaSpec):
+        # "align" keeps a state snapshot at block boundaries, keyed by the prefix hash;
+        # "none" keeps only the running state, which no later request can reuse.
+        return ("recurrent" if spec.mamba_cache_mode != "none" else "none"), None, None
+    if isinstance(spec, RSWASpec):
+        # Gap blocks between the prompt and the decode window are freed: not a prefix.
+        return "none", None, None
+    if isinstance(spec, FullAttentionSpec):
+        # With the hybrid manager off, sliding-window and chunked layers are allocated
+        # as full attention (every block kept) and carry their window here.
+        return "full", spec.sliding_window, spec.attention_chunk_size
+    if isinstance(spec, SlidingWindowSpec):
+        return "sliding_window", spec.sliding_window, None
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return "chunked", None, spec.attention_chunk_size
+    # Encoder-only, cross-attention, ring buffers, HiSparse, unknown specs.
+    return "none", None, None
+
+
+def _page_of(spec: KVCacheSpec) -> tuple[PageFormat, str, int, int | None, int | None, int | None]:
+    """``(format, dtype, content bytes, heads, head_size, head_size_v)`` of one layer."""
+    from vllm.v1.kv_cache_interface import (  # noqa: PLC0415
+        AttentionSpec,
+        KVQuantMode,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+    )
+
+    if isinstance(spec, MambaSpec):
+        return "state", "int8", spec.real_page_size_bytes, None, None, None
+    if isinstance(spec, AttentionSpec):
+        content = spec.unpadded_page_size_bytes
+        dtype = _dtype_name(spec.dtype)
+        heads, size, size_v = spec.num_kv_heads, spec.head_size, spec.head_size_v
+        packed = (
+            (
+                spec.kv_quant_mode is not KVQuantMode.NONE
+                and spec.kv_quant_mode is not KVQuantMode.FP8_PER_TENSOR
+            )
+            or spec.state_content_bytes is not None
+            or spec.num_head_slots is not None
+        )
+        if packed or spec.tokens_per_state != 1:
+            return "opaque", dtype, content, heads, size, size_v
+        if isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)):
+            return "mla", dtype, content, heads, size, size_v
+        return "kv", dtype, content, heads, size, size_v
+    return "opaque", "int8", spec.page_size_bytes, None, None, None
+
+
+def describe_group(index: int, group: KVCacheGroupSpec) -> GroupDescription:
+    """The neutral description of one vLLM KV cache group.
+
+    A group whose layers disagree on kind, window, block size, page format or dtype
+    (possible only inside vLLM's ``UniformTypeKVCacheSpecs``) is described by its
+    first layer, with its per-layer page sizes; its ``spec`` names the wrapper.
+    """
+    layers = _layer_specs(group)
+    spec = group.kv_cache_spec
+    first = layers[0][1] if layers else spec
+    kind, sliding_window, chunk = _kind_of(first)
+    page_format, dtype, _, heads, size, size_v = _page_of(first)
+    page_bytes = tuple(layer.page_size_bytes for _, layer in layers)
+    content_bytes = tuple(_page_of(layer)[2] for _, layer in layers)
+    cacheable = bool(spec.prefix_cacheable and group.enable_kv_transfer and kind != "none")
+    return GroupDescription(
+        index=index,
+        name=f"group {index}",
+        kind=kind if cacheable else "none",
+        spec=_spec_label(spec)
+        if spec is first
+        else f"{type(spec).__name__} of {_spec_label(first)}",
+        block_size=spec.block_size,
+        sliding_window=sliding_window,
+        attention_chunk_size=chunk,
+        layer_names=tuple(group.layer_names),
+        page_bytes=page_bytes,
+        content_bytes=content_bytes,
+        dtype=dtype,
+        page_format=page_format,
+        num_kv_heads=heads,
+        head_size=size,
+        head_size_v=size_v,
+        prefix_cacheable=cacheable,
+    )
+
+
+def describe_groups(kv_cache_config: KVCacheConfig) -> tuple[GroupDescription, ...]:
+    """One `GroupDescription` per group of ``kv_cache_config``, in vLLM's order."""
+    return tuple(describe_group(i, g) for i, g in enumerate(kv_cache_config.kv_cache_groups))
+
+
+def _where(group: GroupDescription) -> str:
+    count = len(group.layer_names)
+    example = group.layer_names[0] if group.layer_names else "-"
+    return f"{group.name}: {group.spec} ({count} layer{'s' if count != 1 else ''}, e.g. {example})"
+
+
+_WHY_KIND: dict[GroupKind, str] = {
+    "sliding_window": "sliding-window groups need kvoffload's KV cache group support",
+    "chunked": "chunked local attention groups need kvoffload's KV cache group support",
+    "recurrent": (
+        "recurrent-state groups (Mamba, linear attention) need kvoffload's KV cache group "
+        "support (state snapshots)"
+    ),
+    "none": "this group is not prefix-cacheable, so there is nothing to offload",
+}
+
+_WHY_PAGE: dict[PageFormat, str] = {
+    "mla": (
+        "MLA latent pages (one latent vector per token, no separate K and V) need "
+        "kvoffload's opaque-page support"
+    ),
+    "state": "recurrent-state pages need kvoffload's KV cache group support",
+    "opaque": "packed or quantized pages with scales need kvoffload's opaque-page support",
+}
+
+
+def _reason(group: GroupDescription) -> str | None:
+    """Why the connector cannot offload this group today, or ``None``."""
+    if group.kind != "full":
+        return _WHY_KIND[group.kind]
+    if group.sliding_window is not None:
+        return _WHY_KIND["sliding_window"]
+    if group.page_format != "kv":
+        return _WHY_PAGE[group.page_format]
+    return None
+
+
+def refusal(groups: Sequence[GroupDescription]) -> str | None:
+    """Why the connector cannot offload these groups today, or ``None`` if it can.
+
+    Today it offloads exactly one ``full`` group of ``kv`` pages; a chunked-attention
+    window that vLLM allocates as full attention (hybrid manager off) is accepted, since
+    every block is kept and a hit is downward-closed. The message names each group, its
+    kind and the reason.
+    """
+    if not groups:
+        return "this model has no KV cache groups (attention-free): there is nothing to offload"
+    if len(groups) == 1:
+        reason = _reason(groups[0])
+        return None if reason is None else f"{_where(groups[0])}: {reason}"
+    listed = []
+    for group in groups:
+        reason = _reason(group)
+        listed.append(_where(group) if reason is None else f"{_where(group)}: {reason}")
+    return (
+        f"this model has {len(groups)} KV cache groups, and more than one needs kvoffload's "
+        "KV cache group support: " + "; ".join(listed)
+    )

@@ -1,0 +1,303 @@
+"""vLLM's KV cache groups → kvoffload's neutral `GroupDescription`, and the start-up refusal.
+
+The spec objects are the ones vLLM 0.32 built on CPU for the tiny models of
+``tests_vllm/models.py`` (recorded by ``test_hybrid_baseline.py``), constructed directly:
+no engine starts here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVQuantMode,
+    MambaSpec,
+    MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+
+from kvoffload.errors import ConfigError
+from kvoffload.integrations.vllm.groups import GroupDescription, describe_groups, refusal
+from kvoffload.integrations.vllm.setup import layout_from_kv_cache_config
+
+F32 = torch.float32
+BF16 = torch.bfloat16
+
+
+def attn(name: str) -> str:
+    return f"model.layers.{name}.self_attn.attn"
+
+
+def config(*groups: tuple[list[str], KVCacheSpec]) -> KVCacheConfig:
+    return KVCacheConfig(
+        num_blocks=256,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in groups],
+    )
+
+
+def full(**kw: object) -> FullAttentionSpec:
+    args: dict[str, object] = {
+        "block_size": 32,
+        "num_kv_heads": 1,
+        "head_size": 32,
+        "dtype": F32,
+        **kw,
+    }
+    return FullAttentionSpec(**args)  # type: ignore[arg-type]
+
+
+def sliding(window: int = 64) -> SlidingWindowSpec:
+    return SlidingWindowSpec(
+        block_size=32, num_kv_heads=1, head_size=32, dtype=F32, sliding_window=window
+    )
+
+
+def gdn_state(mode: str = "align") -> MambaSpec:
+    """Qwen3-Next's gated delta net state as vLLM 0.32 sized it (block size raised to
+    288 so that an attention page covers the state; the state padded to that page)."""
+    return MambaSpec(
+        block_size=288,
+        shapes=((3, 384), (2, 64, 64)),
+        dtypes=(BF16, F32),
+        page_size_padded=36864,
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        mamba_cache_mode=mode,
+    )
+
+
+def mla() -> MLAAttentionSpec:
+    """DeepSeek V3's latent: kv_lora_rank 512 + qk_rope_head_dim 64, bfloat16."""
+    return MLAAttentionSpec(
+        block_size=32,
+        num_kv_heads=1,
+        head_size=576,
+        dtype=BF16,
+        cache_dtype_str="auto",
+        max_tp_shards=1,
+    )
+
+
+GEMMA3_HMA = config(
+    *(([attn(str(i))], sliding()) for i in range(3)),
+    ([attn("3")], full()),
+)
+GEMMA3_NO_HMA = config(([attn(str(i)) for i in range(4)], full(sliding_window=64)))
+GPT_OSS_HMA = config(
+    (["model.layers.0.attn.attn"], sliding()), (["model.layers.1.attn.attn"], full())
+)
+LLAMA4_HMA = config(
+    *(
+        (
+            [attn(str(i))],
+            ChunkedLocalAttentionSpec(
+                block_size=32, num_kv_heads=1, head_size=32, dtype=F32, attention_chunk_size=64
+            ),
+        )
+        for i in range(3)
+    ),
+    ([attn("3")], full()),
+)
+LLAMA4_NO_HMA = config(([attn(str(i)) for i in range(4)], full(attention_chunk_size=64)))
+QWEN3_NEXT_HMA = config(
+    *(([f"model.layers.{i}.linear_attn"], gdn_state()) for i in range(3)),
+    ([attn("3")], full(block_size=288, dtype=BF16)),
+)
+DEEPSEEK_V3 = config(([attn("0"), attn("1")], mla()))
+
+
+def test_gemma3_with_the_hybrid_manager_is_three_window_groups_and_one_full() -> None:
+    groups = describe_groups(GEMMA3_HMA)
+    assert [g.kind for g in groups] == ["sliding_window"] * 3 + ["full"]
+    assert [g.sliding_window for g in groups] == [64, 64, 64, None]
+    assert [g.layer_names for g in groups] == [(attn(str(i)),) for i in range(4)]
+    for g in groups:
+        assert g.block_size == 32
+        assert g.page_bytes == (8192,)  # 32 tokens x 1 head x (32 + 32) x 4 bytes
+        assert g.content_bytes == (8192,)
+        assert (g.page_format, g.dtype) == ("kv", "float32")
+        assert (g.num_kv_heads, g.head_size, g.head_size_v) == (1, 32, 32)
+    assert groups[0].name == "group 0"
+    assert groups[0].spec == "SlidingWindowSpec with sliding_window=64"
+
+
+def test_gpt_oss_alternates_a_window_group_and_a_full_group() -> None:
+    groups = describe_groups(GPT_OSS_HMA)
+    assert [(g.kind, g.sliding_window) for g in groups] == [("sliding_window", 64), ("full", None)]
+
+
+def test_without_the_hybrid_manager_windows_arrive_on_one_full_group() -> None:
+    (gemma,) = describe_groups(GEMMA3_NO_HMA)
+    assert (gemma.kind, gemma.sliding_window, gemma.attention_chunk_size) == ("full", 64, None)
+    assert len(gemma.layer_names) == 4
+    assert gemma.bytes_per_block == 4 * 8192
+    (llama,) = describe_groups(LLAMA4_NO_HMA)
+    assert (llama.kind, llama.sliding_window, llama.attention_chunk_size) == ("full", None, 64)
+
+
+def test_llama4_chunked_groups() -> None:
+    groups = describe_groups(LLAMA4_HMA)
+    assert [g.kind for g in groups] == ["chunked"] * 3 + ["full"]
+    assert [g.attention_chunk_size for g in groups] == [64, 64, 64, None]
+
+
+def test_qwen3_next_states_are_recurrent_with_padded_pages() -> None:
+    groups = describe_groups(QWEN3_NEXT_HMA)
+    assert [g.kind for g in groups] == ["recurrent"] * 3 + ["full"]
+    state, attention = groups[0], groups[3]
+    assert state.page_format == "state"
+    assert state.block_size == 288  # tokens between snapshots
+    assert state.page_bytes == (36864,)
+    assert state.content_bytes == (3 * 384 * 2 + 2 * 64 * 64 * 4,)  # conv bf16 + ssm f32
+    assert state.dtype == "int8"  # vLLM registers a state layer as raw bytes
+    assert (state.num_kv_heads, state.head_size) == (None, None)
+    assert (attention.page_format, attention.dtype, attention.page_bytes) == (
+        "kv",
+        "bfloat16",
+        (288 * 64 * 2,),
+    )
+
+
+def test_a_state_without_prefix_caching_is_not_cacheable() -> None:
+    (group,) = describe_groups(config((["model.layers.0.mixer"], gdn_state("none"))))
+    assert (group.kind, group.prefix_cacheable) == ("none", False)
+
+
+def test_mla_is_one_full_group_of_latent_pages() -> None:
+    (group,) = describe_groups(DEEPSEEK_V3)
+    assert (group.kind, group.page_format, group.dtype) == ("full", "mla", "bfloat16")
+    assert group.page_bytes == (32 * 576 * 2,) * 2
+    assert (group.head_size, group.head_size_v) == (576, 0)
+
+
+def test_fp8_pages_keep_their_kv_format_and_dtype() -> None:
+    spec = full(dtype=torch.uint8, kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)
+    (group,) = describe_groups(config(([attn("0")], spec)))
+    assert (group.page_format, group.dtype, group.page_bytes) == ("kv", "uint8", (32 * 64,))
+
+
+def test_per_token_head_scales_make_a_page_opaque() -> None:
+    spec = full(dtype=torch.int8, kv_quant_mode=KVQuantMode.INT8_PER_TOKEN_HEAD)
+    (group,) = describe_groups(config(([attn("0")], spec)))
+    assert group.page_format == "opaque"
+
+
+def test_descriptions_are_frozen_plain_data() -> None:
+    (group,) = describe_groups(DEEPSEEK_V3)
+    assert dataclasses.is_dataclass(group)
+    assert not hasattr(group, "__dict__")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        group.kind = "none"  # type: ignore[misc]
+    for f in dataclasses.fields(GroupDescription):
+        value = getattr(group, f.name)
+        items = value if isinstance(value, tuple) else (value,)
+        assert all(isinstance(v, (str, int, bool, type(None))) for v in items), f.name
+
+
+# -- the refusal ---------------------------------------------------------------------------
+
+
+def test_a_plain_full_group_and_hma_off_chunked_attention_are_accepted() -> None:
+    assert refusal(describe_groups(config(([attn("0"), attn("1")], full())))) is None
+    assert refusal(describe_groups(LLAMA4_NO_HMA)) is None
+
+
+@pytest.mark.parametrize(
+    ("kv_config", "message"),
+    [
+        (
+            GEMMA3_NO_HMA,
+            r"^group 0: FullAttentionSpec with sliding_window=64 \(4 layers, e\.g\. "
+            r"model\.layers\.0\.self_attn\.attn\): sliding-window groups need kvoffload's "
+            r"KV cache group support$",
+        ),
+        (
+            DEEPSEEK_V3,
+            r"^group 0: MLAAttentionSpec \(2 layers, .*\): MLA latent pages .*opaque-page",
+        ),
+        (
+            GEMMA3_HMA,
+            r"^this model has 4 KV cache groups.*group 0: SlidingWindowSpec with "
+            r"sliding_window=64 \(1 layer, .*\): sliding-window groups need.*; group 3: "
+            r"FullAttentionSpec \(1 layer, e\.g\. model\.layers\.3\.self_attn\.attn\)$",
+        ),
+        (LLAMA4_HMA, r"group 0: ChunkedLocalAttentionSpec with attention_chunk_size=64 .*chunked"),
+        (
+            QWEN3_NEXT_HMA,
+            r"group 0: MambaSpec with mamba_cache_mode=align \(1 layer, e\.g\. "
+            r"model\.layers\.0\.linear_attn\): recurrent-state groups",
+        ),
+    ],
+    ids=["gemma3-no-hma", "mla", "gemma3-hma", "llama4-hma", "qwen3-next-hma"],
+)
+def test_the_refusal_names_the_group_its_kind_and_why(
+    kv_config: KVCacheConfig, message: str
+) -> None:
+    reason = refusal(describe_groups(kv_config))
+    assert reason is not None
+    assert re.search(message, reason), reason
+
+
+@pytest.mark.parametrize(
+    ("kv_config", "message"),
+    [
+        (
+            GEMMA3_NO_HMA,
+            r"cannot offload this model's KV cache: group 0: FullAttentionSpec with "
+            r"sliding_window=64 .*sliding-window",
+        ),
+        (DEEPSEEK_V3, "group 0: MLAAttentionSpec .*MLA latent pages"),
+        (
+            config(
+                (
+                    [attn("0")],
+                    SinkFullAttentionSpec(
+                        block_size=32, num_kv_heads=1, head_size=32, dtype=F32, sink_len=4
+                    ),
+                )
+            ),
+            "group 0: SinkFullAttentionSpec is not plain full attention",
+        ),
+    ],
+    ids=["sliding-window", "mla", "sink"],
+)
+def test_the_connector_refuses_at_start_up_with_that_message(
+    kv_config: KVCacheConfig, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        layout_from_kv_cache_config(kv_config)
+
+
+def test_the_connector_still_takes_one_plain_full_group() -> None:
+    layout, names = layout_from_kv_cache_config(config(([attn("0"), attn("1")], full())))
+    assert names == [attn("0"), attn("1")]
+    assert (layout.num_layers, layout.bytes_per_layer_block) == (2, 8192)
+    layout, _ = layout_from_kv_cache_config(LLAMA4_NO_HMA)
+    assert layout.num_layers == 4
+
+
+def test_layers_of_one_kind_with_different_pages_keep_their_own_page_sizes() -> None:
+    # vLLM wraps them in UniformTypeKVCacheSpecs (e.g. two head sizes, all full attention).
+    wide = full(head_size=64)
+    specs = {attn("0"): full(), attn("1"): wide}
+    uniform = UniformTypeKVCacheSpecs(block_size=32, kv_cache_specs=specs)
+    (group,) = describe_groups(config(([attn("0"), attn("1")], uniform)))
+    assert group.kind == "full"
+    assert group.page_bytes == (8192, 16384)
+    assert group.uniform_page_bytes is None
+    assert group.bytes_per_block == 8192 + 16384
+    assert group.spec == "UniformTypeKVCacheSpecs of FullAttentionSpec"
+    assert refusal([group]) is None  # the kind and page are fine: the layout check refuses
+    with pytest.raises(ConfigError, match="UniformTypeKVCacheSpecs is not plain full attention"):
+        layout_from_kv_cache_config(config(([attn("0"), attn("1")], uniform)))
