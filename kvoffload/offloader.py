@@ -267,7 +267,7 @@ class KVOffloader:
 
         See `OffloadScheduler.lookup()`. With ``config.tiers``, the blocks after the CPU hit
         that a tier holds are promoted into CPU blocks in the background (see
-        `TierManager.after_lookup()`); with ``allow_defer=True`` this returns ``None`` until
+        `TierManager.extend_lookup()`); with ``allow_defer=True`` this returns ``None`` until
         that promotion has landed.
 
         Raises:
@@ -278,24 +278,14 @@ class KVOffloader:
         """
         session = self._session
         session.check("lookup")
-        hit = session.scheduler.lookup(
+        # With tiers, the scheduler asks the tier manager after the CPU lookup.
+        return session.scheduler.lookup(
             request_id,
             block_hashes,
             num_tokens,
             num_computed_tokens,
             allow_defer=allow_defer,
             no_read=no_read,
-        )
-        tiers = session.tiers
-        if tiers is None or no_read:
-            return hit
-        return tiers.after_lookup(
-            request_id,
-            block_hashes,
-            num_tokens,
-            num_computed_tokens,
-            hit,
-            allow_defer=allow_defer,
         )
 
     def load(

@@ -11,9 +11,12 @@ The rules, extending DESIGN.md's invariants to tiers:
 * A CPU block queued for or being written to a tier holds a reference (invariant 2), so
   it is neither evicted nor reused while a write reads it; each tier holds at most
   ``max_queued_writes`` such blocks, and write-downs beyond that are skipped and counted.
-* A promotion allocates its CPU blocks like a store: only free blocks, never one with a
-  copy in flight, and never the blocks of the prefix it extends. If none is free it is
-  skipped (the lookup is answered from the CPU pool).
+* CPU blocks are taken, published and released only through the scheduler's
+  `BlockLedger`, which also owns the pending stores: a promotion allocates like a store
+  (only free blocks, never one with a copy in flight, never the blocks of the prefix it
+  extends), skips every hash being stored or promoted right now, and marks its own
+  hashes pending, so no store plans them meanwhile. If no block is free it is skipped
+  (the lookup is answered from the CPU pool).
 * Every block read from a tier is checked by `verify_block()` before it is published; a
   block that fails is a miss, is deleted from its tier and is counted (invariant 3).
 * Reads (promotions) take precedence over write-downs: a write waits while a read waits,
@@ -31,7 +34,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, final
@@ -53,6 +56,7 @@ if TYPE_CHECKING:
     from kvoffload.pool.block_pool import CpuBlockPool
     from kvoffload.pool.free_queue import CpuBlock
     from kvoffload.scheduler import OffloadScheduler
+    from kvoffload.scheduler.ledger import Promotion
     from kvoffload.storage.host_buffer import HostKVBuffer
     from kvoffload.transfer.plan import StorePlan
 
@@ -82,8 +86,8 @@ class TierManager:
 
     Args:
         tiers: ``(tier, settings)`` pairs, in lookup order (fastest first).
-        scheduler: the offloader's scheduler (its pool's references are shared; the
-            manager registers the ones it holds for ``check_invariants``).
+        scheduler: the offloader's scheduler: CPU blocks are taken and published through
+            its ledger, and its lookups ask `extend_lookup()` (the manager installs itself).
         host: the host buffer whose blocks are read and written.
         namespace: the 32-byte namespace digest written into every block header.
 
@@ -100,6 +104,7 @@ class TierManager:
         namespace: bytes,
     ) -> None:
         self._scheduler = scheduler
+        self._ledger = scheduler.ledger
         self._pool: CpuBlockPool = scheduler.pool
         self._block_size = scheduler.config.block_size
         self._namespace = namespace
@@ -121,7 +126,6 @@ class TierManager:
             )
             for tier, s in tiers
         ]
-        self._refs: dict[int, int] = {}
         self._jobs: dict[BlockHash, _Promotion] = {}
         self._num_jobs = 0
         self._absent: OrderedDict[BlockHash, float] = OrderedDict()
@@ -134,11 +138,11 @@ class TierManager:
         self._task_group: anyio.abc.TaskGroup | None = None
         self._stopped = anyio.Event()
         self._closing = False
-        scheduler.add_ref_holder(self.held_refs)
+        scheduler.set_lookup_extension(self)
 
     def __repr__(self) -> str:
         names = ",".join(t.tier.name for t in self._tiers)
-        return f"TierManager(tiers=[{names}], refs={sum(self._refs.values())})"
+        return f"TierManager(tiers=[{names}], refs={sum(self._ledger.tier_refs().values())})"
 
     @property
     def tiers(self) -> tuple[SecondaryTier, ...]:
@@ -153,25 +157,9 @@ class TierManager:
     # -- references ------------------------------------------------------------------------
 
     def held_refs(self) -> Mapping[int, int]:
-        """CPU block id → references the manager holds (for ``check_invariants``)."""
-        return self._refs
-
-    def _hold(self, blocks: Sequence[CpuBlock], *, taken: bool = False) -> None:
-        if not taken:
-            self._pool.touch(blocks)
-        refs = self._refs
-        for block in blocks:
-            refs[block.block_id] = refs.get(block.block_id, 0) + 1
-
-    def _unhold(self, blocks: Sequence[CpuBlock]) -> None:
-        refs = self._refs
-        for block in blocks:
-            left = refs[block.block_id] - 1
-            if left:
-                refs[block.block_id] = left
-            else:
-                del refs[block.block_id]
-        self._pool.free(blocks)
+        """CPU block id → references the tiers hold (write-downs and promotions; the
+        scheduler's ledger keeps them)."""
+        return self._ledger.tier_refs()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -231,7 +219,7 @@ class TierManager:
         t.queue.clear()
         t.held -= len(dropped)
         if dropped:
-            self._unhold(dropped[::-1])
+            self._ledger.close_write_down(dropped[::-1])
         return len(dropped)
 
     def reset(self) -> None:
@@ -353,7 +341,7 @@ class TierManager:
             t.skipped_full += len(blocks) - len(take)
             if not take:
                 continue
-            self._hold(take)
+            self._ledger.open_write_down(take)
             t.queue.extend(take)
             t.held += len(take)
             t.max_held = max(t.max_held, t.held)
@@ -369,7 +357,7 @@ class TierManager:
                 await self._write(t, batch)
             finally:
                 t.held -= len(batch)
-                self._unhold(batch[::-1])
+                self._ledger.close_write_down(batch[::-1])
 
     async def _write(self, t: TierState, batch: list[CpuBlock]) -> None:
         hashes: list[BlockHash] = []
@@ -412,47 +400,49 @@ class TierManager:
 
     # -- promotion on lookup ----------------------------------------------------------------
 
-    def after_lookup(
+    def extend_lookup(
         self,
-        request_id: str,
         block_hashes: Sequence[BlockHash],
-        num_tokens: int,
-        num_computed_tokens: int,
-        hit_tokens: int | None,
+        end: int,
+        limit: int,
+        pinned: Sequence[CpuBlock],
         *,
         allow_defer: bool,
-    ) -> int | None:
-        """Extend a CPU lookup with the tiers: start a promotion of what follows the hit.
+    ) -> bool:
+        """Extend a CPU lookup with the tiers: start a promotion of what follows the hit
+        (the scheduler's lookups call this, see `LookupExtension`).
 
         Args:
-            request_id: the request the scheduler just looked up (its hit is pinned).
             block_hashes: the lookup's block hashes.
-            num_tokens: the lookup's token count.
-            num_computed_tokens: the lookup's computed-token count.
-            hit_tokens: the scheduler's answer.
-            allow_defer: answer ``None`` (releasing the pin) while a promotion of the
+            end: index of the first block after the CPU hit.
+            limit: the blocks ``block_hashes[:limit]`` may be loaded.
+            pinned: the hit's CPU blocks (pinned; a promotion does not evict them).
+            allow_defer: ask the caller to come back later while a promotion of the
                 block after the hit is in flight.
 
         Returns:
-            ``hit_tokens``, or ``None`` as above.
+            ``True`` when the lookup should answer "ask again later".
         """
-        if hit_tokens is None or not self._tiers or self._task_group is None or self._closing:
-            return hit_tokens
-        bs = self._block_size
-        start = num_computed_tokens // bs
-        end = start + hit_tokens // bs
-        limit = min(len(block_hashes), (num_tokens - 1) // bs) if num_tokens else 0
-        for block_hash in block_hashes[start:end]:
-            self._landed.pop(block_hash, None)
+        if not self._tiers or self._task_group is None or self._closing:
+            return False
+        landed = self._landed
+        if landed:
+            for block in pinned:
+                if block.block_hash is not None:
+                    landed.pop(block.block_hash, None)
         if end >= limit:
-            return hit_tokens
+            return False
         first = block_hashes[end]
         job = self._jobs.get(first)
-        if job is None and not self._is_absent(first) and any(t.healthy for t in self._tiers):
-            state = self._scheduler.request_state(request_id)
+        if (
+            job is None
+            and first not in self._ledger.pending
+            and not self._is_absent(first)
+            and any(t.healthy for t in self._tiers)
+        ):
             job = _Promotion(
                 hashes=tuple(block_hashes[end : min(limit, end + _PROMOTION_MAX_BLOCKS)]),
-                protect=tuple(state.pinned),
+                protect=tuple(pinned),
                 epoch=self._epoch,
             )
             for block_hash in job.hashes:
@@ -461,10 +451,9 @@ class TierManager:
             self._num_jobs += 1
             self._task_group.start_soon(self._promote, job)
         if job is not None and allow_defer:
-            self._scheduler.release(request_id)
             self._deferred_lookups += 1
-            return None
-        return hit_tokens
+            return True
+        return False
 
     def is_promoting(self, block_hash: BlockHash) -> bool:
         """Whether a promotion covering ``block_hash`` is in flight."""
@@ -486,9 +475,9 @@ class TierManager:
             self._absent.popitem(last=False)
 
     async def _promote(self, job: _Promotion) -> None:
-        blocks: list[CpuBlock] = []
+        opened: list[Promotion] = []
         try:
-            await self._promote_job(job, blocks)
+            await self._promote_job(job, opened)
         except Exception as exc:  # never let a bug here end the offloader's task group
             self._promotion_errors += 1
             _log.error("promotion_failed", error=repr(exc), blocks=len(job.hashes))
@@ -497,11 +486,12 @@ class TierManager:
                 if self._jobs.get(block_hash) is job:
                     del self._jobs[block_hash]
             self._num_jobs -= 1
-            if blocks:
-                self._unhold(blocks[::-1])
+            if opened:  # cancelled or failed while reading: publish nothing
+                self._ledger.close_promotion(opened.pop(), None)
 
-    async def _promote_job(self, job: _Promotion, blocks: list[CpuBlock]) -> None:
-        """Probe, allocate into ``blocks`` (the caller releases them), read, verify, publish."""
+    async def _promote_job(self, job: _Promotion, opened: list[Promotion]) -> None:
+        """Probe, open a promotion in the ledger (``opened`` holds it while the read runs;
+        the caller closes it if this ends early), read, verify, close it (publish)."""
         sources = await self._probe(job.hashes)
         run = sources[-1][2] if sources else 0
         if run < len(job.hashes):
@@ -510,16 +500,18 @@ class TierManager:
             return
         if job.epoch != self._epoch or self._closing:
             return
-        taken, wanted = self._allocate(job, run)
-        blocks.extend(taken)
-        if not blocks:
+        promotion = self._open(job, run)
+        if promotion is None or not promotion.blocks:
             return
-        ok = await self._read_into(sources, wanted, blocks)
-        if job.epoch != self._epoch or self._closing:
-            return
-        pool = self._pool
-        for (i, block_hash), block, good in zip(wanted, blocks, ok, strict=True):
-            if good and pool.publish(block, block_hash):
+        opened.append(promotion)
+        ok = await self._read_into(sources, promotion.wanted, promotion.blocks)
+        opened.pop()
+        current = job.epoch == self._epoch and not self._closing
+        published = self._ledger.close_promotion(promotion, ok if current else None)
+        for (i, block_hash), block, done in zip(
+            promotion.wanted, promotion.blocks, published, strict=True
+        ):
+            if done:
                 self._landed[block_hash] = block
                 self._tier_of(sources, i).promoted += 1
         while len(self._landed) > max(1, self._pool.num_blocks // 4):
@@ -558,26 +550,21 @@ class TierManager:
                     progress = True
         return sources
 
-    def _allocate(
-        self, job: _Promotion, run: int
-    ) -> tuple[list[CpuBlock], list[tuple[int, BlockHash]]]:
-        """Take free CPU blocks for the part of the run not cached yet (deferring, never
-        evicting a referenced block, the prefix being extended or a block just promoted)."""
-        pool = self._pool
-        wanted = [(i, h) for i, h in enumerate(job.hashes[:run]) if not pool.is_cached(h)]
+    def _open(self, job: _Promotion, run: int) -> Promotion | None:
+        """Open a promotion of the part of the run neither cached nor being filled (a
+        store or another promotion in flight), in free CPU blocks only: never a
+        referenced block, the prefix being extended or a block just promoted."""
+        ledger = self._ledger
+        wanted = ledger.promotable(list(enumerate(job.hashes[:run])))
         if not wanted:
-            return [], []
+            return None
         protect = {b for b in job.protect if b.block_hash is not None}
         protect.update(b for h, b in self._landed.items() if b.block_hash == h)
-        available = pool.num_free - sum(1 for b in protect if b.ref_cnt == 0)
-        if available <= 0:
+        promotion = ledger.open_promotion(wanted, protect)
+        if promotion is None:
             self._no_space += 1
-            _log.debug("promotion_deferred", blocks=len(wanted), free=pool.num_free)
-            return [], []
-        wanted = wanted[:available]
-        blocks = pool.allocate(len(wanted), protect=protect)
-        self._hold(blocks, taken=True)
-        return blocks, wanted
+            _log.debug("promotion_deferred", blocks=len(wanted), free=self._pool.num_free)
+        return promotion
 
     async def _read_into(
         self,
@@ -716,7 +703,7 @@ class TierManager:
             deferred_lookups=self._deferred_lookups,
             promotion_errors=self._promotion_errors,
             promotions_in_flight=self._num_jobs,
-            refs_held=sum(self._refs.values()),
+            refs_held=sum(self._ledger.tier_refs().values()),
         )
 
     def check_invariants(self) -> None:
@@ -725,7 +712,7 @@ class TierManager:
         Raises:
             InvariantError: naming the breach.
         """
-        queued: dict[int, int] = {}
+        queued: Counter[int] = Counter()
         for t in self._tiers:
             if t.held > t.max_queued or t.held < len(t.queue):
                 raise InvariantError(
@@ -733,11 +720,12 @@ class TierManager:
                     f"bound {t.max_queued}"
                 )
             for block in t.queue:
-                queued[block.block_id] = queued.get(block.block_id, 0) + 1
+                queued[block.block_id] += 1
+        refs = self._ledger.tier_refs()
         for block_id, n in queued.items():
-            if self._refs.get(block_id, 0) < n:
+            if refs.get(block_id, 0) < n:
                 raise InvariantError(f"queued block {block_id} holds fewer refs than queued")
-        for block_id, n in self._refs.items():
+        for block_id, n in refs.items():
             if n < 1 or self._pool.block(block_id).ref_cnt < n:
                 raise InvariantError(
                     f"tier manager holds {n} refs on block {block_id} with ref_cnt "

@@ -1,7 +1,9 @@
 """A hypothesis state machine over KVOffloader with a real disk tier below a small CPU pool.
 
-Random stores, lookups (deferring or not) with loads, waits for the background work,
-resets, in-place corruption of blocks in the tier file, and deletion of the file. After
+Random stores, lookups (deferring or not) with loads, lookups from another request while
+a store of the same prefix is in flight (promotions may run meanwhile), waits for the
+background work, resets, in-place corruption of blocks in the tier file, and deletion of
+the file. After
 every step: the scheduler's and the tier manager's ``check_invariants()``, and every
 published CPU block holds exactly the KV of its hash. Every load is checked bit-exact
 against the KV the engine would compute (wrong KV is the worst bug there is).
@@ -10,6 +12,7 @@ against the KV the engine would compute (wrong KV is the worst bug there is).
 from __future__ import annotations
 
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +31,13 @@ from tier_helpers import (
     patch_file,
     settle,
     tokens,
+    wait_until,
 )
 
 from kvoffload.offloader import KVOffloader
+from kvoffload.testing import CopyFaults
 from kvoffload.tiers.disk import DiskTier
+from kvoffload.transfer.thread_engine import ThreadCopyEngine
 
 PROMPTS = 6
 MAX_BLOCKS = 4
@@ -145,6 +151,57 @@ class TierMachine(RuleBasedStateMachine):
         self.call(settle, self.o)
         self.call(self.o.reset)
 
+    @rule(
+        family=st.integers(0, PROMPTS - 1),
+        length=st.integers(1, MAX_BLOCKS),
+        allow_defer=st.booleans(),
+        from_tier=st.booleans(),
+    )
+    def lookup_while_storing(
+        self, family: int, length: int, allow_defer: bool, from_tier: bool
+    ) -> None:
+        """Keep a store in flight (its copies wait on a gate) across a lookup of the same
+        prefix from another request; the tiers may promote meanwhile (``from_tier``: the
+        prefix was written down and dropped from CPU first). Checked inside the step too,
+        while the store is still in flight."""
+        if from_tier:
+            self.store_and_drop_from_cpu(family, length)
+        p = prompt(family, length)
+        hashes = self.o.hash_prompt(p)
+        writer, reader = self.rid(), self.rid()
+        engine = self.o._session.engine
+        assert isinstance(engine, ThreadCopyEngine)
+        gate = threading.Event()
+        engine._copy_hook = CopyFaults(gate=gate)
+        tasks: list[Any] = []
+        try:
+            for i, block_hash in enumerate(hashes):
+                want = expected_block(block_hash, self.kv)
+                for layer, t in enumerate(self.kv):
+                    t[i] = want[layer]
+
+            def start() -> None:
+                self.o.update(writer, list(range(length)), hashes, length * BS)
+                tasks.extend(self.o.store())
+
+            self.call(start)
+            hit = self.call(lambda: self.o.lookup(reader, hashes, len(p), allow_defer=allow_defer))
+            self.call(wait_promotions, self.o)
+            self.consistent()
+            if hit:
+                self.call(self.o.release, reader)
+        finally:
+            gate.set()
+
+            async def drain() -> None:
+                for task in tasks:
+                    await task
+
+            self.call(drain)
+            engine._copy_hook = None
+        self.call(self.o.finish, writer)
+        self.call(self.o.finish, reader)
+
     @rule()
     def wait_background(self) -> None:
         self.call(settle, self.o)
@@ -208,6 +265,13 @@ class TierMachine(RuleBasedStateMachine):
                     assert torch.equal(host.block(block_id), want), block_id
 
         self.call(check)
+
+
+async def wait_promotions(off: KVOffloader) -> None:
+    """Wait until no promotion is in flight (stores may still be)."""
+    tiers = off.tiers
+    assert tiers is not None
+    await wait_until(lambda: tiers.statistics().promotions_in_flight == 0)
 
 
 TierMachine.TestCase.settings = settings(

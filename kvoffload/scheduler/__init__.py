@@ -1,0 +1,32 @@
+"""The offload scheduler: synchronous, deterministic decisions about what to copy.
+
+`OffloadScheduler` (``core.py``) is the face; it composes a `BlockLedger` (every
+CPU-block reference, plans in flight, pending hashes), a request table, a store planner,
+a load planner, finish holds and the statistics. See ``docs/design.md`` for which part
+owns which state and where each invariant is enforced.
+"""
+
+from __future__ import annotations
+
+from kvoffload.scheduler.core import (
+    FINISHED_IDS_REMEMBERED,
+    GpuCacheView,
+    OffloadScheduler,
+    SchedulerStatistics,
+    TransferLike,
+)
+from kvoffload.scheduler.ledger import BlockLedger
+from kvoffload.scheduler.loads import LookupExtension
+from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
+
+__all__ = [
+    "FINISHED_IDS_REMEMBERED",
+    "BlockLedger",
+    "GpuCacheView",
+    "LookupExtension",
+    "OffloadScheduler",
+    "RequestOffloadState",
+    "RequestPhase",
+    "SchedulerStatistics",
+    "TransferLike",
+]

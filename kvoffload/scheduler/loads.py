@@ -1,0 +1,191 @@
+"""The load planner: lookups, the pins they take, and the plans that load a hit.
+
+A lookup returns the longest run of published blocks after the engine's own prefix and
+pins it (a ledger lease) until `plan_load()` or a release. What lies below the CPU pool
+(the tiers) is asked through `LookupExtension` after every lookup: whether to start a
+promotion of what follows the hit, and whether the caller should ask again later.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Protocol, final
+
+from kvoffload._logging import get_logger
+from kvoffload.errors import InvalidInputError
+from kvoffload.hashing import BlockHash
+from kvoffload.pool.free_queue import CpuBlock
+from kvoffload.scheduler.ledger import BlockLedger, PlanEntry
+from kvoffload.scheduler.requests import RequestTable, as_int, check_hash, length
+from kvoffload.scheduler.state import RequestOffloadState
+from kvoffload.scheduler.stats import Counters
+from kvoffload.transfer.plan import LoadPlan
+
+__all__ = ["LoadPlanner", "LookupExtension"]
+
+_log = get_logger("scheduler")
+
+
+class LookupExtension(Protocol):
+    """What a lookup asks of the storage below the CPU pool (the tier manager)."""
+
+    def extend_lookup(
+        self,
+        block_hashes: Sequence[BlockHash],
+        end: int,
+        limit: int,
+        pinned: Sequence[CpuBlock],
+        *,
+        allow_defer: bool,
+    ) -> bool:
+        """A lookup found the blocks ``pinned`` on CPU, a run ending before
+        ``block_hashes[end]``, of the loadable ``block_hashes[:limit]``; start what brings
+        in the blocks after it.
+
+        Returns:
+            ``True`` when the caller should ask again later (``allow_defer`` only): the
+            scheduler releases the pin and answers ``None``.
+        """
+        ...
+
+
+@final
+class LoadPlanner:
+    """Answers lookups, keeps their pins, and plans the loads of accepted hits.
+
+    Args:
+        block_size: tokens per block.
+        ledger: where pins and loads take their references.
+        table: the registered requests.
+        counters: the statistics this planner adds to.
+    """
+
+    def __init__(
+        self, block_size: int, ledger: BlockLedger, table: RequestTable, counters: Counters
+    ) -> None:
+        self._block_size = block_size
+        self._ledger = ledger
+        self._table = table
+        self._counters = counters
+        self.extension: LookupExtension | None = None
+        """Asked after every lookup that could extend its hit (the tier manager)."""
+        self.starts: dict[int, int] = {}
+        """Load plan id → the request block its first CPU block holds."""
+
+    def release_pin(self, state: RequestOffloadState) -> None:
+        """Drop a request's lookup pin, if any."""
+        if state.pinned:
+            pinned, state.pinned = state.pinned, []
+            self._ledger.unpin(pinned)
+
+    def lookup(
+        self,
+        rid: str,
+        block_hashes: Sequence[BlockHash],
+        num_tokens: int,
+        num_computed_tokens: int,
+        *,
+        allow_defer: bool,
+        no_read: bool,
+    ) -> int | None:
+        """See `OffloadScheduler.lookup()`."""
+        bs = self._block_size
+        num_tokens = as_int(num_tokens, "num_tokens", rid)
+        num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", rid)
+        if num_tokens < 0 or not 0 <= num_computed_tokens <= num_tokens:
+            raise InvalidInputError(
+                f"request {rid!r}: need 0 <= num_computed_tokens "
+                f"({num_computed_tokens}) <= num_tokens ({num_tokens})"
+            )
+        if num_computed_tokens % bs:
+            raise InvalidInputError(
+                f"request {rid!r}: num_computed_tokens={num_computed_tokens} is not a "
+                f"multiple of block_size={bs}"
+            )
+        num_hashes = length(block_hashes, "block_hashes", rid)
+        start = num_computed_tokens // bs
+        limit = min(num_hashes, (num_tokens - 1) // bs) if num_tokens else 0
+        if not no_read:
+            for k in range(start, limit):
+                check_hash(block_hashes[k], f"block_hashes[{k}]", rid)
+        table = self._table
+        state = table.known(rid)
+        if state is None:
+            state = table.register(rid)
+        self.release_pin(state)
+        counters = self._counters
+        counters.lookups += 1
+        if not state.admitted:
+            state.admitted = True
+            counters.prompt_tokens += num_tokens
+        if no_read or start >= limit:
+            counters.miss_tokens += num_tokens - num_computed_tokens
+            return 0
+        ledger = self._ledger
+        hits = ledger.pool.lookup(itertools.islice(block_hashes, start, limit))
+        end = start + len(hits)
+        if allow_defer:
+            loading = ledger.loading
+            if (end < limit and block_hashes[end] in ledger.pending) or (
+                loading and any(b.block_id in loading for b in hits)
+            ):
+                # The next block is being filled (stored or promoted), or the hit is
+                # being loaded for another request (its GPU copy will serve this one):
+                # ask again later.
+                counters.deferred_lookups += 1
+                _log.debug("lookup_deferred", request_id=rid, block=end)
+                return None
+        if hits:
+            ledger.pin(hits)
+            state.pinned = hits
+            state.pin_start_block = start
+        hit_tokens = len(hits) * bs
+        counters.hit_tokens += hit_tokens
+        counters.miss_tokens += num_tokens - num_computed_tokens - hit_tokens
+        extension = self.extension
+        if extension is not None and extension.extend_lookup(
+            block_hashes, end, limit, hits, allow_defer=allow_defer
+        ):
+            self.release_pin(state)
+            return None
+        return hit_tokens
+
+    def plan_load(self, rid: str, gpu_block_ids: Sequence[int], num_tokens: int) -> LoadPlan | None:
+        """See `OffloadScheduler.plan_load()`."""
+        table = self._table
+        state = table.live(rid)
+        bs = self._block_size
+        num_tokens = as_int(num_tokens, "num_tokens", rid)
+        pinned = state.pinned
+        if num_tokens < 0 or num_tokens % bs or num_tokens > len(pinned) * bs:
+            raise InvalidInputError(
+                f"request {rid!r}: cannot load {num_tokens} tokens: the pinned hit "
+                f"is {len(pinned) * bs} tokens and loads are whole blocks of {bs}"
+            )
+        n = num_tokens // bs
+        start = state.pin_start_block
+        dst = table.load_destinations(state, gpu_block_ids, start, n)
+        if not pinned:
+            return None
+        state.pinned = []
+        plan, concurrent = self._ledger.open_load(pinned, n, dst, rid, num_tokens)
+        if plan is None:
+            return None
+        self._counters.concurrent_load_blocks += concurrent
+        self.starts[plan.plan_id] = start
+        state.in_flight.add(plan.plan_id)
+        self._counters.load_plans += 1
+        return plan
+
+    def cancel_plan(self, rec: PlanEntry, current: bool) -> None:
+        """A load plan was cancelled (the ledger keeps its blocks as a pin): they become
+        its request's lookup pin again, or are released if that cannot be."""
+        self._counters.load_plans -= 1
+        start = self.starts.pop(rec.plan.plan_id)
+        owner = self._table.requests.get(rec.plan.request_ids[0])
+        if owner is not None and current and not owner.finished and not owner.pinned:
+            owner.pinned = rec.blocks
+            owner.pin_start_block = start
+        else:
+            self._ledger.unpin(rec.blocks)

@@ -1,0 +1,421 @@
+"""The request table: every request's state by id, finished ids, and the input checks.
+
+The block-table and hash checks live here once and serve both `update()` and
+`plan_load()`: a refused call raises before anything changes.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter, deque
+from collections.abc import Callable, Collection, Sequence
+from typing import NoReturn, final
+
+from kvoffload._logging import get_logger
+from kvoffload.errors import (
+    BlockTableError,
+    InputTypeError,
+    InvalidInputError,
+    InvariantError,
+    RequestStateError,
+    UnknownRequestError,
+)
+from kvoffload.hashing import BlockHash
+from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
+from kvoffload.transfer.plan import TransferPlan
+
+__all__ = ["FINISHED_IDS_REMEMBERED", "RequestTable", "as_int", "check_hash", "length"]
+
+_log = get_logger("scheduler")
+
+_PREEMPTED = RequestPhase.PREEMPTED
+_HOLDING = RequestPhase.HOLDING
+_DRAINING = RequestPhase.DRAINING
+
+FINISHED_IDS_REMEMBERED = 65536
+"""How many finished request ids a scheduler remembers to refuse their reuse."""
+
+
+def as_int(value: object, what: str, rid: str) -> int:
+    """``value`` as an int (numpy and torch integers too); floats and bools are refused."""
+    if type(value) is int:
+        return value
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise InputTypeError(
+        f"request {rid!r}: {what}={value!r} is not an int (got {type(value).__name__})"
+    )
+
+
+def length(value: object, what: str, rid: str) -> int:
+    """``len(value)`` of a sequence argument; iterators and generators are refused."""
+    if not hasattr(value, "__getitem__"):
+        raise InputTypeError(
+            f"request {rid!r}: {what} must be a sequence (list, tuple, array), got "
+            f"{type(value).__name__}"
+        )
+    try:
+        return len(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InputTypeError(
+            f"request {rid!r}: {what} must be a sequence with a length, got {type(value).__name__}"
+        ) from None
+
+
+def check_hash(value: object, what: str, rid: str) -> None:
+    """Refuse a block hash that is not bytes."""
+    if type(value) is not bytes and not isinstance(value, bytes):
+        raise InputTypeError(
+            f"request {rid!r}: {what} must be a block hash (bytes), got {type(value).__name__}"
+        )
+
+
+def _out_of_range(g: int, j: int, rid: str, limit: int | None) -> NoReturn:
+    raise BlockTableError(
+        f"request {rid!r}: gpu_block_ids[{j}]={g} is out of range "
+        f"[0, {limit if limit is not None else 'inf'})"
+    )
+
+
+def _twice(g: int, first: int, j: int, rid: str) -> NoReturn:
+    raise BlockTableError(
+        f"request {rid!r}: GPU block {g} appears twice in gpu_block_ids, at positions "
+        f"{first} and {j}"
+    )
+
+
+@final
+class RequestTable:
+    """Registered requests by id, and the ids of finished ones (never reused).
+
+    Args:
+        num_gpu_blocks: block table entries must lie in ``[0, num_gpu_blocks)``
+            (``None``: only negative ids are refused).
+        restore_evicted: ``OffloadConfig.restore_evicted`` (a store may read any entry
+            of the table, so every known entry is compared).
+    """
+
+    def __init__(self, *, num_gpu_blocks: int | None, restore_evicted: bool) -> None:
+        self.requests: dict[str, RequestOffloadState] = {}
+        """Request id → state; read it, change it through the table."""
+        self._finished_ids: set[str] = set()
+        self._finished_order: deque[str] = deque()
+        self._num_gpu_blocks = num_gpu_blocks
+        self._restore_evicted = restore_evicted
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self.requests
+
+    def was_finished(self, request_id: str) -> bool:
+        """Whether ``request_id`` belongs to a (remembered) finished request."""
+        return request_id in self._finished_ids
+
+    def get(self, request_id: str) -> RequestOffloadState:
+        """The state of a registered request (finished ones with transfers included).
+
+        Raises:
+            RequestStateError: the id finished and was forgotten.
+            UnknownRequestError: no state for that id.
+        """
+        state = self.requests.get(request_id)
+        if state is None:
+            if request_id in self._finished_ids:
+                raise RequestStateError(
+                    f"request {request_id!r} is finished (request ids are not reused)"
+                )
+            raise UnknownRequestError(f"unknown request id {request_id!r}")
+        return state
+
+    def known(self, request_id: str) -> RequestOffloadState | None:
+        """The state of a request that may be registered; ``None`` for a new one.
+
+        Raises:
+            RequestStateError: the request is finished.
+        """
+        state = self.requests.get(request_id)
+        if state is None:
+            if request_id in self._finished_ids:
+                raise RequestStateError(
+                    f"request {request_id!r} is finished (request ids are not reused)"
+                )
+        elif state.phase is _DRAINING or state.phase is _HOLDING:  # not the property: hot
+            raise RequestStateError(f"request {request_id!r} is finished")
+        return state
+
+    def live(self, request_id: str) -> RequestOffloadState:
+        """The state of a registered request that is not finished.
+
+        Raises:
+            UnknownRequestError: no state for that id.
+            RequestStateError: it is finished.
+        """
+        state = self.get(request_id)
+        if state.phase is _DRAINING or state.phase is _HOLDING:
+            raise RequestStateError(f"request {request_id!r} is finished")
+        return state
+
+    def register(self, request_id: str) -> RequestOffloadState:
+        """File a new request."""
+        state = RequestOffloadState(request_id)
+        self.requests[request_id] = state
+        return state
+
+    def reserve(self, request_id: str) -> None:
+        """Register ``request_id`` unless it is in use or finished.
+
+        Raises:
+            RequestStateError: the id is in use or finished.
+        """
+        if request_id in self.requests:
+            raise RequestStateError(
+                f"request id {request_id!r} is in use (a request with that id has not "
+                "finished, or its last transfer is still in flight)"
+            )
+        if request_id in self._finished_ids:
+            raise RequestStateError(
+                f"request {request_id!r} is finished (request ids are not reused)"
+            )
+        self.register(request_id)
+
+    def remember_finished(self, request_id: str) -> None:
+        """Refuse ``request_id`` from now on (the last `FINISHED_IDS_REMEMBERED` ids)."""
+        self._finished_ids.add(request_id)
+        self._finished_order.append(request_id)
+        if len(self._finished_order) > FINISHED_IDS_REMEMBERED:
+            self._finished_ids.discard(self._finished_order.popleft())
+
+    def drop(self, state: RequestOffloadState) -> None:
+        """Forget a finished request (its last transfer completed)."""
+        del self.requests[state.request_id]
+        _log.debug("request_dropped", request_id=state.request_id)
+
+    def drop_if_done(self, state: RequestOffloadState) -> None:
+        """Forget a finished request that holds nothing and waits on nothing."""
+        if state.finished and not state.in_flight and not state.held_gpu_block_ids:
+            self.drop(state)
+
+    def update(
+        self,
+        rid: str,
+        gpu_block_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        num_computed_tokens: int,
+    ) -> RequestOffloadState:
+        """Check an ``update()`` call in full, then apply it (see
+        `OffloadScheduler.update()`); returns the request's state."""
+        num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", rid)
+        if num_computed_tokens < 0:
+            raise InvalidInputError(
+                f"request {rid!r}: num_computed_tokens={num_computed_tokens} is negative"
+            )
+        state = self.known(rid)
+        new_ids = self.new_table_entries(state, gpu_block_ids, rid)
+        new_hashes = self.new_hashes(state, block_hashes, rid)
+        if state is None:
+            state = self.register(rid)
+        if state.phase is _PREEMPTED:
+            state.move_to(RequestPhase.LIVE)
+            state.gpu_block_ids = []
+            state.gpu_block_set = set()
+        state.recheck_table = False
+        state.gpu_block_ids.extend(new_ids)
+        state.gpu_block_set.update(new_ids)
+        state.block_hashes.extend(new_hashes)
+        state.num_computed_tokens = num_computed_tokens
+        return state
+
+    def check_invariants(
+        self, pins: Collection[int], has_plan: Callable[[int], bool]
+    ) -> tuple[Counter[BlockHash], int]:
+        """Check every request's state: its phase, pin, table, cursor and plans.
+
+        Args:
+            pins: ``id()`` of every pin the ledger holds (each must be one request's).
+            has_plan: whether a plan id is in flight.
+
+        Returns:
+            Hash → live cursors past it, and the GPU blocks held, for the owners of those
+            counts to compare.
+
+        Raises:
+            InvariantError: naming the breach.
+        """
+        unclaimed = set(pins)
+        live_refs: Counter[BlockHash] = Counter()
+        held = 0
+        for rid, state in self.requests.items():
+            if state.request_id != rid:
+                raise InvariantError(f"request {rid!r} is filed under another id")
+            if state.pinned:
+                if id(state.pinned) not in unclaimed:
+                    raise InvariantError(f"request {rid!r}: its pin is not in the ledger")
+                unclaimed.discard(id(state.pinned))
+            if state.finished and (
+                state.pinned or not (state.in_flight or state.held_gpu_block_ids)
+            ):
+                raise InvariantError(
+                    f"finished request {rid!r} kept a pin or outlived its transfers"
+                )
+            if (state.phase is RequestPhase.HOLDING) != bool(state.held_gpu_block_ids):
+                raise InvariantError(
+                    f"request {rid!r} in phase {state.phase.value!r} holds "
+                    f"{len(state.held_gpu_block_ids)} GPU blocks"
+                )
+            held += len(state.held_gpu_block_ids)
+            if len(state.gpu_block_set) != len(state.gpu_block_ids) or not (
+                state.gpu_block_set.issuperset(state.gpu_block_ids)
+            ):
+                raise InvariantError(f"request {rid!r}: its block table holds an id twice")
+            if state.preempted and state.num_stored_blocks:
+                raise InvariantError(
+                    f"preempted request {rid!r} has cursor {state.num_stored_blocks}"
+                )
+            if not 0 <= state.num_stored_blocks <= len(state.block_hashes):
+                raise InvariantError(
+                    f"request {rid!r}: cursor {state.num_stored_blocks} outside "
+                    f"[0, {len(state.block_hashes)}]"
+                )
+            for plan_id in state.in_flight:
+                if not has_plan(plan_id):
+                    raise InvariantError(f"request {rid!r} waits on unknown plan {plan_id}")
+            live_refs.update(Counter(state.block_hashes[: state.num_stored_blocks]))
+        if unclaimed:
+            raise InvariantError(f"{len(unclaimed)} pins in the ledger belong to no request")
+        return live_refs, held
+
+    def detach(self, plan: TransferPlan) -> None:
+        """A plan completed or was cancelled: its requests stop waiting on it (a finished
+        one that waits on nothing more is forgotten)."""
+        requests = self.requests
+        plan_id = plan.plan_id
+        for rid in plan.request_ids:
+            state = requests.get(rid)
+            if state is not None:
+                in_flight = state.in_flight
+                in_flight.discard(plan_id)
+                # drop_if_done() inlined: a draining request holds no GPU blocks.
+                if not in_flight and state.phase is _DRAINING:
+                    self.drop(state)
+
+    # -- input checks ----------------------------------------------------------------------
+
+    def new_table_entries(
+        self, state: RequestOffloadState | None, table: Sequence[int], rid: str
+    ) -> list[int]:
+        """Validate a block table against what is known; return its new entries.
+
+        Checked: the table did not shrink; each new entry is an int in range and not
+        already in the table; the known entries a store may still read (from the store
+        cursor on, or all of them after a reset or under ``restore_evicted``) are unchanged.
+        Entries below the cursor are read by nothing any more and are not compared.
+        """
+        n = length(table, "gpu_block_ids", rid)
+        old: list[int] = []
+        seen: set[int] = set()
+        check_from = 0
+        if state is not None and state.phase is not _PREEMPTED:
+            old, seen = state.gpu_block_ids, state.gpu_block_set
+            if not (state.recheck_table or self._restore_evicted):
+                check_from = min(state.num_stored_blocks, len(old) - 1) if old else 0
+        n_old = len(old)
+        if n < n_old:
+            raise BlockTableError(
+                f"request {rid!r}: gpu_block_ids shrank from {n_old} to {n} entries "
+                "(preempt the request to start over)"
+            )
+        if check_from < n_old and (
+            type(table) is not list or table[check_from:n_old] != old[check_from:]
+        ):
+            for i in range(check_from, n_old):
+                if table[i] != old[i]:
+                    raise BlockTableError(
+                        f"request {rid!r}: gpu_block_ids[{i}] changed from {old[i]} to "
+                        f"{table[i]!r} since the last call (preempt the request to start over)"
+                    )
+        limit = self._num_gpu_blocks
+        if type(table) is list and n > n_old:
+            # Fast path, all at C speed: plain ints, in range, distinct, not known yet.
+            new = table[n_old:]
+            fresh = set(new)
+            if (
+                set(map(type, new)) == {int}
+                and min(new) >= 0
+                and (limit is None or max(new) < limit)
+                and len(fresh) == len(new)
+                and fresh.isdisjoint(seen)
+            ):
+                return new
+        new = []
+        fresh = set()
+        for j in range(n_old, n):
+            g = as_int(table[j], f"gpu_block_ids[{j}]", rid)
+            if g < 0 or (limit is not None and g >= limit):
+                _out_of_range(g, j, rid, limit)
+            if g in seen or g in fresh:
+                _twice(g, old.index(g) if g in seen else n_old + new.index(g), j, rid)
+            fresh.add(g)
+            new.append(g)
+        return new
+
+    @staticmethod
+    def new_hashes(
+        state: RequestOffloadState | None, block_hashes: Sequence[BlockHash], rid: str
+    ) -> Sequence[BlockHash]:
+        """Validate a hash list against what is known; return its new entries."""
+        n = length(block_hashes, "block_hashes", rid)
+        old = state.block_hashes if state is not None else []
+        n_old = len(old)
+        if n < n_old:
+            raise InvalidInputError(
+                f"request {rid!r}: block_hashes shrank from {n_old} to {n} entries "
+                "(preempt the request to start over)"
+            )
+        if n_old and block_hashes[n_old - 1] != old[n_old - 1]:
+            raise InvalidInputError(
+                f"request {rid!r}: block_hashes[{n_old - 1}] changed since the last call"
+            )
+        new = block_hashes[n_old:]
+        if new and set(map(type, new)) != {bytes}:
+            for k, h in enumerate(new):
+                check_hash(h, f"block_hashes[{n_old + k}]", rid)
+        return new
+
+    def load_destinations(
+        self, state: RequestOffloadState, table: Sequence[int], start: int, n: int
+    ) -> list[int]:
+        """The entries ``[start, start + n)`` of a load's block table, checked: ints,
+        none twice in the table, in range, and equal to the table `update()` was given."""
+        rid = state.request_id
+        table_len = length(table, "gpu_block_ids", rid)
+        if table_len < start + n:
+            raise BlockTableError(
+                f"request {rid!r}: block table has {table_len} GPU blocks, "
+                f"loading blocks {start}..{start + n - 1} needs {start + n}"
+            )
+        if not n:
+            return []
+        limit = self._num_gpu_blocks
+        ids = [as_int(table[j], f"gpu_block_ids[{j}]", rid) for j in range(table_len)]
+        if len(set(ids)) != table_len:
+            first_at: dict[int, int] = {}
+            for j, g in enumerate(ids):
+                if g in first_at:
+                    _twice(g, first_at[g], j, rid)
+                first_at[g] = j
+        known = state.gpu_block_ids if state.phase is not _PREEMPTED else []
+        for j in range(start, start + n):
+            g = ids[j]
+            if g < 0 or (limit is not None and g >= limit):
+                _out_of_range(g, j, rid, limit)
+            if j < len(known) and known[j] != g:
+                raise BlockTableError(
+                    f"request {rid!r}: gpu_block_ids[{j}]={g} differs from the table given "
+                    f"to update() ({known[j]})"
+                )
+        return ids[start : start + n]

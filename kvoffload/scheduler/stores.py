@@ -1,0 +1,362 @@
+"""The store planner: which computed blocks each step copies to CPU, and the cursors.
+
+Eager mode scans every live request from its cursor over newly computed full blocks (the
+hot loop: `StorePlanner._scan_eager`); ``restore_evicted`` first re-stores blocks below
+live cursors that were evicted; lazy mode walks the engine's GPU cache from the block
+closest to eviction. Blocks already cached or being filled (the ledger's pending hashes)
+are skipped; the admission filter may refuse a block. When no CPU block is free the rest
+is *deferred*: cursors stay, nothing referenced is evicted.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol, final
+
+from kvoffload._logging import get_logger
+from kvoffload.config import OffloadConfig
+from kvoffload.hashing import BlockHash
+from kvoffload.pool.free_queue import CpuBlock
+from kvoffload.pool.policies.admission import AlwaysAdmit, make_admission
+from kvoffload.scheduler._counts import count_down, count_up
+from kvoffload.scheduler.ledger import BlockLedger, PlanEntry
+from kvoffload.scheduler.requests import RequestTable
+from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
+from kvoffload.scheduler.stats import Counters
+from kvoffload.transfer.plan import StorePlan
+
+__all__ = ["GpuCacheView", "StorePlanner", "StoreUndo"]
+
+_log = get_logger("scheduler")
+
+_LIVE = RequestPhase.LIVE
+_HOLDING = RequestPhase.HOLDING
+
+
+class GpuCacheView(Protocol):
+    """The engine's cached GPU blocks, for lazy offloading."""
+
+    def iter_eviction_order(self) -> Iterable[tuple[int, BlockHash]]:
+        """Yield ``(gpu_block_id, block_hash)`` of cached, fully computed GPU blocks,
+        the one the engine will evict next first."""
+
+
+@dataclass(slots=True, eq=False)
+class StoreUndo:
+    """What `cancel()` of a store plan puts back."""
+
+    # (request, cursor before the plan) of every cursor the plan moved.
+    rollback: list[tuple[RequestOffloadState, int]]
+    # Hashes the admission filter refused while the plan was built.
+    refused: tuple[BlockHash, ...] = ()
+    # Finished requests whose hold the plan ended: (state, held ids, cursor).
+    holds: list[tuple[RequestOffloadState, list[int], int]] = field(default_factory=list)
+
+
+class _StoreBatch:
+    """The store plan being built by one ``plan_stores`` call."""
+
+    __slots__ = (
+        "deferred",
+        "deferred_request",
+        "ends",
+        "free",
+        "get_cached",
+        "gpu_ids",
+        "hashes",
+        "left",
+        "owners",
+        "pending",
+        "planned",
+        "protect",
+        "refused",
+        "rollback",
+    )
+
+    def __init__(self, ledger: BlockLedger, limit: int) -> None:
+        pool = ledger.pool
+        self.get_cached = pool.get_cached
+        self.pending = ledger.pending
+        self.free = pool.num_free
+        self.left = limit
+        self.gpu_ids: list[int] = []
+        self.hashes: list[BlockHash] = []
+        self.owners: list[str] = []
+        self.planned: set[BlockHash] = set()
+        self.protect: set[CpuBlock] = set()
+        self.deferred = 0
+        self.deferred_request: str | None = None
+        self.ends: list[int] = []
+        self.rollback: list[tuple[RequestOffloadState, int]] = []
+        self.refused: list[BlockHash] = []
+
+    def offer(self, block_hash: BlockHash, gpu_block_id: int, owner: str | None) -> bool:
+        """Add a block unless it is cached or being filled; ``False`` when it needs a CPU
+        block and none is left (the caller defers)."""
+        block = self.get_cached(block_hash)
+        if block is not None:
+            # Cached: skip it, and keep this plan's own allocation from evicting it while
+            # a free block is left to spare (blocks planned before already counted on the
+            # rest, so protecting it then would make the plan unallocatable).
+            if block.ref_cnt == 0 and self.free > 0 and block not in self.protect:
+                self.protect.add(block)
+                self.free -= 1
+            return True
+        if block_hash in self.pending or block_hash in self.planned:
+            return True
+        if self.free <= 0 or self.left <= 0:
+            return False
+        self.free -= 1
+        self.left -= 1
+        self.planned.add(block_hash)
+        self.hashes.append(block_hash)
+        self.gpu_ids.append(gpu_block_id)
+        if owner is not None:
+            self.owners.append(owner)
+        return True
+
+    def end_run(self) -> None:
+        n = len(self.hashes)
+        if n > (self.ends[-1] if self.ends else 0):
+            self.ends.append(n)
+
+
+@final
+class StorePlanner:
+    """Plans the stores of each step and keeps the request cursors.
+
+    Args:
+        config: the settings (store mode, restore policy, admission, step limit).
+        ledger: where CPU blocks are taken.
+        table: the registered requests.
+        counters: the statistics this planner adds to.
+    """
+
+    def __init__(
+        self, config: OffloadConfig, ledger: BlockLedger, table: RequestTable, counters: Counters
+    ) -> None:
+        self._config = config
+        self._block_size = config.block_size
+        self._lazy = config.store_mode == "lazy"
+        self._ledger = ledger
+        self._table = table
+        self._counters = counters
+        admission = make_admission(config.store_admission)
+        self._admit = None if isinstance(admission, AlwaysAdmit) else admission.admit
+        self._undo_admission = None if isinstance(admission, AlwaysAdmit) else admission.undo
+        self.live_refs: dict[BlockHash, int] = {}
+        """Hash → live cursors past it (to count evictions of blocks still in use)."""
+        self.restore_needed = False
+        self.plan_calls = 0
+        """``plan_stores`` calls so far (the clock of finish holds)."""
+        self.undo: dict[int, StoreUndo] = {}
+        """Store plan id → what cancelling it puts back."""
+
+    # -- cursors ---------------------------------------------------------------------------
+
+    def reset_cursor(self, state: RequestOffloadState) -> None:
+        """Move a request's cursor back to 0."""
+        live_refs = self.live_refs
+        for block_hash in state.block_hashes[: state.num_stored_blocks]:
+            count_down(live_refs, block_hash)
+        state.num_stored_blocks = 0
+
+    def set_cursor(self, state: RequestOffloadState, cursor: int) -> None:
+        """Move a cursor that is at 0 to ``cursor``."""
+        live_refs = self.live_refs
+        for block_hash in state.block_hashes[:cursor]:
+            count_up(live_refs, block_hash)
+        state.num_stored_blocks = cursor
+
+    def roll_back(self, state: RequestOffloadState, old: int) -> None:
+        """Move a cursor back to ``old``, where it was before a cancelled plan."""
+        live_refs = self.live_refs
+        for block_hash in state.block_hashes[old : state.num_stored_blocks]:
+            count_down(live_refs, block_hash)
+        state.num_stored_blocks = old
+
+    # -- planning --------------------------------------------------------------------------
+
+    def scan(
+        self, gpu_cache: GpuCacheView | None, hold_done: list[RequestOffloadState]
+    ) -> _StoreBatch:
+        """Choose this step's blocks (``hold_done`` gets finished requests whose hold
+        ends: planned, or expired)."""
+        self.plan_calls += 1
+        batch = _StoreBatch(self._ledger, self._config.max_store_blocks_per_step)
+        if gpu_cache is not None and self._lazy:
+            self._scan_lazy(gpu_cache, batch)
+        else:
+            if self.restore_needed and self._config.restore_evicted:
+                self._scan_restore(batch)
+            self._scan_eager(batch, hold_done)
+        return batch
+
+    def make_plan(self, batch: _StoreBatch) -> StorePlan | None:
+        """Take the CPU blocks of a scanned batch and open its plan (``None``: nothing
+        to store)."""
+        counters = self._counters
+        if batch.deferred:
+            counters.deferred_blocks += batch.deferred
+            counters.deferred_steps += 1
+            _log.debug(
+                "store_deferred",
+                request_id=batch.deferred_request,
+                needed=batch.deferred,
+                free=self._ledger.pool.num_free,
+                protected=len(batch.protect),
+                planned=len(batch.hashes),
+            )
+        if not batch.hashes:
+            return None
+        evicted: list[BlockHash] = []
+        request_ids = tuple(dict.fromkeys(batch.owners))
+        plan = self._ledger.open_store(
+            batch.hashes,
+            batch.gpu_ids,
+            request_ids,
+            protect=batch.protect,
+            evicted=evicted,
+            ends=tuple(batch.ends) if len(batch.ends) > 1 else None,
+        )
+        live_refs = self.live_refs
+        for block_hash in evicted:
+            if block_hash in live_refs:
+                counters.evicted_while_live += 1
+                self.restore_needed = True
+        self.undo[plan.plan_id] = StoreUndo(batch.rollback, tuple(batch.refused))
+        requests = self._table.requests
+        for rid in request_ids:
+            requests[rid].in_flight.add(plan.plan_id)
+        counters.store_plans += 1
+        return plan
+
+    def _scan_eager(self, batch: _StoreBatch, hold_done: list[RequestOffloadState]) -> None:
+        # The hot loop: _StoreBatch.offer() inlined, with its state in locals. The count
+        # map updates are inlined too (no call per block).
+        bs = self._block_size
+        ends = batch.ends
+        rollback = batch.rollback
+        calls = self.plan_calls
+        live_refs = self.live_refs
+        get_cached = batch.get_cached
+        pending = batch.pending
+        planned = batch.planned
+        protect = batch.protect
+        out_hashes = batch.hashes
+        out_gpu = batch.gpu_ids
+        owners = batch.owners
+        free, left = batch.free, batch.left
+        admit = self._admit
+        refused = batch.refused
+        live, holding = _LIVE, _HOLDING
+        for state in self._table.requests.values():
+            phase = state.phase
+            if phase is not live:
+                if phase is not holding:
+                    continue  # preempted, or finished holding nothing
+                if calls > state.hold_deadline:
+                    self._counters.hold_expired_blocks += len(state.held_gpu_block_ids)
+                    hold_done.append(state)
+                    continue
+            elif state.recheck_table:
+                continue  # a table to check again first (after a reset)
+            hashes = state.block_hashes
+            end = min(state.num_computed_tokens // bs, len(hashes), len(state.gpu_block_ids))
+            i = start = state.num_stored_blocks
+            if batch.deferred:
+                batch.deferred += max(0, end - i)
+                continue
+            gpu_ids = state.gpu_block_ids
+            rid = state.request_id
+            while i < end:
+                block_hash = hashes[i]
+                block = get_cached(block_hash)
+                if block is not None:
+                    if block.ref_cnt == 0 and free > 0 and block not in protect:
+                        protect.add(block)
+                        free -= 1
+                elif block_hash not in pending and block_hash not in planned:
+                    if free <= 0 or left <= 0:
+                        batch.deferred = end - i
+                        batch.deferred_request = rid
+                        break
+                    if admit is not None and not admit(block_hash):
+                        refused.append(block_hash)
+                        live_refs[block_hash] = live_refs.get(block_hash, 0) + 1
+                        i += 1
+                        continue  # refused by OffloadConfig.store_admission
+                    free -= 1
+                    left -= 1
+                    planned.add(block_hash)
+                    out_hashes.append(block_hash)
+                    out_gpu.append(gpu_ids[i])
+                    owners.append(rid)
+                live_refs[block_hash] = live_refs.get(block_hash, 0) + 1
+                i += 1
+            if i != start:
+                state.num_stored_blocks = i
+                rollback.append((state, start))
+                if len(out_hashes) > (ends[-1] if ends else 0):
+                    ends.append(len(out_hashes))
+            if i >= end and phase is holding:
+                hold_done.append(state)
+        batch.free, batch.left = free, left
+
+    def _scan_restore(self, batch: _StoreBatch) -> None:
+        """Re-store blocks below live cursors that were evicted (``restore_evicted``)."""
+        before = len(batch.hashes)
+        for state in self._table.requests.values():
+            if state.phase is not _LIVE or state.recheck_table:
+                continue
+            gpu_ids = state.gpu_block_ids
+            rid = state.request_id
+            for i, block_hash in enumerate(state.block_hashes[: state.num_stored_blocks]):
+                if not batch.offer(block_hash, gpu_ids[i], rid):
+                    batch.deferred = 1
+                    batch.deferred_request = rid
+                    self._counters.restored_blocks += len(batch.hashes) - before
+                    batch.end_run()
+                    return
+            batch.end_run()
+        self._counters.restored_blocks += len(batch.hashes) - before
+        self.restore_needed = False
+
+    def _scan_lazy(self, gpu_cache: GpuCacheView, batch: _StoreBatch) -> None:
+        window = itertools.islice(gpu_cache.iter_eviction_order(), self._config.lazy_offload_blocks)
+        for gpu_block_id, block_hash in window:
+            if not batch.offer(block_hash, gpu_block_id, None):
+                batch.deferred = 1
+                return
+
+    # -- undo ------------------------------------------------------------------------------
+
+    def cancel_plan(
+        self,
+        rec: PlanEntry,
+        current: bool,
+        restore_hold: Callable[[RequestOffloadState, list[int], int], None],
+    ) -> None:
+        """A store plan was cancelled (the ledger released its blocks): give back the
+        holds it ended, put the admission filter's state and the cursors it moved back
+        (only of requests still live, and only if no reset came between)."""
+        undo = self.undo.pop(rec.plan.plan_id)
+        counters = self._counters
+        counters.store_plans -= 1
+        if self._undo_admission is not None:
+            self._undo_admission(rec.hashes, undo.refused)
+        if self._config.restore_evicted:
+            self.restore_needed = True  # the plan may have held re-stores
+        for state, held, cursor in undo.holds:
+            restore_hold(state, held, cursor)
+        requests = self._table.requests
+        for state, old in undo.rollback:
+            live = requests.get(state.request_id) is state
+            if live and current and not state.preempted and state.num_stored_blocks > old:
+                self.roll_back(state, old)
+
+    def reset(self) -> None:
+        """The cache was reset: nothing evicted is waiting to be stored again."""
+        self.restore_needed = False

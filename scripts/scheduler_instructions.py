@@ -1,0 +1,183 @@
+"""Instructions the scheduler's hot paths execute, in another checkout and in this one.
+
+Timings on a shared VM move by ±10 % between identical runs; the number of machine
+instructions a workload executes does not. Each figure comes from one process under
+``valgrind --tool=callgrind --instr-atstart=no``: it imports the scheduler from a
+checkout and prepares the workload uninstrumented, then the parent switches
+instrumentation on (``callgrind_control -i on``) and the process runs one stage and
+exits at once. The stages, on the ``python -m kvoffload.bench scheduler`` workload
+(``--requests`` running requests of ``--blocks`` blocks, ``--chunk`` new blocks each
+per step):
+
+* ``update``: every step's ``update()`` calls, without planning;
+* ``steps``: every step's ``update()`` calls, then ``plan_stores()`` and ``complete()``
+  (``steps - update`` is the store planning and completion);
+* ``lookups``: after everything was stored (uninstrumented), one ``lookup()``,
+  ``plan_load()`` and ``complete()`` per request, from a new request id.
+
+The ratio is this checkout over the other (1.00 = the same work).
+
+Usage:
+    git worktree add /tmp/base 60d60b6
+    .venv/bin/python scripts/scheduler_instructions.py /tmp/base [--requests 256]
+        [--blocks 64] [--chunk 4]
+
+Needs valgrind (``apt-get install valgrind``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+STAGES = ("update", "steps", "lookups")
+
+_CHILD = r"""
+import os, sys
+checkout, stage, requests, blocks, chunk = sys.argv[1:6]
+sys.path.insert(0, checkout)
+from kvoffload.config import OffloadConfig
+from kvoffload.hashing import HashNamespace, hash_block_tokens
+from kvoffload.pool import CpuBlockPool
+import kvoffload
+from kvoffload.scheduler import OffloadScheduler
+if not kvoffload.__file__.startswith(checkout):
+    raise SystemExit(f"imported {kvoffload.__file__}, not from {checkout}")
+requests, blocks, chunk, bs = int(requests), int(blocks), int(chunk), 16
+root = HashNamespace(model_id="bench").root
+chains = []
+for r in range(requests):
+    parent, chain = root, []
+    for b in range(blocks):
+        parent = hash_block_tokens(
+            parent, range(r * 1_000_000 + b * bs, r * 1_000_000 + (b + 1) * bs)
+        )
+        chain.append(parent)
+    chains.append(chain)
+total = requests * blocks
+config = OffloadConfig(block_size=bs, num_cpu_blocks=total, max_store_blocks_per_step=1 << 24)
+sched = OffloadScheduler(config, CpuBlockPool(total))
+tables = [list(range(r * blocks, (r + 1) * blocks)) for r in range(requests)]
+steps = blocks // chunk + 1
+
+
+def run_steps(plan):
+    for step in range(1, steps + 1):
+        for r, chain in enumerate(chains):
+            n = min(blocks, step * chunk)
+            sched.update(f"r{r}", tables[r][:n], chain[:n], n * bs)
+        if plan:
+            p = sched.plan_stores()
+            if p is not None:
+                sched.complete(p, ok=True)
+
+
+def run_lookups():
+    for r, chain in enumerate(chains):
+        rid = f"q{r}"
+        hit = sched.lookup(rid, chain, blocks * bs + 1)
+        p = sched.plan_load(rid, tables[r], hit)
+        if p is not None:
+            sched.complete(p, ok=True)
+        sched.finish(rid)
+
+
+if stage == "lookups":
+    run_steps(True)
+sys.stdout.write("ready\n")
+sys.stdout.flush()
+sys.stdin.readline()
+if stage == "update":
+    run_steps(False)
+elif stage == "steps":
+    run_steps(True)
+else:
+    run_lookups()
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def count(checkout: Path, stage: str, args: argparse.Namespace) -> int:
+    """Instructions of one stage, run from ``checkout``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [
+            "valgrind",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            f"--callgrind-out-file={tmp}/cg.out",
+            sys.executable,
+            "-c",
+            _CHILD,
+            str(checkout),
+            stage,
+            str(args.requests),
+            str(args.blocks),
+            str(args.chunk),
+        ]
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        with subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=tmp,
+        ) as proc:
+            assert proc.stdin is not None
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if line.strip() != "ready":
+                _, err = proc.communicate()
+                raise RuntimeError(f"the stage did not start: {line!r}\n{err[-2000:]}")
+            subprocess.run(
+                ["callgrind_control", "-i", "on", str(proc.pid)], check=True, capture_output=True
+            )
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            _, err = proc.communicate()
+    found = re.search(r"Collected : (\d+)", err)
+    if proc.returncode != 0 or found is None:
+        raise RuntimeError(f"no instruction count in valgrind's output:\n{err[-2000:]}")
+    return int(found.group(1))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("base", type=Path, help="a checkout to compare with (git worktree)")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--blocks", type=int, default=64)
+    parser.add_argument("--chunk", type=int, default=4)
+    parser.add_argument("--stages", default=",".join(STAGES))
+    args = parser.parse_args()
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        print("valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
+        return 2
+    here = Path(__file__).resolve().parent.parent
+    base = args.base.resolve()
+    print(
+        f"scheduler instructions, {args.requests} requests x {args.blocks} blocks, "
+        f"chunk {args.chunk}; ratio = {here.name} / {base.name}"
+    )
+    print(f"{'stage':>8} {'base (M)':>10} {'new (M)':>10} {'ratio':>6}")
+    figures: dict[str, tuple[int, int]] = {}
+    for stage in args.stages.split(","):
+        old, new = count(base, stage, args), count(here, stage, args)
+        figures[stage] = (old, new)
+        print(f"{stage:>8} {old / 1e6:>10.1f} {new / 1e6:>10.1f} {new / old:>6.3f}")
+    if "update" in figures and "steps" in figures:
+        old = figures["steps"][0] - figures["update"][0]
+        new = figures["steps"][1] - figures["update"][1]
+        print(f"{'plan':>8} {old / 1e6:>10.1f} {new / 1e6:>10.1f} {new / old:>6.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
