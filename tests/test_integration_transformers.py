@@ -501,7 +501,7 @@ def surface_pinner_error_at(off: KVOffloader, call: str, nth: int, pinner: Unpin
     """Make the ``nth`` call of ``off.<call>`` the one that surfaces a once-only PinnerError.
 
     Right before that call, the pinner's ``unpin`` raises the way it does inside a
-    completion (`KVOffloader._on_complete` ends in ``_unpin``), so the offloader's next
+    completion (`TransferLauncher` ends a completion in ``_unpin``), so the offloader's next
     step-loop call, this one, raises `PinnerError` once. Returns what records the calls.
     """
     real = getattr(off, call)
@@ -512,7 +512,7 @@ def surface_pinner_error_at(off: KVOffloader, call: str, nth: int, pinner: Unpin
         if seen["calls"] == nth:
             seen["fired"] += 1
             pinner.armed = True
-            off._unpin([], None)  # what a completion does when its unpin raises
+            off._session.launcher._unpin([], None)  # what a completion does when its unpin raises
             assert not pinner.armed
         return real(*args, **kwargs)
 
@@ -659,7 +659,9 @@ async def test_a_pinner_error_from_the_drain_of_a_step_that_waits_for_blocks(mod
                 fired.append(True)
                 copies.complete_all()
                 pinner.armed = True
-                off._unpin([], None)  # what a completion does when its unpin raises
+                off._session.launcher._unpin(
+                    [], None
+                )  # what a completion does when its unpin raises
             return real()
 
         off.drain = complete_then_drain  # type: ignore[method-assign]

@@ -133,6 +133,11 @@ class CpuBlockPool:
         self._evictions = 0
         self._policy = make_policy(policy)
         self._policy.attach(self._blocks, self._free)
+        # A policy that simulates pools of its own (the adaptive one) gets this class to
+        # make them with, so the policies never import the pool.
+        bind = getattr(self._policy, "bind_pool_factory", None)
+        if callable(bind):
+            bind(lambda n, name: CpuBlockPool(n, policy=name))
         # LRU is the free queue itself: the inlined paths below serve it without calls.
         self._hooked = None if isinstance(self._policy, LruPolicy) else self._policy
         # The optional lookup hook (see `EvictionPolicy`); ``None`` for every built-in

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvoffload.errors import ConfigError
+from kvoffload.pool.policies._static import STATIC_POLICIES, STATIC_POLICY_NAMES
 from kvoffload.pool.policies.adaptive import AdaptivePolicy, AdaptiveStatistics
 from kvoffload.pool.policies.arc import ArcPolicy
 from kvoffload.pool.policies.base import EvictionPolicy
@@ -31,18 +32,12 @@ __all__ = [
 ]
 
 _REGISTRY: dict[str, Callable[[], EvictionPolicy]] = {
-    "lru": LruPolicy,
-    "arc": ArcPolicy,
-    "s3fifo": S3FifoPolicy,
-    "prefix-freq": PrefixFrequencyPolicy,
+    **STATIC_POLICIES,
     "adaptive": AdaptivePolicy,
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 """Registered policy names, the default (``"lru"``) first."""
-
-STATIC_POLICY_NAMES: tuple[str, ...] = tuple(n for n in POLICY_NAMES if n != "adaptive")
-"""The registered policies that rank blocks by one fixed rule (all but ``"adaptive"``)."""
 
 
 def make_policy(policy: EvictionPolicy | str | None) -> EvictionPolicy:

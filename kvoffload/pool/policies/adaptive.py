@@ -12,23 +12,53 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING, Protocol, final
 
 from kvoffload.errors import InvariantError
 from kvoffload.pool.policies._common import PolicyBase
+from kvoffload.pool.policies._static import STATIC_POLICY_NAMES
 from kvoffload.pool.policies.arc import ArcPolicy
 from kvoffload.pool.policies.gdfreq import PrefixFrequencyPolicy
 from kvoffload.pool.policies.s3fifo import S3FifoPolicy
 
 if TYPE_CHECKING:
     from kvoffload.hashing import BlockHash
-    from kvoffload.pool.block_pool import CpuBlockPool
     from kvoffload.pool.free_queue import CpuBlock, LruFreeQueue
     from kvoffload.pool.policies.base import EvictionPolicy
 
-__all__ = ["DEFAULT_EXPERTS", "AdaptivePolicy", "AdaptiveStatistics"]
+__all__ = ["DEFAULT_EXPERTS", "AdaptivePolicy", "AdaptiveStatistics", "ShadowPool"]
+
+
+class ShadowPool(Protocol):
+    """What the adaptive policy uses of a shadow pool: a hash-only `CpuBlockPool`.
+
+    The policy never imports the pool (the pool imports the policies); the pool hands it a
+    factory for its own class through `AdaptivePolicy.bind_pool_factory()`.
+    """
+
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_free(self) -> int: ...
+    @property
+    def num_cached(self) -> int: ...
+    @property
+    def policy(self) -> EvictionPolicy: ...
+    def lookup(self, block_hashes: Iterable[BlockHash]) -> list[CpuBlock]: ...
+    def touch(self, blocks: Iterable[CpuBlock]) -> None: ...
+    def allocate(
+        self, num_blocks: int, *, evicted: list[BlockHash] | None = None
+    ) -> list[CpuBlock]: ...
+    def publish(self, block: CpuBlock, block_hash: BlockHash) -> None: ...
+    def free(self, blocks: Iterable[CpuBlock]) -> None: ...
+    def is_cached(self, block_hash: BlockHash) -> bool: ...
+    def check_invariants(self) -> None: ...
+
+
+ShadowPoolFactory = Callable[[int, str], ShadowPool]
+"""Makes a shadow pool: ``(num_blocks, policy name) -> ShadowPool``."""
 
 DEFAULT_EXPERTS: tuple[str, ...] = ("lru", "s3fifo", "arc")
 """The experts `AdaptivePolicy` chooses among by default; the first one leads at the start."""
@@ -157,16 +187,14 @@ class AdaptivePolicy(PolicyBase):
         margin: float = 0.0,
         confidence: float = 0.5,
     ) -> None:
-        from kvoffload.pool.policies import POLICY_NAMES  # noqa: PLC0415 (import cycle)
-
         names = tuple(name.strip().lower() for name in experts)
         if not names:
             raise ValueError("AdaptivePolicy needs at least one expert")
         if len(set(names)) != len(names):
             raise ValueError(f"AdaptivePolicy: an expert is named twice in {list(names)}")
         for name in names:
-            if name not in POLICY_NAMES or name == "adaptive":
-                known = ", ".join(n for n in POLICY_NAMES if n != "adaptive")
+            if name not in STATIC_POLICY_NAMES:
+                known = ", ".join(STATIC_POLICY_NAMES)
                 raise ValueError(f"AdaptivePolicy: unknown expert {name!r}; known: {known}")
         if not window > 0:
             raise ValueError(f"window must be > 0, got {window}")
@@ -181,7 +209,7 @@ class AdaptivePolicy(PolicyBase):
         self._confidence = float(confidence)
         self._capacity = 0
         self._tau = math.inf
-        self._shadows: list[CpuBlockPool] = []
+        self._shadows: list[ShadowPool] = []
         self._heaps: list[PrefixFrequencyPolicy] = []
         self._scores = [0.0] * len(names)
         self._hits = [0] * len(names)
@@ -221,11 +249,17 @@ class AdaptivePolicy(PolicyBase):
         return f"AdaptivePolicy(experts={list(self._experts)}, leader={self.leader!r})"
 
     def _attached(self, num_blocks: int) -> None:
-        from kvoffload.pool.block_pool import CpuBlockPool  # noqa: PLC0415 (import cycle)
-
         self._capacity = num_blocks
         self._tau = self._window * num_blocks
-        self._shadows = [CpuBlockPool(num_blocks, policy=name) for name in self._experts]
+
+    def bind_pool_factory(self, make_pool: ShadowPoolFactory) -> None:
+        """Build one shadow pool per expert; the pool calls it right after `attach()`.
+
+        Args:
+            make_pool: makes a pool of the given size and policy (the attaching pool's
+                own class), so this module needs no import of the pool.
+        """
+        self._shadows = [make_pool(self._capacity, name) for name in self._experts]
         self._heaps = [
             s.policy for s in self._shadows if isinstance(s.policy, PrefixFrequencyPolicy)
         ]
