@@ -61,12 +61,13 @@ class PoolStatistics:
     """A snapshot of a `CpuBlockPool`.
 
     Attributes:
-        num_blocks: pool size.
-        num_free: blocks with no reference (evictable).
-        num_cached: published blocks.
-        lookups: calls to ``lookup``.
-        hit_blocks: blocks those lookups returned.
-        evictions: published blocks unpublished by allocation.
+        num_blocks: CPU blocks in the pool.
+        num_free: blocks no request or transfer holds, which an allocation may reuse.
+        num_cached: blocks whose hash is published for lookup.
+        lookups: prefix lookups made in the pool (calls to ``lookup()``).
+        hit_blocks: blocks the pool's lookups returned (prefix hits).
+        evictions: published blocks an allocation reused, dropping their hash from
+            lookup.
     """
 
     num_blocks: int

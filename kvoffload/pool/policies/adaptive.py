@@ -111,8 +111,8 @@ def _expert_bound(name: str, capacity: int) -> int:
     if name == "s3fifo":
         return 2 * capacity  # both queues and the empty queue <= C, the ghost list < C
     if name == "prefix-freq":
-        # The heap is compacted past 4C + 64 (by its victims() or after each replay, see
-        # `AdaptivePolicy._observe`), then one request pushes at most C; the empty queue <= C.
+        # The heap holds at most 2 * ranked + 64 entries (the policy compacts it past
+        # that) and ranked + empty <= C, so 2C + 64 in all; the bound allows 6C + 64.
         return 6 * capacity + 64
     return 0
 
@@ -165,7 +165,6 @@ class AdaptivePolicy(PolicyBase):
         "_capacity",
         "_confidence",
         "_experts",
-        "_heaps",
         "_hits",
         "_last",
         "_leader",
@@ -210,7 +209,6 @@ class AdaptivePolicy(PolicyBase):
         self._capacity = 0
         self._tau = math.inf
         self._shadows: list[ShadowPool] = []
-        self._heaps: list[PrefixFrequencyPolicy] = []
         self._scores = [0.0] * len(names)
         self._hits = [0] * len(names)
         self._leader = 0
@@ -260,9 +258,6 @@ class AdaptivePolicy(PolicyBase):
                 own class), so this module needs no import of the pool.
         """
         self._shadows = [make_pool(self._capacity, name) for name in self._experts]
-        self._heaps = [
-            s.policy for s in self._shadows if isinstance(s.policy, PrefixFrequencyPolicy)
-        ]
 
     # -- what the pool tells the policy -----------------------------------------------------
 
@@ -313,10 +308,6 @@ class AdaptivePolicy(PolicyBase):
             shadow.free(held)
             hits[i] += h
             scores[i] = scores[i] * decay + h
-        for heap_policy in self._heaps:
-            # Its heap is compacted only when it evicts; a run of hits would grow it.
-            if len(heap_policy._heap) > 4 * self._capacity + 64:
-                heap_policy._compact()
         self._note_evicted(evicted)
         leader = self._leader
         best = max(range(len(scores)), key=scores.__getitem__)
