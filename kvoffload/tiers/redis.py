@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any, final
-from urllib.parse import urlsplit, urlunsplit
 
 try:
     import redis.asyncio as aioredis
@@ -26,20 +25,11 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
 
 from kvoffload.errors import TierError
 from kvoffload.hashing import BlockHash
+from kvoffload.tiers._redis_values import make_key_prefix, pack_values, redact, unpack_values
 from kvoffload.tiers._threads import IoThreads
 from kvoffload.tiers.base import BlockRead, BlockWrite
-from kvoffload.tiers.format import HEADER_SIZE, checksum
 
 __all__ = ["RedisTier"]
-
-
-def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 @final
@@ -69,7 +59,7 @@ class RedisTier:
     ) -> None:
         self._url = url
         self._nbytes = block_nbytes
-        self._prefix = f"{key_prefix}{namespace.hex()[:16]}:".encode()
+        self._prefix = make_key_prefix(key_prefix, namespace)
         self._ttl = ttl_s
         self._max_connections = max_connections
         self._name = name
@@ -79,7 +69,7 @@ class RedisTier:
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"RedisTier(name={self._name!r}, url={_redact(self._url)!r})"
+        return f"RedisTier(name={self._name!r}, url={redact(self._url)!r})"
 
     @property
     def name(self) -> str:
@@ -151,12 +141,7 @@ class RedisTier:
         if not blocks:
             return 0
         client = self._get_client()
-
-        def build() -> list[bytes]:
-            # One value per block: the header, then the payload (one copy, no zeroing).
-            return [b"".join((block.sealed_header(), block.payload)) for block in blocks]
-
-        values = await self._threads.run(build)
+        values = await self._threads.run(pack_values, blocks)
         async with client.pipeline(transaction=False) as pipe:
             for block, value in zip(blocks, values, strict=True):
                 pipe.set(self.key(block.block_hash), value, ex=self._ttl)
@@ -180,23 +165,7 @@ class RedisTier:
                 pipe.get(self.key(block_hash))
             values: list[bytes | None] = await pipe.execute()
 
-        def unpack() -> list[BlockRead | None]:
-            out: list[BlockRead | None] = []
-            for value, buffer in zip(values, into, strict=True):
-                if value is None:
-                    out.append(None)
-                    continue
-                view = memoryview(value)
-                payload = view[HEADER_SIZE:]
-                n = min(len(payload), len(buffer))
-                buffer[:n] = payload[:n]
-                # The checksum of what was copied, while it is in this core's cache; the
-                # caller compares it with the header before publishing.
-                summed = checksum(buffer[:n]) if n == len(payload) else None
-                out.append(BlockRead(bytes(view[:HEADER_SIZE]), len(payload), summed))
-            return out
-
-        return await self._threads.run(unpack)
+        return await self._threads.run(unpack_values, values, into)
 
     async def delete(self, block_hashes: Sequence[BlockHash]) -> None:
         """``DEL`` the blocks' keys."""
@@ -216,7 +185,7 @@ class RedisTier:
     def statistics(self) -> Mapping[str, int | float | str | bool]:
         """The server URL (password hidden), key prefix and expiry."""
         return {
-            "url": _redact(self._url),
+            "url": redact(self._url),
             "key_prefix": self._prefix.decode(),
             "ttl_s": self._ttl or 0,
         }
