@@ -48,6 +48,7 @@ from kvoffload.storage import HostKVBuffer
 from kvoffload.tiers import (
     DiskTier,
     DiskTierSettings,
+    RedisClusterTierSettings,
     RedisTierSettings,
     SecondaryTier,
     TierManager,
@@ -115,6 +116,7 @@ __all__ = [
     "PollerStatistics",
     "PoolEvent",
     "PoolStatistics",
+    "RedisClusterTierSettings",
     "RedisTierSettings",
     "RefCountPinner",
     "RequestOffloadState",

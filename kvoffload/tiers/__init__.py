@@ -11,7 +11,12 @@ from kvoffload.tiers.build import build_tier
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.format import HEADER_SIZE, BlockHeader, encode_header, verify_block
 from kvoffload.tiers.manager import TierManager
-from kvoffload.tiers.settings import DiskTierSettings, RedisTierSettings, TierSettings
+from kvoffload.tiers.settings import (
+    DiskTierSettings,
+    RedisClusterTierSettings,
+    RedisTierSettings,
+    TierSettings,
+)
 from kvoffload.tiers.stats import TierManagerStatistics, TierStatistics
 
 __all__ = [
@@ -21,6 +26,7 @@ __all__ = [
     "BlockWrite",
     "DiskTier",
     "DiskTierSettings",
+    "RedisClusterTierSettings",
     "RedisTierSettings",
     "SecondaryTier",
     "TierManager",

@@ -43,7 +43,7 @@ from kvoffload.hashing import BlockHash
 from kvoffload.tiers._state import PriorityGate, TierState
 from kvoffload.tiers.base import BlockRead, BlockWrite, SecondaryTier
 from kvoffload.tiers.format import encode_header, verify_block
-from kvoffload.tiers.settings import DiskTierSettings, RedisTierSettings
+from kvoffload.tiers.settings import AnyTierSettings
 from kvoffload.tiers.stats import TierManagerStatistics, TierStatistics
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ class TierManager:
 
     def __init__(
         self,
-        tiers: Sequence[tuple[SecondaryTier, DiskTierSettings | RedisTierSettings]],
+        tiers: Sequence[tuple[SecondaryTier, AnyTierSettings]],
         *,
         scheduler: OffloadScheduler,
         host: HostKVBuffer,

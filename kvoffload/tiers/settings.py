@@ -11,10 +11,19 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ByteSize, ConfigDict, Field, model_validator
 
-__all__ = ["DiskTierSettings", "RedisTierSettings", "TierSettings", "TierSettingsList"]
+__all__ = [
+    "AnyTierSettings",
+    "DiskTierSettings",
+    "RedisClusterTierSettings",
+    "RedisTierSettings",
+    "StartupNodeUrl",
+    "TierSettings",
+    "TierSettingsList",
+]
 
 
 class _TierSettingsBase(BaseModel):
@@ -120,13 +129,136 @@ class RedisTierSettings(_TierSettingsBase):
     )
 
 
-TierSettings = Annotated[DiskTierSettings | RedisTierSettings, Field(discriminator="kind")]
-"""One entry of ``OffloadConfig.tiers``: a `DiskTierSettings` or a `RedisTierSettings`."""
+def _check_node_url(url: str) -> str:
+    parts = urlsplit(url)
+    shown = parts._replace(netloc=parts.hostname or "").geturl()  # never the password
+    if parts.scheme not in {"redis", "rediss"}:
+        raise ValueError(f"{shown!r}: a cluster node URL is redis://host:port or rediss://")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"{shown!r}: bad port ({exc})") from None
+    if not parts.hostname or port is None:
+        raise ValueError(f"{shown!r}: a cluster node URL names a host and a port")
+    if parts.path not in {"", "/", "/0"}:
+        raise ValueError(f"{shown!r}: a cluster has only database 0 (path {parts.path!r})")
+    return url
+
+
+StartupNodeUrl = Annotated[
+    str,
+    Field(min_length=1, max_length=4096, description="redis://[user:password@]host:port"),
+    AfterValidator(_check_node_url),
+]
+"""One startup node of a Redis Cluster: ``redis://[user:password@]host:port`` (or
+``rediss://``); database 0 only."""
+
+
+class RedisClusterTierSettings(_TierSettingsBase):
+    """A `RedisClusterTier`: one key per block on a Redis Cluster or a Valkey cluster.
+
+    Attributes:
+        startup_nodes: URLs of some nodes; the client learns the others from them.
+        key_prefix: prefix of every key.
+        ttl_s: expiry of each key in seconds; ``None`` leaves eviction to ``maxmemory``.
+        read_from_replicas: read from replicas too (round robin), and from a replica when
+            its primary's breaker is open.
+        node_timeout_ms: socket connect and read timeout of one node.
+        lookup_budget_ms: the longest one lookup operation of the tier (a probe, a read,
+            a delete) waits for the nodes; nodes still busy then are misses.
+        write_budget_ms: the same for one write-down batch.
+        breaker_failures: consecutive failures (errors, timeouts) that open a node's breaker.
+        breaker_backoff_ms: wait before an open breaker lets one probe through (doubled
+            after each failed probe, up to ``breaker_backoff_max_ms``).
+        refresh_interval_ms: the slot map is refreshed at most once per interval.
+        max_reads_per_node: read pipelines in flight to one node at once.
+        max_writes_per_node: write pipelines in flight to one node; a write-down finding
+            them all busy skips that node's blocks (counted).
+    """
+
+    kind: Literal["redis-cluster"] = "redis-cluster"
+    startup_nodes: tuple[StartupNodeUrl, ...] = Field(
+        min_length=1, max_length=64, description="Startup node URLs, redis://host:port."
+    )
+    key_prefix: str = Field(
+        default="kvoffload:", max_length=256, description="Prefix of every key this tier writes."
+    )
+    ttl_s: int | None = Field(
+        default=None, ge=1, le=365 * 86400, description="Key expiry in seconds (None: none)."
+    )
+    read_from_replicas: bool = Field(
+        default=False,
+        description="Read from replicas too, and from a replica while its primary's breaker "
+        "is open.",
+    )
+    node_timeout_ms: int = Field(
+        default=200, ge=1, le=60_000, description="Socket connect/read timeout of one node."
+    )
+    lookup_budget_ms: int = Field(
+        default=50,
+        ge=1,
+        le=60_000,
+        description="Longest one probe, read or delete waits for the nodes; late nodes are misses.",
+    )
+    write_budget_ms: int = Field(
+        default=1000,
+        ge=1,
+        le=600_000,
+        description="Longest one write-down batch waits for the nodes; late writes are lost.",
+    )
+    breaker_failures: int = Field(
+        default=3, ge=1, le=1000, description="Consecutive failures that open a node's breaker."
+    )
+    breaker_backoff_ms: int = Field(
+        default=500, ge=1, le=3_600_000, description="Wait before an open breaker's first probe."
+    )
+    breaker_backoff_max_ms: int = Field(
+        default=10_000, ge=1, le=3_600_000, description="Longest wait between probes."
+    )
+    refresh_interval_ms: int = Field(
+        default=1000, ge=1, le=3_600_000, description="Shortest time between slot map refreshes."
+    )
+    max_reads_per_node: int = Field(
+        default=4, ge=1, le=256, description="Read pipelines in flight to one node."
+    )
+    max_writes_per_node: int = Field(
+        default=2,
+        ge=1,
+        le=256,
+        description="Write pipelines in flight to one node; beyond, its blocks are skipped.",
+    )
+    max_in_flight: int = Field(
+        default=8, ge=1, le=1024, description="Most tier operations running at once."
+    )
+
+    @model_validator(mode="after")
+    def _budgets_fit(self) -> RedisClusterTierSettings:
+        if self.breaker_backoff_max_ms < self.breaker_backoff_ms:
+            raise ValueError(
+                f"breaker_backoff_max_ms={self.breaker_backoff_max_ms} is below "
+                f"breaker_backoff_ms={self.breaker_backoff_ms}"
+            )
+        budget_ms = max(self.lookup_budget_ms, self.write_budget_ms)
+        if self.op_timeout_s * 1000 <= budget_ms:
+            raise ValueError(
+                f"op_timeout_s={self.op_timeout_s} must exceed the budgets (lookup_budget_ms="
+                f"{self.lookup_budget_ms}, write_budget_ms={self.write_budget_ms}): an "
+                "operation running past op_timeout_s marks the whole tier unhealthy"
+            )
+        return self
+
+
+AnyTierSettings = DiskTierSettings | RedisTierSettings | RedisClusterTierSettings
+"""Any one tier's settings model."""
+
+TierSettings = Annotated[AnyTierSettings, Field(discriminator="kind")]
+"""One entry of ``OffloadConfig.tiers``: a `DiskTierSettings`, `RedisTierSettings` or
+`RedisClusterTierSettings`."""
 
 
 def _check_tiers(
-    tiers: tuple[DiskTierSettings | RedisTierSettings, ...],
-) -> tuple[DiskTierSettings | RedisTierSettings, ...]:
+    tiers: tuple[AnyTierSettings, ...],
+) -> tuple[AnyTierSettings, ...]:
     names: dict[str, int] = {}
     paths: dict[Path, int] = {}
     for i, tier in enumerate(tiers):
