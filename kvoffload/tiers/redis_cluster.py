@@ -36,7 +36,7 @@ from typing import Any, final
 from urllib.parse import unquote, urlsplit
 
 try:
-    from redis.asyncio.cluster import ClusterNode, RedisCluster
+    from redis.asyncio.cluster import ClusterNode, LoadBalancingStrategy, RedisCluster
     from redis.backoff import NoBackoff
     from redis.exceptions import (
         AskError,
@@ -215,10 +215,11 @@ class RedisClusterTier:
             password=password,
             ssl=ssl,
             require_full_coverage=False,
-            read_from_replicas=self._replicas,
+            # Only so that connections send READONLY (reads from replicas); the tier
+            # picks the node of each key itself.
+            load_balancing_strategy=LoadBalancingStrategy.ROUND_ROBIN if self._replicas else None,
             max_connections=per_node,
             retry=Retry(NoBackoff(), 0),
-            cluster_error_retry_attempts=0,
             socket_timeout=self._node_timeout,
             socket_connect_timeout=self._node_timeout,
             socket_keepalive=True,
