@@ -237,6 +237,13 @@ class RedisClusterProcs:
         node.proc.wait(timeout=10)
         node.proc = None
 
+    def restart(self, port: int) -> None:
+        """Start a killed node again (same port and node id, empty: persistence is off)."""
+        node = self.nodes[port]
+        assert node.proc is None
+        self._spawn(node)
+        self._wait_ping(port)
+
     def pause(self, port: int) -> None:
         proc = self.nodes[port].proc
         assert proc is not None

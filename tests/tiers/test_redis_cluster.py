@@ -34,7 +34,11 @@ Factory = Callable[..., RedisClusterProcs]
 
 
 def cluster_tier(urls: list[str], prefix: str, **kw: object) -> dict[str, object]:
-    values: dict[str, object] = {"kind": "redis-cluster", "startup_nodes": urls, "key_prefix": prefix}
+    values: dict[str, object] = {
+        "kind": "redis-cluster",
+        "startup_nodes": urls,
+        "key_prefix": prefix,
+    }
     values.update(kw)
     return values
 
@@ -105,3 +109,311 @@ async def test_put_get_exists_delete_and_ttl_over_every_primary(
         assert await tier.exists(hashes) == 0
     finally:
         await tier.close()
+
+
+def the_tier(off: KVOffloader):  # type: ignore[no-untyped-def]
+    tiers = off.tiers
+    assert tiers is not None
+    return tiers.tiers[0]
+
+
+def owner(off: KVOffloader, block_hash: BlockHash) -> str:
+    """``host:port`` of the primary the tier's slot map names for a block's key."""
+    tier = the_tier(off)
+    client = tier._get_client()
+    return str(client.nodes_manager.slots_cache[client.keyslot(tier.key(block_hash))][0].name)
+
+
+def port_of(name: str) -> int:
+    return int(name.rsplit(":", 1)[1])
+
+
+def fault_tier(urls: list[str], prefix: str, **kw: object) -> dict[str, object]:
+    """A tier that notices faults and recoveries quickly (tests only)."""
+    values: dict[str, object] = {
+        "refresh_interval_ms": 100,
+        "breaker_failures": 2,
+        "breaker_backoff_ms": 100,
+        "breaker_backoff_max_ms": 200,
+        "retry_initial_s": 0.05,
+        "retry_max_s": 0.2,
+    }
+    values.update(kw)
+    return cluster_tier(urls, prefix, **values)
+
+
+async def load_again(off: KVOffloader, kv: list, rid: str, prompt: list[int], gpu: range) -> int:
+    """Drop the CPU cache and load ``prompt`` (through the tier): the tokens loaded."""
+    await settle(off)
+    await off.reset()
+    return await lookup_load(off, kv, rid, prompt, gpu)
+
+
+async def until_hit(
+    off: KVOffloader, kv: list, prompt: list[int], gpu: range, want: int, deadline_s: float = 40
+) -> None:
+    """Poll (bounded) until a load from the tier returns ``want`` tokens."""
+    with anyio.fail_after(deadline_s):
+        i = 0
+        while await load_again(off, kv, f"poll{i}", prompt, gpu) != want:
+            i += 1
+            await anyio.sleep(0.1)
+
+
+async def test_two_offloaders_share_the_cluster_and_namespaces_stay_apart(
+    redis_cluster_urls: list[str], prefix: str
+) -> None:
+    n = 24  # keys on every primary (all on two of three: 3 * (2/3)**24 < 2e-5)
+    tiers = [cluster_tier(redis_cluster_urls, prefix)]
+    kv_a, kv_b = make_kv(), make_kv()
+    prompt = tokens(1, n)
+    async with (
+        KVOffloader(config(tiers, model_id="m", num_cpu_blocks=32), kv_a) as a,
+        KVOffloader(config(tiers, model_id="m", num_cpu_blocks=32), kv_b) as b,
+    ):
+        await compute_and_store(a, kv_a, "a", prompt, range(n))
+        await settle(a)
+        assert tier_stats(a).blocks_written == n
+        assert len(node_figures(tier_stats(a).details, "blocks_written")) == 3
+        # The other offloader (its own pool, its own GPU KV) loads it bit-exact.
+        assert await lookup_load(b, kv_b, "b", prompt, range(n)) == n * BS
+        stats = tier_stats(b)
+        assert stats.blocks_promoted == n
+        assert stats.failed_checks == 0
+        assert len(node_figures(stats.details, "hits")) == 3
+        check(a)
+        check(b)
+    async with KVOffloader(config(tiers, model_id="other", num_cpu_blocks=32), kv_b) as c:
+        assert await lookup_load(c, kv_b, "c", prompt, range(n)) == 0
+        await settle(c)
+        assert tier_stats(c).blocks_read == 0
+
+
+async def test_a_corrupted_value_on_one_node_is_never_served_and_is_deleted(
+    redis_cluster_urls: list[str], prefix: str
+) -> None:
+    from redis.asyncio.cluster import RedisCluster  # noqa: PLC0415
+
+    kv = make_kv()
+    async with KVOffloader(config([cluster_tier(redis_cluster_urls, prefix)]), kv) as off:
+        prompt = tokens(3, 4)
+        hashes = await compute_and_store(off, kv, "a", prompt, range(4))
+        await settle(off)
+        key = the_tier(off).key(hashes[2])
+        client = RedisCluster.from_url(redis_cluster_urls[0])
+        try:
+            value = bytearray(await client.get(key))
+            value[500] ^= 0x01  # one bit of the payload, in place on its node
+            await client.set(key, bytes(value))
+            await off.reset()
+            assert await lookup_load(off, kv, "b", prompt, range(10, 14)) == 2 * BS
+            assert tier_stats(off).failed_checks == 1
+            assert await client.exists(key) == 0
+        finally:
+            await client.aclose()
+        assert off.pool.get_cached(hashes[2]) is None
+        check(off)
+
+
+async def test_settings_reach_the_tier_and_need_an_op_timeout_above_the_budgets() -> None:
+    from kvoffload.errors import ConfigError  # noqa: PLC0415
+
+    urls = ["redis://user:secret@127.0.0.1:7000"]
+    kv = make_kv()
+    off = KVOffloader(config([cluster_tier(urls, "p:", lookup_budget_ms=20)]), kv)
+    assert off is not None
+    with pytest.raises(ConfigError, match="op_timeout_s"):
+        config([cluster_tier(urls, "p:", write_budget_ms=5000, op_timeout_s=2)])
+    with pytest.raises(ConfigError, match="host and a port"):
+        config([cluster_tier(["redis://127.0.0.1"], "p:")])
+    tier = cluster_tier_class()(urls, block_nbytes=1024, namespace=b"\0" * 32)
+    assert "secret" not in repr(tier)
+    assert "secret" not in str(tier.statistics())
+
+
+def split_at_other_owner(off: KVOffloader, hashes: list[BlockHash]) -> tuple[int, str]:
+    """The first block whose primary differs from block 0's, and that primary."""
+    first = owner(off, hashes[0])
+    for i, block_hash in enumerate(hashes):
+        if owner(off, block_hash) != first:
+            return i, owner(off, block_hash)
+    pytest.fail("every block on one primary")  # 3 * (1/3)**(n-1): does not happen
+
+
+async def test_a_paused_primary_costs_its_breaker_failures_then_misses_at_once(
+    own_cluster_factory: Factory, prefix: str
+) -> None:
+    # No failover during the pause: the cluster's node timeout is longer than the test.
+    cluster = own_cluster_factory(node_timeout_ms=60_000)
+    kv = make_kv()
+    n = 16
+    # A paused node never answers: without the budget every operation aimed at it would
+    # wait for node_timeout_ms (10 s) and run past op_timeout_s (2 s), marking the whole
+    # tier unhealthy. The budget ends each operation first; after breaker_failures
+    # timeouts the node's keys are misses at once, with no request sent (backoff 60 s).
+    tiers = [
+        fault_tier(
+            cluster.urls,
+            prefix,
+            node_timeout_ms=10_000,
+            op_timeout_s=2,
+            lookup_budget_ms=50,
+            write_budget_ms=200,
+            breaker_backoff_ms=60_000,
+            breaker_backoff_max_ms=60_000,
+        )
+    ]
+    async with KVOffloader(config(tiers, num_cpu_blocks=32), kv) as off:
+        prompt = tokens(10, n)
+        hashes = await compute_and_store(off, kv, "a", prompt, range(n))
+        await settle(off)
+        k, sick = split_at_other_owner(off, hashes)
+        cluster.pause(port_of(sick))
+        try:
+            for i in range(5):
+                # Served from the healthy nodes: the leading run before the sick node's block.
+                assert await load_again(off, kv, f"p{i}", prompt, range(n, 2 * n)) == k * BS
+            await compute_and_store(off, kv, "w", tokens(11, n), range(n))
+            await settle(off)
+            details = tier_stats(off).details
+            node = f"node.{sick}."
+            assert details[node + "breaker_open"] is True
+            assert details[node + "breaker_trips"] == 1
+            assert details[node + "timeouts"] == 2  # breaker_failures, then no request
+            assert details[node + "skipped_open"] >= 3
+            assert details["budget_exceeded"] >= 2
+            healthy = [name for name in node_figures(details, "hits") if name != sick]
+            assert healthy
+            stats = tier_stats(off)
+            assert stats.healthy
+            assert stats.errors == 0  # op_timeout_s never ran out
+            assert stats.failed_checks == 0
+            check(off)
+        finally:
+            cluster.resume(port_of(sick))
+    # After the resume a fresh offloader (breaker closed) reads every block again.
+    async with KVOffloader(config(tiers, num_cpu_blocks=32), kv) as off:
+        await until_hit(off, kv, prompt, range(n), n * BS)
+        assert tier_stats(off).failed_checks == 0
+
+
+async def test_a_paused_node_comes_back_through_the_half_open_probe(
+    own_cluster_factory: Factory, prefix: str
+) -> None:
+    cluster = own_cluster_factory(node_timeout_ms=60_000)
+    kv = make_kv()
+    n = 16
+    tiers = [fault_tier(cluster.urls, prefix, node_timeout_ms=10_000, op_timeout_s=2)]
+    async with KVOffloader(config(tiers, num_cpu_blocks=32), kv) as off:
+        prompt = tokens(12, n)
+        hashes = await compute_and_store(off, kv, "a", prompt, range(n))
+        await settle(off)
+        k, sick = split_at_other_owner(off, hashes)
+        cluster.pause(port_of(sick))
+        try:
+            for i in range(3):
+                assert await load_again(off, kv, f"p{i}", prompt, range(n, 2 * n)) == k * BS
+            await wait_until(lambda: tier_stats(off).details[f"node.{sick}.breaker_trips"] >= 1)
+        finally:
+            cluster.resume(port_of(sick))
+        await until_hit(off, kv, prompt, range(n, 2 * n), n * BS)
+        details = tier_stats(off).details
+        assert details[f"node.{sick}.breaker_open"] is False
+        # Each failed probe reopened the breaker after one timeout, never more.
+        trips = int(details[f"node.{sick}.breaker_trips"])
+        assert details[f"node.{sick}.timeouts"] == 2 + trips - 1
+        stats = tier_stats(off)
+        assert stats.errors == 0
+        assert stats.failed_checks == 0
+        check(off)
+
+
+@pytest.mark.parametrize("synced", [True, False])
+async def test_a_primary_killed_fails_over_and_its_slots_return(
+    own_cluster_factory: Factory, prefix: str, synced: bool
+) -> None:
+    cluster = own_cluster_factory(node_timeout_ms=1000)
+    kv = make_kv()
+    n = 16
+    tiers = [fault_tier(cluster.urls, prefix)]
+    async with KVOffloader(config(tiers, num_cpu_blocks=32), kv) as off:
+        prompt = tokens(20, n)
+        hashes = await compute_and_store(off, kv, "a", prompt, range(n))
+        await settle(off)
+        k, sick = split_at_other_owner(off, hashes)
+        replica = cluster.replica_of(port_of(sick))
+        if synced:
+            cluster.wait_replicas_synced()
+            cluster.kill(port_of(sick))
+        else:
+            # The replica misses the last writes: paused while they land, then its
+            # primary dies before it could catch up.
+            cluster.pause(replica)
+            prompt = tokens(21, n)
+            hashes = await compute_and_store(off, kv, "b", prompt, range(n))
+            await settle(off)
+            k = next(i for i, h in enumerate(hashes) if owner(off, h) == sick)
+            cluster.kill(port_of(sick))
+            cluster.resume(replica)
+        # While the cluster fails over: the engine is served from the CPU pool and the
+        # healthy nodes; the dead primary's keys are misses, never errors.
+        assert await load_again(off, kv, "during", prompt, range(n, 2 * n)) == k * BS
+        await anyio.to_thread.run_sync(cluster.wait_ok)
+        if synced:
+            # Every key survived on the promoted replica: the whole prompt comes back.
+            await until_hit(off, kv, prompt, range(n, 2 * n), n * BS)
+        else:
+            # The keys the failover lost are misses; stored again, they hit again.
+            await until_hit(off, kv, prompt, range(n, 2 * n), k * BS)
+            await compute_and_store(off, kv, "again", prompt, range(n))
+            await until_hit(off, kv, prompt, range(n, 2 * n), n * BS)
+        details = tier_stats(off).details
+        assert details["slot_map_refreshes"] >= 1
+        assert owner(off, hashes[k]) == f"127.0.0.1:{replica}"
+        stats = tier_stats(off)
+        assert stats.healthy
+        assert stats.errors == 0
+        assert stats.failed_checks == 0
+        check(off)
+
+
+@pytest.mark.parametrize("full_coverage", [False, True])
+async def test_a_shard_lost_whole_leaves_the_others_serving(
+    own_cluster_factory: Factory, prefix: str, full_coverage: bool
+) -> None:
+    cluster = own_cluster_factory(node_timeout_ms=1000, full_coverage=full_coverage)
+    kv = make_kv()
+    n = 16
+    tiers = [fault_tier(cluster.urls, prefix)]
+    async with KVOffloader(config(tiers, num_cpu_blocks=32), kv) as off:
+        prompt = tokens(30, n)
+        hashes = await compute_and_store(off, kv, "a", prompt, range(n))
+        await settle(off)
+        k, sick = split_at_other_owner(off, hashes)
+        replica = cluster.replica_of(port_of(sick))
+        cluster.kill(replica)
+        cluster.kill(port_of(sick))
+        # With require-full-coverage the other nodes answer CLUSTERDOWN once they see
+        # the shard fail; without it they keep serving their own slots.
+        with anyio.fail_after(30):
+            while True:
+                hit = await load_again(off, kv, "lost", prompt, range(n, 2 * n))
+                assert hit <= k * BS
+                if hit == (0 if full_coverage else k * BS) and (
+                    not full_coverage or tier_stats(off).details["cluster_down"]
+                ):
+                    break
+                await anyio.sleep(0.1)
+        stats = tier_stats(off)
+        assert stats.healthy
+        assert stats.errors == 0
+        # Back: the shard's nodes restart empty (no persistence), the cluster recovers,
+        # and what is stored again hits again everywhere.
+        cluster.restart(replica)
+        cluster.restart(port_of(sick))
+        await anyio.to_thread.run_sync(cluster.wait_ok)
+        await compute_and_store(off, kv, "again", prompt, range(n))
+        await until_hit(off, kv, prompt, range(n, 2 * n), n * BS)
+        stats = tier_stats(off)
+        assert stats.failed_checks == 0
+        check(off)
