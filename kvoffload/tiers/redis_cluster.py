@@ -661,6 +661,7 @@ class RedisClusterTier:
             "misses",
             "timeouts",
             "errors",
+            "cluster_down",
             "breaker_trips",
             "redirections",
             "skipped_open",

@@ -154,9 +154,7 @@ async def until_hit(
 ) -> None:
     """Poll (bounded) until a load from the tier returns ``want`` tokens."""
     with anyio.fail_after(deadline_s):
-        i = 0
-        while await load_again(off, kv, f"poll{i}", prompt, gpu) != want:
-            i += 1
+        while await load_again(off, kv, f"poll-{uuid.uuid4().hex[:8]}", prompt, gpu) != want:
             await anyio.sleep(0.1)
 
 
@@ -397,7 +395,9 @@ async def test_a_shard_lost_whole_leaves_the_others_serving(
         # the shard fail; without it they keep serving their own slots.
         with anyio.fail_after(30):
             while True:
-                hit = await load_again(off, kv, "lost", prompt, range(n, 2 * n))
+                hit = await load_again(
+                    off, kv, f"lost-{uuid.uuid4().hex[:8]}", prompt, range(n, 2 * n)
+                )
                 assert hit <= k * BS
                 if hit == (0 if full_coverage else k * BS) and (
                     not full_coverage or tier_stats(off).details["cluster_down"]
