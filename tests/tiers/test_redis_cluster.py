@@ -8,7 +8,12 @@ from collections.abc import Callable, Mapping
 
 import anyio
 import pytest
+from anyio.from_thread import start_blocking_portal
 from cluster_helpers import RedisClusterProcs
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, rule, run_state_machine_as_test
+from test_tier_state_machine import TierMachine
 from tier_helpers import (
     BS,
     REDIS_SERVER_ENV,
@@ -65,6 +70,25 @@ def node_figures(stats: Mapping[str, object], figure: str) -> dict[str, object]:
 def pipelines(tier: object) -> dict[str, int]:
     per_node = node_figures(tier.statistics(), "pipelines")  # type: ignore[attr-defined]
     return {"total": sum(int(v) for v in per_node.values()), "nodes": len(per_node)}  # type: ignore[call-overload]
+
+
+async def test_the_cluster_runs_the_server_asked_for(redis_cluster_urls: list[str]) -> None:
+    from redis.asyncio.cluster import RedisCluster  # noqa: PLC0415
+
+    client = RedisCluster.from_url(redis_cluster_urls[0])
+    try:
+        info = await client.info("server", target_nodes=RedisCluster.RANDOM)
+        cluster_info = await client.cluster_info(target_nodes=RedisCluster.RANDOM)
+    finally:
+        await client.aclose()
+    assert cluster_info["cluster_state"] == "ok"
+    assert int(cluster_info["cluster_size"]) == 3
+    if os.environ.get(REDIS_SERVER_ENV, "redis-server") == "valkey-server":
+        assert info.get("server_name") == "valkey", info
+        assert int(str(info["valkey_version"]).split(".")[0]) >= 8
+    else:
+        assert "valkey_version" not in info, info
+        assert int(str(info["redis_version"]).split(".")[0]) >= 7
 
 
 async def test_put_get_exists_delete_and_ttl_over_every_primary(
@@ -417,3 +441,97 @@ async def test_a_shard_lost_whole_leaves_the_others_serving(
         stats = tier_stats(off)
         assert stats.failed_checks == 0
         check(off)
+
+
+# -- the tier state machine, on a cluster with a node fault ---------------------------------
+
+
+class ClusterTierMachine(TierMachine):
+    """`TierMachine` with a Redis Cluster tier: values corrupted in place on their node and
+    nodes paused and resumed replace the disk tier's file faults."""
+
+    cluster: RedisClusterProcs
+
+    @initialize(cpu_blocks=st.integers(3, 10), queue=st.integers(1, 8))
+    def setup(self, cpu_blocks: int, queue: int) -> None:  # type: ignore[override]
+        self.prefix = f"kvsm:{uuid.uuid4().hex[:12]}:"
+        self.paused: set[int] = set()
+        tier = fault_tier(
+            self.cluster.urls,
+            self.prefix,
+            max_queued_writes=queue,
+            max_in_flight=2,
+            max_batch_blocks=3,
+            node_timeout_ms=5000,
+            op_timeout_s=2,
+            lookup_budget_ms=50,
+            write_budget_ms=200,
+            retry_initial_s=0.01,
+            retry_max_s=0.02,
+        )
+        cfg = config([tier], num_cpu_blocks=cpu_blocks)
+        self.portal_cm = start_blocking_portal("asyncio")
+        self.portal = self.portal_cm.__enter__()
+        self.off_cm = self.portal.wrap_async_context_manager(KVOffloader(cfg, self.kv))
+        self.off = self.off_cm.__enter__()
+
+    def teardown(self) -> None:
+        for port in self.paused:
+            self.cluster.resume(port)
+        self.paused.clear()
+        super().teardown()
+
+    def corrupt_tier_block(self) -> None:  # type: ignore[override]
+        """Not a rule here (the disk tier's file)."""
+
+    def delete_tier_file(self) -> None:  # type: ignore[override]
+        """Not a rule here (the disk tier's file)."""
+
+    @rule(pick=st.integers(0, 1 << 30))
+    def corrupt_cluster_value(self, pick: int) -> None:
+        if self.paused:
+            return
+        self.call(settle, self.o)
+        from redis.cluster import RedisCluster  # noqa: PLC0415
+
+        client = RedisCluster.from_url(self.cluster.urls[0], socket_timeout=2)
+        try:
+            keys = sorted(client.scan_iter(match=f"{self.prefix}*", target_nodes="primaries"))
+            if not keys:
+                return
+            key = keys[pick % len(keys)]
+            value = client.get(key)
+            if value is None:
+                return
+            data = bytearray(value)
+            data[pick % len(data)] ^= 0x10  # header or payload
+            client.set(key, bytes(data))
+        finally:
+            client.close()
+
+    @rule(pick=st.integers(0, 5))
+    def pause_node(self, pick: int) -> None:
+        port = sorted(self.cluster.nodes)[pick]
+        if port not in self.paused:
+            self.cluster.pause(port)
+            self.paused.add(port)
+
+    @rule()
+    def resume_nodes(self) -> None:
+        for port in self.paused:
+            self.cluster.resume(port)
+        self.paused.clear()
+
+
+def test_the_tier_state_machine_on_a_cluster(own_cluster_factory: Factory) -> None:
+    # The nodes never fail over: a pause is shorter than the cluster's node timeout.
+    ClusterTierMachine.cluster = own_cluster_factory(node_timeout_ms=60_000)
+    run_state_machine_as_test(
+        ClusterTierMachine,
+        settings=settings(
+            max_examples=8,
+            stateful_step_count=15,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
