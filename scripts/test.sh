@@ -2,7 +2,8 @@
 # Set up the dev environment (once) and run every check CI runs, stopping at the first
 # failure: the test suite (next to a throwaway redis-server on 127.0.0.1, installed from
 # the system package manager when missing), the Redis tier's tests again against Valkey
-# (installed from Debian's backports when missing), ruff (lint and format), mypy --strict, the
+# (installed from Debian's backports when missing), the Redis Cluster tier's tests on a
+# six-node Redis cluster and a six-node Valkey cluster, ruff (lint and format), mypy --strict, the
 # docs site built with --strict, every script in examples/, and the vLLM integration
 # tests on a real vLLM engine on CPU in their own environment (.venv-vllm).
 #
@@ -21,7 +22,7 @@ section() {
 
 section "pytest (next to a throwaway redis-server)"
 rc=0
-bash scripts/with_redis.sh "$PY" -m pytest || rc=$?
+bash scripts/with_redis.sh "$PY" -m pytest -m "not redis_cluster" || rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests: treating that as a failure" >&2
     exit 1
@@ -32,6 +33,11 @@ fi
 section "pytest: the Redis tier against Valkey (a throwaway valkey-server)"
 KVOFFLOAD_TEST_REDIS_SERVER=valkey-server bash scripts/with_redis.sh \
     "$PY" -m pytest -p no:randomly tests/tiers/test_redis.py tests/tiers/test_tier_bench.py
+
+section "pytest: the Redis Cluster tier (a throwaway six-node cluster, Redis then Valkey)"
+bash scripts/with_redis_cluster.sh "$PY" -m pytest -m redis_cluster tests/tiers/test_redis_cluster.py
+KVOFFLOAD_TEST_REDIS_SERVER=valkey-server bash scripts/with_redis_cluster.sh \
+    "$PY" -m pytest -m redis_cluster tests/tiers/test_redis_cluster.py
 
 section "ruff check"
 "$PY" -m ruff check .
