@@ -36,8 +36,10 @@ from typing import Any, final
 from urllib.parse import unquote, urlsplit
 
 try:
-    from redis.asyncio.cluster import ClusterNode, LoadBalancingStrategy, RedisCluster
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+    from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
+    from redis.cluster import LoadBalancingStrategy
     from redis.exceptions import (
         AskError,
         ClusterDownError,
@@ -47,7 +49,6 @@ try:
         TryAgainError,
     )
     from redis.exceptions import TimeoutError as RedisTimeoutError
-    from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - exercised without the extra
     raise ImportError(
         "kvoffload.tiers.redis_cluster needs the redis extra: pip install 'kvoffload[redis]'"
@@ -144,6 +145,9 @@ class RedisClusterTier:
         self._name = name
         self._client: RedisCluster | None = None
         self._nodes: dict[str, NodeState] = {}
+        # Every ClusterNode a pipeline went to: the client drops nodes from its caches on a
+        # refresh while their connections may still be open; close() closes them all.
+        self._seen: dict[int, ClusterNode] = {}
         self._threads = IoThreads(threads, f"kvoffload-redis-cluster-{name}")
         self._closed = False
         self._rr = 0
@@ -269,6 +273,7 @@ class RedisClusterTier:
 
         async def one(node: ClusterNode) -> None:
             nonlocal answered
+            self._seen.setdefault(id(node), node)
             try:
                 await node.execute_command("PING")
             except (RedisError, OSError):
@@ -290,7 +295,14 @@ class RedisClusterTier:
         client, self._client = self._client, None
         self._threads.shutdown()
         if client is not None:
-            await client.aclose()
+            try:
+                await client.aclose()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    for node in self._seen.values():
+                        for connection in list(node._connections):
+                            await connection.disconnect(nowait=True)
+                self._seen.clear()
 
     # -- routing ---------------------------------------------------------------------------
 
@@ -452,6 +464,7 @@ class RedisClusterTier:
             so a late reply is never read as another command's.
         """
         state = batch.state
+        self._seen.setdefault(id(batch.node), batch.node)
         commands: list[tuple[Any, ...]] = []
         for command in batch.commands:
             if batch.asking:
