@@ -65,7 +65,8 @@ for port in "${ports[@]}"; do
     mkdir -p "$dir/$port"
     "$server" --bind 127.0.0.1 --port "$port" --save '' --appendonly no \
         --cluster-enabled yes --cluster-config-file "$dir/$port/nodes.conf" \
-        --cluster-node-timeout 2000 --dir "$dir/$port" --logfile "$dir/$port/server.log" \
+        --cluster-node-timeout 2000 --repl-diskless-sync-delay 0 \
+        --dir "$dir/$port" --logfile "$dir/$port/server.log" \
         --daemonize no &
     pids+=("$!")
 done

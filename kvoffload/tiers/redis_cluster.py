@@ -153,6 +153,9 @@ class RedisClusterTier:
         self._rr = 0
         self._refresh_wanted = False
         self._last_refresh = 0.0
+        # Reading from replicas, and the slot map names a shard without one (Redis lists
+        # only replicas that hold data): ask again, once per interval.
+        self._replicas_missing = False
         # Tier-wide counters (the per-node ones live in NodeState).
         self._budget_exceeded = 0
         self._uncovered = 0
@@ -252,6 +255,13 @@ class RedisClusterTier:
                 f"redis cluster tier {self._name!r}: no slot map from the startup nodes: {exc}"
             ) from exc
         self._last_refresh = time.monotonic()
+        self._mapped()
+
+    def _mapped(self) -> None:
+        """The slot map was (re)loaded."""
+        if self._replicas and self._client is not None:
+            shards = {id(v): v for v in self._client.nodes_manager.slots_cache.values()}
+            self._replicas_missing = any(len(nodes) < 2 for nodes in shards.values())
 
     async def ping(self) -> None:
         """Refresh the slot map and ``PING`` every primary; close the breakers of those
@@ -264,6 +274,7 @@ class RedisClusterTier:
         try:
             await client.nodes_manager.initialize()
             self._refreshes += 1
+            self._mapped()
         except RedisError as exc:
             self._refresh_failures += 1
             raise TierError(f"redis cluster tier {self._name!r}: no slot map: {exc}") from exc
@@ -307,16 +318,21 @@ class RedisClusterTier:
     # -- routing ---------------------------------------------------------------------------
 
     def _route(
-        self, keys: Sequence[bytes], *, read: bool
+        self, keys: Sequence[bytes], *, read: bool, advance: bool = False
     ) -> tuple[dict[str, _Batch], list[NodeState]]:
         """Group keys by the node that serves them; returns the batches and, per key whose
-        node's breaker is open, that node (its key is a miss)."""
+        node's breaker is open, that node (its key is a miss).
+
+        With replica reads the shard's nodes take turns; a probe and the read after it go
+        to the same node (only a read, ``advance``, moves the turn on), so a replica that
+        lags its primary does not turn a probe's hit into a read miss."""
         client = self._get_client()
         slots = client.nodes_manager.slots_cache
         keyslot = client.keyslot
         use_replicas = read and self._replicas
         turn = self._rr
-        self._rr += 1
+        if advance and use_replicas:
+            self._rr += 1
         allowed: dict[str, bool] = {}
         batches: dict[str, _Batch] = {}
         skipped: list[NodeState] = []
@@ -372,17 +388,24 @@ class RedisClusterTier:
 
     async def _execute(
         self, batches: dict[str, _Batch], budget_s: float, *, read: bool, n: int
-    ) -> list[Any]:
+    ) -> tuple[list[Any], list[NodeState | None]]:
         """Run every batch's pipeline at once within ``budget_s`` and follow redirections
-        once. Returns one reply per position: a value, or an exception / ``None`` (miss)."""
+        once. Returns one reply per position (a value, or ``None``: a miss) and the node
+        that gave it."""
         replies: list[Any] = [_MISS] * n
+        served: list[NodeState | None] = [None] * n
         running: dict[int, tuple[NodeState, float]] = {}
         start = time.perf_counter()
         with anyio.move_on_after(budget_s) as scope:
-            await self._maybe_refresh()
-            redirected = await self._round(batches, replies, running, read=read)
-            if redirected:
-                await self._round(redirected, replies, running, read=read, last=True)
+            async with anyio.create_task_group() as tg:
+                # Beside the pipelines, not before them: a refresh stuck on a sick startup
+                # node costs this operation its budget, never the healthy nodes' replies.
+                sick = self._refresh_due()
+                if sick is not None:
+                    tg.start_soon(self._refresh, sick or None)
+                redirected = await self._round(batches, replies, served, running, read=read)
+                if redirected:
+                    await self._round(redirected, replies, served, running, read=read, last=True)
         if scope.cancelled_caught:
             self._budget_exceeded += 1
             now = time.perf_counter()
@@ -393,12 +416,13 @@ class RedisClusterTier:
         self._ops += 1
         self._op_seconds += seconds
         self._op_max_seconds = max(self._op_max_seconds, seconds)
-        return replies
+        return replies, served
 
     async def _round(
         self,
         batches: Mapping[str, _Batch],
         replies: list[Any],
+        served: list[NodeState | None],
         running: dict[int, tuple[NodeState, float]],
         *,
         read: bool,
@@ -420,6 +444,7 @@ class RedisClusterTier:
                     batch.state.last_error = str(reply)
                 else:
                     replies[position] = reply
+                    served[position] = batch.state
 
         async with anyio.create_task_group() as tg:
             for batch in batches.values():
@@ -510,19 +535,22 @@ class RedisClusterTier:
             if read:
                 state.reads.release()
 
-    async def _maybe_refresh(self) -> None:
-        """Refresh the slot map when a node failed or a breaker is open, at most once per
-        interval (inside the calling operation's budget)."""
-        wanted = self._refresh_wanted or any(
-            s.state is not BreakerState.CLOSED for s in self._nodes.values()
-        )
+    def _refresh_due(self) -> str | None:
+        """Whether to refresh the slot map now (a node failed or a breaker is open, and the
+        interval passed): ``None`` if not, else the name of a node to ask last ("" if none)."""
+        sick = [s.name for s in self._nodes.values() if s.state is not BreakerState.CLOSED]
         now = time.monotonic()
+        wanted = self._refresh_wanted or self._replicas_missing or sick
         if not wanted or now - self._last_refresh < self._refresh_interval:
-            return
+            return None
         self._last_refresh = now
         self._refresh_wanted = False
+        return sick[0] if sick else ""
+
+    async def _refresh(self, ask_last: str | None) -> None:
+        """Ask the startup nodes for the slot map (the one with an open breaker last)."""
         try:
-            await self._get_client().nodes_manager.initialize()
+            await self._get_client().nodes_manager.initialize(last_failed_node_name=ask_last)
         except RedisError as exc:
             self._refresh_failures += 1
             self._refresh_wanted = True
@@ -532,11 +560,14 @@ class RedisClusterTier:
             raise
         else:
             self._refreshes += 1
+            self._mapped()
 
     # -- the SecondaryTier operations ------------------------------------------------------
 
-    async def _read(self, keys: list[bytes], verb: bytes) -> list[Any]:
-        batches, _ = self._route(keys, read=True)
+    async def _read(
+        self, keys: list[bytes], verb: bytes
+    ) -> tuple[list[Any], list[NodeState | None]]:
+        batches, _ = self._route(keys, read=True, advance=verb == b"GET")
         self._check_any_node(batches, len(keys))
         for batch in batches.values():
             batch.commands = [(verb, keys[p]) for p in batch.positions]
@@ -546,7 +577,7 @@ class RedisClusterTier:
         """The leading run of ``block_hashes`` whose keys exist (one pipeline per node)."""
         if not block_hashes:
             return 0
-        found = await self._read([self.key(h) for h in block_hashes], b"EXISTS")
+        found, _ = await self._read([self.key(h) for h in block_hashes], b"EXISTS")
         n = 0
         for present in found:
             if not present:
@@ -567,24 +598,17 @@ class RedisClusterTier:
         if not block_hashes:
             return []
         keys = [self.key(h) for h in block_hashes]
-        replies = await self._read(keys, b"GET")
+        replies, served = await self._read(keys, b"GET")
         values: list[bytes | None] = [r if isinstance(r, bytes) else None for r in replies]
-        self._count_reads(keys, values)
-        return await self._threads.run(unpack_values, values, into)
-
-    def _count_reads(self, keys: list[bytes], values: list[bytes | None]) -> None:
-        client = self._get_client()
-        slots = client.nodes_manager.slots_cache
-        for key, value in zip(keys, values, strict=True):
-            nodes = slots.get(client.keyslot(key))
-            if not nodes:
-                continue
-            state = self.node_state(nodes[0].name)
+        for value, state in zip(values, served, strict=True):
+            if state is None:
+                continue  # not answered: counted as the node's timeout, error or skip
             if value is None:
                 state.misses += 1
             else:
                 state.hits += 1
                 state.bytes_read += len(value)
+        return await self._threads.run(unpack_values, values, into)
 
     async def put(self, blocks: Sequence[BlockWrite]) -> int:
         """``SET`` each block (header and payload as one value), one pipeline per primary.
@@ -620,7 +644,7 @@ class RedisClusterTier:
             ex: tuple[Any, ...] = (b"EX", self._ttl) if self._ttl else ()
             for batch in taken.values():
                 batch.commands = [(b"SET", keys[p], value_of[p], *ex) for p in batch.positions]
-            replies = await self._execute(taken, self._write_budget, read=False, n=len(keys))
+            replies, _ = await self._execute(taken, self._write_budget, read=False, n=len(keys))
         finally:
             for batch in taken.values():
                 batch.state.writes_in_flight -= 1

@@ -113,6 +113,7 @@ class RedisClusterProcs:
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", str(node.dir / "nodes.conf"),
                 "--cluster-node-timeout", str(self.node_timeout_ms),
+                "--repl-diskless-sync-delay", "0",
                 "--cluster-require-full-coverage", "yes" if self.full_coverage else "no",
                 "--dir", str(node.dir),
                 "--logfile", str(node.dir / "server.log"),
@@ -143,6 +144,23 @@ class RedisClusterProcs:
             raise RuntimeError(f"cluster create failed: {create.stdout!r} {create.stderr!r}")
         self.wait_ok()
         self.wait_replicas_synced()
+        self.wait_topology_known()
+
+    def wait_topology_known(self, deadline_s: float = 30.0) -> None:
+        """Poll until every node knows three primaries with slots and three replicas (so a
+        client's slot map, from any node, names every replica)."""
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            if all(self._knows_all(p) for p in self.live_ports()):
+                return
+            time.sleep(0.05)
+        raise RuntimeError("the nodes did not agree on the topology")
+
+    def _knows_all(self, port: int) -> bool:
+        rows = self.cluster_nodes(port)
+        primaries = [r for r in rows if "master" in r[2] and len(r) > 8]
+        replicas = [r for r in rows if "slave" in r[2] and r[3] != "-"]
+        return len(primaries) == 3 and len(replicas) == 3
 
     def _wait_ping(self, port: int, deadline_s: float = 10.0) -> None:
         end = time.monotonic() + deadline_s

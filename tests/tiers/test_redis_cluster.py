@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 import anyio
 import pytest
 from anyio.from_thread import start_blocking_portal
-from cluster_helpers import RedisClusterProcs
+from cluster_helpers import RedisClusterProcs, command
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule, run_state_machine_as_test
@@ -535,3 +535,130 @@ def test_the_tier_state_machine_on_a_cluster(own_cluster_factory: Factory) -> No
             suppress_health_check=[HealthCheck.too_slow],
         ),
     )
+
+
+async def test_a_manual_failover_is_followed_through_moved(
+    own_cluster_factory: Factory, prefix: str
+) -> None:
+    cluster = own_cluster_factory(node_timeout_ms=1000)
+    kv = make_kv()
+    n = 8
+    # No refresh would come in time: the new owner is learnt from MOVED alone.
+    tiers = [fault_tier(cluster.urls, prefix, refresh_interval_ms=3_600_000)]
+    async with KVOffloader(config(tiers, num_cpu_blocks=32), kv) as off:
+        prompt = tokens(40, n)
+        hashes = await compute_and_store(off, kv, "a", prompt, range(n))
+        await settle(off)
+        old = owner(off, hashes[0])
+        replica = cluster.replica_of(port_of(old))
+        cluster.wait_replicas_synced()
+        # A graceful failover: the replica takes the slots over, the old primary turns
+        # replica and answers MOVED; the tier's slot map still names the old primary.
+        assert b"+OK" in command(replica, "CLUSTER", "FAILOVER")
+        with anyio.fail_after(30):
+            while port_of(old) in await anyio.to_thread.run_sync(cluster.primaries):
+                await anyio.sleep(0.05)
+        await anyio.to_thread.run_sync(cluster.wait_ok)
+        assert owner(off, hashes[0]) == old  # stale
+        assert await load_again(off, kv, "b", prompt, range(n, 2 * n)) == n * BS
+        details = tier_stats(off).details
+        assert details[f"node.{old}.redirections"] >= 1
+        assert owner(off, hashes[0]) == f"127.0.0.1:{replica}"
+        assert details["slot_map_refreshes"] == 0
+        stats = tier_stats(off)
+        assert stats.errors == 0
+        assert stats.failed_checks == 0
+
+
+async def test_reads_from_replicas_and_from_a_replica_while_its_primary_is_paused(
+    own_cluster_factory: Factory, prefix: str
+) -> None:
+    cluster = own_cluster_factory(node_timeout_ms=60_000)
+    kv = make_kv()
+    n = 16
+    tiers = [
+        fault_tier(
+            cluster.urls,
+            prefix,
+            read_from_replicas=True,
+            node_timeout_ms=10_000,
+            op_timeout_s=2,
+            write_budget_ms=200,
+            breaker_backoff_ms=60_000,
+            breaker_backoff_max_ms=60_000,
+        )
+    ]
+    async with KVOffloader(config(tiers, num_cpu_blocks=32), kv) as off:
+        prompt = tokens(50, n)
+        hashes = await compute_and_store(off, kv, "a", prompt, range(n))
+        await settle(off)
+        cluster.wait_replicas_synced()
+        replicas = {f"127.0.0.1:{cluster.replica_of(port_of(owner(off, h)))}" for h in hashes}
+        # Redis names a replica in CLUSTER SLOTS once it holds data: the tier asks again
+        # until it sees them, then round robin sends some reads to the replicas.
+        with anyio.fail_after(30):
+            while not replicas & set(node_figures(tier_stats(off).details, "hits")):
+                rid = f"r-{uuid.uuid4().hex[:8]}"
+                assert await load_again(off, kv, rid, prompt, range(n, 2 * n)) == n * BS
+        # A primary paused: after its breaker opens, its keys are read from its replica.
+        sick = owner(off, hashes[0])
+        cluster.pause(port_of(sick))
+        try:
+            with anyio.fail_after(30):
+                while not tier_stats(off).details[f"node.{sick}.breaker_open"]:
+                    await load_again(off, kv, f"s-{uuid.uuid4().hex[:8]}", prompt, range(n, 2 * n))
+            assert await load_again(off, kv, "after", prompt, range(n, 2 * n)) == n * BS
+            details = tier_stats(off).details
+            assert details[f"node.{sick}.timeouts"] == 2
+            stats = tier_stats(off)
+            assert stats.errors == 0
+            assert stats.failed_checks == 0
+        finally:
+            cluster.resume(port_of(sick))
+
+
+async def test_a_slow_node_does_not_hold_the_other_nodes_writes(
+    own_cluster_factory: Factory, prefix: str
+) -> None:
+    cluster = own_cluster_factory(node_timeout_ms=60_000)
+    kv = make_kv()
+    n = 12
+    # One write pipeline per node, and a long write budget: a write to the paused node
+    # holds that node's one slot for seconds.
+    tiers = [
+        fault_tier(
+            cluster.urls,
+            prefix,
+            node_timeout_ms=20_000,
+            write_budget_ms=20_000,
+            op_timeout_s=30,
+            max_writes_per_node=1,
+            max_in_flight=4,
+            breaker_failures=100,
+        )
+    ]
+    async with KVOffloader(config(tiers, num_cpu_blocks=64), kv) as off:
+        tier = the_tier(off)
+        first = off.hash_prompt(tokens(60, n))
+        sick = owner(off, first[0])
+        cluster.pause(port_of(sick))
+        try:
+            await compute_and_store(off, kv, "a", tokens(60, n), range(n))
+            await off.drain()
+            await wait_until(lambda: tier.node_state(sick).writes_in_flight == 1)
+            # The next write-down skips the busy node and writes the others' blocks now.
+            hashes = await compute_and_store(off, kv, "b", tokens(61, n), range(n))
+            await off.drain()
+            mine = [h for h in hashes if owner(off, h) == sick]
+            others = [h for h in hashes if owner(off, h) != sick]
+            assert mine
+            assert others
+            await wait_until(lambda: tier.node_state(sick).writes_skipped_busy == len(mine))
+            await wait_until(lambda: tier_stats(off).blocks_written >= len(others))
+            assert tier.node_state(sick).writes_in_flight == 1  # still stuck
+        finally:
+            cluster.resume(port_of(sick))
+        await settle(off)
+        stats = tier_stats(off)
+        assert stats.errors == 0
+        check(off)
