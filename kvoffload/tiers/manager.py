@@ -323,7 +323,10 @@ class TierManager:
     async def _writer(self, t: TierState) -> None:
         while True:
             while not t.queue:
-                t.wake = anyio.Event()
+                # One event shared by every idle writer of the tier: a writer replacing
+                # it with its own would leave the others waiting on events never set.
+                if t.wake.is_set():
+                    t.wake = anyio.Event()
                 await t.wake.wait()
             batch = [t.queue.popleft() for _ in range(min(t.max_batch, len(t.queue)))]
             try:

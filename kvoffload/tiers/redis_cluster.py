@@ -80,6 +80,7 @@ class _Batch:
     positions: list[int] = field(default_factory=list)
     commands: list[tuple[Any, ...]] = field(default_factory=list)
     asking: bool = False
+    holds_write_slot: bool = False
 
 
 @final
@@ -534,6 +535,15 @@ class RedisClusterTier:
         finally:
             if read:
                 state.reads.release()
+            # A node's write slot is free once its own pipeline ended, not when the
+            # slowest node of the batch did.
+            self._release_write_slot(batch)
+
+    @staticmethod
+    def _release_write_slot(batch: _Batch) -> None:
+        if batch.holds_write_slot:
+            batch.holds_write_slot = False
+            batch.state.writes_in_flight -= 1
 
     def _refresh_due(self) -> str | None:
         """Whether to refresh the slot map now (a node failed or a breaker is open, and the
@@ -634,6 +644,7 @@ class RedisClusterTier:
                     state.probing = False
                 continue
             state.writes_in_flight += 1
+            batch.holds_write_slot = True
             taken[name] = batch
         try:
             if not taken:
@@ -647,7 +658,7 @@ class RedisClusterTier:
             replies, _ = await self._execute(taken, self._write_budget, read=False, n=len(keys))
         finally:
             for batch in taken.values():
-                batch.state.writes_in_flight -= 1
+                self._release_write_slot(batch)
         stored = 0
         for batch in taken.values():
             for p in batch.positions:

@@ -645,7 +645,16 @@ async def test_a_slow_node_does_not_hold_the_other_nodes_writes(
         try:
             await compute_and_store(off, kv, "a", tokens(60, n), range(n))
             await off.drain()
-            await wait_until(lambda: tier.node_state(sick).writes_in_flight == 1)
+            healthy = [h for h in first if owner(off, h) != sick]
+            assert healthy
+            # The first write-down's pipelines to the healthy nodes are done (their write
+            # slots free again) while the one to the paused node is stuck.
+            await wait_until(
+                lambda: (
+                    tier.node_state(sick).writes_in_flight == 1
+                    and all(tier.node_state(owner(off, h)).writes_in_flight == 0 for h in healthy)
+                )
+            )
             # The next write-down skips the busy node and writes the others' blocks now.
             hashes = await compute_and_store(off, kv, "b", tokens(61, n), range(n))
             await off.drain()
