@@ -1,4 +1,4 @@
-"""``python -m kvoffload.bench tier --kind disk|redis``: a tier's store and load GB/s.
+"""``python -m kvoffload.bench tier --kind disk|redis|redis-cluster``: a tier's store and load GB/s.
 
 For each block size it writes ``--total-mib`` of random blocks through the tier and reads
 them back, the way the tier manager does: headers with the payload checksum built off the
@@ -12,7 +12,9 @@ same run, with the same bytes, batches and concurrency, it measures a baseline:
   consecutive slots in one call) in a worker thread, from the same event loop, with as
   many batches in flight;
 * redis: a bare pipelined ``redis.asyncio`` client doing ``SET`` / ``GET`` of the
-  payloads (no header, no checksum, no copy into host blocks).
+  payloads (no header, no checksum, no copy into host blocks);
+* redis-cluster: the same through a bare ``redis.asyncio.cluster.RedisCluster`` pipeline
+  (which splits each batch by node itself).
 
 Tier and baseline take turns chunk by chunk (``--chunk-mib`` each, the side that goes
 first alternating), so that a slow spell of the device or of another process hits both
@@ -54,7 +56,7 @@ def add_parser(subparsers: Any) -> None:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "tier", help="disk / redis tier GB/s vs the raw path", description=__doc__
     )
-    p.add_argument("--kind", choices=["disk", "redis"], required=True)
+    p.add_argument("--kind", choices=["disk", "redis", "redis-cluster"], required=True)
     p.add_argument(
         "--block-kib", default="2048,64", help="comma-separated block sizes in KiB (2 MiB, 64 KiB)"
     )
@@ -74,6 +76,18 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--path", default=None, help="disk: directory of the files (default: tmp)")
     p.add_argument("--direct-io", choices=["auto", "never"], default="auto")
     p.add_argument("--url", default="redis://127.0.0.1:6379/0", help="redis: server URL")
+    p.add_argument(
+        "--startup-nodes",
+        default="redis://127.0.0.1:7000",
+        help="redis-cluster: comma-separated node URLs",
+    )
+    p.add_argument(
+        "--budget-ms",
+        type=int,
+        default=10_000,
+        help="redis-cluster: the tier's lookup and write budgets (large: this measures "
+        "throughput, not a sick node)",
+    )
     p.set_defaults(run=run)
 
 
@@ -83,11 +97,11 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; return 0 (2 when the Redis extra is missing)."""
-    if args.kind == "redis":
+    if args.kind in ("redis", "redis-cluster"):
         try:
             import redis.asyncio  # noqa: F401, PLC0415
         except ImportError:
-            print("--kind redis needs the redis extra: pip install 'kvoffload[redis]'")
+            print(f"--kind {args.kind} needs the redis extra: pip install 'kvoffload[redis]'")
             return 2
     print("command: python -m kvoffload.bench " + " ".join(sys.argv[1:] or ["tier"]))
     if args.calibrate:
@@ -114,6 +128,10 @@ async def _measure(
         hashes = [BlockHash(i.to_bytes(32, "little")) for i in range(n)]
         if args.kind == "disk":
             return await _disk(args, nbytes, hashes, src, dst)
+        if args.kind == "redis-cluster":
+            from kvoffload.bench._tier_cluster import redis_cluster  # noqa: PLC0415
+
+            return await redis_cluster(args, nbytes, hashes, src, dst)
         return await _redis(args, nbytes, hashes, src, dst)
     finally:
         src = dst = []

@@ -29,6 +29,7 @@ cluster can be used. Runs on asyncio (``redis.asyncio`` with the hiredis parser)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -257,6 +258,26 @@ class RedisClusterTier:
             ) from exc
         self._last_refresh = time.monotonic()
         self._mapped()
+        await self._warm_up()
+
+    async def _warm_up(self) -> None:
+        """Open one connection to every node the tier may read from, so that the first
+        lookups do not spend their budget on connecting (failures are left to the
+        breakers)."""
+        client = self._get_client()
+        nodes = client.get_nodes() if self._replicas else client.get_primaries()
+
+        async def one(node: ClusterNode) -> None:
+            self._seen.setdefault(id(node), node)
+            with contextlib.suppress(RedisError, OSError):
+                await node.execute_command("PING")
+
+        # Within the write budget, which op_timeout_s exceeds: a paused node cannot make
+        # the open itself time out.
+        with anyio.move_on_after(self._write_budget):
+            async with anyio.create_task_group() as tg:
+                for node in nodes:
+                    tg.start_soon(one, node)
 
     def _mapped(self) -> None:
         """The slot map was (re)loaded."""

@@ -43,6 +43,8 @@ def cluster_tier(urls: list[str], prefix: str, **kw: object) -> dict[str, object
         "kind": "redis-cluster",
         "startup_nodes": urls,
         "key_prefix": prefix,
+        # Room for a busy CI host: these tests check what is served, not a sick node's cost.
+        "lookup_budget_ms": 1000,
     }
     values.update(kw)
     return values
@@ -161,6 +163,7 @@ def fault_tier(urls: list[str], prefix: str, **kw: object) -> dict[str, object]:
         "breaker_backoff_max_ms": 200,
         "retry_initial_s": 0.05,
         "retry_max_s": 0.2,
+        "lookup_budget_ms": 250,
     }
     values.update(kw)
     return cluster_tier(urls, prefix, **values)
@@ -279,7 +282,7 @@ async def test_a_paused_primary_costs_its_breaker_failures_then_misses_at_once(
             prefix,
             node_timeout_ms=10_000,
             op_timeout_s=2,
-            lookup_budget_ms=50,
+            lookup_budget_ms=200,
             write_budget_ms=200,
             breaker_backoff_ms=60_000,
             breaker_backoff_max_ms=60_000,
@@ -583,6 +586,7 @@ async def test_reads_from_replicas_and_from_a_replica_while_its_primary_is_pause
             read_from_replicas=True,
             node_timeout_ms=10_000,
             op_timeout_s=2,
+            lookup_budget_ms=500,  # room for new connections to the replicas on a busy host
             write_budget_ms=200,
             breaker_backoff_ms=60_000,
             breaker_backoff_max_ms=60_000,
@@ -599,9 +603,11 @@ async def test_reads_from_replicas_and_from_a_replica_while_its_primary_is_pause
         with anyio.fail_after(30):
             while not replicas & set(node_figures(tier_stats(off).details, "hits")):
                 rid = f"r-{uuid.uuid4().hex[:8]}"
-                assert await load_again(off, kv, rid, prompt, range(n, 2 * n)) == n * BS
+                assert await load_again(off, kv, rid, prompt, range(n, 2 * n)) <= n * BS
+        await until_hit(off, kv, prompt, range(n, 2 * n), n * BS)
         # A primary paused: after its breaker opens, its keys are read from its replica.
         sick = owner(off, hashes[0])
+        before = int(tier_stats(off).details[f"node.{sick}.timeouts"])
         cluster.pause(port_of(sick))
         try:
             with anyio.fail_after(30):
@@ -609,7 +615,7 @@ async def test_reads_from_replicas_and_from_a_replica_while_its_primary_is_pause
                     await load_again(off, kv, f"s-{uuid.uuid4().hex[:8]}", prompt, range(n, 2 * n))
             assert await load_again(off, kv, "after", prompt, range(n, 2 * n)) == n * BS
             details = tier_stats(off).details
-            assert details[f"node.{sick}.timeouts"] == 2
+            assert details[f"node.{sick}.timeouts"] == before + 2  # breaker_failures
             stats = tier_stats(off)
             assert stats.errors == 0
             assert stats.failed_checks == 0
@@ -671,3 +677,17 @@ async def test_a_slow_node_does_not_hold_the_other_nodes_writes(
         stats = tier_stats(off)
         assert stats.errors == 0
         check(off)
+
+
+def test_the_tier_bench_runs_against_the_cluster(
+    capsys: pytest.CaptureFixture[str], redis_cluster_urls: list[str]
+) -> None:
+    from kvoffload.bench.__main__ import main  # noqa: PLC0415
+
+    argv = ["tier", "--kind", "redis-cluster", "--startup-nodes", ",".join(redis_cluster_urls)]
+    assert main([*argv, "--block-kib", "64", "--total-mib", "1", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("redis-cluster ")]
+    assert [(r[1], r[2]) for r in rows] == [("64Ki", "store"), ("64Ki", "load")]
+    for row in rows:
+        assert all(float(x) > 0 for x in row[3:6])
