@@ -158,6 +158,10 @@ class RedisClusterTier:
         # Reading from replicas, and the slot map names a shard without one (Redis lists
         # only replicas that hold data): ask again, once per interval.
         self._replicas_missing = False
+        # Primary name -> its replicas in the last slot map that named any: Redis may leave
+        # a replica out of CLUSTER SLOTS while its primary is unreachable, just when the
+        # replica is wanted.
+        self._known_replicas: dict[str, list[ClusterNode]] = {}
         # Tier-wide counters (the per-node ones live in NodeState).
         self._budget_exceeded = 0
         self._uncovered = 0
@@ -284,6 +288,9 @@ class RedisClusterTier:
         if self._replicas and self._client is not None:
             shards = {id(v): v for v in self._client.nodes_manager.slots_cache.values()}
             self._replicas_missing = any(len(nodes) < 2 for nodes in shards.values())
+            for nodes in shards.values():
+                if len(nodes) > 1:
+                    self._known_replicas[nodes[0].name] = list(nodes[1:])
 
     async def ping(self) -> None:
         """Refresh the slot map and ``PING`` every primary; close the breakers of those
@@ -363,6 +370,8 @@ class RedisClusterTier:
             if not nodes:
                 self._uncovered += 1
                 continue
+            if use_replicas and len(nodes) == 1:
+                nodes = [*nodes, *self._known_replicas.get(nodes[0].name, ())]
             if use_replicas and len(nodes) > 1:
                 at = turn % len(nodes)
                 candidates = [*nodes[at:], *nodes[:at]]
