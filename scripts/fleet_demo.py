@@ -41,6 +41,8 @@ def free_port() -> int:
 def start(tiers: list[dict[str, object]] | None, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "KVOFFLOAD_TIERS"}
+    # This checkout's kvoffload, whatever the environment has installed.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(APP.parents[2]), env.get("PYTHONPATH")]))
     if tiers is not None:
         env["KVOFFLOAD_TIERS"] = json.dumps(tiers)
     with open(log, "wb") as out:

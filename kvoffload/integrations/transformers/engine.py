@@ -373,7 +373,15 @@ class PagedEngine:
             matched = self.allocator.match(r.hashes, (n - 1) // bs)
             hit = 0
             if r.handle is not None:
-                hit = r.handle.lookup(num_computed_tokens=len(matched) * bs)
+                # With secondary tiers, a lookup that started a promotion answers None (its
+                # pin released): the request waits, and a later step loads what the tier
+                # had instead of computing it (each tier operation within its own budget).
+                defer = self._off is not None and self._off.tiers is not None
+                got = r.handle.lookup(num_computed_tokens=len(matched) * bs, allow_defer=defer)
+                if got is None:
+                    self.allocator.free(matched)
+                    return
+                hit = got
             need = -(-n // bs) - len(matched)
             fresh = self.allocator.allocate(need)
             if fresh is None:
