@@ -214,6 +214,32 @@ async def test_two_offloaders_share_the_cluster_and_namespaces_stay_apart(
         assert tier_stats(c).blocks_read == 0
 
 
+async def test_per_node_figures_reach_the_prometheus_collector(
+    redis_cluster_urls: list[str], prefix: str
+) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest  # noqa: PLC0415
+
+    from kvoffload.metrics import OffloaderCollector  # noqa: PLC0415
+
+    kv = make_kv()
+    async with KVOffloader(config([cluster_tier(redis_cluster_urls, prefix)]), kv) as off:
+        prompt = tokens(5, 6)
+        await compute_and_store(off, kv, "a", prompt, range(6))
+        await settle(off)
+        assert await load_again(off, kv, "b", prompt, range(6, 12)) == 6 * BS
+        registry = CollectorRegistry()
+        registry.register(OffloaderCollector(off.statistics))
+        text = generate_latest(registry).decode()
+        details = tier_stats(off).details
+        for node, hits in node_figures(details, "hits").items():
+            sample = (
+                f'kvoffload_tier_detail{{detail="node.{node}.hits",kind="redis-cluster",'
+                f'tier="redis-cluster0"}} {float(hits)}'
+            )
+            assert sample in text, (sample, text[:2000])
+        assert 'detail="budget_exceeded"' in text
+
+
 async def test_a_corrupted_value_on_one_node_is_never_served_and_is_deleted(
     redis_cluster_urls: list[str], prefix: str
 ) -> None:
