@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from kvoffload.tiers import (
         DiskTier,
         DiskTierSettings,
+        RedisClusterTierSettings,
         RedisTierSettings,
         SecondaryTier,
         TierManager,
@@ -132,6 +133,7 @@ _WHERE: dict[str, str] = {
     "PollerStatistics": "kvoffload.transfer",
     "PoolEvent": "kvoffload.pool",
     "PoolStatistics": "kvoffload.pool",
+    "RedisClusterTierSettings": "kvoffload.tiers",
     "RedisTierSettings": "kvoffload.tiers",
     "RefCountPinner": "kvoffload.pinner",
     "RequestOffloadState": "kvoffload.request_state",
@@ -204,6 +206,7 @@ __all__ = [
     "PollerStatistics",
     "PoolEvent",
     "PoolStatistics",
+    "RedisClusterTierSettings",
     "RedisTierSettings",
     "RefCountPinner",
     "RequestOffloadState",

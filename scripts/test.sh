@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up the dev environment (once, in .venv) and run every check CI runs, stopping at the
 # first failure: the test suite (next to a throwaway redis-server on 127.0.0.1), the Redis
-# tier's tests again against a throwaway valkey-server, ruff (lint and format), mypy
+# tier's tests again against a throwaway valkey-server, the Redis Cluster tier's tests on
+# a throwaway six-node Redis cluster and a six-node Valkey cluster, ruff (lint and format), mypy
 # --strict, the docs site built with --strict, every script in examples/, and the vLLM
 # integration tests on a real vLLM engine on CPU in their own environment (.venv-vllm).
 #
@@ -54,7 +55,7 @@ section() {
 
 section "pytest (next to a throwaway redis-server)"
 rc=0
-bash scripts/with_redis.sh "$PY" -m pytest || rc=$?
+bash scripts/with_redis.sh "$PY" -m pytest -m "not redis_cluster" || rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "pytest collected no tests: treating that as a failure" >&2
     exit 1
@@ -65,6 +66,11 @@ fi
 section "pytest: the Redis tier against Valkey (a throwaway valkey-server)"
 KVOFFLOAD_TEST_REDIS_SERVER=valkey-server bash scripts/with_redis.sh \
     "$PY" -m pytest -p no:randomly tests/tiers/test_redis.py tests/tiers/test_tier_bench.py
+
+section "pytest: the Redis Cluster tier (a throwaway six-node cluster, Redis then Valkey)"
+bash scripts/with_redis_cluster.sh "$PY" -m pytest -m redis_cluster tests/tiers/test_redis_cluster.py
+KVOFFLOAD_TEST_REDIS_SERVER=valkey-server bash scripts/with_redis_cluster.sh \
+    "$PY" -m pytest -m redis_cluster tests/tiers/test_redis_cluster.py
 
 section "ruff check"
 "$PY" -m ruff check .

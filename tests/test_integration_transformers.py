@@ -714,3 +714,37 @@ async def test_a_completion_whose_unpin_raises_surfaces_at_the_next_advance(mode
         off.scheduler.check_invariants()
     engine.check_invariants()
     assert engine.pinner.num_pinned == 0
+
+
+async def test_a_prompt_only_a_tier_holds_is_loaded_not_computed(
+    model: Any, reference_model: Any, tmp_path: Any
+) -> None:
+    # No GPU prefix cache, and the CPU pool emptied: the blocks are only in the disk tier.
+    # The lookup that starts their promotion defers the request; a later step loads them.
+    engine = PagedEngine(
+        model, num_gpu_blocks=32, block_size=BS, max_batch_tokens=64, enable_prefix_caching=False
+    )
+    tier = {"kind": "disk", "path": str(tmp_path / "kv.bin"), "capacity_bytes": 1 << 22}
+    cfg = OffloadConfig(block_size=BS, num_cpu_blocks=64, model_id="test-llama", tiers=[tier])
+    (prompt,) = prompts(1, 41, seed=5)
+    async with KVOffloader(cfg, engine.kv, layout=engine.layout, pinner=engine.pinner) as off:
+        engine.attach(off)
+        engine.add_request("a", prompt, max_new_tokens=4)
+        (first,) = await engine.run_until_done()
+        assert first.loaded_tokens == 0
+        await off.drain()
+        tiers = off.tiers
+        assert tiers is not None
+        with anyio.fail_after(10):
+            while tiers.statistics().refs_held or not tiers.statistics().tiers[0].blocks_written:
+                await anyio.sleep(0.01)
+        await off.reset()
+        engine.add_request("b", prompt, max_new_tokens=4)
+        (again,) = await engine.run_until_done()
+        assert again.loaded_tokens == 5 * BS  # every full block before the last token
+        assert again.computed_tokens == len(prompt) - 5 * BS
+        assert again.output_token_ids == reference(reference_model, prompt, 4)
+        assert tiers.statistics().tiers[0].blocks_promoted == 5
+        await off.drain()
+        off.scheduler.check_invariants()
+        assert engine.pinner.num_pinned == 0

@@ -1,4 +1,4 @@
-"""``python -m kvoffload.bench tier --kind disk|redis``: a tier's store and load GB/s.
+"""``python -m kvoffload.bench tier --kind disk|redis|redis-cluster``: a tier's store and load GB/s.
 
 For each block size it writes ``--total-mib`` of random blocks through the tier and reads
 them back, the way the tier manager does: headers with the payload checksum built off the
@@ -12,7 +12,9 @@ same run, with the same bytes, batches and concurrency, it measures a baseline:
   consecutive slots in one call) in a worker thread, from the same event loop, with as
   many batches in flight;
 * redis: a bare pipelined ``redis.asyncio`` client doing ``SET`` / ``GET`` of the
-  payloads (no header, no checksum, no copy into host blocks).
+  payloads (no header, no checksum, no copy into host blocks);
+* redis-cluster: the same through a bare ``redis.asyncio.cluster.RedisCluster`` pipeline
+  (which splits each batch by node itself).
 
 Tier and baseline take turns chunk by chunk (``--chunk-mib`` each, the side that goes
 first alternating), so that a slow spell of the device or of another process hits both
@@ -28,12 +30,10 @@ import contextlib
 import functools
 import mmap
 import os
-import statistics
 import sys
 import tempfile
-import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +42,17 @@ import anyio.to_thread
 
 from kvoffload._extras import needs_extra
 from kvoffload.bench._args import int_list, positive_int
+from kvoffload.bench._tier_common import (
+    NS,
+    Batch,
+    check_copies,
+    side_by_side,
+    tier_ops,
+)
 from kvoffload.hashing import BlockHash
-from kvoffload.tiers.base import BlockWrite, SecondaryTier
 from kvoffload.tiers.disk import DiskTier
-from kvoffload.tiers.format import encode_header, verify_block
 
 __all__ = ["add_parser", "run"]
-
-_NS = bytes(range(32))
 
 
 def add_parser(subparsers: Any) -> None:
@@ -57,7 +60,7 @@ def add_parser(subparsers: Any) -> None:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "tier", help="disk / redis tier GB/s vs the raw path", description=__doc__
     )
-    p.add_argument("--kind", choices=["disk", "redis"], required=True)
+    p.add_argument("--kind", choices=["disk", "redis", "redis-cluster"], required=True)
     p.add_argument(
         "--block-kib",
         type=int_list,
@@ -87,6 +90,18 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--direct-io", choices=["auto", "never"], default="auto")
     p.add_argument("--url", default="redis://127.0.0.1:6379/0", help="redis: server URL")
+    p.add_argument(
+        "--startup-nodes",
+        default="redis://127.0.0.1:7000",
+        help="redis-cluster: comma-separated node URLs",
+    )
+    p.add_argument(
+        "--budget-ms",
+        type=int,
+        default=10_000,
+        help="redis-cluster: the tier's lookup and write budgets (large: this measures "
+        "throughput, not a sick node)",
+    )
     p.set_defaults(run=run)
 
 
@@ -102,17 +117,13 @@ def _directory(text: str) -> str:
     return text
 
 
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; return 0 (2 when the Redis extra is missing)."""
-    if args.kind == "redis":
+    if args.kind in ("redis", "redis-cluster"):
         try:
             import redis.asyncio  # noqa: F401, PLC0415
         except ImportError:
-            print(needs_extra("--kind redis", "redis"))
+            print(needs_extra(f"--kind {args.kind}", "redis"))
             return 2
     print("command: python -m kvoffload.bench " + " ".join(sys.argv[1:] or ["tier"]))
     if args.calibrate:
@@ -139,6 +150,10 @@ async def _measure(
         hashes = [BlockHash(i.to_bytes(32, "little")) for i in range(n)]
         if args.kind == "disk":
             return await _disk(args, nbytes, hashes, src, dst)
+        if args.kind == "redis-cluster":
+            from kvoffload.bench._tier_cluster import redis_cluster  # noqa: PLC0415
+
+            return await redis_cluster(args, nbytes, hashes, src, dst)
         return await _redis(args, nbytes, hashes, src, dst)
     finally:
         src = dst = []
@@ -147,130 +162,6 @@ async def _measure(
         with contextlib.suppress(BufferError):
             view.release()
             memory.close()
-
-
-Batch = Callable[[int, int], Awaitable[None]]
-"""One operation over blocks ``[lo, hi)``."""
-
-
-async def _concurrently(begin: int, end: int, concurrency: int, batch: int, op: Batch) -> float:
-    """Run ``op(lo, hi)`` over ``[begin, end)`` in batches, ``concurrency`` at once; seconds."""
-    limiter = anyio.Semaphore(concurrency)
-    start = time.perf_counter()
-    async with anyio.create_task_group() as tg:
-        for lo in range(begin, end, batch):
-
-            async def one(lo: int = lo) -> None:
-                async with limiter:
-                    await op(lo, min(end, lo + batch))
-
-            tg.start_soon(one)
-    return time.perf_counter() - start
-
-
-async def _side_by_side(
-    args: argparse.Namespace,
-    n: int,
-    nbytes: int,
-    *,
-    ours: dict[str, Batch],
-    base: dict[str, Batch],
-    reset: Callable[[], Awaitable[None]],
-    check: Callable[[], None],
-) -> list[tuple[str, float, float, float]]:
-    """Per repetition: ``reset()``, then store and then load all ``n`` blocks, tier and
-    baseline taking turns chunk by chunk; then ``check()``. Returns `_medians()`."""
-    chunk = max(args.batch * args.concurrency, (args.chunk_mib << 20) // nbytes)
-    samples: dict[str, list[tuple[float, float]]] = {"store": [], "load": []}
-    for rep in range(args.reps):
-        await reset()
-        for op in ("store", "load"):
-            seconds = {"ours": 0.0, "base": 0.0}
-            for k, lo in enumerate(range(0, n, chunk)):
-                hi = min(n, lo + chunk)
-                turns = [("ours", ours[op]), ("base", base[op])]
-                if (rep + k) % 2:
-                    turns.reverse()
-                for side, fn in turns:
-                    seconds[side] += await _concurrently(lo, hi, args.concurrency, args.batch, fn)
-            samples[op].append(
-                (_gbps(n * nbytes, seconds["ours"]), _gbps(n * nbytes, seconds["base"]))
-            )
-        check()
-    return _medians(samples)
-
-
-def _tier_ops(
-    tier: SecondaryTier,
-    args: argparse.Namespace,
-    *,
-    nbytes: int,
-    hashes: Sequence[BlockHash],
-    src: Sequence[memoryview],
-    dst: Sequence[memoryview],
-) -> dict[str, Batch]:
-    """A store batch and a verified load batch through ``tier``."""
-
-    async def store(lo: int, hi: int) -> None:
-        writes = [
-            BlockWrite(
-                hashes[i],
-                b"",
-                src[i],
-                seal=functools.partial(encode_header, _NS, hashes[i], src[i]),
-            )
-            for i in range(lo, hi)
-        ]
-        stored = await tier.put(writes)
-        if stored != hi - lo:
-            raise RuntimeError(f"the tier stored {stored} of {hi - lo} blocks")
-
-    async def load(lo: int, hi: int) -> None:
-        reads = await tier.get(hashes[lo:hi], dst[lo:hi])
-        summed = all(r is not None and r.payload_checksum is not None for r in reads)
-
-        def check() -> None:
-            for i, read in zip(range(lo, hi), reads, strict=True):
-                if read is None:
-                    raise RuntimeError(f"block {i} missing")
-                verify_block(
-                    read.header,
-                    namespace=_NS,
-                    block_hash=hashes[i],
-                    expected_length=nbytes,
-                    received_length=read.payload_length,
-                    payload=dst[i],
-                    payload_checksum=read.payload_checksum,
-                )
-
-        if summed:  # as the tier manager does: the rest of the check is cheap
-            check()
-        else:
-            await anyio.to_thread.run_sync(check)
-
-    return {"store": store, "load": load}
-
-
-def _medians(
-    samples: dict[str, list[tuple[float, float]]],
-) -> list[tuple[str, float, float, float]]:
-    """Per op: median tier GB/s, median baseline GB/s, median of the per-repetition ratios."""
-    return [
-        (
-            op,
-            statistics.median(s[0] for s in rows),
-            statistics.median(s[1] for s in rows),
-            statistics.median(s[0] / s[1] if s[1] else float("nan") for s in rows),
-        )
-        for op, rows in samples.items()
-    ]
-
-
-def _check_copies(src: Sequence[memoryview], dst: Sequence[memoryview]) -> None:
-    n = len(src)
-    for i in (0, n // 2, n - 1):
-        if dst[i] != src[i]:
-            raise RuntimeError(f"block {i} read back differs")
 
 
 async def _disk(
@@ -286,7 +177,7 @@ async def _disk(
             Path(tmp) / "tier.bin",
             DiskTier.file_bytes(n, nbytes),
             block_nbytes=nbytes,
-            namespace=_NS,
+            namespace=NS,
             direct_io=args.direct_io,
             io_threads=args.concurrency,
         )
@@ -323,18 +214,18 @@ async def _disk(
             async def reset() -> None:
                 await tier.delete(hashes)
 
-            rows = await _side_by_side(
+            rows = await side_by_side(
                 args,
                 n,
                 nbytes,
                 ours=(
                     {"store": raw(True, fd2), "load": raw(False, fd2)}
                     if args.calibrate
-                    else _tier_ops(tier, args, nbytes=nbytes, hashes=hashes, src=src, dst=dst)
+                    else tier_ops(tier, args, nbytes=nbytes, hashes=hashes, src=src, dst=dst)
                 ),
                 base={"store": raw(True), "load": raw(False)},
                 reset=reset,
-                check=functools.partial(_check_copies, src, dst),
+                check=functools.partial(check_copies, src, dst),
             )
             print(f"# disk: O_DIRECT={tier.direct_io} {tier.statistics()}", file=sys.stderr)
         finally:
@@ -361,7 +252,7 @@ async def _redis(
     tier = RedisTier(
         args.url,
         block_nbytes=nbytes,
-        namespace=_NS,
+        namespace=NS,
         key_prefix=prefix + "tier:",
         max_connections=args.concurrency,
     )
@@ -392,19 +283,19 @@ async def _redis(
         await tier.delete(hashes)
 
     try:
-        rows = await _side_by_side(
+        rows = await side_by_side(
             args,
             n,
             nbytes,
             ours=(
                 bare_ops(keys2)
                 if args.calibrate
-                else _tier_ops(tier, args, nbytes=nbytes, hashes=hashes, src=src, dst=dst)
+                else tier_ops(tier, args, nbytes=nbytes, hashes=hashes, src=src, dst=dst)
             ),
             base=bare_ops(keys),
             reset=reset,
             # A bare GET copies nothing into the host blocks: only the tier's can be checked.
-            check=(lambda: None) if args.calibrate else functools.partial(_check_copies, src, dst),
+            check=(lambda: None) if args.calibrate else functools.partial(check_copies, src, dst),
         )
     finally:
         await reset()

@@ -6,7 +6,12 @@ into CPU blocks when a lookup finds them only in a tier. See ``docs/tiers.md``.
 
 from __future__ import annotations
 
-from kvoffload.config import DiskTierSettings, RedisTierSettings, TierSettings
+from kvoffload.tier_config import (
+    DiskTierSettings,
+    RedisClusterTierSettings,
+    RedisTierSettings,
+    TierSettings,
+)
 from kvoffload.tiers.base import BlockRead, BlockWrite, SecondaryTier
 from kvoffload.tiers.build import build_tier
 from kvoffload.tiers.disk import DiskTier
@@ -21,6 +26,7 @@ __all__ = [
     "BlockWrite",
     "DiskTier",
     "DiskTierSettings",
+    "RedisClusterTierSettings",
     "RedisTierSettings",
     "SecondaryTier",
     "TierManager",

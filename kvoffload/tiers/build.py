@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvoffload._extras import needs_extra
-from kvoffload.config import DiskTierSettings, RedisTierSettings
+from kvoffload.config import DiskTierSettings, RedisClusterTierSettings, RedisTierSettings
 from kvoffload.errors import ConfigError
 from kvoffload.tiers.base import SecondaryTier
 from kvoffload.tiers.disk import DiskTier
@@ -58,6 +58,35 @@ def build_tier(
             key_prefix=settings.key_prefix,
             ttl_s=settings.ttl_s,
             max_connections=settings.max_in_flight,
+            name=name,
+        )
+    if isinstance(settings, RedisClusterTierSettings):
+        try:
+            from kvoffload.tiers.redis_cluster import (  # noqa: PLC0415 - optional extra
+                RedisClusterTier,
+            )
+        except ImportError as exc:
+            raise ConfigError(
+                f"tiers[{index}] ({name!r}): "
+                f"{needs_extra('the redis-cluster tier', 'redis')} ({exc})"
+            ) from exc
+        return RedisClusterTier(
+            [node.get_secret_value() for node in settings.startup_nodes],
+            block_nbytes=block_nbytes,
+            namespace=namespace,
+            key_prefix=settings.key_prefix,
+            ttl_s=settings.ttl_s,
+            read_from_replicas=settings.read_from_replicas,
+            node_timeout_s=settings.node_timeout_ms / 1000,
+            lookup_budget_s=settings.lookup_budget_ms / 1000,
+            write_budget_s=settings.write_budget_ms / 1000,
+            breaker_failures=settings.breaker_failures,
+            breaker_backoff_s=settings.breaker_backoff_ms / 1000,
+            breaker_backoff_max_s=settings.breaker_backoff_max_ms / 1000,
+            refresh_interval_s=settings.refresh_interval_ms / 1000,
+            max_reads_per_node=settings.max_reads_per_node,
+            max_writes_per_node=settings.max_writes_per_node,
+            threads=settings.max_in_flight,
             name=name,
         )
     raise ConfigError(f"tiers[{index}]: unknown tier settings {settings!r}")  # pragma: no cover

@@ -49,7 +49,7 @@ from kvoffload.hashing import BlockHash
 from kvoffload.tiers._state import PriorityGate, TierState
 from kvoffload.tiers.base import BlockRead, BlockWrite, SecondaryTier
 from kvoffload.tiers.format import encode_header, verify_block
-from kvoffload.tiers.settings import DiskTierSettings, RedisTierSettings
+from kvoffload.tiers.settings import AnyTierSettings
 from kvoffload.tiers.stats import TierManagerStatistics, TierStatistics
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class TierManager:
 
     def __init__(
         self,
-        tiers: Sequence[tuple[SecondaryTier, DiskTierSettings | RedisTierSettings]],
+        tiers: Sequence[tuple[SecondaryTier, AnyTierSettings]],
         *,
         scheduler: OffloadScheduler,
         host: HostKVBuffer,
@@ -350,7 +350,10 @@ class TierManager:
     async def _writer(self, t: TierState) -> None:
         while True:
             while not t.queue:
-                t.wake = anyio.Event()
+                # One event shared by every idle writer of the tier: a writer replacing
+                # it with its own would leave the others waiting on events never set.
+                if t.wake.is_set():
+                    t.wake = anyio.Event()
                 await t.wake.wait()
             batch = [t.queue.popleft() for _ in range(min(t.max_batch, len(t.queue)))]
             try:

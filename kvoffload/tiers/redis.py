@@ -28,9 +28,10 @@ from kvoffload._logging import get_logger
 from kvoffload.config import redact_url
 from kvoffload.errors import TierError
 from kvoffload.hashing import BlockHash
+from kvoffload.tiers._redis_values import make_key_prefix, pack_values, unpack_values
 from kvoffload.tiers._threads import IoThreads
 from kvoffload.tiers.base import BlockRead, BlockWrite
-from kvoffload.tiers.format import HEADER_SIZE, checksum
+from kvoffload.tiers.format import HEADER_SIZE
 
 __all__ = ["RedisTier"]
 
@@ -67,7 +68,7 @@ class RedisTier:
     ) -> None:
         self._url = url
         self._nbytes = block_nbytes
-        self._prefix = f"{key_prefix}{namespace.hex()[:16]}:".encode()
+        self._prefix = make_key_prefix(key_prefix, namespace)
         self._ttl = ttl_s
         self._max_connections = max_connections
         self._name = name
@@ -202,12 +203,7 @@ class RedisTier:
         if not blocks:
             return 0
         client = self._get_client()
-
-        def build() -> list[bytes]:
-            # One value per block: the header, then the payload (one copy, no zeroing).
-            return [b"".join((block.sealed_header(), block.payload)) for block in blocks]
-
-        values = await self._threads.run(build)
+        values = await self._threads.run(pack_values, blocks)
         try:
             async with client.pipeline(transaction=False) as pipe:
                 for block, value in zip(blocks, values, strict=True):
@@ -280,23 +276,7 @@ class RedisTier:
             except aioredis.RedisError as exc:  # the next read finds it again
                 _log.warning("redis_bad_key_not_deleted", tier=self._name, error=repr(exc))
 
-        def unpack() -> list[BlockRead | None]:
-            out: list[BlockRead | None] = []
-            for value, buffer in zip(values, into, strict=True):
-                if value is None:
-                    out.append(None)
-                    continue
-                view = memoryview(value)
-                payload = view[HEADER_SIZE:]
-                n = min(len(payload), len(buffer))
-                buffer[:n] = payload[:n]
-                # The checksum of what was copied, while it is in this core's cache; the
-                # caller compares it with the header before publishing.
-                summed = checksum(buffer[:n]) if n == len(payload) else None
-                out.append(BlockRead(bytes(view[:HEADER_SIZE]), len(payload), summed))
-            return out
-
-        return await self._threads.run(unpack)
+        return await self._threads.run(unpack_values, values, into)
 
     async def delete(self, block_hashes: Sequence[BlockHash]) -> None:
         """``DEL`` the blocks' keys."""

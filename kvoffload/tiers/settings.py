@@ -1,24 +1,30 @@
-"""The settings of the secondary tiers, kept importable here.
+"""The settings of the secondary tiers, re-exported from `kvoffload.tier_config`.
 
-They are defined in `kvoffload.config` beside `OffloadConfig`, whose ``tiers`` field holds
-them, so that importing the configuration never imports the tiers package.
+They live below the configuration (`kvoffload.config` imports them), so that importing
+the configuration never runs the tiers package; this module keeps the old import path.
 """
 
 from __future__ import annotations
 
-from kvoffload.config import (
+from kvoffload.tier_config import (
+    AnyTierSettings,
     DiskTierSettings,
+    RedisClusterTierSettings,
     RedisTierSettings,
     SecretUrl,
+    StartupNodeUrl,
     TierSettings,
     TierSettingsList,
     redact_url,
 )
 
 __all__ = [
+    "AnyTierSettings",
     "DiskTierSettings",
+    "RedisClusterTierSettings",
     "RedisTierSettings",
     "SecretUrl",
+    "StartupNodeUrl",
     "TierSettings",
     "TierSettingsList",
     "redact_url",

@@ -4,6 +4,7 @@ import os
 from collections.abc import Callable, Iterator
 
 import pytest
+from cluster_helpers import CLUSTER_URLS_ENV, RedisClusterProcs
 from tier_helpers import REDIS_URL_ENV, RedisServer, redis_missing
 
 
@@ -61,3 +62,32 @@ def start_redis() -> Iterator[Callable[..., RedisServer]]:
     finally:
         for server in servers:
             server.close()
+
+
+@pytest.fixture
+def redis_cluster_urls() -> list[str]:
+    """The shared cluster that scripts/with_redis_cluster.sh started (CI fails without one)."""
+    urls = os.environ.get(CLUSTER_URLS_ENV)
+    if not urls:
+        redis_missing(f"{CLUSTER_URLS_ENV} is not set (run under scripts/with_redis_cluster.sh)")
+    _need_client()
+    return str(urls).split(",")
+
+
+@pytest.fixture
+def own_cluster_factory() -> Iterator[Callable[..., RedisClusterProcs]]:
+    """Starts six-node clusters of this test's own, which it may kill or pause; stops them."""
+    _need_client()
+    made: list[RedisClusterProcs] = []
+
+    def make(**kw: object) -> RedisClusterProcs:
+        cluster = RedisClusterProcs(**kw)  # type: ignore[arg-type]
+        made.append(cluster)
+        cluster.start()
+        return cluster
+
+    try:
+        yield make
+    finally:
+        for cluster in made:
+            cluster.close()

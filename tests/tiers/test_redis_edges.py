@@ -23,7 +23,7 @@ from tier_helpers import (
     wait_until,
 )
 
-from kvoffload.errors import TierError
+from kvoffload.errors import ConfigError, TierError
 from kvoffload.hashing import BlockHash
 from kvoffload.offloader import KVOffloader
 from kvoffload.tiers.base import BlockWrite
@@ -209,6 +209,31 @@ def test_the_password_is_never_printed_by_the_config() -> None:
         assert "cache:6379" in text or "**" in text, text
     assert "redis://kv:***@cache:6379/0" in cfg.model_dump_json()
     assert settings.url.get_secret_value() == url  # type: ignore[union-attr]
+
+
+def test_a_cluster_node_password_is_never_printed_by_the_config() -> None:
+    url = f"redis://kv:{PASSWORD}@node1:7000"
+    cfg = config([{"kind": "redis-cluster", "startup_nodes": [url, "redis://node2:7001"]}])
+    settings = cfg.tiers[0]
+    for text in (
+        repr(cfg),
+        str(cfg),
+        repr(cfg.model_dump()),
+        json.dumps(cfg.model_dump(mode="json")),
+        cfg.model_dump_json(),
+        repr(settings),
+        settings.model_dump_json(),
+    ):
+        assert PASSWORD not in text, text
+    assert "redis://kv:***@node1:7000" in cfg.model_dump_json()
+    assert [n.get_secret_value() for n in settings.startup_nodes] == [  # type: ignore[union-attr]
+        url,
+        "redis://node2:7001",
+    ]
+    with pytest.raises(ConfigError) as info:
+        config([{"kind": "redis-cluster", "startup_nodes": [f"redis://kv:{PASSWORD}@node1"]}])
+    assert PASSWORD not in str(info.value)
+    assert "host and a port" in str(info.value)
 
 
 def test_a_config_error_never_prints_the_password() -> None:

@@ -79,6 +79,9 @@ class _Batcher:
                 r.hasher.update(r.tokens)
             matched = alloc.match(r.hashes, (n - 1) // bs)
             hit = calls.lookup(r, len(matched) * bs)
+            if hit is None:  # a tier is promoting the prefix: ask again next step
+                alloc.free(matched)
+                return
             fresh = alloc.allocate(-(-n // bs) - len(matched))
             if fresh is None:
                 alloc.free(matched)

@@ -74,11 +74,23 @@ class _OffloadCalls:
         if self.off is not None:
             r.handle = self._call("request", r, self.off.request, r.request_id, r.tokens)
 
-    def lookup(self, r: _Req, num_computed_tokens: int) -> int:
-        """Tokens of ``r`` loadable past the engine's prefix (pinned), or 0 without a handle."""
+    def lookup(self, r: _Req, num_computed_tokens: int) -> int | None:
+        """Tokens of ``r`` loadable past the engine's prefix (pinned), or 0 without a handle.
+
+        With secondary tiers, ``None`` when the lookup started a promotion (its pin is
+        released): the request waits, and a later step loads what the tier had instead of
+        computing it (each tier operation within its own budget).
+        """
         if r.handle is None:
             return 0
-        return self._call("lookup", r, r.handle.lookup, num_computed_tokens=num_computed_tokens)
+        defer = self.off is not None and self.off.tiers is not None
+        return self._call(
+            "lookup",
+            r,
+            r.handle.lookup,
+            num_computed_tokens=num_computed_tokens,
+            allow_defer=defer,
+        )
 
     def load(self, r: _Req) -> TransferTask | None:
         """Start loading the last lookup's hit into ``r``'s table.

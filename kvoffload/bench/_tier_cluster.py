@@ -1,0 +1,99 @@
+"""The ``redis-cluster`` kind of ``python -m kvoffload.bench tier``."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import uuid
+from collections.abc import Sequence
+
+from kvoffload.bench._tier_common import NS, Batch, check_copies, side_by_side, tier_ops
+from kvoffload.hashing import BlockHash
+
+__all__ = ["redis_cluster"]
+
+
+async def redis_cluster(
+    args: argparse.Namespace,
+    nbytes: int,
+    hashes: Sequence[BlockHash],
+    src: Sequence[memoryview],
+    dst: Sequence[memoryview],
+) -> list[tuple[str, float, float, float]]:
+    """`RedisClusterTier` against a bare pipelined ``RedisCluster``, same bytes, same run."""
+    from redis.asyncio.cluster import RedisCluster  # noqa: PLC0415 - optional extra
+
+    from kvoffload.tiers.redis_cluster import RedisClusterTier  # noqa: PLC0415
+
+    urls = [u.strip() for u in args.startup_nodes.split(",") if u.strip()]
+    n = len(hashes)
+    prefix = f"kvoffload-bench:{uuid.uuid4().hex[:8]}:"
+    budget_s = args.budget_ms / 1000
+    tier = RedisClusterTier(
+        urls,
+        block_nbytes=nbytes,
+        namespace=NS,
+        key_prefix=prefix + "tier:",
+        node_timeout_s=budget_s,
+        lookup_budget_s=budget_s,
+        write_budget_s=budget_s,
+        max_reads_per_node=args.concurrency,
+        max_writes_per_node=args.concurrency,
+        threads=args.concurrency,
+    )
+    await tier.open()
+    bare = RedisCluster.from_url(urls[0], max_connections=args.concurrency + 2)
+    await bare.initialize()
+    keys = [f"{prefix}bare:{i}".encode() for i in range(n)]
+    keys2 = [f"{prefix}bare2:{i}".encode() for i in range(n)]
+
+    def bare_ops(keys: Sequence[bytes]) -> dict[str, Batch]:
+        async def bare_set(lo: int, hi: int) -> None:
+            async with bare.pipeline(transaction=False) as pipe:
+                for i in range(lo, hi):
+                    pipe.set(keys[i], src[i])
+                await pipe.execute()
+
+        async def bare_get(lo: int, hi: int) -> None:
+            async with bare.pipeline(transaction=False) as pipe:
+                for i in range(lo, hi):
+                    pipe.get(keys[i])
+                values = await pipe.execute()
+            if any(v is None or len(v) != nbytes for v in values):
+                raise RuntimeError("bare GET missed")
+
+        return {"store": bare_set, "load": bare_get}
+
+    async def reset() -> None:
+        async with bare.pipeline(transaction=False) as pipe:
+            for key in (*keys, *keys2):
+                pipe.delete(key)
+            await pipe.execute()
+        await tier.delete(hashes)
+
+    try:
+        rows = await side_by_side(
+            args,
+            n,
+            nbytes,
+            ours=(
+                bare_ops(keys2)
+                if args.calibrate
+                else tier_ops(tier, args, nbytes=nbytes, hashes=hashes, src=src, dst=dst)
+            ),
+            base=bare_ops(keys),
+            reset=reset,
+            check=(lambda: None) if args.calibrate else functools.partial(check_copies, src, dst),
+        )
+        stats = tier.statistics()
+        print(
+            f"# redis-cluster: {stats['nodes']} nodes, timeouts={stats['timeouts']} "
+            f"budget_exceeded={stats['budget_exceeded']}",
+            file=sys.stderr,
+        )
+    finally:
+        await reset()
+        await bare.aclose()
+        await tier.close()
+    return rows
