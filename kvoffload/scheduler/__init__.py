@@ -2,8 +2,9 @@
 
 `OffloadScheduler` (``core.py``) is the face; it composes a `BlockLedger` (every
 CPU-block reference, plans in flight, pending hashes), a request table, a store planner,
-a load planner, finish holds and the statistics. See ``docs/design.md`` for which part
-owns which state and where each invariant is enforced.
+a load planner, finish holds and the statistics. `GroupedScheduler` (``groups.py``)
+coordinates a model with several KV cache groups, one pool and ledger per group. See
+``docs/design.md`` for which part owns which state and where each invariant is enforced.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from kvoffload.scheduler.core import (
     SchedulerStatistics,
     TransferLike,
 )
+from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler, GroupStatistics
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import LookupExtension
 from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
@@ -23,6 +25,9 @@ __all__ = [
     "FINISHED_IDS_REMEMBERED",
     "BlockLedger",
     "GpuCacheView",
+    "GroupStatistics",
+    "GroupedPlan",
+    "GroupedScheduler",
     "LookupExtension",
     "OffloadScheduler",
     "RequestOffloadState",
