@@ -9,6 +9,9 @@ coordinates a model with several KV cache groups, one pool and ledger per group.
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kvoffload.scheduler.core import (
     FINISHED_IDS_REMEMBERED,
     GpuCacheView,
@@ -16,10 +19,12 @@ from kvoffload.scheduler.core import (
     SchedulerStatistics,
     TransferLike,
 )
-from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler, GroupStatistics
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import LookupExtension
 from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
+
+if TYPE_CHECKING:
+    from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler, GroupStatistics
 
 __all__ = [
     "FINISHED_IDS_REMEMBERED",
@@ -35,3 +40,15 @@ __all__ = [
     "SchedulerStatistics",
     "TransferLike",
 ]
+
+# The group names are imported on first use: a single-group model never loads them (the
+# objects a module import creates cost every later garbage collection a little).
+_GROUPED = frozenset({"GroupStatistics", "GroupedPlan", "GroupedScheduler"})
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _GROUPED:
+        raise AttributeError(f"module 'kvoffload.scheduler' has no attribute {name!r}")
+    value = getattr(importlib.import_module("kvoffload.scheduler.groups"), name)
+    globals()[name] = value
+    return value

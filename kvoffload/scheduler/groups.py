@@ -23,14 +23,11 @@ A single full-attention model never uses this class: it keeps `OffloadScheduler`
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import final
 
-from kvoffload._logging import get_logger
 from kvoffload.errors import (
     BlockTableError,
     ConfigError,
-    InputTypeError,
     InvalidInputError,
     InvariantError,
     RequestStateError,
@@ -41,109 +38,25 @@ from kvoffload.groups import (
     default_checkpoint_tokens,
     hit_alignment,
     needed,
-    store_points,
 )
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
-from kvoffload.pool.free_queue import CpuBlock
+from kvoffload.scheduler.group_state import (
+    GroupCounts,
+    GroupedPlan,
+    GroupedRequest,
+    GroupHashes,
+    GroupStatistics,
+    GroupTables,
+    Lane,
+    check_hashes,
+    check_tables,
+)
+from kvoffload.scheduler.group_stores import GroupStorePlanner
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.transfer.plan import TransferPlan
 
 __all__ = ["GroupStatistics", "GroupedPlan", "GroupedScheduler"]
-
-_log = get_logger("scheduler.groups")
-
-GroupTables = Mapping[str, Sequence[int | None]]
-"""One GPU block table per group name; ``None`` marks a block the engine does not hold."""
-GroupHashes = Mapping[str, Sequence[BlockHash]]
-"""One list of block hashes per group name (each group hashes in its own namespace)."""
-
-
-@final
-@dataclass(frozen=True, slots=True)
-class GroupedPlan:
-    """One step's transfers: one plan per group that has blocks to move.
-
-    Attributes:
-        kind: ``"store"`` or ``"load"``.
-        plans: group name → that group's plan (its ids address that group's pool and GPU
-            tensors only).
-    """
-
-    kind: str
-    plans: Mapping[str, TransferPlan]
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks moved over all groups."""
-        return sum(p.num_blocks for p in self.plans.values())
-
-
-@final
-@dataclass(frozen=True, slots=True)
-class GroupStatistics:
-    """One group's counters (a snapshot).
-
-    Attributes:
-        stored_blocks: blocks whose store completed and published.
-        loaded_blocks: blocks whose load completed.
-        skipped_null_blocks: blocks of a store point not stored: the table entry was
-            ``None`` when planned (out of window, freed or reused).
-        deferred_stores: store plans cut short because the group's pool had no free block.
-        pinned_blocks: blocks pinned by lookups now.
-        in_flight_plans: the group's plans in flight.
-        num_cpu_blocks: the group's pool size.
-        free_cpu_blocks: free blocks in the pool.
-        cached_cpu_blocks: published blocks in the pool.
-    """
-
-    stored_blocks: int
-    loaded_blocks: int
-    skipped_null_blocks: int
-    deferred_stores: int
-    pinned_blocks: int
-    in_flight_plans: int
-    num_cpu_blocks: int
-    free_cpu_blocks: int
-    cached_cpu_blocks: int
-
-
-@dataclass(slots=True, eq=False)
-class _Lane:
-    """One request's state in one group."""
-
-    table: list[int | None] = field(default_factory=list)
-    hashes: list[BlockHash] = field(default_factory=list)
-    # full: blocks planned or skipped; other kinds: tokens of the last store point planned
-    cursor: int = 0
-    pin: list[CpuBlock] | None = None
-    pin_start: int = 0
-
-
-@dataclass(slots=True, eq=False)
-class _Request:
-    request_id: str
-    lanes: dict[str, _Lane]
-    num_computed_tokens: int = 0
-    hit: int | None = None
-    hit_from: int = 0
-    in_flight: set[tuple[str, int]] = field(default_factory=set)
-    finished: bool = False
-
-
-@dataclass(slots=True)
-class _Counts:
-    stored: int = 0
-    loaded: int = 0
-    skipped_null: int = 0
-    deferred: int = 0
-
-
-@dataclass(slots=True, eq=False)
-class _StoreRecord:
-    # (request id, block index, store point, cursor before) per block; cursors per request
-    blocks: list[tuple[str, int, int]]
-    cursors: dict[str, int]
 
 
 @final
@@ -192,9 +105,16 @@ class GroupedScheduler:
         self._checkpoint = checkpoint_tokens
         self._ledgers = {g.name: BlockLedger(pools[g.name]) for g in self._cacheable}
         self._limits = dict(num_gpu_blocks or {})
-        self._requests: dict[str, _Request] = {}
-        self._counts = {g.name: _Counts() for g in self._cacheable}
-        self._stores: dict[tuple[str, int], _StoreRecord] = {}
+        self._requests: dict[str, GroupedRequest] = {}
+        self._counts = {g.name: GroupCounts() for g in self._cacheable}
+        self._planner = GroupStorePlanner(
+            self._cacheable,
+            self._ledgers,
+            self._counts,
+            self._requests,
+            align=self._align,
+            checkpoint=checkpoint_tokens,
+        )
 
     def __repr__(self) -> str:
         return (
@@ -232,57 +152,14 @@ class GroupedScheduler:
 
     # -- requests --------------------------------------------------------------------------
 
-    def _state(self, request_id: str, *, live: bool = True) -> _Request:
+    def _state(self, request_id: str, *, live: bool = True) -> GroupedRequest:
         state = self._requests.get(request_id)
         if state is None:
-            state = _Request(request_id, {g.name: _Lane() for g in self._cacheable})
+            state = GroupedRequest(request_id, {g.name: Lane() for g in self._cacheable})
             self._requests[request_id] = state
         elif live and state.finished:
             raise RequestStateError(f"request {request_id!r} is finished")
         return state
-
-    def _check_tables(self, rid: str, tables: GroupTables) -> dict[str, list[int | None]]:
-        out: dict[str, list[int | None]] = {}
-        for g in self._cacheable:
-            table = tables.get(g.name)
-            if table is None:
-                raise BlockTableError(f"request {rid!r}: no block table for group {g.name!r}")
-            if isinstance(table, (str, bytes)) or not isinstance(table, Sequence):
-                raise InputTypeError(
-                    f"request {rid!r}: group {g.name!r}: block table must be a sequence"
-                )
-            limit = self._limits.get(g.name)
-            for pos, entry in enumerate(table):
-                if entry is None:
-                    continue
-                if type(entry) is not int:
-                    raise InputTypeError(
-                        f"request {rid!r}: group {g.name!r}: entry {pos} is {entry!r}, "
-                        "not an int or None"
-                    )
-                if entry < 0 or (limit is not None and entry >= limit):
-                    raise BlockTableError(
-                        f"request {rid!r}: group {g.name!r}: GPU block id {entry} at "
-                        f"position {pos} is out of range"
-                    )
-            out[g.name] = list(table)
-        return out
-
-    def _check_hashes(self, rid: str, state: _Request, hashes: GroupHashes) -> None:
-        for g in self._cacheable:
-            new = hashes.get(g.name)
-            if new is None:
-                raise InvalidInputError(f"request {rid!r}: no block hashes for group {g.name!r}")
-            old = state.lanes[g.name].hashes
-            if len(new) < len(old) or (old and new[len(old) - 1] != old[-1]):
-                raise InvalidInputError(
-                    f"request {rid!r}: group {g.name!r}: block hashes shrank or changed"
-                )
-            for h in new[len(old) :]:
-                if not isinstance(h, bytes):
-                    raise InputTypeError(
-                        f"request {rid!r}: group {g.name!r}: a block hash is {type(h).__name__}"
-                    )
 
     def update(
         self,
@@ -315,9 +192,9 @@ class GroupedScheduler:
         existing = self._requests.get(request_id)
         if existing is not None and existing.finished:
             raise RequestStateError(f"request {request_id!r} is finished")
-        checked = self._check_tables(request_id, tables)
-        probe = existing or _Request(request_id, {g.name: _Lane() for g in self._cacheable})
-        self._check_hashes(request_id, probe, block_hashes)
+        checked = check_tables(self._cacheable, self._limits, request_id, tables)
+        probe = existing or GroupedRequest(request_id, {g.name: Lane() for g in self._cacheable})
+        check_hashes(self._cacheable, request_id, probe, block_hashes)
         state = self._state(request_id)
         for name, lane in state.lanes.items():
             lane.table = checked[name]
@@ -374,8 +251,8 @@ class GroupedScheduler:
                 f"num_computed_tokens={num_computed_tokens!r} (a multiple of {align}, "
                 "at most num_tokens) are out of range"
             )
-        probe = _Request(request_id, {g.name: _Lane() for g in self._cacheable})
-        self._check_hashes(request_id, probe, block_hashes)
+        probe = GroupedRequest(request_id, {g.name: Lane() for g in self._cacheable})
+        check_hashes(self._cacheable, request_id, probe, block_hashes)
         state = self._state(request_id)
         self.release(request_id)
         lanes = {g.name: block_hashes[g.name] for g in self._cacheable}
@@ -453,7 +330,7 @@ class GroupedScheduler:
                 f"request {request_id!r}: num_tokens={num_tokens!r} must be 0 or the "
                 f"lookup's hit {hit}"
             )
-        checked = self._check_tables(request_id, tables)
+        checked = check_tables(self._cacheable, self._limits, request_id, tables)
         dests: dict[str, list[int]] = {}
         for name, lane in state.lanes.items():
             pin = lane.pin or []
@@ -486,105 +363,6 @@ class GroupedScheduler:
 
     # -- stores ----------------------------------------------------------------------------
 
-    def _scan(
-        self, state: _Request, name: str, g: KVCacheGroup, final: bool
-    ) -> list[tuple[int, int]]:
-        """(block index, store point) of the blocks to store for one request and group,
-        up to the last point planned; skips null entries, cached and pending blocks."""
-        lane = state.lanes[name]
-        ledger = self._ledgers[name]
-        is_cached, pending = ledger.pool.is_cached, ledger.pending
-        counts = self._counts[name]
-        limit = min(len(lane.table), len(lane.hashes))
-        out: list[tuple[int, int]] = []
-        computed = state.num_computed_tokens
-        if g.kind == "full":
-            for i in range(lane.cursor, min(limit, computed // g.block_size)):
-                if lane.table[i] is None:
-                    counts.skipped_null += 1
-                elif not is_cached(lane.hashes[i]) and lane.hashes[i] not in pending:
-                    out.append((i, (i + 1) * g.block_size))
-            return out
-        points = list(store_points(lane.cursor, computed, self._checkpoint))
-        last = computed // self._align * self._align
-        if final and last > lane.cursor and (not points or points[-1] != last):
-            points.append(last)
-        seen: set[int] = set()
-        for point in points:
-            for i in needed(g, point):
-                if i in seen:
-                    continue
-                seen.add(i)
-                if i >= limit or lane.table[i] is None:
-                    counts.skipped_null += 1
-                elif not is_cached(lane.hashes[i]) and lane.hashes[i] not in pending:
-                    out.append((i, point))
-        return out
-
-    def _plan_stores(self, states: Sequence[_Request], final: bool) -> GroupedPlan | None:
-        plans: dict[str, TransferPlan] = {}
-        for g in self._cacheable:
-            name = g.name
-            ledger = self._ledgers[name]
-            hashes: list[BlockHash] = []
-            gpu: list[int] = []
-            rec = _StoreRecord([], {})
-            free = ledger.pool.num_free
-            batch: set[BlockHash] = set()
-            for state in states:
-                lane = state.lanes[name]
-                wanted = self._scan(state, name, g, final)
-                wanted = [w for w in wanted if lane.hashes[w[0]] not in batch]
-                rec.cursors[state.request_id] = lane.cursor
-                room = free - len(hashes)
-                if len(wanted) > room:
-                    # a store point is planned whole, or deferred with every later one
-                    cut = wanted[room][1]
-                    wanted = [w for w in wanted if w[1] < cut]
-                    if g.kind == "full":
-                        new = cut // g.block_size - 1
-                    else:
-                        new = (cut - 1) // self._checkpoint * self._checkpoint
-                    self._counts[name].deferred += 1
-                    _log.debug("store_deferred", group=name, request_id=state.request_id)
-                else:
-                    new = self._advance(g, state, final)
-                for i, point in wanted:
-                    entry = lane.table[i]
-                    if entry is None:  # _scan() skipped these
-                        raise InvariantError(f"group {name!r}: a null entry was planned")
-                    hashes.append(lane.hashes[i])
-                    batch.add(lane.hashes[i])
-                    gpu.append(entry)
-                    rec.blocks.append((state.request_id, i, point))
-                lane.cursor = max(lane.cursor, new)
-            if not hashes:
-                continue
-            plan = ledger.open_store(
-                hashes,
-                gpu,
-                tuple(dict.fromkeys(r for r, _, _ in rec.blocks)),
-                protect=set(),
-                evicted=[],
-                ends=None,
-            )
-            plans[name] = plan
-            self._stores[(name, plan.plan_id)] = rec
-            for rid in plan.request_ids:
-                self._requests[rid].in_flight.add((name, plan.plan_id))
-        return GroupedPlan("store", plans) if plans else None
-
-    def _advance(self, g: KVCacheGroup, state: _Request, final: bool) -> int:
-        lane = state.lanes[g.name]
-        computed = state.num_computed_tokens
-        if g.kind == "full":
-            return max(
-                lane.cursor, min(len(lane.table), len(lane.hashes), computed // g.block_size)
-            )
-        if final:
-            return computed // self._align * self._align
-        return computed // self._checkpoint * self._checkpoint
-
     def plan_stores(self) -> GroupedPlan | None:
         """Plan this step's stores for every live request and group, as one batch.
 
@@ -596,7 +374,7 @@ class GroupedScheduler:
             One store plan per group with blocks to store, or ``None``.
         """
         live = [s for s in self._requests.values() if not s.finished]
-        return self._plan_stores(live, final=False)
+        return self._planner.plan(live, final=False)
 
     # -- finish, preempt, reset ------------------------------------------------------------
 
@@ -617,7 +395,7 @@ class GroupedScheduler:
         if state.finished:
             raise RequestStateError(f"request {request_id!r} is already finished")
         self.release(request_id)
-        plan = self._plan_stores([state], final=True)
+        plan = self._planner.plan([state], final=True)
         state.finished = True
         self._drop_if_done(state)
         return plan
@@ -631,7 +409,7 @@ class GroupedScheduler:
         if state.finished:
             raise RequestStateError(f"request {request_id!r} is finished")
         self.release(request_id)
-        plan = self._plan_stores([state], final=True)
+        plan = self._planner.plan([state], final=True)
         for lane in state.lanes.values():
             lane.table, lane.cursor = [], 0
         state.num_computed_tokens = 0
@@ -652,7 +430,7 @@ class GroupedScheduler:
             ledger.reset()
         return not self.num_in_flight
 
-    def _drop_if_done(self, state: _Request) -> None:
+    def _drop_if_done(self, state: GroupedRequest) -> None:
         if state.finished and not state.in_flight:
             del self._requests[state.request_id]
 
@@ -673,7 +451,7 @@ class GroupedScheduler:
             return False
         counts = self._counts[group]
         if plan.kind == "store":
-            self._stores.pop((group, plan.plan_id))
+            self._planner.records.pop((group, plan.plan_id))
             counts.stored += rec.published
         elif ok:
             counts.loaded += len(rec.blocks)
@@ -697,13 +475,7 @@ class GroupedScheduler:
         if rec is None:
             return False
         if plan.kind == "store":
-            store = self._stores.pop((group, plan.plan_id))
-            if rec.epoch == ledger.epoch:
-                for rid, old in store.cursors.items():
-                    state = self._requests.get(rid)
-                    if state is not None and not state.finished:
-                        lane = state.lanes[group]
-                        lane.cursor = min(lane.cursor, old)
+            self._planner.cancel(group, plan.plan_id, rec.epoch == ledger.epoch)
         else:
             ledger.unpin(rec.blocks)
         self._detach(group, plan)
@@ -760,16 +532,7 @@ class GroupedScheduler:
             named = {p for s in self._requests.values() for g, p in s.in_flight if g == name}
             if plans != named:
                 raise InvariantError(f"group {name!r}: requests' plans {named} != {plans}")
-            stores = {p for g, p in self._stores if g == name}
-            kinds = {rec.plan.plan_id for rec in ledger.plans() if rec.plan.kind == "store"}
-            if stores != kinds:
-                raise InvariantError(f"group {name!r}: store records disagree with the ledger")
-        for (name, _), rec in self._stores.items():
-            for rid, i, point in rec.blocks:
-                if i not in needed(groups[name], point):
-                    raise InvariantError(
-                        f"group {name!r}: request {rid!r} stores block {i}, outside needed({point})"
-                    )
+        self._planner.check_invariants()
         for state in self._requests.values():
             if state.finished and not state.in_flight:
                 raise InvariantError(f"finished request {state.request_id!r} kept")
