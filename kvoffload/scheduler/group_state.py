@@ -11,6 +11,7 @@ from kvoffload.errors import BlockTableError, InputTypeError, InvalidInputError
 from kvoffload.groups import KVCacheGroup
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.free_queue import CpuBlock
+from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.transfer.plan import TransferPlan
 
 __all__ = [
@@ -110,6 +111,21 @@ class GroupCounts:
     loaded: int = 0
     skipped_null: int = 0
     deferred: int = 0
+
+    def snapshot(self, ledger: BlockLedger) -> GroupStatistics:
+        """These counters and ``ledger``'s pool, as `GroupStatistics`."""
+        pool = ledger.pool
+        return GroupStatistics(
+            stored_blocks=self.stored,
+            loaded_blocks=self.loaded,
+            skipped_null_blocks=self.skipped_null,
+            deferred_stores=self.deferred,
+            pinned_blocks=sum(len(p) for p in ledger.pins()),
+            in_flight_plans=ledger.num_plans,
+            num_cpu_blocks=pool.num_blocks,
+            free_cpu_blocks=pool.num_free,
+            cached_cpu_blocks=pool.num_cached,
+        )
 
 
 @dataclass(slots=True, eq=False)

@@ -37,10 +37,9 @@ from kvoffload.groups import (
     KVCacheGroup,
     default_checkpoint_tokens,
     hit_alignment,
-    needed,
 )
-from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
+from kvoffload.scheduler.group_loads import find_hit, load_range
 from kvoffload.scheduler.group_state import (
     GroupCounts,
     GroupedPlan,
@@ -203,22 +202,6 @@ class GroupedScheduler:
 
     # -- lookup and loads ------------------------------------------------------------------
 
-    def _load_range(self, g: KVCacheGroup, n: int, computed: int) -> range:
-        span = needed(g, n)
-        return range(max(span.start, computed // g.block_size), span.stop)
-
-    def _valid(self, n: int, computed: int, lanes: Mapping[str, Sequence[BlockHash]]) -> bool:
-        for g in self._cacheable:
-            hashes = lanes[g.name]
-            get = self._ledgers[g.name].pool.get_cached
-            span = self._load_range(g, n, computed)
-            if span.stop > len(hashes):
-                return False
-            for i in span:
-                if get(hashes[i]) is None:
-                    return False
-        return True
-
     def lookup(
         self,
         request_id: str,
@@ -256,23 +239,14 @@ class GroupedScheduler:
         state = self._state(request_id)
         self.release(request_id)
         lanes = {g.name: block_hashes[g.name] for g in self._cacheable}
-        cap = max(0, num_tokens - 1) // align * align
-        for g in self._cacheable:  # a full group's leading run bounds N at once
-            if g.kind == "full":
-                get = self._ledgers[g.name].pool.get_cached
-                hashes = lanes[g.name]
-                i = num_computed_tokens // g.block_size
-                end = min(len(hashes), cap // g.block_size)
-                while i < end and get(hashes[i]) is not None:
-                    i += 1
-                cap = min(cap, i * g.block_size // align * align)
-        n = cap
-        while n > num_computed_tokens and not self._valid(n, num_computed_tokens, lanes):
-            n -= align
+        pools = {name: ledger.pool for name, ledger in self._ledgers.items()}
+        n = find_hit(
+            self._cacheable, pools, lanes, num_tokens, computed=num_computed_tokens, align=align
+        )
         if n <= num_computed_tokens:
             return 0
         for g in self._cacheable:
-            span = self._load_range(g, n, num_computed_tokens)
+            span = load_range(g, n, num_computed_tokens)
             pool = self._ledgers[g.name].pool
             blocks = [pool.get_cached(lanes[g.name][i]) for i in span]
             pinned = [b for b in blocks if b is not None]
@@ -492,21 +466,7 @@ class GroupedScheduler:
 
     def statistics(self) -> dict[str, GroupStatistics]:
         """Per cacheable group, a snapshot of its counters and pool."""
-        out: dict[str, GroupStatistics] = {}
-        for name, ledger in self._ledgers.items():
-            c, pool = self._counts[name], ledger.pool
-            out[name] = GroupStatistics(
-                stored_blocks=c.stored,
-                loaded_blocks=c.loaded,
-                skipped_null_blocks=c.skipped_null,
-                deferred_stores=c.deferred,
-                pinned_blocks=sum(len(p) for p in ledger.pins()),
-                in_flight_plans=ledger.num_plans,
-                num_cpu_blocks=pool.num_blocks,
-                free_cpu_blocks=pool.num_free,
-                cached_cpu_blocks=pool.num_cached,
-            )
-        return out
+        return {name: self._counts[name].snapshot(ledger) for name, ledger in self._ledgers.items()}
 
     def check_invariants(self) -> None:
         """Check every group's pool and ledger, then the cross-group rules: a request's
@@ -544,7 +504,7 @@ class GroupedScheduler:
             if state.hit % self._align:
                 raise InvariantError(f"request {state.request_id!r}: unaligned hit")
             for name, lane in state.lanes.items():
-                span = self._load_range(groups[name], state.hit, state.hit_from)
+                span = load_range(groups[name], state.hit, state.hit_from)
                 if lane.pin is None or len(lane.pin) != len(span):
                     raise InvariantError(
                         f"request {state.request_id!r}: group {name!r} pins "
