@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from kvoffload.errors import InvariantError
 from kvoffload.groups import KVCacheGroup, needed
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
+from kvoffload.scheduler.group_state import GroupedRequest
 
-__all__ = ["find_hit", "load_range"]
+__all__ = ["check_request", "find_hit", "load_range"]
 
 
 def load_range(g: KVCacheGroup, n: int, computed: int) -> range:
@@ -64,3 +66,29 @@ def find_hit(
     while n > computed and not _valid(groups, pools, lanes, n, computed):
         n -= align
     return max(n, computed)
+
+
+def check_request(groups: Mapping[str, KVCacheGroup], state: GroupedRequest, align: int) -> None:
+    """A request's pins cover exactly ``load_range(g, N)`` in every group for its one
+    aligned hit ``N`` (none without a hit); a finished request is kept only while its
+    transfers run.
+
+    Raises:
+        InvariantError: naming the request, the group and the breach.
+    """
+    rid = state.request_id
+    if state.finished and not state.in_flight:
+        raise InvariantError(f"finished request {rid!r} kept")
+    if state.hit is None:
+        if any(lane.pin is not None for lane in state.lanes.values()):
+            raise InvariantError(f"request {rid!r}: pins without a hit")
+        return
+    if state.hit % align:
+        raise InvariantError(f"request {rid!r}: unaligned hit {state.hit}")
+    for name, lane in state.lanes.items():
+        span = load_range(groups[name], state.hit, state.hit_from)
+        if lane.pin is None or len(lane.pin) != len(span):
+            got = None if lane.pin is None else len(lane.pin)
+            raise InvariantError(
+                f"request {rid!r}: group {name!r} pins {got} blocks for a hit needing {len(span)}"
+            )

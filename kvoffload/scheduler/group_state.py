@@ -25,6 +25,7 @@ __all__ = [
     "StoreRecord",
     "check_hashes",
     "check_tables",
+    "load_destinations",
 ]
 
 GroupTables = Mapping[str, Sequence[int | None]]
@@ -184,3 +185,27 @@ def check_hashes(
                 raise InputTypeError(
                     f"request {rid!r}: group {g.name!r}: a block hash is {type(h).__name__}"
                 )
+
+
+def load_destinations(
+    rid: str, state: GroupedRequest, tables: Mapping[str, list[int | None]]
+) -> dict[str, list[int]]:
+    """Per group, the GPU block ids the pinned blocks load into (checked tables).
+
+    Raises:
+        BlockTableError: a destination entry is missing or ``None``.
+    """
+    dests: dict[str, list[int]] = {}
+    for name, lane in state.lanes.items():
+        table = tables[name]
+        ids: list[int] = []
+        for k in range(len(lane.pin or ())):
+            pos = lane.pin_start + k
+            entry = table[pos] if pos < len(table) else None
+            if entry is None:
+                raise BlockTableError(
+                    f"request {rid!r}: group {name!r}: no GPU block at position {pos} to load into"
+                )
+            ids.append(entry)
+        dests[name] = ids
+    return dests

@@ -26,7 +26,6 @@ from collections.abc import Mapping, Sequence
 from typing import final
 
 from kvoffload.errors import (
-    BlockTableError,
     ConfigError,
     InvalidInputError,
     InvariantError,
@@ -39,7 +38,7 @@ from kvoffload.groups import (
     hit_alignment,
 )
 from kvoffload.pool.block_pool import CpuBlockPool
-from kvoffload.scheduler.group_loads import find_hit, load_range
+from kvoffload.scheduler.group_loads import check_request, find_hit, load_range
 from kvoffload.scheduler.group_state import (
     GroupCounts,
     GroupedPlan,
@@ -50,12 +49,36 @@ from kvoffload.scheduler.group_state import (
     Lane,
     check_hashes,
     check_tables,
+    load_destinations,
 )
 from kvoffload.scheduler.group_stores import GroupStorePlanner
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.transfer.plan import TransferPlan
 
 __all__ = ["GroupStatistics", "GroupedPlan", "GroupedScheduler"]
+
+
+def _check_setup(
+    groups: Sequence[KVCacheGroup],
+    pools: Mapping[str, CpuBlockPool],
+    checkpoint_tokens: int | None,
+    align: int,
+) -> int:
+    """Check the groups, pools and store-point spacing; the spacing to use."""
+    names = [g.name for g in groups]
+    if len(set(names)) != len(names) or not names:
+        raise ConfigError(f"group names must be unique and non-empty, got {names}")
+    missing = [g.name for g in groups if g.cacheable and g.name not in pools]
+    if missing:
+        raise ConfigError(f"no CPU block pool for the cacheable groups {missing}")
+    if checkpoint_tokens is None:
+        checkpoint_tokens = default_checkpoint_tokens(groups)
+    if checkpoint_tokens < 1 or checkpoint_tokens % align:
+        raise ConfigError(
+            f"checkpoint_tokens={checkpoint_tokens} must be a positive multiple of the "
+            f"hit alignment {align} (the LCM of the groups' block sizes)"
+        )
+    return checkpoint_tokens
 
 
 @final
@@ -85,22 +108,10 @@ class GroupedScheduler:
         checkpoint_tokens: int | None = None,
         num_gpu_blocks: Mapping[str, int] | None = None,
     ) -> None:
-        names = [g.name for g in groups]
-        if len(set(names)) != len(names) or not names:
-            raise ConfigError(f"group names must be unique and non-empty, got {names}")
         self._groups = tuple(groups)
         self._cacheable = tuple(g for g in groups if g.cacheable)
-        missing = [g.name for g in self._cacheable if g.name not in pools]
-        if missing:
-            raise ConfigError(f"no CPU block pool for the cacheable groups {missing}")
         self._align = hit_alignment(groups)
-        if checkpoint_tokens is None:
-            checkpoint_tokens = default_checkpoint_tokens(groups)
-        if checkpoint_tokens < 1 or checkpoint_tokens % self._align:
-            raise ConfigError(
-                f"checkpoint_tokens={checkpoint_tokens} must be a positive multiple of the "
-                f"hit alignment {self._align} (the LCM of the groups' block sizes)"
-            )
+        checkpoint_tokens = _check_setup(groups, pools, checkpoint_tokens, self._align)
         self._checkpoint = checkpoint_tokens
         self._ledgers = {g.name: BlockLedger(pools[g.name]) for g in self._cacheable}
         self._limits = dict(num_gpu_blocks or {})
@@ -157,6 +168,14 @@ class GroupedScheduler:
             state = GroupedRequest(request_id, {g.name: Lane() for g in self._cacheable})
             self._requests[request_id] = state
         elif live and state.finished:
+            raise RequestStateError(f"request {request_id!r} is finished")
+        return state
+
+    def _live(self, request_id: str) -> GroupedRequest:
+        state = self._requests.get(request_id)
+        if state is None:
+            raise UnknownRequestError(request_id)
+        if state.finished:
             raise RequestStateError(f"request {request_id!r} is finished")
         return state
 
@@ -290,11 +309,7 @@ class GroupedScheduler:
             InvalidInputError: ``num_tokens`` is neither 0 nor the hit.
             BlockTableError: a destination entry missing or ``None``.
         """
-        state = self._requests.get(request_id)
-        if state is None:
-            raise UnknownRequestError(request_id)
-        if state.finished:
-            raise RequestStateError(f"request {request_id!r} is finished")
+        state = self._live(request_id)
         hit = 0 if state.hit is None else state.hit - state.hit_from
         if num_tokens == 0:
             self.release(request_id)
@@ -305,21 +320,7 @@ class GroupedScheduler:
                 f"lookup's hit {hit}"
             )
         checked = check_tables(self._cacheable, self._limits, request_id, tables)
-        dests: dict[str, list[int]] = {}
-        for name, lane in state.lanes.items():
-            pin = lane.pin or []
-            table = checked[name]
-            ids: list[int] = []
-            for k in range(len(pin)):
-                pos = lane.pin_start + k
-                entry = table[pos] if pos < len(table) else None
-                if entry is None:
-                    raise BlockTableError(
-                        f"request {request_id!r}: group {name!r}: no GPU block at "
-                        f"position {pos} to load into"
-                    )
-                ids.append(entry)
-            dests[name] = ids
+        dests = load_destinations(request_id, state, checked)
         plans: dict[str, TransferPlan] = {}
         for name, lane in state.lanes.items():
             pinned = lane.pin
@@ -363,11 +364,7 @@ class GroupedScheduler:
             UnknownRequestError: no state for that id.
             RequestStateError: it was already finished.
         """
-        state = self._requests.get(request_id)
-        if state is None:
-            raise UnknownRequestError(request_id)
-        if state.finished:
-            raise RequestStateError(f"request {request_id!r} is already finished")
+        state = self._live(request_id)
         self.release(request_id)
         plan = self._planner.plan([state], final=True)
         state.finished = True
@@ -377,11 +374,7 @@ class GroupedScheduler:
     def preempt(self, request_id: str) -> GroupedPlan | None:
         """The engine preempted ``request_id``: plan its last store point now (as in
         `finish()`), then reset its tables and cursors (a re-admitted request rescans)."""
-        state = self._requests.get(request_id)
-        if state is None:
-            raise UnknownRequestError(request_id)
-        if state.finished:
-            raise RequestStateError(f"request {request_id!r} is finished")
+        state = self._live(request_id)
         self.release(request_id)
         plan = self._planner.plan([state], final=True)
         for lane in state.lanes.values():
@@ -494,20 +487,4 @@ class GroupedScheduler:
                 raise InvariantError(f"group {name!r}: requests' plans {named} != {plans}")
         self._planner.check_invariants()
         for state in self._requests.values():
-            if state.finished and not state.in_flight:
-                raise InvariantError(f"finished request {state.request_id!r} kept")
-            pinned = [lane.pin is not None for lane in state.lanes.values()]
-            if state.hit is None:
-                if any(pinned):
-                    raise InvariantError(f"request {state.request_id!r}: pins without a hit")
-                continue
-            if state.hit % self._align:
-                raise InvariantError(f"request {state.request_id!r}: unaligned hit")
-            for name, lane in state.lanes.items():
-                span = load_range(groups[name], state.hit, state.hit_from)
-                if lane.pin is None or len(lane.pin) != len(span):
-                    raise InvariantError(
-                        f"request {state.request_id!r}: group {name!r} pins "
-                        f"{None if lane.pin is None else len(lane.pin)} blocks for a hit "
-                        f"needing {len(span)}"
-                    )
+            check_request(groups, state, self._align)
