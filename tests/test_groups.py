@@ -8,7 +8,7 @@ import itertools
 import pytest
 from pydantic import ValidationError
 
-from kvoffload.errors import ConfigError, InvalidInputError
+from kvoffload.errors import ConfigError, InvalidInputError, RequestStateError
 from kvoffload.groups import (
     bytes_per_cached_token,
     hit_alignment,
@@ -345,3 +345,30 @@ def test_bad_input_is_refused_naming_it() -> None:
         rig.sched.plan_load("a2", {"attn": [], "win": []}, 17) if rig.sched.lookup(
             "a2", rig.hashes(tokens(8)), 8
         ) == 0 else None
+
+
+def test_a_none_group_is_never_stored_and_does_not_limit_hits() -> None:
+    cross = group("cross", "none", 4)
+    rig = Rig([FULL4, cross], checkpoint_tokens=16)
+    assert set(rig.pools) == {"attn"}  # no pool for it
+    tabs = Tables(rig, 16)
+    rig.sched.update("a", tabs.t, rig.hashes(tokens(16)), 16)
+    plan = rig.sched.plan_stores()
+    assert plan is not None
+    assert set(plan.plans) == {"attn"}
+    rig.run(plan)
+    assert rig.sched.lookup("b", rig.hashes(tokens(17)), 17) == 16
+    rig.sched.check_invariants()
+
+
+def test_a_finished_request_is_refused() -> None:
+    rig = Rig([FULL4, group("win", "sliding_window", 4, window=9)], checkpoint_tokens=16)
+    tabs = Tables(rig, 8)
+    h = rig.hashes(tokens(8))
+    rig.sched.update("a", tabs.t, h, 8)
+    plan = rig.sched.finish("a")
+    with pytest.raises(RequestStateError, match="request 'a' is finished"):
+        rig.sched.update("a", tabs.t, h, 8)
+    with pytest.raises(RequestStateError, match="request 'a' is finished"):
+        rig.sched.finish("a")
+    rig.run(plan)
