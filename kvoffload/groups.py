@@ -143,6 +143,14 @@ class KVCacheGroup(BaseModel):
         return HashNamespace(model_id=model_id, dtype=self.dtype, layout=page, salt=salt)
 
 
+def _span(group: KVCacheGroup) -> int:
+    """The window (sliding_window) or chunk (chunked) of ``group``, in tokens."""
+    span = group.window if group.kind == "sliding_window" else group.chunk
+    if span is None:  # the model refuses this; a model_construct() could skip it
+        raise ConfigError(f"group {group.name!r} (kind {group.kind!r}) has no window/chunk")
+    return span
+
+
 def needed(group: KVCacheGroup, n: int) -> range:
     """The block indices of ``group`` a hit at ``n`` tokens needs (docs/groups.md).
 
@@ -157,11 +165,10 @@ def needed(group: KVCacheGroup, n: int) -> range:
     if kind == "full":
         return range(0, end)
     if kind == "sliding_window":
-        assert group.window is not None  # checked by the model
-        return range(max(0, end - _cdiv(group.window - 1, bs)), end)
+        return range(max(0, end - _cdiv(_span(group) - 1, bs)), end)
     if kind == "chunked":
-        assert group.chunk is not None
-        return range((n // group.chunk * group.chunk) // bs, end)
+        chunk = _span(group)
+        return range((n // chunk * chunk) // bs, end)
     if kind == "recurrent":
         if n % bs:
             raise ValueError(
@@ -203,12 +210,10 @@ def bytes_per_cached_token(group: KVCacheGroup, checkpoint_tokens: int) -> float
     if group.kind == "full":
         return bpb / bs
     if group.kind == "sliding_window":
-        assert group.window is not None
-        blocks = min(_cdiv(group.window - 1, bs), _cdiv(checkpoint_tokens, bs))
+        blocks = min(_cdiv(_span(group) - 1, bs), _cdiv(checkpoint_tokens, bs))
         return blocks * bpb / checkpoint_tokens
     if group.kind == "chunked":
-        assert group.chunk is not None
-        blocks = min(group.chunk, checkpoint_tokens) // bs
+        blocks = min(_span(group), checkpoint_tokens) // bs
         return blocks * bpb / checkpoint_tokens
     if group.kind == "recurrent":
         return bpb / checkpoint_tokens

@@ -372,3 +372,37 @@ def test_a_finished_request_is_refused() -> None:
     with pytest.raises(RequestStateError, match="request 'a' is finished"):
         rig.sched.finish("a")
     rig.run(plan)
+
+
+def test_build_grouped_scheduler_splits_cpu_bytes_by_need() -> None:
+    from kvoffload.build import build_grouped_scheduler  # noqa: PLC0415
+    from kvoffload.config import OffloadConfig  # noqa: PLC0415
+
+    sw = group("s", "sliding_window", 4, window=9)
+    config = OffloadConfig(block_size=4, cpu_bytes=16 * 900, eviction_policy="lru")
+    sched = build_grouped_scheduler(config, [FULL4, sw], checkpoint_tokens=64)
+    stats = sched.statistics()
+    assert {n: s.num_cpu_blocks for n, s in stats.items()} == {"attn": 800, "s": 100}
+    by_blocks = build_grouped_scheduler(
+        OffloadConfig(block_size=4, num_cpu_blocks=7), [FULL4, sw], checkpoint_tokens=64
+    )
+    assert {n: s.num_cpu_blocks for n, s in by_blocks.statistics().items()} == {
+        "attn": 7,
+        "s": 7,
+    }
+    sched.check_invariants()
+
+
+def test_a_single_group_process_never_imports_the_group_code() -> None:
+    """The single-group path loads none of the group modules (their objects would cost
+    every garbage collection; see docs/benchmarks.md)."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    code = (
+        "import sys, kvoffload, kvoffload.offloader, kvoffload.request, kvoffload.build\n"
+        "kvoffload.OffloadScheduler\n"
+        "print(sorted(m for m in sys.modules if m.startswith('kvoffload') and 'group' in m))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
