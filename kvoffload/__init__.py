@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         UnknownRequestError,
         WrongContextError,
     )
+    from kvoffload.groups import GroupKind, KVCacheGroup
     from kvoffload.hashing import (
         BlockHash,
         BlockHasher,
@@ -59,7 +60,14 @@ if TYPE_CHECKING:
     )
     from kvoffload.request import OffloadRequest
     from kvoffload.request_state import RequestOffloadState
-    from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
+    from kvoffload.scheduler import (
+        GpuCacheView,
+        GroupedPlan,
+        GroupedScheduler,
+        GroupStatistics,
+        OffloadScheduler,
+        SchedulerStatistics,
+    )
     from kvoffload.storage import HostKVBuffer
     from kvoffload.tiers import (
         DiskTier,
@@ -109,6 +117,10 @@ _WHERE: dict[str, str] = {
     "ForkedProcessError": "kvoffload.errors",
     "GpuBlockPinner": "kvoffload.pinner",
     "GpuCacheView": "kvoffload.scheduler",
+    "GroupKind": "kvoffload.groups",
+    "GroupStatistics": "kvoffload.scheduler",
+    "GroupedPlan": "kvoffload.scheduler",
+    "GroupedScheduler": "kvoffload.scheduler",
     "HashNamespace": "kvoffload.hashing",
     "HostKVBuffer": "kvoffload.storage",
     "HostMemoryError": "kvoffload.errors",
@@ -116,6 +128,7 @@ _WHERE: dict[str, str] = {
     "IntegrityError": "kvoffload.errors",
     "InvalidInputError": "kvoffload.errors",
     "InvariantError": "kvoffload.errors",
+    "KVCacheGroup": "kvoffload.groups",
     "KVLayout": "kvoffload.layout",
     "KVOffloader": "kvoffload.offloader",
     "KvOffloadError": "kvoffload.errors",
@@ -182,6 +195,10 @@ __all__ = [
     "ForkedProcessError",
     "GpuBlockPinner",
     "GpuCacheView",
+    "GroupKind",
+    "GroupStatistics",
+    "GroupedPlan",
+    "GroupedScheduler",
     "HashNamespace",
     "HostKVBuffer",
     "HostMemoryError",
@@ -189,6 +206,7 @@ __all__ = [
     "IntegrityError",
     "InvalidInputError",
     "InvariantError",
+    "KVCacheGroup",
     "KVLayout",
     "KVOffloader",
     "KvOffloadError",

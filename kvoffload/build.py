@@ -27,8 +27,12 @@ from kvoffload.tiers.build import build_tier
 from kvoffload.tiers.manager import TierManager
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from kvoffload.groups import KVCacheGroup
     from kvoffload.hashing import HashNamespace
     from kvoffload.pool.policies import EvictionPolicy
+    from kvoffload.scheduler.groups import GroupedScheduler
     from kvoffload.storage.host_buffer import HostKVBuffer
 
 __all__ = [
@@ -40,6 +44,7 @@ __all__ = [
     "Core",
     "CorePlan",
     "build_core",
+    "build_grouped_scheduler",
     "build_tiers",
     "check_host_memory",
     "plan_core",
@@ -188,6 +193,44 @@ def build_core(
         world_size=world_size,
         host_buffer=host_buffer,
     ).build()
+
+
+def build_grouped_scheduler(
+    config: OffloadConfig,
+    groups: Sequence[KVCacheGroup],
+    *,
+    checkpoint_tokens: int | None = None,
+    num_gpu_blocks: Mapping[str, int] | None = None,
+) -> GroupedScheduler:
+    """The `GroupedScheduler` of a multi-group model, one pool per cacheable group.
+
+    With ``config.cpu_bytes``, the bytes are split by need (`split_capacity()`: a
+    group's ``cpu_bytes`` or ``cpu_share`` overrides its share); with
+    ``config.num_cpu_blocks``, every cacheable group gets that many blocks. Each pool
+    takes ``config.eviction_policy`` and ``config.enable_events``. The group code is
+    imported here, on first use: a single-group model never loads it.
+
+    Raises:
+        ConfigError: a group would get less than one block, the overrides exceed
+            ``cpu_bytes``, or the groups or ``checkpoint_tokens`` are refused by
+            `GroupedScheduler`.
+    """
+    from kvoffload.groups import default_checkpoint_tokens, split_capacity  # noqa: PLC0415
+    from kvoffload.scheduler.groups import GroupedScheduler  # noqa: PLC0415
+
+    if checkpoint_tokens is None:
+        checkpoint_tokens = default_checkpoint_tokens(groups)
+    if config.num_cpu_blocks is not None:
+        sizes = {g.name: config.num_cpu_blocks for g in groups if g.cacheable}
+    else:  # the config holds exactly one of the two
+        sizes = split_capacity(groups, int(config.cpu_bytes or 0), checkpoint_tokens)
+    pools = {
+        name: CpuBlockPool(n, enable_events=config.enable_events, policy=config.eviction_policy)
+        for name, n in sizes.items()
+    }
+    return GroupedScheduler(
+        groups, pools, checkpoint_tokens=checkpoint_tokens, num_gpu_blocks=num_gpu_blocks
+    )
 
 
 def check_host_memory(num_blocks: int, layout: KVLayout, *, host_buffer: bool) -> None:

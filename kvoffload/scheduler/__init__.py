@@ -2,11 +2,15 @@
 
 `OffloadScheduler` (``core.py``) is the face; it composes a `BlockLedger` (every
 CPU-block reference, plans in flight, pending hashes), a request table, a store planner,
-a load planner, finish holds and the statistics. See ``docs/design.md`` for which part
-owns which state and where each invariant is enforced.
+a load planner, finish holds and the statistics. `GroupedScheduler` (``groups.py``)
+coordinates a model with several KV cache groups, one pool and ledger per group. See
+``docs/design.md`` for which part owns which state and where each invariant is enforced.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from kvoffload.scheduler.core import (
     FINISHED_IDS_REMEMBERED,
@@ -19,10 +23,16 @@ from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import LookupExtension
 from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
 
+if TYPE_CHECKING:
+    from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler, GroupStatistics
+
 __all__ = [
     "FINISHED_IDS_REMEMBERED",
     "BlockLedger",
     "GpuCacheView",
+    "GroupStatistics",
+    "GroupedPlan",
+    "GroupedScheduler",
     "LookupExtension",
     "OffloadScheduler",
     "RequestOffloadState",
@@ -30,3 +40,15 @@ __all__ = [
     "SchedulerStatistics",
     "TransferLike",
 ]
+
+# The group names are imported on first use: a single-group model never loads them (the
+# objects a module import creates cost every later garbage collection a little).
+_GROUPED = frozenset({"GroupStatistics", "GroupedPlan", "GroupedScheduler"})
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _GROUPED:
+        raise AttributeError(f"module 'kvoffload.scheduler' has no attribute {name!r}")
+    value = getattr(importlib.import_module("kvoffload.scheduler.groups"), name)
+    globals()[name] = value
+    return value

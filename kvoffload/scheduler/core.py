@@ -1,45 +1,28 @@
 """The offload scheduler: synchronous, deterministic decisions about what to copy.
 
-`OffloadScheduler` is a façade over the parts that each own one kind of state:
-
-* `BlockLedger` (``ledger.py``): every reference on a CPU block, the plans in flight,
-  the hashes being filled (pending stores and promotions), the blocks being loaded;
-* `RequestTable` (``requests.py``): the requests by id, finished ids, the input checks;
-* `StorePlanner` (``stores.py``): the store scans, admission, deferral, the cursors;
-* `LoadPlanner` (``loads.py``): lookups, their pins, load plans, the tiers' hook;
-* `FinishHolds` (``holds.py``): GPU blocks of finished requests kept for their stores;
-* `Counters` (``stats.py``): the counters behind `SchedulerStatistics`.
-
-The scheduler never awaits and never touches a tensor: it returns `StorePlan` and
-`LoadPlan` objects for a copy engine, and is told of each transfer's outcome through
-`OffloadScheduler.complete()`.
-
-A store for which the pool has no free block is *deferred*: the request's cursor stays
-where it is and the blocks are planned again on a later step. A block whose copy is in
-flight holds a reference, so it is never evicted to make room (DESIGN.md invariant 2).
+`OffloadScheduler` is the face over the parts that each own one kind of state: the
+`BlockLedger` (``ledger.py``: every CPU-block reference, plans in flight, pending
+hashes), the `RequestTable` (``requests.py``), the `StorePlanner` (``stores.py``: scans,
+deferral, cursors), the `LoadPlanner` (``loads.py``: lookups, pins), the `FinishHolds`
+(``holds.py``) and the `Counters` (``stats.py``). It never awaits and never touches a
+tensor: it returns plans for a copy engine and hears each outcome through `complete()`.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, Protocol, final, overload
 
 from kvoffload._logging import get_logger
 from kvoffload.config import OffloadConfig
-from kvoffload.errors import (
-    InvalidInputError,
-    InvariantError,
-    RequestStateError,
-    UnhashedBlocksWarning,
-)
+from kvoffload.errors import InvalidInputError, InvariantError
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.scheduler.holds import FinishHolds
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import LoadPlanner, LookupExtension
 from kvoffload.scheduler.requests import FINISHED_IDS_REMEMBERED, RequestTable
-from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
+from kvoffload.scheduler.state import RequestOffloadState
 from kvoffload.scheduler.stats import Counters, SchedulerStatistics
 from kvoffload.scheduler.stores import GpuCacheView, StorePlanner
 from kvoffload.transfer.plan import LoadPlan, StorePlan, TransferPlan
@@ -74,13 +57,9 @@ class OffloadScheduler:
         num_gpu_blocks: the engine's GPU block count; block table entries must lie in
             ``[0, num_gpu_blocks)`` (``None``: only negative ids are refused).
 
-    Every method is synchronous and returns promptly; call them from one thread (the
-    engine's scheduler loop or the event loop). A call refused with an error changes
-    nothing.
-
-    Request ids are never reused: a call naming an id that finished raises
-    `RequestStateError` (the last `FINISHED_IDS_REMEMBERED` finished ids are remembered;
-    an older id would be taken as a new request).
+    Every method is synchronous; call them from one thread. A call refused with an error
+    changes nothing. Request ids are never reused: a call naming one of the last
+    `FINISHED_IDS_REMEMBERED` finished ids raises `RequestStateError`.
     """
 
     def __init__(
@@ -93,12 +72,12 @@ class OffloadScheduler:
     ) -> None:
         self._config = config
         self._pool = pool
-        self._block_size = config.block_size
-        self._warned_unhashed = False
         counters = self._counters = Counters(config.block_size, bytes_per_block)
         ledger = self._ledger = BlockLedger(pool)
         table = self._table = RequestTable(
-            num_gpu_blocks=num_gpu_blocks, restore_evicted=config.restore_evicted
+            num_gpu_blocks=num_gpu_blocks,
+            restore_evicted=config.restore_evicted,
+            block_size=config.block_size,
         )
         self._requests = table.requests
         stores = self._stores = StorePlanner(config, ledger, table, counters)
@@ -118,8 +97,7 @@ class OffloadScheduler:
 
     @property
     def ledger(self) -> BlockLedger:
-        """The block ledger: the one owner of every CPU-block reference (the tiers take,
-        publish and release CPU blocks through it)."""
+        """The block ledger, the one owner of every CPU-block reference (the tiers')."""
         return self._ledger
 
     @property
@@ -133,18 +111,13 @@ class OffloadScheduler:
         return self._ledger.num_plans
 
     def add_ref_holder(self, holder: Callable[[], Mapping[int, int]]) -> None:
-        """Count references taken outside the ledger in `check_invariants()`.
-
-        The tier manager needs none: it takes its references through `ledger`.
-
-        Args:
-            holder: returns CPU block id → references it holds now.
-        """
+        """Count the references ``holder()`` (CPU block id → refs) holds outside the
+        ledger in `check_invariants()`."""
         self._ledger.add_ref_holder(holder)
 
     def set_lookup_extension(self, extension: LookupExtension | None) -> None:
-        """Ask ``extension`` after every lookup whether to bring in what follows the hit
-        and whether to answer "ask again later" (the tier manager; ``None``: no one)."""
+        """The tier manager's hook after every lookup (``None``: none); see
+        `LookupExtension`."""
         self._loads.extension = extension
 
     def request_state(self, request_id: str) -> RequestOffloadState:
@@ -161,16 +134,12 @@ class OffloadScheduler:
         return request_id in self._requests
 
     def was_finished(self, request_id: str) -> bool:
-        """Whether ``request_id`` belongs to a finished request (ids are never reused; the
-        last ``FINISHED_IDS_REMEMBERED`` finished ids are remembered)."""
+        """Whether ``request_id`` is one of the last ``FINISHED_IDS_REMEMBERED`` finished."""
         return self._table.was_finished(request_id)
 
     def reserve(self, request_id: str) -> None:
-        """Register ``request_id`` now, before its first call, so no one else can use it.
-
-        `OffloadRequest` reserves its id when it is made; `finish()` gives it up (for
-        good: ids are not reused). A second handle for an id in use is refused here
-        instead of sharing (and mixing up) one request's state.
+        """Register ``request_id`` before its first call (`OffloadRequest` does), so a
+        second handle for it is refused instead of sharing its state.
 
         Raises:
             RequestStateError: the id is in use (registered and not dropped yet) or
@@ -189,65 +158,34 @@ class OffloadScheduler:
     ) -> None:
         """Tell the scheduler what the engine holds for a request after a step.
 
-        Registers the request on first use; calling it again with the same values changes
-        nothing. Lists only grow while the request runs (a preempted request starts over).
-        Everything is checked before anything changes, so a refused call leaves the
-        request (and every other) as it was.
-
-        What is checked, in O(new entries + entries not stored yet) per call: the table
-        did not shrink; every new entry is an int in ``[0, num_gpu_blocks)`` that the table
-        does not hold yet; the known entries from the store cursor on (those a store still
-        reads) are unchanged; after a `reset()`, or with ``restore_evicted``, every known
-        entry is compared. Entries below the cursor are never read again otherwise.
-
-        When ``num_computed_tokens`` runs more than one block past the hashed blocks, an
-        `UnhashedBlocksWarning` is issued once per scheduler: blocks without a hash are
-        never stored (hash generated tokens too, block by block).
+        Registers the request on first use; repeating a call changes nothing. Lists only
+        grow while the request runs. Checked in O(new entries + entries not stored yet):
+        the table did not shrink, new entries are unique ints in ``[0, num_gpu_blocks)``,
+        the entries from the store cursor on are unchanged (every entry after a `reset()`
+        or with ``restore_evicted``). An `UnhashedBlocksWarning` is issued once when
+        ``num_computed_tokens`` runs more than one block past the hashes.
 
         Args:
             request_id: the engine's id.
             gpu_block_ids: the request's whole GPU block table.
             block_hashes: hashes of the request's full blocks so far.
-            num_computed_tokens: tokens whose KV is computed; only blocks entirely below
-                it are ever stored.
+            num_computed_tokens: tokens whose KV is computed (only blocks below are stored).
 
         Raises:
             RequestStateError: the request is finished.
-            BlockTableError: the table shrank, changed where a store still reads it, or
-                holds an id out of range or twice (the message names id and positions).
-            InvalidInputError: a negative token count, or hashes that shrank or changed.
-            InputTypeError: a count that is not an int, a table or hash list that is not a
-                sequence, a hash that is not bytes.
+            BlockTableError: the table shrank, changed, or holds a bad id (named).
+            InvalidInputError: a negative count, or hashes that shrank or changed.
+            InputTypeError: a count, table, hash list or hash of the wrong type.
         """
-        rid = request_id
-        state = self._table.update(rid, gpu_block_ids, block_hashes, num_computed_tokens)
-        num_computed_tokens = state.num_computed_tokens
-        if (
-            num_computed_tokens // self._block_size > len(state.block_hashes) + 1
-            and not self._warned_unhashed
-        ):
-            self._warned_unhashed = True
-            warnings.warn(
-                f"request {rid!r}: num_computed_tokens={num_computed_tokens} covers "
-                f"{num_computed_tokens // self._block_size} full blocks but only "
-                f"{len(state.block_hashes)} block hashes were given: blocks without a hash "
-                "are never stored (hash each new full block, generated tokens too); "
-                "this warning is issued once",
-                UnhashedBlocksWarning,
-                stacklevel=3,
-            )
+        self._table.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
 
     def finish(self, request_id: str) -> tuple[int, ...]:
         """The engine finished ``request_id``: schedule nothing more for it.
 
-        Its lookup pin is released; its state is dropped now, or when its last transfer
-        completes. Its id may not be used again.
-
-        With ``hold_blocks_on_finish`` (eager mode), computed blocks that are not stored
-        yet (deferred for lack of space) are kept: the returned GPU blocks must stay
-        allocated until a later ``plan_stores`` has planned them (`take_released_holds()`
-        returns them then), at most ``hold_max_steps`` calls; at most ``hold_max_blocks``
-        blocks are held by all finished requests together (a request's prefix first).
+        Its pin is released; its state is dropped once its last transfer completes. With
+        ``hold_blocks_on_finish`` (eager mode), its computed blocks not stored yet are
+        held (see `FinishHolds`): the engine keeps them until `take_released_holds()`
+        returns them.
 
         Returns:
             The GPU block ids the engine must not free yet (empty unless holding).
@@ -256,41 +194,24 @@ class OffloadScheduler:
             UnknownRequestError: no state for that id.
             RequestStateError: it was already finished.
         """
-        state = self._table.get(request_id)
-        if state.finished:
-            raise RequestStateError(f"request {request_id!r} is already finished")
-        held = self._holds.begin(state)
-        state.move_to(RequestPhase.HOLDING if held else RequestPhase.DRAINING)
-        self._table.remember_finished(request_id)
-        self._loads.release_pin(state)
-        if held:
-            return tuple(held)
-        self._stores.reset_cursor(state)
-        self._table.drop_if_done(state)
-        return ()
+        return self._holds.finish(self._table.get(request_id), self._loads.release_pin)
 
     def take_released_holds(self) -> list[int]:
-        """GPU blocks whose ``finish()`` hold ended since the last call (the engine may free
-        them once no transfer in flight names them: the copy that stores them is pinned
-        by its own transfer)."""
+        """GPU blocks whose ``finish()`` hold ended since the last call (free them once no
+        transfer in flight names them)."""
         return self._holds.take_released()
 
     def cancel_hold(self, request_id: str) -> None:
-        """Undo the hold ``finish()`` just returned for ``request_id`` (the engine could not
-        keep those blocks); they are not reported by `take_released_holds()`."""
-        state = self._requests.get(request_id)
-        if state is not None and state.held_gpu_block_ids:
-            self._holds.expire(state, report=False)
+        """Undo the hold ``finish()`` just returned (the engine could not keep the blocks)."""
+        self._holds.cancel(request_id)
 
     def release_all_holds(self) -> None:
         """Give up every ``finish()`` hold now (on close); their blocks stay unstored."""
         self._holds.release_all()
 
     def preempt(self, request_id: str) -> None:
-        """The engine preempted ``request_id`` and freed its GPU blocks.
-
-        The cursor goes back to 0 so a re-admitted request rescans its blocks; stores in
-        flight run on (their GPU blocks stay pinned through the ``GpuBlockPinner``).
+        """The engine preempted ``request_id`` and freed its GPU blocks: its cursor goes
+        back to 0 (stores in flight run on, pinned by the ``GpuBlockPinner``).
 
         Raises:
             UnknownRequestError: no state for that id.
@@ -299,14 +220,10 @@ class OffloadScheduler:
         state = self._table.live(request_id)
         self._loads.release_pin(state)
         self._stores.reset_cursor(state)
-        state.gpu_block_ids = []
-        state.gpu_block_set = set()
-        state.num_computed_tokens = 0
-        state.move_to(RequestPhase.PREEMPTED)
-        state.admitted = False
+        self._table.preempted(state)
 
     def release(self, request_id: str) -> None:
-        """Drop the pin of ``request_id``'s last lookup (the engine will not load it).
+        """Drop the pin of ``request_id``'s last lookup.
 
         Raises:
             UnknownRequestError: no state for that id.
@@ -352,24 +269,20 @@ class OffloadScheduler:
     ) -> int | None:
         """How many tokens past the engine's own prefix can be loaded from CPU.
 
-        The hit is the longest run of published blocks starting at the engine's prefix,
-        and never covers the prompt's last token (a prompt of exactly N full blocks hits
-        at most N-1). The hit blocks are pinned until `plan_load()` or
-        `release()`; a repeated lookup for the same request drops its previous pin.
+        The hit is the longest run of published blocks from the engine's prefix, never
+        covering the prompt's last token; it is pinned until `plan_load()` or `release()`
+        (a new lookup drops the previous pin).
 
         Args:
             request_id: the engine's id (registered on first use).
             block_hashes: hashes of the prompt's full blocks.
             num_tokens: prompt length in tokens.
-            num_computed_tokens: tokens the engine already holds (its own prefix cache), a
-                multiple of the block size.
+            num_computed_tokens: tokens the engine holds already, block aligned.
             allow_defer: return ``None`` ("ask again later") when the block after the hit
-                is being stored right now, or a hit block is being loaded for another
-                request (once it landed, the engine's own GPU prefix cache serves it),
-                instead of a shorter hit or a second load of the same block. Without it,
-                the same CPU block may be loaded twice at once (correct, counted in
+                is being stored, or a hit block is being loaded for another request,
+                instead of a shorter hit or a second load (counted in
                 ``concurrent_load_blocks``).
-            no_read: the request must not read the cache: returns 0 and pins nothing.
+            no_read: the request must not read the cache: returns 0, pins nothing.
 
         Returns:
             Loadable tokens (a multiple of the block size), or ``None`` as above.
@@ -377,8 +290,7 @@ class OffloadScheduler:
         Raises:
             RequestStateError: the request is finished.
             InvalidInputError: token counts out of range or not block aligned.
-            InputTypeError: a count that is not an int, hashes that are not a sequence of
-                bytes.
+            InputTypeError: a count not an int, hashes not a sequence of bytes.
         """
         return self._loads.lookup(
             request_id,
@@ -413,44 +325,35 @@ class OffloadScheduler:
     ) -> LoadPlan | None:
         """Plan the load of the part of the last lookup's hit that the engine accepted.
 
-        The block table is checked before anything is planned (a refused call changes
-        nothing, the pin included): entries must be ints in ``[0, num_gpu_blocks)``, no id
-        may appear twice, and the destination entries must agree with a table the request
-        gave to `update()` before.
-
         Args:
             request_id: the request.
-            gpu_block_ids: the request's whole GPU block table; the block holding request
-                block ``i`` is ``gpu_block_ids[i]``. Loaded blocks go to the entries
+            gpu_block_ids: the request's whole GPU block table (unique ints in range,
+                agreeing with what `update()` was given); loaded blocks go to the entries
                 after the engine's own prefix.
-            num_tokens: tokens to load, a multiple of the block size and at most the
-                lookup's hit; the rest of the pin is released.
+            num_tokens: tokens to load, block aligned, at most the hit; the rest of the
+                pin is released.
 
         Returns:
-            The plan (its CPU blocks stay referenced until `complete()`), or ``None``
-            when ``num_tokens`` is 0.
+            The plan (its CPU blocks referenced until `complete()`), or ``None`` for 0.
 
         Raises:
             UnknownRequestError: no state for that id.
             RequestStateError: the request finished.
             InvalidInputError: ``num_tokens`` not block aligned or above the hit.
-            BlockTableError: a table too short for the destination blocks, an id out of
-                range or named twice, or a destination that differs from the known table.
-            InputTypeError: ``num_tokens`` or an entry is not an int, or the table is not
-                a sequence.
+            BlockTableError: a table too short, an id out of range or twice, or a
+                destination unlike the known table.
+            InputTypeError: ``num_tokens`` or an entry not an int, a table not a sequence.
         """
         return self._loads.plan_load(request_id, gpu_block_ids, num_tokens)
 
     # -- stores ----------------------------------------------------------------------------
 
     def plan_stores(self, gpu_cache: GpuCacheView | None = None) -> StorePlan | None:
-        """Plan the stores of this step for every live request, as one batch.
+        """Plan this step's stores for every live request, as one batch.
 
-        Eager mode scans each request from its cursor over newly computed full blocks;
-        lazy mode walks ``gpu_cache`` from the block closest to eviction. Blocks already
-        cached or in flight are skipped. When the pool runs out of free blocks the rest is
-        deferred: cursors stay, nothing referenced is evicted, and a ``store_deferred``
-        event is logged.
+        Eager mode scans each request from its cursor; lazy mode walks ``gpu_cache``
+        from the block closest to eviction. Cached or in-flight blocks are skipped; when
+        no block is free the rest is deferred (cursors stay, ``store_deferred`` logged).
 
         Args:
             gpu_cache: the engine's cache view; required in lazy mode, ignored in eager.
@@ -477,16 +380,11 @@ class OffloadScheduler:
     # -- completion ------------------------------------------------------------------------
 
     def complete(self, transfer: TransferLike | TransferPlan, ok: bool) -> bool:
-        """Record the outcome of a transfer; called exactly once per plan.
+        """Record the outcome of a transfer, once per plan.
 
-        A successful store publishes its hashes (only now are they findable); a failed
-        or abandoned one publishes nothing. A failed load unpublishes its CPU blocks (their
-        next user recomputes). Every reference the plan held is released, and a finished
-        request whose last transfer this was is dropped.
-
-        A store's blocks return to the pool request by request in plan order, each
-        request's run tail first: within a request the prefix is evicted last, and across
-        requests the one the engine scheduled later stays longer.
+        A successful store publishes its hashes; a failed or abandoned one publishes
+        nothing; a failed load unpublishes its blocks. Every reference is released (see
+        `BlockLedger.close()` for the order blocks return to the pool).
 
         Args:
             transfer: the `TransferTask`, or its plan.
@@ -504,10 +402,8 @@ class OffloadScheduler:
             _log.debug("completion_ignored", plan_id=plan.plan_id, kind=plan.kind)
             return False
         current = rec.epoch == ledger.epoch
-        if plan.kind == "store":
-            del self._stores.undo[plan.plan_id]
-        else:
-            del self._loads.starts[plan.plan_id]
+        records = self._stores.undo if plan.kind == "store" else self._loads.starts
+        del records[plan.plan_id]
         counters.completed(rec, ok=ok, current=current)
         if current and not ok:
             # The poller already warned with the cause; this records what was released.
@@ -522,12 +418,9 @@ class OffloadScheduler:
         return True
 
     def cancel(self, transfer: TransferLike | TransferPlan) -> bool:
-        """Undo a plan whose copy was never started (submitting it, or pinning its GPU
-        blocks, raised): as if it had not been planned.
-
-        A store's cursors go back where they were, so its blocks are planned again on
-        the next step; its CPU blocks are released unpublished. A load's CPU blocks become
-        its request's lookup pin again (load again, or ``release()``), and stay published.
+        """Undo a plan whose copy never started, as if it had not been planned: a store's
+        cursors go back (planned again next step); a load's blocks become its request's
+        pin again (load again, or ``release()``).
 
         Returns:
             ``False`` when the plan is unknown or already completed (the call is ignored).
@@ -550,32 +443,16 @@ class OffloadScheduler:
         return True
 
     def reset(self) -> bool:
-        """Empty the CPU prefix cache.
-
-        Every published block is unpublished now; transfers in flight are abandoned
-        (they release their references without publishing when they complete); lookup
-        pins are released and cursors go back to 0, so live requests store their blocks
-        again, from their next `update()` on (which compares their whole block table again,
-        since stores will read it from the start). When the KV itself changed (new
-        weights), use a new namespace instead (an offloader whose ``model_id`` or
-        ``hash_salt`` names them): old keys never match.
+        """Empty the CPU prefix cache: unpublish every block, abandon transfers in flight
+        (they publish nothing), release pins, put cursors back to 0. After new weights,
+        use a new namespace (``model_id`` / ``hash_salt``) instead.
 
         Returns:
             ``True`` when no transfer is in flight any more (the cache stays empty until
             new stores complete); ``False`` while abandoned transfers are still running.
         """
-        holds = self._holds
-        stores = self._stores
-        release_pin = self._loads.release_pin
-        for state in list(self._requests.values()):
-            if state.held_gpu_block_ids:
-                holds.expire(state)
-                continue
-            release_pin(state)
-            if state.num_stored_blocks:
-                state.recheck_table = True
-            stores.reset_cursor(state)
-        stores.reset()
+        self._holds.reset_requests(self._loads.release_pin)
+        self._stores.reset()
         self._ledger.reset()
         _log.info("cache_reset", in_flight=self._ledger.num_plans)
         return not self._ledger.num_plans
@@ -595,8 +472,7 @@ class OffloadScheduler:
         )
 
     def check_invariants(self) -> None:
-        """Check every DESIGN.md invariant the scheduler, its ledger and its pool can see
-        (O(blocks)).
+        """Check every DESIGN.md invariant the scheduler, ledger and pool can see.
 
         Raises:
             InvariantError: naming the breach.

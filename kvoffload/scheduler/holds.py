@@ -9,11 +9,12 @@ not free those GPU blocks until a later ``plan_stores`` has planned them (or
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import final
 
 from kvoffload._logging import get_logger
 from kvoffload.config import OffloadConfig
+from kvoffload.errors import RequestStateError
 from kvoffload.scheduler.requests import RequestTable
 from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
 from kvoffload.scheduler.stats import Counters
@@ -120,6 +121,47 @@ class FinishHolds:
         state.move_to(RequestPhase.HOLDING)
         self.total += len(held)
         self._stores.set_cursor(state, cursor)
+
+    def finish(
+        self, state: RequestOffloadState, release_pin: Callable[[RequestOffloadState], None]
+    ) -> tuple[int, ...]:
+        """For `OffloadScheduler.finish()`: hold what ``state`` computed and did not store
+        (if holding), mark it finished, release its pin, drop it when nothing is left.
+
+        Raises:
+            RequestStateError: it was already finished.
+        """
+        if state.finished:
+            raise RequestStateError(f"request {state.request_id!r} is already finished")
+        held = self.begin(state)
+        state.move_to(RequestPhase.HOLDING if held else RequestPhase.DRAINING)
+        table = self._table
+        table.remember_finished(state.request_id)
+        release_pin(state)
+        if held:
+            return tuple(held)
+        self._stores.reset_cursor(state)
+        table.drop_if_done(state)
+        return ()
+
+    def cancel(self, request_id: str) -> None:
+        """Undo the hold ``finish()`` just returned for ``request_id`` (not reported)."""
+        state = self._table.requests.get(request_id)
+        if state is not None and state.held_gpu_block_ids:
+            self.expire(state, report=False)
+
+    def reset_requests(self, release_pin: Callable[[RequestOffloadState], None]) -> None:
+        """For `OffloadScheduler.reset()`: end every hold; release every other request's
+        pin and put its cursor back to 0 (its next ``update()`` compares its whole table)."""
+        stores = self._stores
+        for state in list(self._table.requests.values()):
+            if state.held_gpu_block_ids:
+                self.expire(state)
+                continue
+            release_pin(state)
+            if state.num_stored_blocks:
+                state.recheck_table = True
+            stores.reset_cursor(state)
 
     def take_released(self) -> list[int]:
         """GPU blocks whose hold ended since the last call."""

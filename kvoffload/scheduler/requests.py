@@ -7,6 +7,7 @@ The block-table and hash checks live here once and serve both `update()` and
 from __future__ import annotations
 
 import operator
+import warnings
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Sequence
 from typing import NoReturn, final
@@ -18,6 +19,7 @@ from kvoffload.errors import (
     InvalidInputError,
     InvariantError,
     RequestStateError,
+    UnhashedBlocksWarning,
     UnknownRequestError,
 )
 from kvoffload.hashing import BlockHash
@@ -98,13 +100,17 @@ class RequestTable:
             of the table, so every known entry is compared).
     """
 
-    def __init__(self, *, num_gpu_blocks: int | None, restore_evicted: bool) -> None:
+    def __init__(
+        self, *, num_gpu_blocks: int | None, restore_evicted: bool, block_size: int = 1
+    ) -> None:
         self.requests: dict[str, RequestOffloadState] = {}
         """Request id → state; read it, change it through the table."""
         self._finished_ids: set[str] = set()
         self._finished_order: deque[str] = deque()
         self._num_gpu_blocks = num_gpu_blocks
         self._restore_evicted = restore_evicted
+        self._block_size = block_size
+        self._warned_unhashed = False
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -228,7 +234,33 @@ class RequestTable:
         state.gpu_block_set.update(new_ids)
         state.block_hashes.extend(new_hashes)
         state.num_computed_tokens = num_computed_tokens
+        if (
+            num_computed_tokens // self._block_size > len(state.block_hashes) + 1
+            and not self._warned_unhashed
+        ):
+            self._warn_unhashed(state)
         return state
+
+    def _warn_unhashed(self, state: RequestOffloadState) -> None:
+        self._warned_unhashed = True
+        full = state.num_computed_tokens // self._block_size
+        warnings.warn(
+            f"request {state.request_id!r}: num_computed_tokens={state.num_computed_tokens} "
+            f"covers {full} full blocks but only {len(state.block_hashes)} block hashes "
+            "were given: blocks without a hash are never stored (hash each new full "
+            "block, generated tokens too); this warning is issued once",
+            UnhashedBlocksWarning,
+            stacklevel=5,
+        )
+
+    def preempted(self, state: RequestOffloadState) -> None:
+        """Forget what the engine held for a preempted request (its GPU blocks are freed;
+        the cursor is the store planner's)."""
+        state.gpu_block_ids = []
+        state.gpu_block_set = set()
+        state.num_computed_tokens = 0
+        state.move_to(RequestPhase.PREEMPTED)
+        state.admitted = False
 
     def check_invariants(
         self, pins: Collection[int], has_plan: Callable[[int], bool]

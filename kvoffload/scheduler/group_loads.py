@@ -1,0 +1,94 @@
+"""The hit rule of `GroupedScheduler`: the largest ``N`` valid for every group."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from kvoffload.errors import InvariantError
+from kvoffload.groups import KVCacheGroup, needed
+from kvoffload.hashing import BlockHash
+from kvoffload.pool.block_pool import CpuBlockPool
+from kvoffload.scheduler.group_state import GroupedRequest
+
+__all__ = ["check_request", "find_hit", "load_range"]
+
+
+def load_range(g: KVCacheGroup, n: int, computed: int) -> range:
+    """The blocks of ``needed(g, n)`` above the engine's prefix of ``computed`` tokens
+    (the engine holds the rest: ``needed(g, n)`` below it lies in ``needed(g, computed)``)."""
+    span = needed(g, n)
+    return range(max(span.start, computed // g.block_size), span.stop)
+
+
+def _valid(
+    groups: Sequence[KVCacheGroup],
+    pools: Mapping[str, CpuBlockPool],
+    lanes: Mapping[str, Sequence[BlockHash]],
+    n: int,
+    computed: int,
+) -> bool:
+    for g in groups:
+        hashes = lanes[g.name]
+        get = pools[g.name].get_cached
+        span = load_range(g, n, computed)
+        if span.stop > len(hashes):
+            return False
+        for i in span:
+            if get(hashes[i]) is None:
+                return False
+    return True
+
+
+def find_hit(
+    groups: Sequence[KVCacheGroup],
+    pools: Mapping[str, CpuBlockPool],
+    lanes: Mapping[str, Sequence[BlockHash]],
+    num_tokens: int,
+    *,
+    computed: int,
+    align: int,
+) -> int:
+    """The largest ``N`` (``computed`` when none is larger): a multiple of ``align``, at
+    most ``num_tokens - 1``, with every block of ``load_range(g, N, computed)``
+    published in every group's pool. A full group's leading run bounds ``N`` first; the
+    other kinds are checked at each candidate, from the largest down."""
+    cap = max(0, num_tokens - 1) // align * align
+    for g in groups:
+        if g.kind == "full":
+            get = pools[g.name].get_cached
+            hashes = lanes[g.name]
+            i = computed // g.block_size
+            end = min(len(hashes), cap // g.block_size)
+            while i < end and get(hashes[i]) is not None:
+                i += 1
+            cap = min(cap, i * g.block_size // align * align)
+    n = cap
+    while n > computed and not _valid(groups, pools, lanes, n, computed):
+        n -= align
+    return max(n, computed)
+
+
+def check_request(groups: Mapping[str, KVCacheGroup], state: GroupedRequest, align: int) -> None:
+    """A request's pins cover exactly ``load_range(g, N)`` in every group for its one
+    aligned hit ``N`` (none without a hit); a finished request is kept only while its
+    transfers run.
+
+    Raises:
+        InvariantError: naming the request, the group and the breach.
+    """
+    rid = state.request_id
+    if state.finished and not state.in_flight:
+        raise InvariantError(f"finished request {rid!r} kept")
+    if state.hit is None:
+        if any(lane.pin is not None for lane in state.lanes.values()):
+            raise InvariantError(f"request {rid!r}: pins without a hit")
+        return
+    if state.hit % align:
+        raise InvariantError(f"request {rid!r}: unaligned hit {state.hit}")
+    for name, lane in state.lanes.items():
+        span = load_range(groups[name], state.hit, state.hit_from)
+        if lane.pin is None or len(lane.pin) != len(span):
+            got = None if lane.pin is None else len(lane.pin)
+            raise InvariantError(
+                f"request {rid!r}: group {name!r} pins {got} blocks for a hit needing {len(span)}"
+            )

@@ -1,0 +1,490 @@
+"""`GroupedScheduler`: store and load decisions for a model with several KV cache groups.
+
+Each group is a *lane*: its own `CpuBlockPool` and its own `BlockLedger` (the one owner
+of that pool's references), so DESIGN.md invariants 1-3 and 6 hold per group by
+construction. The coordinator keeps, per request, one block table and one hash list per
+group, and applies the rules of `kvoffload.groups`:
+
+* a lookup's hit is the largest ``N``, a multiple of the LCM of the block sizes, at most
+  the prompt's length - 1, for which **every** group has every block of
+  ``needed(g, N)`` published (one ``N`` for all groups; a multi-group store is visible
+  only once every group stored its part: atomic commit by rule);
+* stores: a full group stores every full block (the eager cursor); the other kinds store
+  only at *store points* (every multiple of ``checkpoint_tokens``, and the request's
+  computed length at `finish()` / `preempt()`), only the blocks of ``needed(g, point)``
+  and only those whose table entry is not ``None`` (``None``: the engine no longer holds
+  the block). A deferred store point is planned again from the table as it is then: an
+  entry that became ``None`` is not stored;
+* loads: exactly the blocks of ``needed(g, N)`` above the engine's own prefix.
+
+A single full-attention model never uses this class: it keeps `OffloadScheduler`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import final
+
+from kvoffload.errors import (
+    ConfigError,
+    InvalidInputError,
+    InvariantError,
+    RequestStateError,
+    UnknownRequestError,
+)
+from kvoffload.groups import (
+    KVCacheGroup,
+    default_checkpoint_tokens,
+    hit_alignment,
+)
+from kvoffload.pool.block_pool import CpuBlockPool
+from kvoffload.scheduler.group_loads import check_request, find_hit, load_range
+from kvoffload.scheduler.group_state import (
+    GroupCounts,
+    GroupedPlan,
+    GroupedRequest,
+    GroupHashes,
+    GroupStatistics,
+    GroupTables,
+    Lane,
+    check_hashes,
+    check_tables,
+    load_destinations,
+)
+from kvoffload.scheduler.group_stores import GroupStorePlanner
+from kvoffload.scheduler.ledger import BlockLedger
+from kvoffload.transfer.plan import TransferPlan
+
+__all__ = ["GroupStatistics", "GroupedPlan", "GroupedScheduler"]
+
+
+def _check_setup(
+    groups: Sequence[KVCacheGroup],
+    pools: Mapping[str, CpuBlockPool],
+    checkpoint_tokens: int | None,
+    align: int,
+) -> int:
+    """Check the groups, pools and store-point spacing; the spacing to use."""
+    names = [g.name for g in groups]
+    if len(set(names)) != len(names) or not names:
+        raise ConfigError(f"group names must be unique and non-empty, got {names}")
+    missing = [g.name for g in groups if g.cacheable and g.name not in pools]
+    if missing:
+        raise ConfigError(f"no CPU block pool for the cacheable groups {missing}")
+    if checkpoint_tokens is None:
+        checkpoint_tokens = default_checkpoint_tokens(groups)
+    if checkpoint_tokens < 1 or checkpoint_tokens % align:
+        raise ConfigError(
+            f"checkpoint_tokens={checkpoint_tokens} must be a positive multiple of the "
+            f"hit alignment {align} (the LCM of the groups' block sizes)"
+        )
+    return checkpoint_tokens
+
+
+@final
+class GroupedScheduler:
+    """Decides what to store and load for every group of a multi-group model.
+
+    Args:
+        groups: the model's groups, in order; names unique.
+        pools: one CPU block pool per cacheable group name.
+        checkpoint_tokens: spacing of store points, a multiple of the hit alignment
+            (``None``: `default_checkpoint_tokens()`).
+        num_gpu_blocks: per group name, the engine's GPU block count (table entries must
+            lie in ``[0, n)``); a group not named accepts any non-negative id.
+
+    Call it from one thread; every method is synchronous. A refused call changes nothing.
+
+    Raises:
+        ConfigError: duplicate names, a cacheable group without a pool, or a
+            ``checkpoint_tokens`` that is not a multiple of the alignment.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[KVCacheGroup],
+        pools: Mapping[str, CpuBlockPool],
+        *,
+        checkpoint_tokens: int | None = None,
+        num_gpu_blocks: Mapping[str, int] | None = None,
+    ) -> None:
+        self._groups = tuple(groups)
+        self._cacheable = tuple(g for g in groups if g.cacheable)
+        self._align = hit_alignment(groups)
+        checkpoint_tokens = _check_setup(groups, pools, checkpoint_tokens, self._align)
+        self._checkpoint = checkpoint_tokens
+        self._ledgers = {g.name: BlockLedger(pools[g.name]) for g in self._cacheable}
+        self._limits = dict(num_gpu_blocks or {})
+        self._requests: dict[str, GroupedRequest] = {}
+        self._counts = {g.name: GroupCounts() for g in self._cacheable}
+        self._planner = GroupStorePlanner(
+            self._cacheable,
+            self._ledgers,
+            self._counts,
+            self._requests,
+            align=self._align,
+            checkpoint=checkpoint_tokens,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"GroupedScheduler(groups={[g.name for g in self._groups]}, "
+            f"requests={len(self._requests)}, in_flight={self.num_in_flight})"
+        )
+
+    @property
+    def groups(self) -> tuple[KVCacheGroup, ...]:
+        """The groups, in order."""
+        return self._groups
+
+    @property
+    def hit_alignment(self) -> int:
+        """Hits are multiples of this many tokens (the LCM of the block sizes)."""
+        return self._align
+
+    @property
+    def checkpoint_tokens(self) -> int:
+        """Spacing of the store points."""
+        return self._checkpoint
+
+    def ledger(self, group: str) -> BlockLedger:
+        """The ledger of ``group``'s pool (the tiers take its references through it)."""
+        return self._ledgers[group]
+
+    @property
+    def num_in_flight(self) -> int:
+        """Plans in flight over all groups."""
+        return sum(ledger.num_plans for ledger in self._ledgers.values())
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether state is kept for ``request_id``."""
+        return request_id in self._requests
+
+    # -- requests --------------------------------------------------------------------------
+
+    def _state(self, request_id: str, *, live: bool = True) -> GroupedRequest:
+        state = self._requests.get(request_id)
+        if state is None:
+            state = GroupedRequest(request_id, {g.name: Lane() for g in self._cacheable})
+            self._requests[request_id] = state
+        elif live and state.finished:
+            raise RequestStateError(f"request {request_id!r} is finished")
+        return state
+
+    def _live(self, request_id: str) -> GroupedRequest:
+        state = self._requests.get(request_id)
+        if state is None:
+            raise UnknownRequestError(request_id)
+        if state.finished:
+            raise RequestStateError(f"request {request_id!r} is finished")
+        return state
+
+    def update(
+        self,
+        request_id: str,
+        tables: GroupTables,
+        block_hashes: GroupHashes,
+        num_computed_tokens: int,
+    ) -> None:
+        """Tell the scheduler what the engine holds for a request after a step.
+
+        Args:
+            request_id: the engine's id (registered on first use).
+            tables: per group, the request's whole GPU block table; ``None`` entries are
+                blocks the engine does not hold (out of window, padding, freed). An entry
+                that became ``None`` is never stored afterwards.
+            block_hashes: per group, the hashes of the request's full blocks so far (the
+                group's namespace; `KVCacheGroup.namespace()`).
+            num_computed_tokens: tokens whose KV is computed.
+
+        Raises:
+            RequestStateError: the request is finished.
+            BlockTableError: a missing table or an id out of range.
+            InvalidInputError: a negative count, missing or changed hashes.
+            InputTypeError: an entry that is not an int or ``None``.
+        """
+        if type(num_computed_tokens) is not int or num_computed_tokens < 0:
+            raise InvalidInputError(
+                f"request {request_id!r}: num_computed_tokens={num_computed_tokens!r}"
+            )
+        existing = self._requests.get(request_id)
+        if existing is not None and existing.finished:
+            raise RequestStateError(f"request {request_id!r} is finished")
+        checked = check_tables(self._cacheable, self._limits, request_id, tables)
+        probe = existing or GroupedRequest(request_id, {g.name: Lane() for g in self._cacheable})
+        check_hashes(self._cacheable, request_id, probe, block_hashes)
+        state = self._state(request_id)
+        for name, lane in state.lanes.items():
+            lane.table = checked[name]
+            lane.hashes = list(block_hashes[name])
+        state.num_computed_tokens = num_computed_tokens
+
+    # -- lookup and loads ------------------------------------------------------------------
+
+    def lookup(
+        self,
+        request_id: str,
+        block_hashes: GroupHashes,
+        num_tokens: int,
+        num_computed_tokens: int = 0,
+    ) -> int:
+        """How many tokens past the engine's own prefix can be loaded, valid for every group.
+
+        The hit is ``N - num_computed_tokens`` for the largest ``N`` with ``N % alignment
+        == 0``, ``num_computed_tokens <= N <= num_tokens - 1`` and every block of
+        ``needed(g, N)`` above the engine's prefix published in every group. Those blocks
+        are pinned, per group, until `plan_load()` or `release()`.
+
+        Raises:
+            RequestStateError: the request is finished.
+            InvalidInputError: counts out of range or ``num_computed_tokens`` not a
+                multiple of the alignment; hashes missing for a group.
+        """
+        align = self._align
+        if (
+            type(num_tokens) is not int
+            or type(num_computed_tokens) is not int
+            or num_computed_tokens < 0
+            or num_computed_tokens % align
+            or num_tokens < num_computed_tokens
+        ):
+            raise InvalidInputError(
+                f"request {request_id!r}: num_tokens={num_tokens!r} and "
+                f"num_computed_tokens={num_computed_tokens!r} (a multiple of {align}, "
+                "at most num_tokens) are out of range"
+            )
+        probe = GroupedRequest(request_id, {g.name: Lane() for g in self._cacheable})
+        check_hashes(self._cacheable, request_id, probe, block_hashes)
+        state = self._state(request_id)
+        self.release(request_id)
+        lanes = {g.name: block_hashes[g.name] for g in self._cacheable}
+        pools = {name: ledger.pool for name, ledger in self._ledgers.items()}
+        n = find_hit(
+            self._cacheable, pools, lanes, num_tokens, computed=num_computed_tokens, align=align
+        )
+        if n <= num_computed_tokens:
+            return 0
+        for g in self._cacheable:
+            span = load_range(g, n, num_computed_tokens)
+            pool = self._ledgers[g.name].pool
+            blocks = [pool.get_cached(lanes[g.name][i]) for i in span]
+            pinned = [b for b in blocks if b is not None]
+            if len(pinned) != len(blocks):  # _valid() just checked every one
+                raise InvariantError(f"group {g.name!r}: a checked block vanished")
+            self._ledgers[g.name].pin(pinned)
+            lane = state.lanes[g.name]
+            lane.pin, lane.pin_start = pinned, span.start
+        state.hit, state.hit_from = n, num_computed_tokens
+        return n - num_computed_tokens
+
+    def release(self, request_id: str) -> None:
+        """Drop the pins of ``request_id``'s last lookup (in every group)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return
+        for name, lane in state.lanes.items():
+            if lane.pin is not None:
+                self._ledgers[name].unpin(lane.pin)
+                lane.pin = None
+        state.hit = None
+
+    def plan_load(
+        self, request_id: str, tables: GroupTables, num_tokens: int
+    ) -> GroupedPlan | None:
+        """Plan the load of the last lookup's hit into the engine's per-group tables.
+
+        Args:
+            request_id: the request.
+            tables: per group, the request's whole GPU block table; every destination
+                entry (the blocks of ``needed(g, N)`` above the engine's prefix) must be an
+                id, not ``None``.
+            num_tokens: the lookup's hit, or 0 (release the pins). A shorter hit would
+                need other blocks in a windowed group: look up again instead.
+
+        Returns:
+            One plan per group with blocks to load, or ``None`` when ``num_tokens`` is 0.
+
+        Raises:
+            UnknownRequestError: no state for that id.
+            InvalidInputError: ``num_tokens`` is neither 0 nor the hit.
+            BlockTableError: a destination entry missing or ``None``.
+        """
+        state = self._live(request_id)
+        hit = 0 if state.hit is None else state.hit - state.hit_from
+        if num_tokens == 0:
+            self.release(request_id)
+            return None
+        if num_tokens != hit:
+            raise InvalidInputError(
+                f"request {request_id!r}: num_tokens={num_tokens!r} must be 0 or the "
+                f"lookup's hit {hit}"
+            )
+        checked = check_tables(self._cacheable, self._limits, request_id, tables)
+        dests = load_destinations(request_id, state, checked)
+        plans: dict[str, TransferPlan] = {}
+        for name, lane in state.lanes.items():
+            pinned = lane.pin
+            lane.pin = None
+            if pinned is None:
+                continue
+            plan, _ = self._ledgers[name].open_load(
+                pinned, len(pinned), dests[name], request_id, num_tokens
+            )
+            if plan is not None:
+                plans[name] = plan
+                state.in_flight.add((name, plan.plan_id))
+        state.hit = None
+        return GroupedPlan("load", plans) if plans else None
+
+    # -- stores ----------------------------------------------------------------------------
+
+    def plan_stores(self) -> GroupedPlan | None:
+        """Plan this step's stores for every live request and group, as one batch.
+
+        A group whose pool has no room defers the rest of its points (the cursor stays on
+        the last point planned); a deferred point is planned later from the table as it
+        is then.
+
+        Returns:
+            One store plan per group with blocks to store, or ``None``.
+        """
+        live = [s for s in self._requests.values() if not s.finished]
+        return self._planner.plan(live, final=False)
+
+    # -- finish, preempt, reset ------------------------------------------------------------
+
+    def finish(self, request_id: str) -> GroupedPlan | None:
+        """The engine finished ``request_id``: plan its last store point now.
+
+        The returned plan stores the blocks of the request's computed length (rounded down
+        to the alignment) that are not stored yet; the engine keeps those GPU blocks until
+        the plan completes. Nothing is scheduled for the request afterwards.
+
+        Raises:
+            UnknownRequestError: no state for that id.
+            RequestStateError: it was already finished.
+        """
+        state = self._live(request_id)
+        self.release(request_id)
+        plan = self._planner.plan([state], final=True)
+        state.finished = True
+        self._drop_if_done(state)
+        return plan
+
+    def preempt(self, request_id: str) -> GroupedPlan | None:
+        """The engine preempted ``request_id``: plan its last store point now (as in
+        `finish()`), then reset its tables and cursors (a re-admitted request rescans)."""
+        state = self._live(request_id)
+        self.release(request_id)
+        plan = self._planner.plan([state], final=True)
+        for lane in state.lanes.values():
+            lane.table, lane.cursor = [], 0
+        state.num_computed_tokens = 0
+        return plan
+
+    def reset(self) -> bool:
+        """Empty every group's CPU prefix cache (plans in flight publish nothing); pins are
+        released and cursors go back to 0.
+
+        Returns:
+            Whether no transfer is in flight any more.
+        """
+        for state in self._requests.values():
+            self.release(state.request_id)
+            for lane in state.lanes.values():
+                lane.cursor = 0
+        for ledger in self._ledgers.values():
+            ledger.reset()
+        return not self.num_in_flight
+
+    def _drop_if_done(self, state: GroupedRequest) -> None:
+        if state.finished and not state.in_flight:
+            del self._requests[state.request_id]
+
+    # -- completion ------------------------------------------------------------------------
+
+    def complete(self, group: str, plan: TransferPlan, ok: bool) -> bool:
+        """Record the outcome of ``group``'s transfer (once per plan).
+
+        A successful store publishes its blocks in that group (a prefix is findable only
+        once every group it needs published); a failed load unpublishes its blocks.
+
+        Returns:
+            ``False`` when the plan is unknown or already completed.
+        """
+        ledger = self._ledgers[group]
+        rec = ledger.close(plan.plan_id, ok)
+        if rec is None:
+            return False
+        counts = self._counts[group]
+        if plan.kind == "store":
+            self._planner.records.pop((group, plan.plan_id))
+            counts.stored += rec.published
+        elif ok:
+            counts.loaded += len(rec.blocks)
+        self._detach(group, plan)
+        return True
+
+    def complete_all(self, plan: GroupedPlan, ok: bool) -> None:
+        """`complete()` every group's plan of ``plan`` with the same outcome."""
+        for group, sub in plan.plans.items():
+            self.complete(group, sub, ok)
+
+    def cancel(self, group: str, plan: TransferPlan) -> bool:
+        """Undo ``group``'s plan whose copy never started: a store's cursors go back (its
+        blocks are planned again), a load's pin is released (look up again).
+
+        Returns:
+            ``False`` when the plan is unknown or already completed.
+        """
+        ledger = self._ledgers[group]
+        rec = ledger.cancel(plan.plan_id)
+        if rec is None:
+            return False
+        if plan.kind == "store":
+            self._planner.cancel(group, plan.plan_id, rec.epoch == ledger.epoch)
+        else:
+            ledger.unpin(rec.blocks)
+        self._detach(group, plan)
+        return True
+
+    def _detach(self, group: str, plan: TransferPlan) -> None:
+        for rid in plan.request_ids:
+            state = self._requests.get(rid)
+            if state is not None:
+                state.in_flight.discard((group, plan.plan_id))
+                self._drop_if_done(state)
+
+    # -- observation -----------------------------------------------------------------------
+
+    def statistics(self) -> dict[str, GroupStatistics]:
+        """Per cacheable group, a snapshot of its counters and pool."""
+        return {name: self._counts[name].snapshot(ledger) for name, ledger in self._ledgers.items()}
+
+    def check_invariants(self) -> None:
+        """Check every group's pool and ledger, then the cross-group rules: a request's
+        pins cover exactly ``needed(g, N)`` above its prefix in every group for one ``N``;
+        every in-flight store block is in ``needed(g, point)`` of its store point and its
+        table entry was a block id; the requests' plans are the ledgers' plans.
+
+        Raises:
+            InvariantError: naming the group and the breach.
+        """
+        groups = {g.name: g for g in self._cacheable}
+        for name, ledger in self._ledgers.items():
+            ledger.check_invariants()
+            pins = {id(p) for p in ledger.pins()}
+            held = {
+                id(s.lanes[name].pin)
+                for s in self._requests.values()
+                if s.lanes[name].pin is not None
+            }
+            if pins != held:
+                raise InvariantError(f"group {name!r}: the ledger's pins are not the lookups'")
+            plans = {rec.plan.plan_id for rec in ledger.plans()}
+            named = {p for s in self._requests.values() for g, p in s.in_flight if g == name}
+            if plans != named:
+                raise InvariantError(f"group {name!r}: requests' plans {named} != {plans}")
+        self._planner.check_invariants()
+        for state in self._requests.values():
+            check_request(groups, state, self._align)

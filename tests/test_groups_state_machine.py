@@ -1,0 +1,301 @@
+"""A hypothesis state machine over `GroupedScheduler` with a simulated multi-group engine.
+
+Mixes of groups (full + sliding window, full + recurrent, full + chunked) under random
+steps, stores (some deferred by tiny pools), completions that succeed, fail or are
+cancelled, lookups and loads, finishes, preemptions and resets. The engine frees the
+blocks of non-full groups that fall out of its window (null table entries) and reuses
+them, never while a transfer names them. After every step: ``check_invariants()`` (per
+group and cross-group) and the model's checks: every published CPU block of every group
+holds the KV of its key, and every load delivers exactly the KV of its (group, position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvoffload.groups import KVCacheGroup
+from kvoffload.hashing import BlockHash
+from kvoffload.scheduler.groups import GroupedPlan
+from kvoffload.transfer.plan import TransferPlan
+from tests.groups_helpers import Rig, group
+
+GPU_BLOCKS = 40
+KEEP = 3  # blocks a non-full group keeps before the computed length
+
+
+@dataclass
+class Req:
+    tokens: list[int]
+    hashes: dict[str, list[BlockHash]]
+    tables: dict[str, list[int | None]]
+    computed: int = 0
+    loading: bool = False
+
+
+@dataclass
+class Flight:
+    name: str
+    plan: TransferPlan
+    rid: str | None = None  # a load's request
+    sibling: set[str] = field(default_factory=set)
+
+
+class GroupsMachine(RuleBasedStateMachine):
+    GROUPS: tuple[KVCacheGroup, ...] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rig = Rig(self.GROUPS, cpu_blocks=10, gpu_blocks=GPU_BLOCKS, checkpoint_tokens=8)
+        self.sched = self.rig.sched
+        self.names = [g.name for g in self.GROUPS]
+        self.gmap = {g.name: g for g in self.GROUPS}
+        self.free = {n: list(range(GPU_BLOCKS)) for n in self.names}
+        self.gpu: dict[str, dict[int, BlockHash]] = {n: {} for n in self.names}
+        self.cpu: dict[str, dict[int, BlockHash]] = {n: {} for n in self.names}
+        self.reqs: dict[str, Req] = {}
+        self.flights: list[Flight] = []
+        self.next_id = 0
+
+    # -- the engine's GPU blocks -------------------------------------------------------
+
+    def _busy(self, name: str) -> set[int]:
+        return {b for f in self.flights if f.name == name for b in f.plan.gpu_block_ids}
+
+    def _alloc(self, name: str) -> int | None:
+        busy = self._busy(name)
+        for k, b in enumerate(self.free[name]):
+            if b not in busy:
+                return self.free[name].pop(k)
+        return None
+
+    def _give_back(self, name: str, table: list[int | None]) -> None:
+        self.free[name].extend(b for b in table if b is not None)
+
+    def _grow(self, req: Req, computed: int) -> bool:
+        """Allocate (and fill) the blocks up to ``computed``, null old non-full blocks."""
+        for name in self.names:
+            g, table = self.gmap[name], req.tables[name]
+            while len(table) < min(computed // g.block_size, len(req.hashes[name])):
+                b = self._alloc(name)
+                if b is None:
+                    return False
+                self.gpu[name][b] = req.hashes[name][len(table)]
+                table.append(b)
+            if g.kind != "full":
+                for i in range(max(0, computed // g.block_size - KEEP)):
+                    if table[i] is not None:
+                        self.free[name].append(table[i])  # type: ignore[arg-type]
+                        table[i] = None
+        req.computed = computed
+        return True
+
+    # -- rules -------------------------------------------------------------------------
+
+    @precondition(lambda self: len(self.reqs) < 3)
+    @rule(family=st.integers(0, 1), variant=st.integers(0, 1), length=st.integers(2, 4))
+    def new_request(self, family: int, variant: int, length: int) -> None:
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        n = length * 8 + 1
+        toks = [family * 1000 + i for i in range(8)] + [
+            family * 1000 + variant * 100 + 500 + i for i in range(n - 8)
+        ]
+        req = Req(toks, self.rig.hashes(toks), {n_: [] for n_ in self.names})
+        self.reqs[rid] = req
+        hit = self.sched.lookup(rid, req.hashes, n)
+        assert hit % self.sched.hit_alignment == 0
+        assert hit <= n - 1
+        if hit == 0:
+            return
+        tables: dict[str, list[int | None]] = {}
+        for name in self.names:
+            table: list[int | None] = []
+            for _ in range(hit // self.gmap[name].block_size):
+                b = self._alloc(name)
+                if b is None:
+                    self.sched.release(rid)
+                    for t in tables.values():
+                        self._give_back(name, t)
+                    return
+                table.append(b)
+            tables[name] = table
+        plan = self.sched.plan_load(rid, tables, hit)
+        req.tables = tables
+        req.computed = hit
+        if plan is not None:
+            req.loading = True
+            for name, sub in plan.plans.items():
+                self.flights.append(Flight(name, sub, rid, set(plan.plans)))
+        # the engine computes what it did not load, in every group
+        for name in self.names:
+            g = self.gmap[name]
+            loaded = (
+                set()
+                if plan is None or name not in plan.plans
+                else set(plan.plans[name].gpu_block_ids)
+            )
+            for i, b in enumerate(tables[name]):
+                if b is not None and b not in loaded:
+                    self.gpu[name][b] = req.hashes[name][i]
+            del g
+
+    @precondition(lambda self: len(self.reqs) < 3)
+    @rule(
+        family=st.integers(0, 1),
+        length=st.integers(2, 4),
+        chunk=st.integers(4, 16),
+        fail=st.booleans(),
+    )
+    def serve(self, family: int, length: int, chunk: int, fail: bool) -> None:
+        """A whole request: look up, load, compute in chunks storing each step, finish;
+        every transfer it starts completes at once (one fails when ``fail``)."""
+        self.new_request(family, 0, length)
+        rid = f"r{self.next_id - 1}"
+        req = self.reqs[rid]
+        mine = [f for f in self.flights if f.rid == rid]
+        for f in mine:
+            self.flights.remove(f)
+            self._finish_flight(f, "fail" if fail else "ok")
+            fail = False
+        while req.computed < len(req.tokens):
+            computed = min(len(req.tokens), req.computed + chunk)
+            if not self._grow(req, computed):
+                break
+            self.sched.update(rid, req.tables, req.hashes, computed)
+            before = len(self.flights)
+            self._fly(self.sched.plan_stores())
+            for f in self.flights[before:]:
+                self._finish_flight(f, "fail" if fail else "ok")
+                fail = False
+            del self.flights[before:]
+        self.reqs.pop(rid)
+        plan = self.sched.finish(rid)
+        if plan is not None:
+            for name, sub in plan.plans.items():
+                self._finish_flight(Flight(name, sub), "ok")
+        for name in self.names:
+            self._give_back(name, req.tables[name])
+
+    @precondition(lambda self: any(not r.loading for r in self.reqs.values()))
+    @rule(data=st.data(), tokens=st.integers(1, 16), store=st.booleans())
+    def step(self, data: st.DataObject, tokens: int, store: bool) -> None:
+        rid = data.draw(st.sampled_from(sorted(k for k, r in self.reqs.items() if not r.loading)))
+        req = self.reqs[rid]
+        computed = min(len(req.tokens), req.computed + tokens)
+        if self._grow(req, computed):
+            self.sched.update(rid, req.tables, req.hashes, computed)
+        if store:
+            self._fly(self.sched.plan_stores())
+
+    def _fly(self, plan: GroupedPlan | None) -> None:
+        if plan is not None:
+            for name, sub in plan.plans.items():
+                self.flights.append(Flight(name, sub))
+
+    @precondition(lambda self: self.flights)
+    @rule(data=st.data(), outcome=st.sampled_from(["ok", "ok", "fail", "cancel"]))
+    def complete(self, data: st.DataObject, outcome: str) -> None:
+        k = data.draw(st.integers(0, len(self.flights) - 1))
+        self._finish_flight(self.flights.pop(k), outcome)
+
+    def _finish_flight(self, f: Flight, outcome: str) -> None:
+        name, plan = f.name, f.plan
+        ok = outcome == "ok"
+        if outcome == "cancel":
+            assert self.sched.cancel(name, plan)
+        else:
+            if ok:
+                for gpu, cpu in zip(plan.gpu_block_ids, plan.cpu_block_ids, strict=True):
+                    if plan.kind == "store":
+                        self.cpu[name][cpu] = self.gpu[name][gpu]
+                    else:
+                        self.gpu[name][gpu] = self.cpu[name][cpu]
+            assert self.sched.complete(name, plan, ok)
+        req = self.reqs.get(f.rid or "")
+        if plan.kind != "load" or req is None:
+            return
+        for gpu in plan.gpu_block_ids:
+            pos = req.tables[name].index(gpu)
+            if ok:  # every loaded block holds exactly its (group, position)'s KV
+                assert self.gpu[name][gpu] == req.hashes[name][pos], (name, pos)
+            else:  # the engine recomputes what failed to load
+                self.gpu[name][gpu] = req.hashes[name][pos]
+        if not any(x.rid == f.rid for x in self.flights):
+            req.loading = False
+
+    @precondition(lambda self: any(not r.loading for r in self.reqs.values()))
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(k for k, r in self.reqs.items() if not r.loading)))
+        req = self.reqs.pop(rid)
+        if self.sched.has_request(rid):
+            self._fly(self.sched.finish(rid))
+        for name in self.names:
+            self._give_back(name, req.tables[name])
+
+    @precondition(lambda self: any(not r.loading for r in self.reqs.values()))
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(k for k, r in self.reqs.items() if not r.loading)))
+        req = self.reqs[rid]
+        if self.sched.has_request(rid):
+            self._fly(self.sched.preempt(rid))
+        for name in self.names:
+            self._give_back(name, req.tables[name])
+            req.tables[name] = []
+        req.computed = 0
+
+    @rule(dice=st.integers(0, 9))
+    def reset(self, dice: int) -> None:
+        if dice == 0:  # rare: a reset empties everything the other rules built
+            self.sched.reset()
+
+    # -- checks ------------------------------------------------------------------------
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        self.sched.check_invariants()
+        for name, pool in self.rig.pools.items():
+            for block_id in range(pool.num_blocks):
+                block = pool.block(block_id)
+                if block.block_hash is not None:
+                    assert self.cpu[name].get(block_id) == block.block_hash, (name, block_id)
+
+    @invariant()
+    def stored_blocks_are_needed_somewhere(self) -> None:
+        for f in self.flights:
+            g = self.gmap[f.name]
+            if f.plan.kind == "store" and g.kind != "full":
+                assert f.plan.num_blocks <= 10
+
+
+_SETTINGS = settings(
+    max_examples=40,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+class FullSlidingMachine(GroupsMachine):
+    GROUPS = (group("attn", "full", 4), group("win", "sliding_window", 4, window=9))
+
+
+class FullRecurrentMachine(GroupsMachine):
+    GROUPS = (group("attn", "full", 4), group("ssm", "recurrent", 8))
+
+
+class FullChunkedMachine(GroupsMachine):
+    GROUPS = (group("attn", "full", 4), group("loc", "chunked", 2, chunk=4))
+
+
+TestFullSliding = FullSlidingMachine.TestCase
+TestFullSliding.settings = _SETTINGS
+TestFullRecurrent = FullRecurrentMachine.TestCase
+TestFullRecurrent.settings = _SETTINGS
+TestFullChunked = FullChunkedMachine.TestCase
+TestFullChunked.settings = _SETTINGS
