@@ -384,6 +384,9 @@ def test_blocks_of_a_preempted_request_stay_referenced_while_stalled_stores_read
     for _ in range(400):
         if a.is_finished() and b.is_finished():
             break
+        # The released copies end on the workers' threads: wait for them, so that the
+        # blocks they free are back before the next step (never a race with the loop).
+        h.drain_copies()
         h.step()
     assert a.is_finished()
     assert b.is_finished()
