@@ -921,9 +921,9 @@ class CpuBlockPool:
             raise InvariantError(
                 f"{len(holds)} blocks retained, over max_retained_blocks={self._max_retained}"
             )
-        for block_id, count in holds.items():
-            block = self._blocks[block_id]
+        for held_id, count in holds.items():
+            block = self._blocks[held_id]
             if block.ref_cnt < count:
                 raise InvariantError(
-                    f"block {block_id} is retained {count} time(s) but has ref_cnt {block.ref_cnt}"
+                    f"block {held_id} is retained {count} time(s) but has ref_cnt {block.ref_cnt}"
                 )
