@@ -50,8 +50,8 @@ __all__ = [
     "plan_core",
 ]
 
-POOL_BOOKKEEPING_BYTES_PER_BLOCK = 128
-"""Python memory the CPU block pool needs per block, rounded up (about 112 bytes measured:
+POOL_BOOKKEEPING_BYTES_PER_BLOCK = 144
+"""Python memory the CPU block pool needs per block, rounded up (about 128 bytes measured:
 see ``python -m kvoffload.bench pool``), counted with the host buffer before anything is
 allocated."""
 

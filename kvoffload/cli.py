@@ -26,7 +26,7 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
 
 # Start-up stays light: ``--version`` and ``--help`` import only what the option help
 # needs (none of it imports torch); each command imports its machinery when it runs.
-from kvoffload.bench.tracegen import SHAPES
+from kvoffload.bench.tracegen import PRIORITY_SHAPES, SHAPES
 from kvoffload.pool.policies import POLICY_NAMES
 from kvoffload.pool.policies.admission import ADMISSION_HELP, parse_admission
 
@@ -277,6 +277,10 @@ def replay(
         _write_json(json_out, report.to_json())
     if json_out != "-":
         Console().print(_replay_table(report))
+        if report.rows and any(
+            len(r.by_priority) > 1 or r.by_priority[0].priority for r in report.rows[0].results
+        ):
+            Console().print(_priority_table(report))
         capped = [row.capacity for row in report.rows if row.pool_blocks < row.capacity]
         if capped:
             click.echo(
@@ -321,6 +325,27 @@ def _replay_table(report: ReplayReport) -> Table:
             f"{row.optimal_hit_rate:.4f}",
             f"{report.ceiling_hit_rate:.4f}",
         )
+    return table
+
+
+def _priority_table(report: ReplayReport) -> Table:
+    from rich.table import Table  # noqa: PLC0415 (keep start-up light)
+
+    names = [r.policy for r in report.rows[0].results]
+    table = Table(title="prefix hit rate per request priority", title_justify="left")
+    table.add_column("capacity", justify="right")
+    table.add_column("priority", justify="right")
+    table.add_column("requests", justify="right")
+    for name in names:
+        table.add_column(name, justify="right")
+    for row in report.rows:
+        for i, level in enumerate(row.results[0].by_priority):
+            table.add_row(
+                f"{row.capacity:,}",
+                str(level.priority),
+                f"{level.requests:,}",
+                *(f"{r.by_priority[i].hit_rate:.4f}" for r in row.results),
+            )
     return table
 
 
@@ -487,22 +512,27 @@ def size(
 
 
 @cli.command("synth-trace")
-@click.argument("shape", type=click.Choice(SHAPES))
+@click.argument("shape", type=click.Choice(SHAPES + PRIORITY_SHAPES))
 @click.argument("out", callback=_output, metavar="OUT")
 @click.option("--requests", default=4000, show_default=True, type=click.IntRange(1, 10_000_000))
 @click.option("--seed", default=0, show_default=True, type=int, help="Same seed, same trace.")
 @_json_option
 def synth_trace(*, shape: str, out: str, requests: int, seed: int, json_out: str | None) -> None:
-    """Write a seeded synthetic trace of a SHAPE (chat, rag, scan, loop) to OUT.
+    """Write a seeded synthetic trace of a SHAPE (chat, rag, scan, loop, system) to OUT.
 
     The traces have the Mooncake format, so ``kvoffload replay`` compares policies on
-    reuse shapes other than one recorded trace's.
+    reuse shapes other than one recorded trace's. ``system`` carries a priority per
+    request: shared system prompts at 1, one-off tails at 0.
     """
-    from kvoffload.bench.tracegen import generate, write_trace  # noqa: PLC0415
+    from kvoffload.bench.tracegen import generate, generate_system, write_trace  # noqa: PLC0415
 
-    blocks = generate(shape, requests, seed)
+    priorities: list[int] | None = None
+    if shape == "system":
+        blocks, priorities = generate_system(requests, seed)
+    else:
+        blocks = generate(shape, requests, seed)
     try:
-        write_trace(out, blocks)
+        write_trace(out, blocks, priorities=priorities)
     except OSError as exc:
         raise click.FileError(out, hint=exc.strerror or str(exc)) from None
     summary = {

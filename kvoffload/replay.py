@@ -32,6 +32,7 @@ __all__ = [
     "REPLAY_SCHEMA_VERSION",
     "CapacityRow",
     "PolicyResult",
+    "PriorityHits",
     "ReplayReport",
     "Trace",
     "ceiling_hits",
@@ -44,7 +45,7 @@ __all__ = [
     "useful_capacity",
 ]
 
-REPLAY_SCHEMA_VERSION = 1
+REPLAY_SCHEMA_VERSION = 2
 """Version of the JSON `ReplayReport.to_json()` writes (``kvoffload replay --json``)."""
 
 
@@ -56,10 +57,13 @@ class Trace:
     Attributes:
         path: where it was read from ("" when built in memory).
         requests: block ids per request.
+        priorities: per request its retention priority; empty when the trace carries
+            none (every request 0).
     """
 
     path: str
     requests: tuple[tuple[int, ...], ...]
+    priorities: tuple[int, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -101,7 +105,13 @@ def load_trace(path: str | Path) -> Trace:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"trace file not found: {path}")
-    return Trace(str(path), tuple(r.hash_ids for r in read_trace(path)))
+    records = list(read_trace(path))
+    priorities = tuple(r.priority for r in records)
+    return Trace(
+        str(path),
+        tuple(r.hash_ids for r in records),
+        priorities if any(priorities) else (),
+    )
 
 
 def _keys(trace: Trace) -> list[list[BlockHash]]:
@@ -125,6 +135,26 @@ def _keys(trace: Trace) -> list[list[BlockHash]]:
 
 @final
 @dataclass(frozen=True, slots=True)
+class PriorityHits:
+    """The requests of one priority, replayed under one policy.
+
+    Attributes:
+        priority: the requests' priority.
+        requests: how many requests carry it.
+        blocks: their block accesses.
+        hit_blocks: their prefix hits.
+        hit_rate: ``hit_blocks / blocks``.
+    """
+
+    priority: int
+    requests: int
+    blocks: int
+    hit_blocks: int
+    hit_rate: float
+
+
+@final
+@dataclass(frozen=True, slots=True)
 class PolicyResult:
     """One policy at one capacity.
 
@@ -135,6 +165,8 @@ class PolicyResult:
         stored_blocks: blocks stored (allocated and published).
         refused_blocks: missing blocks the admission filter refused.
         evictions: published blocks the pool evicted.
+        by_priority: hits per request priority, lowest first (one entry, priority 0,
+            for a trace without priorities).
     """
 
     policy: str
@@ -143,6 +175,7 @@ class PolicyResult:
     stored_blocks: int
     refused_blocks: int
     evictions: int
+    by_priority: tuple[PriorityHits, ...] = ()
 
 
 def replay_pool(
@@ -151,9 +184,13 @@ def replay_pool(
     policy: str = "lru",
     admission: str = "always",
     *,
+    priorities: Sequence[int] | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> PolicyResult:
     """Replay a trace through a `CpuBlockPool` of ``capacity`` blocks.
+
+    A request's priority goes to the blocks it touches (hits) and publishes (stores), so
+    the pool evicts the blocks of lower-priority requests first.
 
     A capacity above `useful_capacity()` replays with that many blocks: a larger pool
     holds nothing more, and would only cost memory.
@@ -163,6 +200,8 @@ def replay_pool(
         capacity: pool size in blocks.
         policy: a registered eviction policy name.
         admission: an admission spec (``"always"``, ``"seen_twice"``, ``"seen:N[:W]"``).
+        priorities: per request its priority (a `Trace` brings its own); ``None`` or
+            empty: every request 0.
         on_progress: called with the number of requests replayed since the last call.
 
     Raises:
@@ -172,6 +211,10 @@ def replay_pool(
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
     requests = _keys(trace) if isinstance(trace, Trace) else trace
+    if priorities is None and isinstance(trace, Trace):
+        priorities = trace.priorities
+    if priorities and len(priorities) != len(requests):
+        raise ValueError(f"{len(priorities)} priorities for {len(requests)} requests")
     capacity = min(capacity, useful_capacity(requests))
     pool = CpuBlockPool(capacity, policy=make_policy(policy))
     admit = make_admission(admission).admit
@@ -185,10 +228,12 @@ def replay_pool(
     )
     total = hits = stored = refused = 0
     since = 0
-    for keys in requests:
+    tally: dict[int, list[int]] = {}  # priority -> [requests, blocks, hits]
+    for i, keys in enumerate(requests):
+        p = priorities[i] if priorities else 0
         found = lookup(keys)
         h = len(found)
-        touch(found)
+        touch(found, priority=p)
         missing = keys[h:]
         if not always:
             wanted = [k for k in missing if admit(k)]
@@ -197,13 +242,19 @@ def replay_pool(
         k = min(len(missing), pool.num_free)
         new = allocate(k)
         for block, key in zip(new, missing[:k], strict=True):
-            if publish(block, key):
+            if publish(block, key, priority=p):
                 stored += 1
         held = found + new
         held.reverse()
         free(held)
         total += len(keys)
         hits += h
+        row = tally.get(p)
+        if row is None:
+            row = tally[p] = [0, 0, 0]
+        row[0] += 1
+        row[1] += len(keys)
+        row[2] += h
         since += 1
         if on_progress is not None and since == 256:
             on_progress(since)
@@ -217,6 +268,9 @@ def replay_pool(
         stored_blocks=stored,
         refused_blocks=refused,
         evictions=pool.statistics().evictions,
+        by_priority=tuple(
+            PriorityHits(p, r, b, x, x / b if b else 0.0) for p, (r, b, x) in sorted(tally.items())
+        ),
     )
 
 
@@ -418,7 +472,14 @@ def run_replay(
     rows = []
     for capacity in capacities:
         results = tuple(
-            replay_pool(keys, capacity, name, admission, on_progress=on_progress)
+            replay_pool(
+                keys,
+                capacity,
+                name,
+                admission,
+                priorities=trace.priorities,
+                on_progress=on_progress,
+            )
             for name in policies
         )
         optimal = optimal_hits(trace.requests, capacity)
@@ -484,10 +545,14 @@ def smallest_capacity(
     goal = target * ceiling
     keys = _keys(trace)
     lo, hi = 1, max(1, trace.num_unique)
-    rate_hi = replay_pool(keys, hi, policy, admission, on_progress=on_progress).hit_rate
+    rate_hi = replay_pool(
+        keys, hi, policy, admission, priorities=trace.priorities, on_progress=on_progress
+    ).hit_rate
     while lo < hi:
         mid = (lo + hi) // 2
-        rate = replay_pool(keys, mid, policy, admission, on_progress=on_progress).hit_rate
+        rate = replay_pool(
+            keys, mid, policy, admission, priorities=trace.priorities, on_progress=on_progress
+        ).hit_rate
         if rate >= goal:
             hi, rate_hi = mid, rate
         else:

@@ -59,6 +59,7 @@ def drive(
     pool = CpuBlockPool(NUM_BLOCKS, policy=name)
     if generic_lru:
         pool._hooked = pool.policy  # the protocol path, not the inlined one
+        pool._plain = False
     blocks = [pool.block(i) for i in range(NUM_BLOCKS)]
     model = MODELS[name](blocks)
     held: list[CpuBlock] = []  # one entry per reference taken

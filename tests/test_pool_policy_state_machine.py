@@ -56,6 +56,7 @@ def machine_for(policy: str) -> type[PoolMachine]:
             self.pool = CpuBlockPool(NUM_BLOCKS, enable_events=True, policy=policy)
             if policy == "lru":
                 self.pool._hooked = self.pool.policy  # exercise the protocol path
+                self.pool._plain = False
             self.model = PolicyModel(NUM_BLOCKS)
 
         def allocate_and_publish(self, keys: list[int]) -> None:

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.bench import pool as bench
+from kvoffload.bench.trace import TraceFormatError
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.pool.policies import POLICY_NAMES
@@ -206,7 +207,9 @@ def test_report_json_schema(tmp_path: Path) -> None:
                 "stored_blocks",
                 "refused_blocks",
                 "evictions",
+                "by_priority",
             }
+            assert [p["priority"] for p in r["by_priority"]] == [0]
             assert 0 <= r["hit_rate"] <= row["optimal_hit_rate"] + 1e-12 or row["capacity"] == 2
     assert data["rows"][1]["optimal_hit_rate"] == pytest.approx(0.5)
 
@@ -267,3 +270,61 @@ def test_an_empty_trace_and_a_bad_id_are_refused() -> None:
         run_replay(Trace("e.jsonl", ((),)), [4])
     with pytest.raises(ValueError, match=r"block id 170141183460469231731687303715884105728"):
         replay_pool(Trace("t", ((2**127,),)), 4)
+
+
+def test_replay_reports_hits_per_priority_as_tallied(tmp_path: Path) -> None:
+    lines = [
+        {"hash_ids": [1, 2], "priority": 1},
+        {"hash_ids": [3, 4, 5]},
+        {"hash_ids": [1, 2, 6], "priority": 0},
+        {"hash_ids": [3, 4, 7], "priority": 2},
+    ]
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"timestamp": i, "input_length": 1, "output_length": 1, **rec}) + "\n"
+            for i, rec in enumerate(lines)
+        )
+    )
+    trace = load_trace(path)
+    assert trace.priorities == (1, 0, 0, 2)
+    # Tally by hand with an infinite pool: a block hits once seen (leading run only).
+    seen: set[int] = set()
+    tally: dict[int, list[int]] = {}
+    for rec in lines:
+        run = 0
+        for b in rec["hash_ids"]:
+            if b not in seen:
+                break
+            run += 1
+        seen.update(rec["hash_ids"])
+        row = tally.setdefault(rec.get("priority", 0), [0, 0])
+        row[0] += len(rec["hash_ids"])
+        row[1] += run
+    result = replay_pool(trace, 100)
+    got = {p.priority: (p.blocks, p.hit_blocks) for p in result.by_priority}
+    assert got == {p: (b, x) for p, (b, x) in tally.items()}
+    assert got == {0: (6, 2), 1: (2, 0), 2: (3, 2)}
+
+
+def test_priorities_keep_a_system_prompt_under_lru() -> None:
+    system = (1, 2, 3)
+    requests: list[tuple[int, ...]] = [system]
+    priorities = [1]
+    for i in range(3):  # two one-off scans of 3 blocks, then the system prompt again
+        requests += [(100 + 10 * i, 101 + 10 * i, 102 + 10 * i)]
+        requests += [(200 + 10 * i, 201 + 10 * i, 202 + 10 * i), system]
+        priorities += [0, 0, 0]
+    plain = replay_pool(Trace("", tuple(requests)), 6)
+    ranked = replay_pool(Trace("", tuple(requests), tuple(priorities)), 6)
+    assert plain.hit_blocks == 0  # under LRU the second scan evicts the prompt each time
+    assert ranked.hit_blocks == 9  # with priority 1 it stays: 3 hits at each of 3 reuses
+
+
+@pytest.mark.parametrize("bad", ["1", -1, 1.0, True, 1 << 17, None])
+def test_a_bad_priority_names_the_line_and_field(tmp_path: Path, bad: object) -> None:
+    path = tmp_path / "bad.jsonl"
+    good = {"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "priority": bad}) + "\n")
+    with pytest.raises(TraceFormatError, match=r"bad\.jsonl:2: field 'priority': expected"):
+        load_trace(path)

@@ -2,7 +2,8 @@
 
 The reader is strict: a line that is not a JSON object with the four fields, a number that
 is not finite (``NaN``, ``Infinity``), a count that is not a non-negative integer, or a
-hash id outside the signed 128-bit range that block keys hold is refused with a
+hash id outside the signed 128-bit range that block keys hold, or an optional ``priority``
+that is not an integer in [0, 65536], is refused with a
 `TraceFormatError` naming the file, the line and the field.
 """
 
@@ -21,6 +22,8 @@ HASH_ID_MIN = -(1 << 127)
 """The smallest hash id a trace may hold (block keys are 16-byte signed integers)."""
 HASH_ID_MAX = (1 << 127) - 1
 """The largest hash id a trace may hold."""
+PRIORITY_MAX = 1 << 16
+"""The largest ``priority`` a trace line may carry (`kvoffload.pool.priority.MAX_PRIORITY`)."""
 
 
 class TraceFormatError(ValueError):
@@ -49,12 +52,14 @@ class TraceRequest:
         input_length: prompt tokens.
         output_length: generated tokens.
         hash_ids: one id per prompt block, in prefix order; equal prefixes share ids.
+        priority: the request's retention priority (optional field, 0 when absent).
     """
 
     timestamp_ms: float
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    priority: int = 0
 
 
 def _shown(value: Any) -> str:
@@ -98,7 +103,10 @@ def _record(line: _Line, rec: Any) -> TraceRequest:
             line.fail(f"hash_ids[{i}]", f"expected an integer, got {_shown(h)}")
         if not HASH_ID_MIN <= h <= HASH_ID_MAX:
             line.fail(f"hash_ids[{i}]", f"{h} is outside the signed 128-bit range of block keys")
-    return TraceRequest(float(ts), input_length, output_length, tuple(raw))
+    priority = rec.get("priority", 0)
+    if type(priority) is not int or not 0 <= priority <= PRIORITY_MAX:
+        line.fail("priority", f"expected an integer in [0, {PRIORITY_MAX}], got {_shown(priority)}")
+    return TraceRequest(float(ts), input_length, output_length, tuple(raw), priority)
 
 
 def read_trace(path: str | Path, *, limit: int | None = None) -> Iterator[TraceRequest]:

@@ -23,9 +23,11 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["SHAPES", "generate", "write_trace"]
+__all__ = ["PRIORITY_SHAPES", "SHAPES", "generate", "generate_system", "write_trace"]
 
 SHAPES = ("chat", "rag", "scan", "loop")
+PRIORITY_SHAPES = ("system",)
+"""Shapes whose requests carry priorities (`generate_system`); not among `SHAPES`."""
 
 
 class _Ids:
@@ -113,14 +115,64 @@ def generate(shape: str, num_requests: int, seed: int = 0) -> list[list[int]]:
     return list(makers[shape](rng, num_requests))
 
 
-def write_trace(path: str | Path, requests: list[list[int]], block_tokens: int = 512) -> None:
-    """Write ``requests`` as a Mooncake-format trace (one arrival every 100 ms)."""
+def generate_system(num_requests: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """A ``system`` trace: shared system prompts drowned in one-off tails, with priorities.
+
+    Twenty system prompts (10 to 30 blocks), chosen with a Zipf skew, each followed by a
+    one-off tail of 20 to 80 blocks (priority 0). The first time a system prompt is used,
+    a request holding just that prompt comes first with priority 1 (an application
+    declaring its system prompt), so the prompt's blocks carry priority 1 and the tails 0.
+
+    Returns:
+        ``(requests, priorities)``: block ids per request, and one priority per request.
+
+    Raises:
+        ValueError: ``num_requests`` below 1.
+    """
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    rng = random.Random(f"system:{seed}")
+    ids = _Ids()
+    systems = [
+        ids.chain(-1, [10**9 + i * 1000 + j for j in range(rng.randint(10, 30))]) for i in range(20)
+    ]
+    weights = [1.0 / (rank + 1) ** 1.1 for rank in range(len(systems))]
+    declared: set[int] = set()
+    requests: list[list[int]] = []
+    priorities: list[int] = []
+    q = 0
+    while len(requests) < num_requests:
+        s = rng.choices(range(len(systems)), weights)[0]
+        if s not in declared:
+            declared.add(s)
+            requests.append(systems[s])
+            priorities.append(1)
+            continue
+        q += 1
+        tail = ids.chain(systems[s][-1], [-(q * 1000 + j) - 1 for j in range(rng.randint(20, 80))])
+        requests.append(systems[s] + tail)
+        priorities.append(0)
+    return requests, priorities
+
+
+def write_trace(
+    path: str | Path,
+    requests: list[list[int]],
+    block_tokens: int = 512,
+    priorities: list[int] | None = None,
+) -> None:
+    """Write ``requests`` as a Mooncake-format trace (one arrival every 100 ms).
+
+    With ``priorities``, each line also carries its request's ``priority``.
+    """
     with Path(path).open("w", encoding="utf-8") as fh:
         for i, blocks in enumerate(requests):
-            record = {
+            record: dict[str, object] = {
                 "timestamp": i * 100,
                 "input_length": len(blocks) * block_tokens,
                 "output_length": 64,
                 "hash_ids": blocks,
             }
+            if priorities is not None:
+                record["priority"] = priorities[i]
             fh.write(json.dumps(record) + "\n")

@@ -37,11 +37,16 @@ class CpuBlock(QueueNode):
         block_id: index of the block, stable for the pool's life.
         ref_cnt: holders of the block; 0 means it sits in the free queue and may be evicted.
         block_hash: the key the block is published under, ``None`` until published.
+        priority: retention priority (0, the default, for every block of a pool that uses
+            none): a free block of a lower priority is evicted first. Raised by
+            `CpuBlockPool.publish` and `CpuBlockPool.touch`, reset to 0 when the block is
+            reallocated.
     """
 
     block_id: BlockId
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    priority: int = 0
     _prev: QueueNode | None = field(default=None, init=False, repr=False)
     _next: QueueNode | None = field(default=None, init=False, repr=False)
     # The owning pool's token (not the pool: no reference cycle), for one identity test
