@@ -98,7 +98,7 @@ class _Batcher:
                         self.allocators[gj].free([b for b in tj if b is not None])
                     calls.release(r)
                     return  # wait until running requests free blocks
-                t += fresh
+                t.extend(fresh)
             self.waiting.popleft()
             r.tables = tables
             r.num_cached_blocks = cached
@@ -198,7 +198,7 @@ class _Batcher:
             self.preempt(victim)
         for (gi, k), t in zip(needs, r.tables, strict=True):
             if k > 0:
-                t += self.allocators[gi].allocate(k) or []
+                t.extend(self.allocators[gi].allocate(k) or [])
         return True
 
     def trim(self, r: _Req) -> None:

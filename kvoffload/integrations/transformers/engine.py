@@ -236,7 +236,9 @@ class PagedEngine:
         if self.has_work:
             raise RuntimeError("attach an offloader while no request is in progress")
         if offloader is not None and (len(self.groups) != 1 or self.groups[0].kind != "full"):
-            names = ", ".join(f"{g.name!r} ({g.kind}, layers {list(g.layers)})" for g in self.groups)
+            names = ", ".join(
+                f"{g.name!r} ({g.kind}, layers {list(g.layers)})" for g in self.groups
+            )
             raise ConfigError(
                 f"this model's KV cache has the groups {names}; offload needs every group of "
                 "a hit and kvoffload's core offloads one full-attention group only for now: "
