@@ -122,7 +122,7 @@ def random_family(family: str, size: dict[str, int], seed: int) -> Any:
     torch.manual_seed(seed)
     model: Any
     if family == "gemma3":
-        config = transformers.Gemma3TextConfig(
+        config: Any = transformers.Gemma3TextConfig(
             **common,
             sliding_window=4 * BLOCK,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],

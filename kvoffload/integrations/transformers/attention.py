@@ -156,7 +156,7 @@ def paged_attention(  # noqa: PLR0917 - the signature transformers calls
             kv_heads = blocks.shape[3]
             k = blocks[:, 0].reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)[None]
             v = blocks[:, 1].reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)[None]
-            mask = _causal_mask(seg.q_len, seg.past, start, window)
+            mask: torch.Tensor | None = _causal_mask(seg.q_len, seg.past, start, window)
             o = F.scaled_dot_product_attention(
                 q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling, enable_gqa=True
             )
@@ -172,7 +172,9 @@ def paged_attention(  # noqa: PLR0917 - the signature transformers calls
             kv_heads = blocks.shape[3]
             k = blocks[:, 0].reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)[None]
             v = blocks[:, 1].reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)[None]
-            mask = None if seg.q_len == 1 else _causal_mask(seg.q_len, seg.past)
+            mask = None
+            if seg.q_len > 1:
+                mask = _causal_mask(seg.q_len, seg.past)
             o = F.scaled_dot_product_attention(
                 q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling, enable_gqa=True
             )

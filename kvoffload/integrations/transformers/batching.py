@@ -132,7 +132,8 @@ class _Batcher:
             rng = needed(groups[gi], point)
             ids = [allocs[gi].cached_block(hashes[i]) for i in rng]
             allocs[gi].take([b for b in ids if b is not None])
-            tables.append([None] * rng.start + ids)
+            table: list[int | None] = [None] * rng.start
+            tables.append(table + ids)
         if self._rec is not None and point and r.state is not None and self._state_pool:
             (i,) = needed(groups[self._rec], point)
             b = allocs[self._rec].cached_block(hashes[i])

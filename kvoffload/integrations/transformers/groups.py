@@ -116,7 +116,7 @@ def groups_of(config: Any, block_size: int) -> tuple[EngineGroup, ...]:
             k,
             tuple(layers),
             block_size,
-            int(window) if k == "sliding_window" else None,
+            int(window) if k == "sliding_window" and window else None,
         )
         for k, layers in by_kind.items()
         if layers

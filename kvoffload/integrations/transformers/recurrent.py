@@ -124,7 +124,7 @@ def install_mixers(model: Any, layers: Sequence[int]) -> None:
         if getattr(mixer, "_kvoffload_wrapped", False):
             continue
         mixer.forward = functools.partial(_mixer_forward, mixer.forward, i)
-        mixer._kvoffload_wrapped = True
+        object.__setattr__(mixer, "_kvoffload_wrapped", True)
 
 
 @final
