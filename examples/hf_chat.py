@@ -21,7 +21,12 @@ prefix cache or loaded from CPU, and the time to first token (TTFT) both ways.
     python examples/hf_chat.py
     python examples/hf_chat.py --conversations 6 --turns 8 --plot ttft.png
     python examples/hf_chat.py --profile
+    python examples/hf_chat.py --model gemma3      # sliding-window + full attention
+    python examples/hf_chat.py --model qwen3_next  # linear attention + full attention
     python examples/hf_chat.py --model /path/to/llama-checkpoint
+
+Gemma 3 and Qwen3-Next run without offload (kvoffload's core offloads one full-attention
+group for now): their tokens are checked against the GPU-cache-only and full-recompute runs.
 
 Needs the ``transformers`` extra (from a kvoffload clone, ``pip install '.[transformers]'``;
 and ``.[plot]`` for ``--plot``).
@@ -94,6 +99,53 @@ def random_llama(size: dict[str, int], seed: int) -> Any:
     torch.manual_seed(seed)
     model: Any = LlamaForCausalLM(config)
     return model.float().eval()
+
+
+def random_family(family: str, size: dict[str, int], seed: int) -> Any:
+    """A random-weight model of ``family``: ``llama``; ``gemma3`` (Gemma 3 text: sliding-window
+    layers around a full-attention one); ``qwen3_next`` (gated delta net linear attention
+    around a full-attention layer)."""
+    import transformers  # noqa: PLC0415 - optional extra
+
+    if family == "llama":
+        return random_llama(size, seed)
+    common: dict[str, Any] = {
+        "vocab_size": size["vocab"],
+        "hidden_size": size["hidden"],
+        "intermediate_size": size["intermediate"],
+        "num_hidden_layers": 3,
+        "num_attention_heads": size["heads"],
+        "num_key_value_heads": size["kv_heads"],
+        "head_dim": size["hidden"] // size["heads"],
+        "max_position_embeddings": 16384,
+    }
+    torch.manual_seed(seed)
+    model: Any
+    if family == "gemma3":
+        config: Any = transformers.Gemma3TextConfig(
+            **common,
+            sliding_window=4 * BLOCK,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        )
+        model = transformers.Gemma3ForCausalLM(config)
+    else:
+        head = size["hidden"] // size["heads"]
+        config = transformers.Qwen3NextConfig(
+            **common,
+            linear_num_value_heads=size["heads"],
+            linear_num_key_heads=size["kv_heads"],
+            linear_key_head_dim=head,
+            linear_value_head_dim=head,
+            linear_conv_kernel_dim=4,
+            mlp_only_layers=[0, 1, 2],
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+        )
+        model = transformers.Qwen3NextForCausalLM(config)
+    return model.float().eval()
+
+
+FAMILIES = ("gemma3", "llama", "qwen3_next")
+"""``--model`` names of the random-weight models (anything else is a checkpoint path)."""
 
 
 def load_model(path: Path) -> Any:
@@ -173,7 +225,10 @@ async def run_once(
 
 async def chat(args: argparse.Namespace, size: dict[str, int]) -> tuple[list[Turn], str]:
     """Run the interleaved conversations; return every turn and the offloader's counters."""
-    model = load_model(args.model) if args.model else random_llama(size, args.seed)
+    if args.model is None or str(args.model) in FAMILIES:
+        model = random_family(str(args.model or "llama"), size, args.seed)
+    else:
+        model = load_model(args.model)
     vocab = int(model.config.vocab_size)
     rng = random.Random(args.seed)
     system = [rng.randrange(vocab) for _ in range(size["system"])]
@@ -203,8 +258,13 @@ async def chat(args: argparse.Namespace, size: dict[str, int]) -> tuple[list[Tur
     turns: list[Turn] = []
     total = args.conversations * args.turns
     bar = tqdm(total=total, unit="req", file=sys.stderr, disable=not args.progress)
+    # kvoffload's core offloads one full-attention group: a sliding-window or recurrent
+    # model runs with the GPU prefix cache only (its `attach` would refuse, naming the groups).
+    single = len(engine.groups) == 1 and engine.groups[0].kind == "full"
+    args.offloaded = single
     async with KVOffloader(config, engine.kv, layout=engine.layout, pinner=engine.pinner) as off:
-        engine.attach(off)
+        if single:
+            engine.attach(off)
         for t in range(1, args.turns + 1):
             for c in range(args.conversations):
                 conv = history[c]
@@ -246,7 +306,7 @@ class TokenMismatchError(RuntimeError):
     """Offload and full recompute generated different tokens."""
 
 
-def report(turns: list[Turn], stats_line: str) -> float | None:
+def report(turns: list[Turn], stats_line: str, *, offloaded: bool = True) -> float | None:
     """Print the per-turn table; return the median TTFT ratio of turns >= 3."""
     print(
         f"{'turn':>4} {'prompt':>7} {'computed':>8} {'gpu hit':>8} {'loaded':>7} "
@@ -271,7 +331,8 @@ def report(turns: list[Turn], stats_line: str) -> float | None:
     print("(medians over the conversations; computed + gpu hit + loaded = prompt;")
     print(" ratio = TTFT full recompute / TTFT with offload)")
     print(
-        f"tokens identical with offload, GPU cache only and full recompute: {len(turns)} requests"
+        f"tokens identical with {'offload, ' if offloaded else 'the '}GPU cache only and full "
+        f"recompute: {len(turns)} requests"
     )
     print(stats_line)
     later = [x.ratio for x in turns if x.turn >= 3]
@@ -354,7 +415,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--cpu-blocks", type=positive, default=4096, help="CPU pool size, in blocks")
     p.add_argument("--seed", type=int, default=0, help="model and workload seed")
-    p.add_argument("--model", type=Path, help="a local transformers checkpoint to load")
+    p.add_argument(
+        "--model",
+        type=Path,
+        help=f"a random-weight family ({', '.join(FAMILIES)}; default llama) or a local "
+        "transformers checkpoint to load",
+    )
     p.add_argument("--plot", type=Path, help="draw the median TTFT per turn into this PNG")
     p.add_argument(
         "--profile", action="store_true", help="break the TTFT down: forward, attention, load"
@@ -363,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--verbose", action="store_true", help="show kvoffload's INFO logs")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
-    if args.model is not None and not args.model.is_dir():
+    if args.model is not None and str(args.model) not in FAMILIES and not args.model.is_dir():
         p.error(f"model directory not found: {args.model}")
     size = SIZES["quick" if QUICK else "full"]
     start = time.perf_counter()
@@ -372,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TokenMismatchError as exc:
         print(f"TOKEN MISMATCH: {exc}", file=sys.stderr)
         return 1
-    report(turns, stats_line)
+    report(turns, stats_line, offloaded=getattr(args, "offloaded", True))
     profile(turns)
     print(f"wall time: {time.perf_counter() - start:.1f} s")
     if args.plot is not None:

@@ -25,10 +25,13 @@ Install from a kvoffload clone with ``pip install '.[transformers]'``. Public AP
   ``"kvoffload_paged"``: writes each step's keys and values into the blocks and attends
   over each request's block table.
 
-Supported: decoder-only models with rotary embeddings and full causal attention, whose
-``config.model_type`` is in `SUPPORTED_MODEL_TYPES` (Llama architecture, grouped-query
-attention included). Sliding-window, encoder-decoder, multimodal and state-space models are
-refused with a `kvoffload.ConfigError`.
+Supported: decoder-only models whose ``config.model_type`` is in `SUPPORTED_MODEL_TYPES`:
+Llama (full attention, grouped-query attention included; offloaded), Gemma 3 text
+(sliding-window and full attention) and Qwen3-Next (linear attention and full attention).
+The cache is per KV cache group (``engine.groups``,
+`kvoffload.integrations.transformers.groups`); a model with other groups than one of full
+attention runs without offload (``attach`` refuses, naming the groups). Other layer types,
+encoder-decoder and multimodal models are refused with a `kvoffload.ConfigError`.
 """
 
 from __future__ import annotations

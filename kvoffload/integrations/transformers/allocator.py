@@ -107,6 +107,16 @@ class GpuBlockAllocator:
         self._hits += len(found)
         return found
 
+    def cached_block(self, block_hash: BlockHash) -> int | None:
+        """The block registered under ``block_hash`` (no ref taken), or ``None``."""
+        return self._block_of.get(block_hash) if self._prefix else None
+
+    def take(self, block_ids: Sequence[int]) -> None:
+        """Take one ref on each of ``block_ids`` (cached blocks a prefix hit uses)."""
+        for b in block_ids:
+            self._ref(b)
+        self._hits += len(block_ids)
+
     def allocate(self, n: int) -> list[int] | None:
         """Hand out ``n`` blocks (least recently freed first), one ref each.
 

@@ -42,13 +42,18 @@ class Segment:
         q_start: index of its first new token in the packed sequence.
         q_len: its new tokens.
         past: tokens of it whose KV was already in the cache before this step.
-        blocks: the block ids that hold tokens ``[0, past + q_len)``.
+        blocks: per attention group, the block ids that hold tokens
+            ``[first * block_size, past + q_len)``.
+        first: per attention group, the index of the first block in ``blocks`` (0 for
+            full attention; a sliding-window group starts at the first block its window
+            needs: the blocks before it may be freed).
     """
 
     q_start: int
     q_len: int
     past: int
-    blocks: torch.Tensor
+    blocks: Sequence[torch.Tensor]
+    first: Sequence[int] = (0,)
 
 
 @dataclass(slots=True)
@@ -57,22 +62,38 @@ class PagedBatch:
 
     Attributes:
         kv: per layer, the ``blocks_first`` cache tensor
-            ``[num_blocks, 2, block_size, kv_heads, head_dim]``.
+            ``[num_blocks, 2, block_size, kv_heads, head_dim]`` (``None`` for a
+            recurrent layer).
         segments: the requests, in packed order.
-        slot_blocks: for every packed token, the block its KV goes to.
+        slot_blocks: per attention group, for every packed token, the block its KV goes to.
         slot_offsets: for every packed token, its slot in that block.
+        layer_group: per layer, the index of its attention group (-1: recurrent).
+        windows: per attention group, its sliding window or ``None``.
+        states: per segment, the request's recurrent state (``None`` without recurrent
+            layers).
+        snapshot_every: tokens between recurrent state snapshots (0: none).
     """
 
-    kv: Sequence[torch.Tensor]
+    kv: Sequence[torch.Tensor | None]
     segments: list[Segment]
-    slot_blocks: torch.Tensor
+    slot_blocks: Sequence[torch.Tensor]
     slot_offsets: torch.Tensor
+    layer_group: Sequence[int] = ()
+    windows: Sequence[int | None] = (None,)
+    states: Sequence[Any] | None = None
+    snapshot_every: int = 0
 
 
-def _causal_mask(q_len: int, past: int) -> torch.Tensor:
-    """``[q_len, past + q_len]``: query ``i`` sees keys up to position ``past + i``."""
+def _causal_mask(q_len: int, past: int, start: int = 0, window: int | None = None) -> torch.Tensor:
+    """``[q_len, past + q_len - start]``: query ``i`` (position ``past + i``) sees the keys at
+    positions ``start ..`` up to its own, and only those in ``(past + i - window, past + i]``
+    with a window."""
     rows = torch.arange(q_len)[:, None] + past
-    return torch.arange(past + q_len)[None, :] <= rows
+    cols = torch.arange(start, past + q_len)[None, :]
+    mask = cols <= rows
+    if window is not None:
+        mask &= cols > rows - window
+    return mask
 
 
 def paged_attention(  # noqa: PLR0917 - the signature transformers calls
@@ -114,15 +135,32 @@ def paged_attention(  # noqa: PLR0917 - the signature transformers calls
         raise RuntimeError(f"paged attention packs requests into batch size 1, got {query.shape}")
     layer_idx: int = module.layer_idx  # type: ignore[assignment]
     cache = batch.kv[layer_idx]
+    if cache is None:
+        raise RuntimeError(f"layer {layer_idx} is not an attention layer of the engine")
+    gi = batch.layer_group[layer_idx] if batch.layer_group else 0
+    window = batch.windows[gi]
+    slots = batch.slot_blocks[gi]
     k_new = key[0].transpose(0, 1)  # [tokens, kv_heads, head_dim]
     v_new = value[0].transpose(0, 1)
-    cache[batch.slot_blocks, 0, batch.slot_offsets] = k_new.to(cache.dtype)
-    cache[batch.slot_blocks, 1, batch.slot_offsets] = v_new.to(cache.dtype)
+    cache[slots, 0, batch.slot_offsets] = k_new.to(cache.dtype)
+    cache[slots, 1, batch.slot_offsets] = v_new.to(cache.dtype)
     heads, head_dim = query.shape[1], query.shape[3]
+    bs = cache.shape[2]
     out = query.new_empty((1, query.shape[2], heads, head_dim))
     for seg in batch.segments:
         q = query[:, :, seg.q_start : seg.q_start + seg.q_len]
-        if seg.past == 0:
+        if window is not None:
+            start = seg.first[gi] * bs
+            ctx = seg.past + seg.q_len - start
+            blocks = cache[seg.blocks[gi]]
+            kv_heads = blocks.shape[3]
+            k = blocks[:, 0].reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)[None]
+            v = blocks[:, 1].reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)[None]
+            mask: torch.Tensor | None = _causal_mask(seg.q_len, seg.past, start, window)
+            o = F.scaled_dot_product_attention(
+                q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling, enable_gqa=True
+            )
+        elif seg.past == 0:
             k = key[:, :, seg.q_start : seg.q_start + seg.q_len]
             v = value[:, :, seg.q_start : seg.q_start + seg.q_len]
             o = F.scaled_dot_product_attention(
@@ -130,11 +168,13 @@ def paged_attention(  # noqa: PLR0917 - the signature transformers calls
             )
         else:
             ctx = seg.past + seg.q_len
-            blocks = cache[seg.blocks]  # [n, 2, block_size, kv_heads, head_dim]
+            blocks = cache[seg.blocks[gi]]  # [n, 2, block_size, kv_heads, head_dim]
             kv_heads = blocks.shape[3]
             k = blocks[:, 0].reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)[None]
             v = blocks[:, 1].reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)[None]
-            mask = None if seg.q_len == 1 else _causal_mask(seg.q_len, seg.past)
+            mask = None
+            if seg.q_len > 1:
+                mask = _causal_mask(seg.q_len, seg.past)
             o = F.scaled_dot_product_attention(
                 q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling, enable_gqa=True
             )

@@ -21,7 +21,9 @@ import anyio.lowlevel
 
 from kvoffload.errors import BlockStateError, TransferError
 from kvoffload.integrations.transformers.allocator import GpuBlockAllocator
+from kvoffload.integrations.transformers.groups import EngineGroup, hit_point, needed
 from kvoffload.integrations.transformers.offload import _OffloadCalls
+from kvoffload.integrations.transformers.recurrent import RecurrentState, StatePool
 from kvoffload.integrations.transformers.results import FinishReason, GenerationResult
 from kvoffload.integrations.transformers.state import _Counters, _Req
 
@@ -37,15 +39,24 @@ class _Batcher:
 
     def __init__(
         self,
-        allocator: GpuBlockAllocator,
+        allocators: list[GpuBlockAllocator],
         calls: _OffloadCalls,
         counters: _Counters,
         *,
+        groups: tuple[EngineGroup, ...],
+        state_pool: StatePool | None,
         block_size: int,
         max_batch_tokens: int,
         max_running: int,
     ) -> None:
-        self._allocator = allocator
+        self.groups = groups
+        """The KV cache groups, attention groups first (see `groups_of`)."""
+        self.allocators = allocators
+        """Per group, its block allocator (a recurrent group's: of state blocks)."""
+        self._attn = [i for i, g in enumerate(groups) if g.kind != "recurrent"]
+        self._rec = next((i for i, g in enumerate(groups) if g.kind == "recurrent"), None)
+        self._state_pool = state_pool
+        self._allocator = allocators[0]
         self._calls = calls
         self._counters = counters
         self._block_size = block_size
@@ -67,39 +78,74 @@ class _Batcher:
 
     def admit(self) -> None:
         """Admit waiting requests while blocks and ``max_running`` allow, starting loads."""
-        bs, calls, alloc = self._block_size, self._calls, self._allocator
+        bs, calls = self._block_size, self._calls
         while self.waiting and len(self.running) < self._max_running:
             r = self.waiting[0]
-            if r.table:  # never after a `preempt`; reset rather than leak the old table
+            if r.tables:  # never after a `preempt`; reset rather than leak the old tables
                 self.reset(r)
             n = len(r.tokens)
             if r.handle is None and calls.off is not None:
                 calls.open(r)
             elif r.hasher is not None:
                 r.hasher.update(r.tokens)
-            matched = alloc.match(r.hashes, (n - 1) // bs)
-            hit = calls.lookup(r, len(matched) * bs)
+            tables = self._take_prefix(r, n)
+            cached = len(tables[0]) if tables else 0
+            hit = calls.lookup(r, cached * bs)
             if hit is None:  # a tier is promoting the prefix: ask again next step
-                alloc.free(matched)
+                for gi, t in zip(self._attn, tables, strict=True):
+                    self.allocators[gi].free([b for b in t if b is not None])
                 return
-            fresh = alloc.allocate(-(-n // bs) - len(matched))
-            if fresh is None:
-                alloc.free(matched)
-                calls.release(r)
-                return  # wait until running requests free blocks
+            for gi, t in zip(self._attn, tables, strict=True):
+                fresh = self.allocators[gi].allocate(-(-n // bs) - len(t))
+                if fresh is None:
+                    for gj, tj in zip(self._attn, tables, strict=True):
+                        self.allocators[gj].free([b for b in tj if b is not None])
+                    calls.release(r)
+                    return  # wait until running requests free blocks
+                t.extend(fresh)
             self.waiting.popleft()
-            r.table = matched + fresh
-            r.num_cached_blocks = len(matched)
-            r.num_computed = len(matched) * bs + hit
+            r.tables = tables
+            r.num_cached_blocks = cached
+            r.num_computed = cached * bs + hit
             if r.result.ttft_s is None:  # a first admission, not a re-admission
-                r.result.gpu_cached_tokens = len(matched) * bs
+                r.result.gpu_cached_tokens = cached * bs
                 r.result.loaded_tokens = hit
-            self._counters.gpu_cached += len(matched) * bs
+            self._counters.gpu_cached += cached * bs
             if hit:
                 r.load_task = calls.load(r)
                 if r.load_task is None:  # it could not start: recompute those tokens
                     self._load_failed(r)
             self.running.append(r)
+
+    def _take_prefix(self, r: _Req, n: int) -> list[list[int | None]]:
+        """The GPU prefix cache's hit for ``r``: per attention group, a table with one ref
+        on each block the hit needs (``None`` before a sliding window's first), and the
+        recurrent state started from its snapshot (`groups.hit_point` picks the hit)."""
+        groups, allocs, hashes = self.groups, self.allocators, r.hashes
+        if self._rec is not None:
+            r.state = RecurrentState(groups[self._rec].layers)
+
+        def has(gi: int, i: int) -> bool:
+            return i < len(hashes) and allocs[gi].cached_block(hashes[i]) is not None
+
+        if len(groups) == 1 and groups[0].kind == "full":  # the longest cached run
+            return [list(allocs[0].match(hashes, (n - 1) // self._block_size))]
+        point = hit_point(groups, n, has)
+        tables = []
+        for gi in self._attn:
+            rng = needed(groups[gi], point)
+            ids = [allocs[gi].cached_block(hashes[i]) for i in rng]
+            allocs[gi].take([b for b in ids if b is not None])
+            table: list[int | None] = [None] * rng.start
+            tables.append(table + ids)
+        if self._rec is not None and point and r.state is not None and self._state_pool:
+            (i,) = needed(groups[self._rec], point)
+            b = allocs[self._rec].cached_block(hashes[i])
+            if b is not None:
+                allocs[self._rec].take([b])
+                self._state_pool.load(b, r.state)
+                allocs[self._rec].free([b])
+        return tables
 
     def _load_failed(self, r: _Req) -> None:
         self._counters.failed_loads += 1
@@ -144,18 +190,57 @@ class _Batcher:
         return segs
 
     def grow(self, r: _Req, num_tokens: int, scheduled: list[_Req]) -> bool:
-        """Give ``r`` blocks for ``num_tokens``, preempting the newest others if needed."""
-        need = -(-num_tokens // self._block_size) - len(r.table)
-        while need > self._allocator.num_free:
+        """Give ``r`` blocks for ``num_tokens`` in every attention group, preempting the
+        newest others if needed."""
+        want = -(-num_tokens // self._block_size)
+        needs = [(gi, want - len(t)) for gi, t in zip(self._attn, r.tables, strict=True)]
+        while any(k > self.allocators[gi].num_free for gi, k in needs):
             victim = next(
                 (v for v in reversed(self.running) if v is not r and v not in scheduled), None
             )
             if victim is None:
                 return False
             self.preempt(victim)
-        if need > 0:
-            r.table += self._allocator.allocate(need) or []
+        for (gi, k), t in zip(needs, r.tables, strict=True):
+            if k > 0:
+                t.extend(self.allocators[gi].allocate(k) or [])
         return True
+
+    def trim(self, r: _Req) -> None:
+        """Free the blocks of ``r``'s sliding-window groups that no later token sees (the
+        table keeps ``None`` there)."""
+        bs = self._block_size
+        for gi, t in zip(self._attn, r.tables, strict=True):
+            w = self.groups[gi].window
+            if w is None:
+                continue
+            # block i's last position (i + 1) * bs - 1 is out of every later query's window
+            # once it is <= num_computed - w
+            stale = max(0, (r.num_computed - w + 1) // bs)
+            gone = [t[i] for i in range(min(stale, len(t))) if t[i] is not None]
+            for i in range(min(stale, len(t))):
+                t[i] = None
+            if gone:
+                self.allocators[gi].free(gone)  # type: ignore[arg-type]
+
+    def store_snapshots(self, r: _Req) -> None:
+        """Copy the state snapshots ``r``'s step captured into the state pool, registered
+        under each boundary's prefix hash (skipped when no state block is free)."""
+        state, pool, gi = r.state, self._state_pool, self._rec
+        if state is None or pool is None or gi is None:
+            return
+        snaps, state.snaps = state.snaps, {}
+        alloc, hashes = self.allocators[gi], r.hashes
+        layers = len(self.groups[gi].layers)
+        for i, snap in sorted(snaps.items()):
+            if i >= len(hashes) or len(snap) != layers or alloc.cached_block(hashes[i]):
+                continue
+            got = alloc.allocate(1)
+            if got is None:
+                return
+            pool.store(got[0], snap)
+            alloc.cache(hashes[i], got[0])
+            alloc.free(got)
 
     def preempt(self, r: _Req) -> None:
         """Move a running request back to the front of the waiting queue, reset."""
@@ -165,10 +250,17 @@ class _Batcher:
         self.waiting.appendleft(r)
         self.reset(r)
 
+    def _free_tables(self, r: _Req) -> None:
+        tables, r.tables, r.state = r.tables, [], None
+        for gi, t in zip(self._attn, tables, strict=False):
+            held = [b for b in t if b is not None]
+            if held:
+                self.allocators[gi].free(held)
+
     def reset(self, r: _Req) -> None:
         """Free ``r``'s GPU blocks and rewind it and its handle to nothing computed."""
-        table, r.table, r.num_computed, r.num_cached_blocks = r.table, [], 0, 0
-        self._allocator.free(table)
+        self._free_tables(r)
+        r.num_computed, r.num_cached_blocks = 0, 0
         self._calls.preempt(r)
 
     async def wait_for_blocks(self) -> None:
@@ -185,13 +277,11 @@ class _Batcher:
 
         ``r`` must be out of `waiting` and `running` already.
         """
-        table, r.table = r.table, []
         self.ids.discard(r.request_id)
         res = r.result
         res.finish_reason = reason
         res.total_s = time.perf_counter() - r.t0
-        if table:
-            self._allocator.free(table)
+        self._free_tables(r)
         notes = [error] if error is not None else []
         notes += r.notes
         finish_note = self._calls.finish(r)
@@ -202,23 +292,27 @@ class _Batcher:
 
     def check_invariants(self) -> None:
         """See `PagedEngine.check_invariants`."""
-        alloc = self._allocator
-        alloc.check_invariants()
-        counts = [0] * alloc.num_blocks
-        for r in self.running:
-            for b in r.table:
-                counts[b] += 1
-        for b, n in enumerate(counts):
-            refs = alloc.ref_count(b)
-            if refs != n:
-                raise BlockStateError(
-                    f"GPU block {b}: {refs} references in the allocator, {n} in running "
-                    "requests' tables"
-                )
+        for gi, (g, alloc) in enumerate(zip(self.groups, self.allocators, strict=True)):
+            alloc.check_invariants()
+            counts = [0] * alloc.num_blocks
+            pos = self._attn.index(gi) if gi in self._attn else None
+            for r in self.running:
+                table = r.tables[pos] if pos is not None and pos < len(r.tables) else []
+                for b in table:
+                    if b is not None:
+                        counts[b] += 1
+            for b, n in enumerate(counts):
+                refs = alloc.ref_count(b)
+                if refs != n:
+                    raise BlockStateError(
+                        f"GPU block {b}: {refs} references in the allocator, {n} in running "
+                        f"requests' tables (group {g.name!r})"
+                    )
         for r in self.waiting:
-            if r.table or r.load_task is not None:
+            held = sum(b is not None for t in r.tables for b in t)
+            if held or r.load_task is not None:
                 raise BlockStateError(
-                    f"request {r.request_id!r} waits but holds {len(r.table)} GPU "
+                    f"request {r.request_id!r} waits but holds {held} GPU "
                     f"blocks{' and a load' if r.load_task is not None else ''}"
                 )
         ids = [r.request_id for r in (*self.waiting, *self.running)]

@@ -40,7 +40,9 @@ from kvoffload.integrations.transformers.allocator import GpuBlockAllocator
 from kvoffload.integrations.transformers.attention import ATTENTION_NAME, paged_attention
 from kvoffload.integrations.transformers.batching import _Batcher
 from kvoffload.integrations.transformers.forward import _ForwardPass
+from kvoffload.integrations.transformers.groups import groups_of
 from kvoffload.integrations.transformers.offload import _OffloadCalls
+from kvoffload.integrations.transformers.recurrent import StatePool, install_mixers
 from kvoffload.integrations.transformers.results import (
     EngineStatistics,
     FinishReason,
@@ -53,8 +55,10 @@ from kvoffload.pinner import RefCountPinner
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "PagedEngine"]
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama"})
-"""``config.model_type`` values the engine accepts: decoder-only, rotary, full attention."""
+SUPPORTED_MODEL_TYPES = frozenset({"gemma3_text", "llama", "qwen3_next"})
+"""``config.model_type`` values the engine accepts: decoder-only with rotary attention
+(Llama: full attention; Gemma 3 text: sliding-window and full attention; Qwen3-Next: gated
+delta net linear attention and full attention)."""
 
 
 def _register_attention() -> None:
@@ -77,7 +81,10 @@ class PagedEngine:
         block_size: tokens per block (the offloader's ``block_size`` must match).
         max_batch_tokens: new tokens per step, all requests together (chunked prefill).
         max_running: requests admitted at once.
-        enable_prefix_caching: keep full blocks of finished requests for later prompts.
+        enable_prefix_caching: keep full blocks of finished requests for later prompts
+            (and, for recurrent layers, a state snapshot at every block boundary).
+        num_state_blocks: state snapshots the recurrent layers' pool holds (default
+            ``num_gpu_blocks``).
 
     Raises:
         ConfigError: an unsupported architecture or a bad size (the message says which).
@@ -108,45 +115,74 @@ class PagedEngine:
         max_batch_tokens: int = 512,
         max_running: int = 16,
         enable_prefix_caching: bool = True,
+        num_state_blocks: int | None = None,
     ) -> None:
         cfg = model.config
         model_type = getattr(cfg, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"model_type={model_type!r} is not supported: the engine handles decoder-only "
-                f"models with rotary embeddings and full causal attention "
-                f"({', '.join(sorted(SUPPORTED_MODEL_TYPES))}); sliding-window, "
-                "encoder-decoder, multimodal and state-space models are not"
+                f"models with rotary attention, sliding-window and linear-attention layers "
+                f"({', '.join(sorted(SUPPORTED_MODEL_TYPES))}); encoder-decoder, "
+                "multimodal and other state-space models are not"
             )
         if max_batch_tokens < 1 or max_running < 1 or block_size < 1:
             raise ConfigError(
                 f"max_batch_tokens={max_batch_tokens}, max_running={max_running} and "
                 f"block_size={block_size} must all be >= 1"
             )
+        self.groups = groups_of(cfg, block_size)
+        """The KV cache groups (`EngineGroup`): attention groups first, recurrent last."""
         _register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
         model.eval()
         param = next(model.parameters())
+        attn = [g for g in self.groups if g.kind != "recurrent"]
+        rec = [g for g in self.groups if g.kind == "recurrent"]
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.layout = KVLayout(
-            num_layers=cfg.num_hidden_layers,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_size=head_dim,
-            dtype=str(param.dtype).removeprefix("torch."),
-            block_size=block_size,
-        )
-        """The cache's `KVLayout`."""
-        self.kv = [
-            torch.zeros(
-                self.layout.tensor_shape(num_gpu_blocks), dtype=param.dtype, device=param.device
+        layouts = [
+            KVLayout(
+                num_layers=len(g.layers),
+                num_kv_heads=cfg.num_key_value_heads,
+                head_size=head_dim,
+                dtype=str(param.dtype).removeprefix("torch."),
+                block_size=block_size,
             )
-            for _ in range(cfg.num_hidden_layers)
+            for g in attn
         ]
-        """Per layer, ``[num_gpu_blocks, 2, block_size, kv_heads, head_dim]``."""
-        self.allocator = GpuBlockAllocator(
-            num_gpu_blocks, enable_prefix_caching=enable_prefix_caching
-        )
-        """The block allocator and GPU prefix cache."""
+        self.layout = layouts[0]
+        """The first attention group's `KVLayout` (a Llama model's whole cache)."""
+        layer_kv: list[torch.Tensor | None] = [None] * cfg.num_hidden_layers
+        layer_group = [-1] * cfg.num_hidden_layers
+        self.group_kv: dict[str, list[torch.Tensor]] = {}
+        """Per attention group, one cache tensor per layer of it."""
+        for gi, (g, lay) in enumerate(zip(attn, layouts, strict=True)):
+            tensors = []
+            for li in g.layers:
+                t = torch.zeros(
+                    lay.tensor_shape(num_gpu_blocks), dtype=param.dtype, device=param.device
+                )
+                layer_kv[li], layer_group[li] = t, gi
+                tensors.append(t)
+            self.group_kv[g.name] = tensors
+        self.kv = self.group_kv[attn[0].name]
+        """The first attention group's tensors, per layer ``[num_gpu_blocks, 2, block_size,
+        kv_heads, head_dim]`` (a Llama model's whole cache)."""
+        self.allocators: dict[str, GpuBlockAllocator] = {
+            g.name: GpuBlockAllocator(
+                num_state_blocks or num_gpu_blocks if g.kind == "recurrent" else num_gpu_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+            )
+            for g in self.groups
+        }
+        """Per group, its block allocator and GPU prefix cache (a recurrent group's holds
+        state snapshots)."""
+        self.allocator = self.allocators[attn[0].name]
+        """The first attention group's block allocator and GPU prefix cache."""
+        state_pool = None
+        if rec:
+            install_mixers(model, rec[0].layers)
+            state_pool = StatePool(self.allocators[rec[0].name].num_blocks, rec[0].layers)
         self._model = model
         self._block_size = block_size
         self._vocab = int(cfg.vocab_size)
@@ -154,17 +190,21 @@ class PagedEngine:
         self._counters = _Counters()
         self._calls = _OffloadCalls(self._counters)
         self._batch = _Batcher(
-            self.allocator,
+            [self.allocators[g.name] for g in self.groups],
             self._calls,
             self._counters,
+            groups=self.groups,
+            state_pool=state_pool,
             block_size=block_size,
             max_batch_tokens=max_batch_tokens,
             max_running=max_running,
         )
         self._pass = _ForwardPass(
             model,
-            self.kv,
+            layer_kv,
             param.device,
+            layer_group=layer_group,
+            snapshots=enable_prefix_caching,
             block_size=block_size,
             allocator=self.allocator,
             batcher=self._batch,
@@ -188,11 +228,22 @@ class PagedEngine:
         """Offload through ``offloader`` from now on (``None``: stop offloading).
 
         Raises:
-            ConfigError: its block size or layout differs from the engine's.
+            ConfigError: its block size or layout differs from the engine's, or the model
+                has other KV cache groups than one of full attention (kvoffload's core
+                offloads one full-attention group for now).
             RuntimeError: requests are in progress.
         """
         if self.has_work:
             raise RuntimeError("attach an offloader while no request is in progress")
+        if offloader is not None and (len(self.groups) != 1 or self.groups[0].kind != "full"):
+            names = ", ".join(
+                f"{g.name!r} ({g.kind}, layers {list(g.layers)})" for g in self.groups
+            )
+            raise ConfigError(
+                f"this model's KV cache has the groups {names}; offload needs every group of "
+                "a hit and kvoffload's core offloads one full-attention group only for now: "
+                "run the engine without an offloader"
+            )
         if offloader is not None and offloader.layout != self.layout:
             raise ConfigError(
                 f"the offloader's layout {offloader.layout!r} differs from the engine's "

@@ -31,9 +31,11 @@ class _ForwardPass:
     def __init__(
         self,
         model: Any,
-        kv: list[torch.Tensor],
+        kv: list[torch.Tensor | None],
         device: torch.device,
         *,
+        layer_group: list[int],
+        snapshots: bool,
         block_size: int,
         allocator: GpuBlockAllocator,
         batcher: _Batcher,
@@ -42,6 +44,9 @@ class _ForwardPass:
     ) -> None:
         self._model = model
         self._kv = kv
+        self._layer_group = layer_group
+        self._has_recurrent = -1 in layer_group
+        self._snapshots = snapshots
         self._device = device
         self._block_size = block_size
         self._allocator = allocator
@@ -51,25 +56,37 @@ class _ForwardPass:
 
     def run(self, segs: _Segments) -> torch.Tensor:
         """The logits of each request's last new token (runs in a worker thread)."""
-        bs, dev = self._block_size, self._device
+        bs, dev, b = self._block_size, self._device, self._batcher
+        attn = [g for g in b.groups if g.kind != "recurrent"]
         ids: list[int] = []
         pos: list[int] = []
         segments: list[Segment] = []
-        slot_blocks: list[torch.Tensor] = []
+        slot_blocks: list[list[torch.Tensor]] = [[] for _ in attn]
         for r, q in segs:
             start = r.num_computed
             ids.extend(r.tokens[start : start + q])
             pos.extend(range(start, start + q))
-            table = torch.tensor(r.table[: -(-(start + q) // bs)], dtype=torch.long)
             p = torch.arange(start, start + q)
-            slot_blocks.append(table[p // bs])
-            segments.append(Segment(len(ids) - q, q, start, table.to(dev)))
+            blocks: list[torch.Tensor] = []
+            firsts: list[int] = []
+            for gi, (g, t) in enumerate(zip(attn, r.tables, strict=True)):
+                first = 0 if g.window is None else max(0, (start - g.window + 1) // bs)
+                held = t[first : -(-(start + q) // bs)]
+                table = torch.tensor(held, dtype=torch.long)
+                slot_blocks[gi].append(table[p // bs - first])
+                blocks.append(table.to(dev))
+                firsts.append(first)
+            segments.append(Segment(len(ids) - q, q, start, blocks, firsts))
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         batch = PagedBatch(
             kv=self._kv,
             segments=segments,
-            slot_blocks=torch.cat(slot_blocks).to(dev),
+            slot_blocks=[torch.cat(s).to(dev) for s in slot_blocks],
             slot_offsets=positions % bs,
+            layer_group=self._layer_group,
+            windows=[g.window for g in attn],
+            states=[r.state for r, _ in segs] if self._has_recurrent else None,
+            snapshot_every=bs if self._snapshots else 0,
         )
         last = torch.tensor([s.q_start + s.q_len - 1 for s in segments], device=dev)
         with torch.inference_mode():
@@ -80,6 +97,9 @@ class _ForwardPass:
                 **{BATCH_KWARG: batch},
             ).last_hidden_state
             logits: torch.Tensor = self._model.lm_head(hidden[0, last])
+            cap = getattr(self._model.config, "final_logit_softcapping", None)
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
         return logits
 
     def apply(self, segs: _Segments, logits: torch.Tensor, outputs: list[StepOutput]) -> None:
@@ -109,9 +129,14 @@ class _ForwardPass:
             calls.advance(r, r.table, r.num_computed)
             hashes = r.hashes
             full = min(r.num_computed // bs, len(hashes))
-            for i in range(r.num_cached_blocks, full):
-                self._allocator.cache(hashes[i], r.table[i])
+            for alloc, t in zip(batcher.allocators, r.tables, strict=False):
+                for i in range(r.num_cached_blocks, full):
+                    b = t[i]
+                    if b is not None:
+                        alloc.cache(hashes[i], b)
             r.num_cached_blocks = max(r.num_cached_blocks, full)
+            batcher.store_snapshots(r)
+            batcher.trim(r)
             if sampled is not None:
                 reason: FinishReason | None = None
                 if r.eos is not None and sampled == r.eos:

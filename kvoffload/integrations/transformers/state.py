@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvoffload.hashing import BlockHash, BlockHasher
+from kvoffload.integrations.transformers.recurrent import RecurrentState
 from kvoffload.integrations.transformers.results import GenerationResult
 from kvoffload.request import OffloadRequest
 from kvoffload.transfer.task import TransferTask
@@ -37,8 +38,9 @@ class _Req:
         "num_cached_blocks",
         "num_computed",
         "result",
+        "state",
         "t0",
-        "table",
+        "tables",
         "tokens",
     )
 
@@ -49,7 +51,8 @@ class _Req:
         self.max_new, self.eos = max_new, eos
         self.handle: OffloadRequest | None = None
         self.hasher = hasher
-        self.table: list[int] = []
+        self.tables: list[list[int | None]] = []  # per attention group; None: freed
+        self.state: RecurrentState | None = None  # the recurrent layers' state, if any
         self.num_computed = 0
         self.num_cached_blocks = 0  # blocks registered in the GPU prefix cache
         self.load_task: TransferTask | None = None
@@ -57,6 +60,18 @@ class _Req:
         self.notes: list[str] = []  # kvoffload errors contained along the way, for `result.error`
         self.t0 = time.perf_counter()
         self.result = GenerationResult(rid, len(prompt))
+
+    @property
+    def table(self) -> list[int]:
+        """The first attention group's table (a full-attention group's has no ``None``)."""
+        return self.tables[0] if self.tables else []  # type: ignore[return-value]
+
+    @table.setter
+    def table(self, value: list[int]) -> None:
+        if self.tables:
+            self.tables[0] = list(value)
+        else:
+            self.tables = [list(value)]
 
     @property
     def request_id(self) -> str:

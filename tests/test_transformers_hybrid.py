@@ -1,0 +1,183 @@
+"""kvoffload.integrations.transformers: sliding-window (Gemma 3) and recurrent hybrid
+(Qwen3-Next) models in the paged engine, against a full recompute."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from kvoffload import ConfigError, KVOffloader, OffloadConfig
+
+transformers = pytest.importorskip("transformers")
+
+from kvoffload.integrations.transformers import PagedEngine  # noqa: E402
+from kvoffload.integrations.transformers.groups import (  # noqa: E402
+    EngineGroup,
+    hit_point,
+    needed,
+)
+
+pytestmark = pytest.mark.anyio
+
+BS = 4
+VOCAB = 256
+WINDOW = 6
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def gemma3() -> Any:
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Gemma3ForCausalLM(cfg).eval()
+
+
+def qwen3_next() -> Any:
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, mlp_only_layers=[0, 1, 2],
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Qwen3NextForCausalLM(cfg).eval()
+
+
+FAMILIES = {"gemma3": gemma3, "qwen3_next": qwen3_next}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def models(request: Any) -> tuple[Any, Any]:
+    ref = FAMILIES[request.param]()
+    return copy.deepcopy(ref), ref  # the engine's copy, the stock model
+
+
+def reference(model: Any, prompt: Sequence[int], n: int) -> list[int]:
+    """Greedy tokens from the stock model, recomputing the whole sequence each step."""
+    ids = torch.tensor([list(prompt)])
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            token = int(model(input_ids=ids, use_cache=False).logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out
+
+
+async def run_checked(engine: PagedEngine) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    while engine.has_work:
+        for o in await engine.step():
+            engine.check_invariants()
+            if o.result is not None:
+                out[o.request_id] = o.result.output_token_ids
+        engine.check_invariants()
+        check_window(engine)
+    return out
+
+
+def check_window(engine: PagedEngine) -> None:
+    """Every sliding-window group holds no block its window no longer needs."""
+    for pos, g in enumerate(g for g in engine.groups if g.kind != "recurrent"):
+        if g.window is None:
+            continue
+        for r in engine._batch.running:
+            stale = max(0, (r.num_computed - g.window + 1) // BS)
+            assert all(b is None for b in r.tables[pos][:stale]), (r.request_id, r.tables[pos])
+
+
+async def test_multi_turn_with_prefix_hits_and_preemption_equals_a_recompute(
+    models: tuple[Any, Any],
+) -> None:
+    model, ref = models
+    engine = PagedEngine(model, num_gpu_blocks=14, block_size=BS, max_batch_tokens=12)
+    gen = torch.Generator().manual_seed(3)
+    convs = [torch.randint(0, VOCAB, (9 + 2 * i,), generator=gen).tolist() for i in range(3)]
+    for _turn in range(2):
+        for i, c in enumerate(convs):
+            engine.add_request(f"c{i}-{_turn}", c, max_new_tokens=4)
+        got = await run_checked(engine)
+        for i, c in enumerate(convs):
+            toks = got[f"c{i}-{_turn}"]
+            assert toks == reference(ref, c, 4), (i, _turn)
+            convs[i] = [*c, *toks, *torch.randint(0, VOCAB, (3,), generator=gen).tolist()]
+    stats = engine.statistics()
+    assert stats.gpu_cached_tokens > 0  # later turns hit the GPU prefix cache
+    assert stats.preemptions > 0  # 14 blocks cannot hold three conversations at once
+
+
+async def test_sliding_window_blocks_out_of_the_window_are_freed() -> None:
+    engine = PagedEngine(gemma3(), num_gpu_blocks=16, block_size=BS)
+    engine.add_request("a", list(range(1, 30)), max_new_tokens=2)
+    engine._batch.admit()
+    (r,) = engine._batch.running
+    sliding = [g.name for g in engine.groups].index("sliding")
+    while engine.has_work:
+        await engine.step()
+        engine.check_invariants()
+        if r in engine._batch.running:
+            held = [b for b in r.tables[sliding] if b is not None]
+            assert len(held) <= -(-(WINDOW - 1) // BS) + 1 + -(-r.num_computed % BS // BS)
+            assert r.tables[sliding][0] is None
+            assert all(b is not None for b in r.tables[0])  # the full group keeps all
+
+
+async def test_a_snapshot_at_the_prompts_end_rounds_down() -> None:
+    model = qwen3_next()
+    ref = copy.deepcopy(model)
+    engine = PagedEngine(model, num_gpu_blocks=32, block_size=BS)
+    prompt = list(range(10, 22))  # 12 tokens: three blocks, a snapshot at 4, 8 and 12
+    engine.add_request("a", prompt, max_new_tokens=1)
+    await run_checked(engine)
+    rec = engine.allocators["recurrent"]
+    assert rec.statistics().num_cached >= 3
+    engine.add_request("b", prompt, max_new_tokens=3)  # the same prompt again
+    engine._batch.admit()
+    (r,) = engine._batch.running
+    # the snapshot at 12 already includes the prompt's last token: the hit is at 8
+    assert r.num_computed == 8
+    got = await run_checked(engine)
+    assert got["b"] == reference(ref, prompt, 3)
+
+
+def test_needed_and_the_hit_point_per_group() -> None:
+    full = EngineGroup("full", "full", (1,), 4)
+    sw = EngineGroup("sliding", "sliding_window", (0,), 4, window=6)
+    rec = EngineGroup("recurrent", "recurrent", (2,), 4)
+    assert needed(full, 12) == range(3)
+    assert needed(sw, 12) == range(1, 3)
+    assert needed(rec, 12) == range(2, 3)
+    assert needed(rec, 0) == range(0)
+    have = {(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (2, 2)}
+    groups = (full, sw, rec)
+    # 13 tokens: 12 is the largest hit candidate; the snapshot at 8 (block 1) is missing,
+    # which does not matter at 12 but does at 8
+    assert hit_point(groups, 13, lambda g, i: (g, i) in have) == 12
+    assert hit_point(groups, 12, lambda g, i: (g, i) in have) == 4  # never at the end: 8, then 4
+    assert hit_point(groups, 4, lambda g, i: True) == 0
+
+
+async def test_attaching_an_offloader_to_a_hybrid_is_refused_naming_the_groups() -> None:
+    llama_cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    llama = PagedEngine(transformers.LlamaForCausalLM(llama_cfg), num_gpu_blocks=8, block_size=BS)
+    engine = PagedEngine(qwen3_next(), num_gpu_blocks=8, block_size=BS)
+    cfg = OffloadConfig(block_size=BS, num_cpu_blocks=8)
+    async with KVOffloader(cfg, llama.kv, layout=llama.layout, pinner=llama.pinner) as off:
+        with pytest.raises(ConfigError, match=r"'full' \(full.*'recurrent' \(recurrent"):
+            engine.attach(off)
