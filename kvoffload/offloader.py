@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Literal, final, overload
 
 import torch
 
 from kvoffload._session import Session
-from kvoffload.build import POOL_BOOKKEEPING_BYTES_PER_BLOCK, plan_core
+from kvoffload.build import POOL_BOOKKEEPING_BYTES_PER_BLOCK, CorePlan, plan_core
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import LayoutMismatchError
 from kvoffload.hashing import BlockHash, HashNamespace, hash_prompt
@@ -81,16 +80,7 @@ class KVOffloader:
         copy_engine: CopyEngine | None = None,
         pinner: GpuBlockPinner | None = None,
     ) -> None:
-        if layout is None:
-            layout = KVLayout.from_tensors(gpu_kv, block_size=config.block_size)
-        num_gpu_blocks = layout.num_gpu_blocks(gpu_kv)
-        if num_gpu_blocks < 1:
-            raise LayoutMismatchError(
-                f"the KV tensors hold no GPU block (shape {tuple(gpu_kv[0].shape)})"
-            )
-        plan = plan_core(
-            config, layout, num_gpu_blocks=num_gpu_blocks, host_buffer=copy_engine is None
-        )
+        layout, plan = _plan_core(config, gpu_kv, layout, host_buffer=copy_engine is None)
         self._num_cpu_blocks = plan.num_cpu_blocks
         self._config = config
         self._layout = layout
@@ -119,12 +109,7 @@ class KVOffloader:
         await self._session.open()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -267,8 +252,7 @@ class KVOffloader:
 
         See `OffloadScheduler.lookup()`. With ``config.tiers``, the blocks after the CPU hit
         that a tier holds are promoted into CPU blocks in the background (see
-        `TierManager.extend_lookup()`); with ``allow_defer=True`` this returns ``None`` until
-        that promotion has landed.
+        `TierManager.extend_lookup()`). ``allow_defer=True`` is `lookup_or_defer()`.
 
         Raises:
             ClosedError: not open. ForkedProcessError: used in a forked child.
@@ -276,16 +260,33 @@ class KVOffloader:
                 step-loop call checks this). PinnerError: the pinner's ``unpin`` raised
                 after an earlier completion (once).
         """
-        session = self._session
-        session.check("lookup")
-        # With tiers, the scheduler asks the tier manager after the CPU lookup.
-        return session.scheduler.lookup(
-            request_id,
-            block_hashes,
-            num_tokens,
-            num_computed_tokens,
-            allow_defer=allow_defer,
-            no_read=no_read,
+        if allow_defer:
+            return self.lookup_or_defer(
+                request_id, block_hashes, num_tokens, num_computed_tokens, no_read=no_read
+            )
+        self._session.check("lookup")  # with tiers, the scheduler asks the tier manager next
+        return self._session.scheduler.lookup(
+            request_id, block_hashes, num_tokens, num_computed_tokens, no_read=no_read
+        )
+
+    def lookup_or_defer(
+        self,
+        request_id: str,
+        block_hashes: Sequence[BlockHash],
+        num_tokens: int,
+        num_computed_tokens: int = 0,
+        *,
+        no_read: bool = False,
+    ) -> int | None:
+        """`lookup()` that may answer ``None``: "ask again later".
+
+        ``None`` while the block after the CPU hit is being stored or promoted from a tier,
+        or a hit block is being loaded for another request (see
+        `OffloadScheduler.lookup_or_defer()`). Raises as `lookup()` does.
+        """
+        self._session.check("lookup")
+        return self._session.scheduler.lookup_or_defer(
+            request_id, block_hashes, num_tokens, num_computed_tokens, no_read=no_read
         )
 
     def load(
@@ -329,9 +330,8 @@ class KVOffloader:
 
         See `OffloadScheduler.update()`.
         """
-        session = self._session
-        session.check("update")
-        session.scheduler.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
+        self._session.check("update")
+        self._session.scheduler.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
 
     def store(
         self, *, after: object | None = None, gpu_cache: GpuCacheView | None = None
@@ -388,15 +388,13 @@ class KVOffloader:
 
     def preempt(self, request_id: str) -> None:
         """The engine preempted a request. See `OffloadScheduler.preempt()`."""
-        session = self._session
-        session.check("preempt")
-        session.scheduler.preempt(request_id)
+        self._session.check("preempt")
+        self._session.scheduler.preempt(request_id)
 
     def release(self, request_id: str) -> None:
         """Drop a lookup pin the engine will not load. See `OffloadScheduler.release()`."""
-        session = self._session
-        session.check("release")
-        session.scheduler.release(request_id)
+        self._session.check("release")
+        self._session.scheduler.release(request_id)
 
     async def drain(self) -> None:
         """Wait until every transfer in flight has completed and been processed.
@@ -447,3 +445,27 @@ class KVOffloader:
         """Pool events since the last call (``enable_events=True``), for KV-aware routers."""
         self._session.check_built()
         return self._session.pool.take_events()
+
+
+def _plan_core(
+    config: OffloadConfig,
+    gpu_kv: Sequence[torch.Tensor],
+    layout: KVLayout | None,
+    *,
+    host_buffer: bool,
+) -> tuple[KVLayout, CorePlan]:
+    """The layout of ``gpu_kv`` (inferred when ``None``) and the core sized for it.
+
+    Raises:
+        LayoutMismatchError: the tensors disagree with ``layout`` or with each other, or
+            hold no GPU block.
+        ConfigError, HostMemoryError: see `plan_core()`.
+    """
+    if layout is None:
+        layout = KVLayout.from_tensors(gpu_kv, block_size=config.block_size)
+    num_gpu_blocks = layout.num_gpu_blocks(gpu_kv)
+    if num_gpu_blocks < 1:
+        raise LayoutMismatchError(
+            f"the KV tensors hold no GPU block (shape {tuple(gpu_kv[0].shape)})"
+        )
+    return layout, plan_core(config, layout, num_gpu_blocks=num_gpu_blocks, host_buffer=host_buffer)

@@ -451,7 +451,8 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
             num_computed_tokens: tokens the engine's own prefix cache holds (a multiple of
                 the block size; default: the value the handle was made with).
             allow_defer: return ``None`` when the block after the hit is being stored right
-                now (ask again after ``await off.drain()`` for a longer hit).
+                now (ask again after ``await off.drain()`` for a longer hit); the same as
+                `lookup_or_defer()`.
 
         Returns:
             The hit in tokens (see `KVOffloader.lookup()`), or ``None`` as above.
@@ -461,7 +462,20 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
             InvalidInputError: ``num_computed_tokens`` out of range or not block aligned;
                 the handle keeps the prefix it had (a refused call changes nothing).
         """
-        self._state.check("lookup", self._request_id)
+        return self._lookup("lookup", num_computed_tokens, allow_defer)
+
+    def lookup_or_defer(self, *, num_computed_tokens: int | None = None) -> int | None:
+        """`lookup()` that may answer ``None``: "ask again later".
+
+        ``None`` while the block after the hit is being stored or promoted from a tier, or
+        a hit block is being loaded for another request (see
+        `KVOffloader.lookup_or_defer()`); ``lookup(allow_defer=True)`` is the same call.
+        Takes and raises what `lookup()` does.
+        """
+        return self._lookup("lookup_or_defer", num_computed_tokens, True)
+
+    def _lookup(self, what: str, num_computed_tokens: int | None, allow_defer: bool) -> int | None:
+        self._state.check(what, self._request_id)
         prefix = self._engine_prefix if num_computed_tokens is None else num_computed_tokens
         hit = self._off.lookup(
             self._request_id,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from kvoffload.tiers._state import PriorityGate
+from kvoffload.tiers.health import PriorityGate
 
 pytestmark = pytest.mark.anyio
 

@@ -1,0 +1,161 @@
+"""Write-downs: stored CPU blocks cascade down to every tier, through per-tier queues.
+
+* A CPU block queued for or being written to a tier holds a reference (invariant 2),
+  taken and released through the scheduler's `BlockLedger`, so it is neither evicted nor
+  reused while a write reads it; each tier holds at most ``max_queued_writes`` such
+  blocks, and write-downs beyond that are skipped and counted.
+* A tier that is unhealthy or read-only skips the write-down (counted); nothing waits.
+* Writes go through the tier's `PriorityGate`: a write waits while a read waits, and
+  writes never fill a tier's last operation slot.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, final
+
+import anyio
+
+from kvoffload.hashing import BlockHash
+from kvoffload.tiers.base import BlockWrite
+from kvoffload.tiers.format import encode_header
+
+if TYPE_CHECKING:
+    from kvoffload.pool.block_pool import CpuBlockPool
+    from kvoffload.pool.free_queue import CpuBlock
+    from kvoffload.scheduler.ledger import BlockLedger
+    from kvoffload.tiers.health import TierHealth, TierState
+    from kvoffload.transfer.plan import StorePlan
+
+__all__ = ["Cascade"]
+
+
+@final
+class Cascade:
+    """Queues newly stored CPU blocks for the tiers and writes them in the tiers' writers.
+
+    Args:
+        tiers: the tiers' states, in lookup order.
+        ledger: the scheduler's ledger (write-down references).
+        pool: the CPU block pool (which blocks a store published).
+        health: marks a tier whose write failed.
+        namespace: the 32-byte namespace digest written into every block header.
+        nbytes: bytes per CPU block.
+        block_view: CPU block id -> its bytes (no copy).
+    """
+
+    __slots__ = ("_block_view", "_health", "_ledger", "_namespace", "_nbytes", "_pool", "_tiers")
+
+    def __init__(
+        self,
+        tiers: Sequence[TierState],
+        *,
+        ledger: BlockLedger,
+        pool: CpuBlockPool,
+        health: TierHealth,
+        namespace: bytes,
+        nbytes: int,
+        block_view: Callable[[int], memoryview],
+    ) -> None:
+        self._tiers = tiers
+        self._ledger = ledger
+        self._pool = pool
+        self._health = health
+        self._namespace = namespace
+        self._nbytes = nbytes
+        self._block_view = block_view
+
+    def enqueue(self, plan: StorePlan) -> list[CpuBlock]:
+        """A CPU store completed: queue its newly published blocks for every tier.
+
+        Each queued block takes a reference. A full queue or an unhealthy tier skips the
+        block for that tier (counted); nothing waits.
+
+        Returns:
+            The plan's blocks that are published (cached under the plan's hashes).
+        """
+        get_cached = self._pool.get_cached
+        blocks = []
+        for block_id, block_hash in zip(plan.cpu_block_ids, plan.block_hashes, strict=True):
+            block = get_cached(block_hash)
+            if block is not None and block.block_id == block_id:
+                blocks.append(block)
+        if not blocks:
+            return blocks
+        for t in self._tiers:
+            if not (t.healthy and t.writable):
+                t.skipped_unhealthy += len(blocks)
+                continue
+            room = max(0, t.max_queued - t.held)
+            take = blocks[:room]
+            t.skipped_full += len(blocks) - len(take)
+            if not take:
+                continue
+            self._ledger.open_write_down(take)
+            t.queue.extend(take)
+            t.held += len(take)
+            t.max_held = max(t.max_held, t.held)
+            t.wake.set()
+        return blocks
+
+    def drop_all(self) -> None:
+        """Drop every tier's queued write-downs (releasing their references)."""
+        for t in self._tiers:
+            self._health.drop_queue(t)
+
+    async def writer(self, t: TierState) -> None:
+        """One writer of tier ``t``: writes its queue in batches. Runs until cancelled."""
+        while True:
+            while not t.queue:
+                # One event shared by every idle writer of the tier: a writer replacing
+                # it with its own would leave the others waiting on events never set.
+                if t.wake.is_set():
+                    t.wake = anyio.Event()
+                await t.wake.wait()
+            batch = [t.queue.popleft() for _ in range(min(t.max_batch, len(t.queue)))]
+            try:
+                await self._write(t, batch)
+            finally:
+                t.held -= len(batch)
+                self._ledger.close_write_down(batch[::-1])
+
+    async def _write(self, t: TierState, batch: list[CpuBlock]) -> None:
+        hashes: list[BlockHash] = []
+        views: list[memoryview] = []
+        for block in batch:
+            # A reference is held, so the block cannot be reused; it can be unpublished
+            # (a reset, a failed load) - then it is not written.
+            if block.block_hash is not None:
+                hashes.append(block.block_hash)
+                views.append(self._block_view(block.block_id))
+        if not hashes:
+            return
+        namespace = self._namespace
+        # The tier builds each header (the payload's checksum) in the worker thread that
+        # writes the block: no extra hand-off, and no checksum on the event loop.
+        writes = [
+            BlockWrite(h, b"", v, seal=functools.partial(encode_header, namespace, h, v))
+            for h, v in zip(hashes, views, strict=True)
+        ]
+        await t.gate.acquire(read=False)
+        start = time.perf_counter()
+        try:
+            if not (t.healthy and t.writable):
+                t.skipped_unhealthy += len(hashes)
+                return
+            with anyio.fail_after(t.timeout_s):
+                stored = await t.tier.put(writes)
+        except Exception as exc:
+            t.writes_failed += len(hashes)
+            if self._health.reads_ok(t):
+                self._health.fault_write(t, exc, "put")
+            else:
+                self._health.fault(t, exc, "put")
+        else:
+            t.blocks_written += stored
+            t.bytes_written += stored * self._nbytes
+        finally:
+            t.write_seconds += time.perf_counter() - start
+            t.gate.release()

@@ -1,0 +1,394 @@
+"""Promotion: blocks a lookup misses in the CPU pool are read back from the tiers.
+
+* CPU blocks are taken, published and released only through the scheduler's
+  `BlockLedger`, which also owns the pending stores: a promotion allocates like a store
+  (only free blocks, never one with a copy in flight, never the blocks of the prefix it
+  extends), skips every hash being stored or promoted right now, and marks its own
+  hashes pending, so no store plans them meanwhile. If no block is free it is skipped
+  (the lookup is answered from the CPU pool).
+* Every block read from a tier is checked by `verify_block()` before it is published; a
+  block that fails is a miss, is deleted from its tier and is counted (invariant 3).
+* A probe that found nothing keeps lookups from probing the same block again for a
+  while; a reset (a new epoch) makes the promotions in flight publish nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, final
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+
+from kvoffload._logging import get_logger
+from kvoffload.errors import IntegrityError
+from kvoffload.hashing import BlockHash
+from kvoffload.tiers.base import BlockRead
+from kvoffload.tiers.format import verify_block
+
+if TYPE_CHECKING:
+    from kvoffload.pool.block_pool import CpuBlockPool
+    from kvoffload.pool.free_queue import CpuBlock
+    from kvoffload.scheduler.ledger import BlockLedger, Promotion
+    from kvoffload.tiers.health import TierHealth, TierState
+
+__all__ = ["Promoter"]
+
+_log = get_logger("tiers")
+
+_ABSENT_TTL_S = 1.0
+"""How long a probe that found nothing keeps lookups from probing the same block again."""
+_ABSENT_MAX = 4096
+_PROMOTION_MAX_BLOCKS = 256
+
+
+@dataclass(slots=True, eq=False)
+class _Promotion:
+    hashes: tuple[BlockHash, ...]
+    protect: tuple[CpuBlock, ...]
+    epoch: int
+
+
+@final
+class Promoter:
+    """Starts promotions after CPU lookups and runs them: probe, read, verify, publish.
+
+    Args:
+        tiers: the tiers' states, in lookup order.
+        ledger: the scheduler's ledger (promotions are opened and closed in it).
+        pool: the CPU block pool.
+        health: marks a tier whose probe, read or delete failed.
+        namespace: the 32-byte namespace digest every block header must carry.
+        nbytes: bytes per CPU block.
+        block_view: CPU block id -> its bytes (no copy).
+
+    Attributes:
+        promotions: promotions started.
+        no_space: promotions skipped because no CPU block was free.
+        deferred_lookups: lookups answered "ask again" while a promotion ran.
+        errors: promotions that ended on an unexpected error.
+        in_flight: promotions running now.
+    """
+
+    __slots__ = (
+        "_absent",
+        "_block_view",
+        "_closed",
+        "_epoch",
+        "_health",
+        "_jobs",
+        "_landed",
+        "_ledger",
+        "_namespace",
+        "_nbytes",
+        "_pool",
+        "_tiers",
+        "deferred_lookups",
+        "errors",
+        "in_flight",
+        "no_space",
+        "promotions",
+    )
+
+    def __init__(
+        self,
+        tiers: Sequence[TierState],
+        *,
+        ledger: BlockLedger,
+        pool: CpuBlockPool,
+        health: TierHealth,
+        namespace: bytes,
+        nbytes: int,
+        block_view: Callable[[int], memoryview],
+    ) -> None:
+        self._tiers = tiers
+        self._ledger = ledger
+        self._pool = pool
+        self._health = health
+        self._namespace = namespace
+        self._nbytes = nbytes
+        self._block_view = block_view
+        self._jobs: dict[BlockHash, _Promotion] = {}
+        self._absent: OrderedDict[BlockHash, float] = OrderedDict()
+        self._landed: OrderedDict[BlockHash, CpuBlock] = OrderedDict()
+        self._epoch = 0
+        self._closed = False
+        self.promotions = 0
+        self.no_space = 0
+        self.deferred_lookups = 0
+        self.errors = 0
+        self.in_flight = 0
+
+    def close(self) -> None:
+        """Promotions still running publish nothing."""
+        self._closed = True
+
+    def reset(self) -> None:
+        """The CPU cache was reset: promotions in flight publish nothing."""
+        self._epoch += 1
+        self._absent.clear()
+        self._landed.clear()
+
+    def forget_absent(self, blocks: Sequence[CpuBlock]) -> None:
+        """These blocks were just stored: a later lookup may probe for them again."""
+        absent = self._absent
+        if absent:
+            for block in blocks:
+                if block.block_hash is not None:
+                    absent.pop(block.block_hash, None)
+
+    def extend(
+        self,
+        block_hashes: Sequence[BlockHash],
+        end: int,
+        limit: int,
+        pinned: Sequence[CpuBlock],
+        *,
+        allow_defer: bool,
+        task_group: anyio.abc.TaskGroup,
+    ) -> bool:
+        """Start a promotion of what follows a CPU hit, in ``task_group`` (see
+        `TierManager.extend_lookup()`); ``True``: the lookup should ask again later."""
+        landed = self._landed
+        if landed:
+            for block in pinned:
+                if block.block_hash is not None:
+                    landed.pop(block.block_hash, None)
+        if end >= limit:
+            return False
+        first = block_hashes[end]
+        job = self._jobs.get(first)
+        if (
+            job is None
+            and first not in self._ledger.pending
+            and not self._is_absent(first)
+            and any(t.healthy for t in self._tiers)
+        ):
+            job = _Promotion(
+                hashes=tuple(block_hashes[end : min(limit, end + _PROMOTION_MAX_BLOCKS)]),
+                protect=tuple(pinned),
+                epoch=self._epoch,
+            )
+            for block_hash in job.hashes:
+                self._jobs.setdefault(block_hash, job)
+            self.promotions += 1
+            self.in_flight += 1
+            task_group.start_soon(self._promote, job)
+        if job is not None and allow_defer:
+            self.deferred_lookups += 1
+            return True
+        return False
+
+    def is_promoting(self, block_hash: BlockHash) -> bool:
+        """Whether a promotion covering ``block_hash`` is in flight."""
+        return block_hash in self._jobs
+
+    def _is_absent(self, block_hash: BlockHash) -> bool:
+        expiry = self._absent.get(block_hash)
+        if expiry is None:
+            return False
+        if expiry > time.monotonic():
+            return True
+        del self._absent[block_hash]
+        return False
+
+    def _mark_absent(self, block_hash: BlockHash) -> None:
+        self._absent[block_hash] = time.monotonic() + _ABSENT_TTL_S
+        self._absent.move_to_end(block_hash)
+        while len(self._absent) > _ABSENT_MAX:
+            self._absent.popitem(last=False)
+
+    async def _promote(self, job: _Promotion) -> None:
+        opened: list[Promotion] = []
+        try:
+            await self._promote_job(job, opened)
+        except Exception as exc:  # never let a bug here end the offloader's task group
+            self.errors += 1
+            _log.error("promotion_failed", error=repr(exc), blocks=len(job.hashes))
+        finally:
+            for block_hash in job.hashes:
+                if self._jobs.get(block_hash) is job:
+                    del self._jobs[block_hash]
+            self.in_flight -= 1
+            if opened:  # cancelled or failed while reading: publish nothing
+                self._ledger.close_promotion(opened.pop(), None)
+
+    async def _promote_job(self, job: _Promotion, opened: list[Promotion]) -> None:
+        """Probe, open a promotion in the ledger (``opened`` holds it while the read runs;
+        the caller closes it if this ends early), read, verify, close it (publish)."""
+        sources = await self._probe(job.hashes)
+        run = sources[-1][2] if sources else 0
+        if run < len(job.hashes):
+            self._mark_absent(job.hashes[run])  # where the next lookup's run will stop
+        if run == 0:
+            return
+        if job.epoch != self._epoch or self._closed:
+            return
+        promotion = self._open(job, run)
+        if promotion is None or not promotion.blocks:
+            return
+        opened.append(promotion)
+        ok = await self._read_into(sources, promotion.wanted, promotion.blocks)
+        opened.pop()
+        current = job.epoch == self._epoch and not self._closed
+        published = self._ledger.close_promotion(promotion, ok if current else None)
+        for (i, block_hash), block, done in zip(
+            promotion.wanted, promotion.blocks, published, strict=True
+        ):
+            if done:
+                self._landed[block_hash] = block
+                self._tier_of(sources, i).promoted += 1
+        while len(self._landed) > max(1, self._pool.num_blocks // 4):
+            self._landed.popitem(last=False)
+
+    @staticmethod
+    def _tier_of(sources: list[tuple[TierState, int, int]], i: int) -> TierState:
+        for t, lo, hi in sources:
+            if lo <= i < hi:
+                return t
+        raise IndexError(i)  # pragma: no cover - wanted blocks all lie in a source
+
+    async def _probe(self, hashes: tuple[BlockHash, ...]) -> list[tuple[TierState, int, int]]:
+        """Find, tier by tier, the leading run of ``hashes`` the tiers hold together."""
+        sources: list[tuple[TierState, int, int]] = []
+        run = 0
+        progress = True
+        while progress and run < len(hashes):
+            progress = False
+            for t in self._tiers:
+                if not t.healthy or run >= len(hashes):
+                    continue
+                await t.gate.acquire(read=True)
+                try:
+                    with anyio.fail_after(t.timeout_s):
+                        k = await t.tier.exists(hashes[run:])
+                except Exception as exc:
+                    self._health.fault(t, exc, "exists")
+                    continue
+                finally:
+                    t.gate.release()
+                k = max(0, min(k, len(hashes) - run))
+                if k:
+                    sources.append((t, run, run + k))
+                    run += k
+                    progress = True
+        return sources
+
+    def _open(self, job: _Promotion, run: int) -> Promotion | None:
+        """Open a promotion of the part of the run neither cached nor being filled (a
+        store or another promotion in flight), in free CPU blocks only: never a
+        referenced block, the prefix being extended or a block just promoted."""
+        ledger = self._ledger
+        wanted = ledger.promotable(list(enumerate(job.hashes[:run])))
+        if not wanted:
+            return None
+        protect = {b for b in job.protect if b.block_hash is not None}
+        protect.update(b for h, b in self._landed.items() if b.block_hash == h)
+        promotion = ledger.open_promotion(wanted, protect)
+        if promotion is None:
+            self.no_space += 1
+            _log.debug("promotion_deferred", blocks=len(wanted), free=self._pool.num_free)
+        return promotion
+
+    async def _read_into(
+        self,
+        sources: list[tuple[TierState, int, int]],
+        wanted: list[tuple[int, BlockHash]],
+        blocks: list[CpuBlock],
+    ) -> list[bool]:
+        ok = [False] * len(wanted)
+        for t, lo, hi in sources:
+            picks = [j for j, (i, _) in enumerate(wanted) if lo <= i < hi]
+            for at in range(0, len(picks), t.max_batch):
+                chunk = picks[at : at + t.max_batch]
+                if not t.healthy:
+                    break
+                hashes = [wanted[j][1] for j in chunk]
+                views = [self._block_view(blocks[j].block_id) for j in chunk]
+                for j, good in zip(chunk, await self._read_chunk(t, hashes, views), strict=True):
+                    ok[j] = good
+        return ok
+
+    async def _read_chunk(
+        self, t: TierState, hashes: list[BlockHash], views: list[memoryview]
+    ) -> list[bool]:
+        await t.gate.acquire(read=True)
+        start = time.perf_counter()
+        try:
+            with anyio.fail_after(t.timeout_s):
+                reads = await t.tier.get(hashes, views)
+        except Exception as exc:
+            self._health.fault(t, exc, "get")
+            return [False] * len(hashes)
+        finally:
+            t.read_seconds += time.perf_counter() - start
+            t.gate.release()
+        if all(r is None or r.payload_checksum is not None for r in reads):
+            # The payload checksums were taken by the thread that read them: what is left
+            # (header crc, namespace, hash, length, comparing checksums) is cheap.
+            reasons = self._verify_all(hashes, views, reads)
+        else:
+            reasons = await anyio.to_thread.run_sync(self._verify_all, hashes, views, reads)
+        good: list[bool] = []
+        bad: list[BlockHash] = []
+        for block_hash, reason in zip(hashes, reasons, strict=True):
+            if reason is None:
+                t.blocks_read += 1
+                t.bytes_read += self._nbytes
+                good.append(True)
+                continue
+            good.append(False)
+            if reason == "miss":
+                t.read_misses += 1
+                continue
+            t.failed_checks += 1
+            bad.append(block_hash)
+            _log.warning(
+                "tier_block_rejected",
+                tier=t.tier.name,
+                block_hash=block_hash.hex()[:16],
+                reason=reason,
+            )
+        if bad:
+            await t.gate.acquire(read=True)
+            try:
+                with anyio.fail_after(t.timeout_s):
+                    await t.tier.delete(bad)
+            except Exception as exc:
+                self._health.fault(t, exc, "delete")
+            finally:
+                t.gate.release()
+        return good
+
+    def _verify_all(
+        self,
+        hashes: list[BlockHash],
+        views: list[memoryview],
+        reads: list[BlockRead | None],
+    ) -> list[str | None]:
+        if len(reads) != len(hashes):
+            return ["length"] * len(hashes)
+        reasons: list[str | None] = []
+        for block_hash, view, read in zip(hashes, views, reads, strict=True):
+            if read is None:
+                reasons.append("miss")
+                continue
+            try:
+                verify_block(
+                    read.header,
+                    namespace=self._namespace,
+                    block_hash=block_hash,
+                    expected_length=self._nbytes,
+                    received_length=read.payload_length,
+                    payload=view,
+                    payload_checksum=read.payload_checksum,
+                )
+            except IntegrityError as exc:
+                reasons.append(exc.reason)
+            else:
+                reasons.append(None)
+        return reasons

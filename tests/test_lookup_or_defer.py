@@ -1,0 +1,79 @@
+"""`lookup_or_defer()` on the façade and on the request handle: `lookup()` that may answer
+``None`` ("ask again later"), the same call as the older ``lookup(..., allow_defer=True)``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvoffload import (
+    InvalidInputError,
+    KVLayout,
+    KVOffloader,
+    OffloadConfig,
+    RequestStateError,
+)
+from kvoffload.testing import ControllableCopyEngine
+
+pytestmark = pytest.mark.anyio
+
+BS = 4
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=4, dtype="float32", block_size=BS)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def make_kv(num_blocks: int = 32) -> list[torch.Tensor]:
+    return [torch.zeros(LAYOUT.tensor_shape(num_blocks)) for _ in range(2)]
+
+
+def config() -> OffloadConfig:
+    return OffloadConfig(block_size=BS, num_cpu_blocks=32, model_id="m")
+
+
+async def test_the_offloader_defers_while_the_next_block_is_being_stored() -> None:
+    engine = ControllableCopyEngine()
+    async with KVOffloader(config(), make_kv(), copy_engine=engine) as off:
+        prompt = list(range(13))
+        hashes = off.hash_prompt(prompt)
+        off.update("a", [0, 1, 2, 3], hashes, 13)
+        [store] = off.store()
+        assert off.lookup("b", hashes, 13) == 0  # a shorter hit, never "ask again"
+        assert off.lookup_or_defer("b", hashes, 13) is None
+        assert off.lookup("b", hashes, 13, allow_defer=True) is None  # the older spelling
+        engine.complete(store)
+        await store
+        assert off.lookup_or_defer("b", hashes, 13) == 12
+        assert off.scheduler.request_state("b").pinned  # the hit is pinned, as by lookup
+        off.release("b")
+        assert off.lookup_or_defer("c", hashes, 13, no_read=True) == 0
+        off.scheduler.check_invariants()
+        for rid in ("a", "b", "c"):
+            off.finish(rid)
+
+
+async def test_the_handle_defers_while_the_next_block_is_being_stored() -> None:
+    engine = ControllableCopyEngine()
+    async with KVOffloader(config(), make_kv(), copy_engine=engine) as off:
+        prompt = list(range(13))
+        with off.request("a", prompt) as a:
+            a.advance([0, 1, 2, 3], 13)
+            [store] = off.store()
+        with off.request("b", prompt) as b:
+            assert b.lookup_or_defer() is None  # "ask again after the store"
+            assert b.hit_tokens == 0
+            engine.complete(store)
+            await store
+            assert b.lookup_or_defer() == 12
+            assert b.hit_tokens == 12
+            with pytest.raises(InvalidInputError, match="num_computed_tokens"):
+                b.lookup_or_defer(num_computed_tokens=3)
+            assert b.lookup_or_defer(num_computed_tokens=4) == 8  # after the engine's prefix
+            b.release()
+        with pytest.raises(
+            RequestStateError, match=r"'b' is already finished: lookup_or_defer\(\)"
+        ):
+            b.lookup_or_defer()
