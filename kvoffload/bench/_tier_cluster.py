@@ -8,7 +8,7 @@ import sys
 import uuid
 from collections.abc import Sequence
 
-from kvoffload.bench._tier_common import NS, Batch, check_copies, side_by_side, tier_ops
+from kvoffload.bench._tier_common import NS, check_copies, pipelined_ops, side_by_side, tier_ops
 from kvoffload.hashing import BlockHash
 
 __all__ = ["redis_cluster"]
@@ -48,23 +48,6 @@ async def redis_cluster(
     keys = [f"{prefix}bare:{i}".encode() for i in range(n)]
     keys2 = [f"{prefix}bare2:{i}".encode() for i in range(n)]
 
-    def bare_ops(keys: Sequence[bytes]) -> dict[str, Batch]:
-        async def bare_set(lo: int, hi: int) -> None:
-            async with bare.pipeline(transaction=False) as pipe:
-                for i in range(lo, hi):
-                    pipe.set(keys[i], src[i])
-                await pipe.execute()
-
-        async def bare_get(lo: int, hi: int) -> None:
-            async with bare.pipeline(transaction=False) as pipe:
-                for i in range(lo, hi):
-                    pipe.get(keys[i])
-                values = await pipe.execute()
-            if any(v is None or len(v) != nbytes for v in values):
-                raise RuntimeError("bare GET missed")
-
-        return {"store": bare_set, "load": bare_get}
-
     async def reset() -> None:
         async with bare.pipeline(transaction=False) as pipe:
             for key in (*keys, *keys2):
@@ -78,11 +61,11 @@ async def redis_cluster(
             n,
             nbytes,
             ours=(
-                bare_ops(keys2)
+                pipelined_ops(bare, keys2, src, nbytes)
                 if args.calibrate
                 else tier_ops(tier, args, nbytes=nbytes, hashes=hashes, src=src, dst=dst)
             ),
-            base=bare_ops(keys),
+            base=pipelined_ops(bare, keys, src, nbytes),
             reset=reset,
             check=(lambda: None) if args.calibrate else functools.partial(check_copies, src, dst),
         )

@@ -9,6 +9,7 @@ import functools
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import anyio
 
@@ -23,6 +24,7 @@ __all__ = [
     "concurrently",
     "gbps",
     "medians",
+    "pipelined_ops",
     "side_by_side",
     "tier_ops",
 ]
@@ -156,3 +158,27 @@ def check_copies(src: Sequence[memoryview], dst: Sequence[memoryview]) -> None:
     for i in (0, n // 2, n - 1):
         if dst[i] != src[i]:
             raise RuntimeError(f"block {i} read back differs")
+
+
+def pipelined_ops(
+    client: Any, keys: Sequence[bytes], src: Sequence[memoryview], nbytes: int
+) -> dict[str, Batch]:
+    """The baseline's store and load: one pipelined ``SET`` / ``GET`` per block of a batch
+    on a bare redis-py client (a `Redis` or a `RedisCluster`, whose pipeline splits the
+    batch per node), moving the same bytes as the tier."""
+
+    async def bare_set(lo: int, hi: int) -> None:
+        async with client.pipeline(transaction=False) as pipe:
+            for i in range(lo, hi):
+                pipe.set(keys[i], src[i])
+            await pipe.execute()
+
+    async def bare_get(lo: int, hi: int) -> None:
+        async with client.pipeline(transaction=False) as pipe:
+            for i in range(lo, hi):
+                pipe.get(keys[i])
+            values = await pipe.execute()
+        if any(v is None or len(v) != nbytes for v in values):
+            raise RuntimeError("bare GET missed")
+
+    return {"store": bare_set, "load": bare_get}

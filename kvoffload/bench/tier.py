@@ -46,6 +46,7 @@ from kvoffload.bench._tier_common import (
     NS,
     Batch,
     check_copies,
+    pipelined_ops,
     side_by_side,
     tier_ops,
 )
@@ -261,23 +262,6 @@ async def _redis(
     keys = [f"{prefix}bare:{i}".encode() for i in range(n)]
     keys2 = [f"{prefix}bare2:{i}".encode() for i in range(n)]
 
-    def bare_ops(keys: Sequence[bytes]) -> dict[str, Batch]:
-        async def bare_set(lo: int, hi: int) -> None:
-            async with bare.pipeline(transaction=False) as pipe:
-                for i in range(lo, hi):
-                    pipe.set(keys[i], src[i])
-                await pipe.execute()
-
-        async def bare_get(lo: int, hi: int) -> None:
-            async with bare.pipeline(transaction=False) as pipe:
-                for i in range(lo, hi):
-                    pipe.get(keys[i])
-                values = await pipe.execute()
-            if any(v is None or len(v) != nbytes for v in values):
-                raise RuntimeError("bare GET missed")
-
-        return {"store": bare_set, "load": bare_get}
-
     async def reset() -> None:
         await bare.delete(*keys, *keys2)
         await tier.delete(hashes)
@@ -288,11 +272,11 @@ async def _redis(
             n,
             nbytes,
             ours=(
-                bare_ops(keys2)
+                pipelined_ops(bare, keys2, src, nbytes)
                 if args.calibrate
                 else tier_ops(tier, args, nbytes=nbytes, hashes=hashes, src=src, dst=dst)
             ),
-            base=bare_ops(keys),
+            base=pipelined_ops(bare, keys, src, nbytes),
             reset=reset,
             # A bare GET copies nothing into the host blocks: only the tier's can be checked.
             check=(lambda: None) if args.calibrate else functools.partial(check_copies, src, dst),

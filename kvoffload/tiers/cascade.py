@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, final
 
 import anyio
@@ -21,51 +20,22 @@ import anyio
 from kvoffload.hashing import BlockHash
 from kvoffload.tiers.base import BlockWrite
 from kvoffload.tiers.format import encode_header
+from kvoffload.tiers.health import TierPart
 
 if TYPE_CHECKING:
-    from kvoffload.pool.block_pool import CpuBlockPool
     from kvoffload.pool.free_queue import CpuBlock
-    from kvoffload.scheduler.ledger import BlockLedger
-    from kvoffload.tiers.health import TierHealth, TierState
+    from kvoffload.tiers.health import TierState
     from kvoffload.transfer.plan import StorePlan
 
 __all__ = ["Cascade"]
 
 
 @final
-class Cascade:
-    """Queues newly stored CPU blocks for the tiers and writes them in the tiers' writers.
+class Cascade(TierPart):
+    """Queues newly stored CPU blocks for the tiers and writes them in the tiers' writers
+    (built with the `TierPart` arguments: the ledger holds the write-down references)."""
 
-    Args:
-        tiers: the tiers' states, in lookup order.
-        ledger: the scheduler's ledger (write-down references).
-        pool: the CPU block pool (which blocks a store published).
-        health: marks a tier whose write failed.
-        namespace: the 32-byte namespace digest written into every block header.
-        nbytes: bytes per CPU block.
-        block_view: CPU block id -> its bytes (no copy).
-    """
-
-    __slots__ = ("_block_view", "_health", "_ledger", "_namespace", "_nbytes", "_pool", "_tiers")
-
-    def __init__(
-        self,
-        tiers: Sequence[TierState],
-        *,
-        ledger: BlockLedger,
-        pool: CpuBlockPool,
-        health: TierHealth,
-        namespace: bytes,
-        nbytes: int,
-        block_view: Callable[[int], memoryview],
-    ) -> None:
-        self._tiers = tiers
-        self._ledger = ledger
-        self._pool = pool
-        self._health = health
-        self._namespace = namespace
-        self._nbytes = nbytes
-        self._block_view = block_view
+    __slots__ = ()
 
     def enqueue(self, plan: StorePlan) -> list[CpuBlock]:
         """A CPU store completed: queue its newly published blocks for every tier.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, final
 
@@ -23,10 +24,11 @@ from kvoffload._logging import get_logger
 from kvoffload.tiers.base import SecondaryTier
 
 if TYPE_CHECKING:
+    from kvoffload.pool.block_pool import CpuBlockPool
     from kvoffload.pool.free_queue import CpuBlock
     from kvoffload.scheduler.ledger import BlockLedger
 
-__all__ = ["PriorityGate", "TierHealth", "TierState"]
+__all__ = ["PriorityGate", "TierHealth", "TierPart", "TierState"]
 
 _log = get_logger("tiers")
 
@@ -233,3 +235,38 @@ class TierHealth:
             t.recoveries += 1
             t.sick = anyio.Event()
             _log.info("tier_recovered", tier=t.tier.name)
+
+
+class TierPart:
+    """What the tier manager's moving parts (`Cascade`, `Promoter`) are built with.
+
+    Args:
+        tiers: the tiers' states, in lookup order.
+        ledger: the scheduler's ledger (write-down and promotion references).
+        pool: the CPU block pool.
+        health: marks a tier whose operation failed.
+        namespace: the 32-byte namespace digest of every block header.
+        nbytes: bytes per CPU block.
+        block_view: CPU block id -> its bytes (no copy).
+    """
+
+    __slots__ = ("_block_view", "_health", "_ledger", "_namespace", "_nbytes", "_pool", "_tiers")
+
+    def __init__(
+        self,
+        tiers: Sequence[TierState],
+        *,
+        ledger: BlockLedger,
+        pool: CpuBlockPool,
+        health: TierHealth,
+        namespace: bytes,
+        nbytes: int,
+        block_view: Callable[[int], memoryview],
+    ) -> None:
+        self._tiers = tiers
+        self._ledger = ledger
+        self._pool = pool
+        self._health = health
+        self._namespace = namespace
+        self._nbytes = nbytes
+        self._block_view = block_view

@@ -29,6 +29,7 @@ from kvoffload.errors import IntegrityError
 from kvoffload.hashing import BlockHash
 from kvoffload.tiers.base import BlockRead
 from kvoffload.tiers.format import verify_block
+from kvoffload.tiers.health import TierPart
 
 if TYPE_CHECKING:
     from kvoffload.pool.block_pool import CpuBlockPool
@@ -54,17 +55,9 @@ class _Promotion:
 
 
 @final
-class Promoter:
-    """Starts promotions after CPU lookups and runs them: probe, read, verify, publish.
-
-    Args:
-        tiers: the tiers' states, in lookup order.
-        ledger: the scheduler's ledger (promotions are opened and closed in it).
-        pool: the CPU block pool.
-        health: marks a tier whose probe, read or delete failed.
-        namespace: the 32-byte namespace digest every block header must carry.
-        nbytes: bytes per CPU block.
-        block_view: CPU block id -> its bytes (no copy).
+class Promoter(TierPart):
+    """Starts promotions after CPU lookups and runs them: probe, read, verify, publish
+    (built with the `TierPart` arguments: promotions are opened and closed in the ledger).
 
     Attributes:
         promotions: promotions started.
@@ -76,17 +69,10 @@ class Promoter:
 
     __slots__ = (
         "_absent",
-        "_block_view",
         "_closed",
         "_epoch",
-        "_health",
         "_jobs",
         "_landed",
-        "_ledger",
-        "_namespace",
-        "_nbytes",
-        "_pool",
-        "_tiers",
         "deferred_lookups",
         "errors",
         "in_flight",
@@ -105,13 +91,15 @@ class Promoter:
         nbytes: int,
         block_view: Callable[[int], memoryview],
     ) -> None:
-        self._tiers = tiers
-        self._ledger = ledger
-        self._pool = pool
-        self._health = health
-        self._namespace = namespace
-        self._nbytes = nbytes
-        self._block_view = block_view
+        super().__init__(
+            tiers,
+            ledger=ledger,
+            pool=pool,
+            health=health,
+            namespace=namespace,
+            nbytes=nbytes,
+            block_view=block_view,
+        )
         self._jobs: dict[BlockHash, _Promotion] = {}
         self._absent: OrderedDict[BlockHash, float] = OrderedDict()
         self._landed: OrderedDict[BlockHash, CpuBlock] = OrderedDict()
