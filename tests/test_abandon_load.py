@@ -30,6 +30,7 @@ from kvoffload import (
     TransferError,
     TransferStatus,
     TransferTask,
+    UnknownRequestError,
 )
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.testing import ControllableCopyEngine, CopyFaults
@@ -328,6 +329,27 @@ async def test_a_finished_handle_refuses_abandon_load(kind: str) -> None:
             req.abandon_load()
 
 
+async def test_the_low_level_call_and_after_finish(kind: str) -> None:
+    # KVOffloader.abandon_load(): an unknown id is refused; a finished request whose load
+    # is still in flight can abandon it too, and is forgotten at once.
+    async with rig(kind) as r:
+        with pytest.raises(UnknownRequestError, match="'nobody'"):
+            r.off.abandon_load("nobody")
+        await store_prompt(r)
+        r.hold()
+        hashes = r.off.hash_prompt(PROMPT)
+        assert r.off.lookup("b", hashes, len(PROMPT)) == 3 * BS
+        task = r.off.load("b", [4, 5, 6, 7], 3 * BS)
+        assert task is not None
+        r.off.finish("b")
+        assert r.off.scheduler.has_request("b")  # draining: its load is in flight
+        blocks = r.off.abandon_load("b")
+        assert not r.off.scheduler.has_request("b")
+        assert_quarantined(r, task, blocks)
+        r.land()
+        await assert_all_back(r, blocks)
+
+
 async def test_a_recompute_may_reuse_the_blocks_once_the_pinner_released_them(
     kind: str,
 ) -> None:
@@ -346,3 +368,51 @@ async def test_a_recompute_may_reuse_the_blocks_once_the_pinner_released_them(
         assert torch.equal(block(r.kv, 4), torch.full_like(block(r.kv, 4), 3.0))
         req.finish()
         await assert_all_back(r, blocks)
+
+
+@pytest.mark.cuda
+async def test_on_cuda_the_abandoned_copys_event_is_waited_on_before_release() -> None:
+    # The CUDA path: the load queues behind a stalled compute stream; abandoning it ends
+    # the wait at once, but the blocks come back only once the poller saw its event fire.
+    kv = [t.cuda() for t in make_kv()]
+    released: list[int] = []
+    pinner = RefCountPinner(on_release=released.extend)
+    config = OffloadConfig(block_size=BS, num_cpu_blocks=NUM_CPU)
+    async with KVOffloader(config, kv, layout=LAYOUT, pinner=pinner) as off:
+        with off.request("a", PROMPT) as a:
+            a.advance([0, 1, 2, 3], len(PROMPT))
+            off.store()
+        await off.drain()
+        released.clear()
+        with off.request("b", PROMPT) as req:
+            assert req.lookup() == 3 * BS
+            torch.cuda._sleep(200_000_000)  # the load waits for the compute stream
+            task = req.load([4, 5, 6, 7])
+            assert task is not None
+            blocks = req.abandon_load()
+            assert blocks == (4, 5, 6)
+            assert task.status is TransferStatus.ABANDONED
+            task.wait_on(torch.cuda.current_stream())  # enqueues nothing any more
+            # No checkpoint since: the poller cannot have delivered it, the event is held.
+            assert task._completion is not None
+            assert all(pinner.is_pinned(b) for b in blocks)
+            assert not released
+            with pytest.raises(LoadAbandonedError):
+                await task
+            for t in kv:
+                t[[8, 9, 10]] = 7.0  # the recompute, in fresh blocks
+            req.advance([8, 9, 10, 11], len(PROMPT))
+        await off.drain()
+        assert task._completion is None  # delivered: its event had fired
+        assert sorted(released) == [4, 5, 6]
+        assert pinner.num_pinned == 0
+        torch.cuda.synchronize()
+        for gpu, src in zip(blocks, [0, 1, 2], strict=True):
+            assert torch.equal(block(kv, gpu), block(kv, src))  # the late copy landed there
+        for b in (8, 9, 10):
+            assert torch.equal(block(kv, b), torch.full_like(block(kv, b), 7.0))
+        assert off.pool.num_free == off.pool.num_blocks
+        stats = off.statistics().scheduler
+        assert stats.abandoned_loads == 1
+        assert stats.loaded_tokens == 0
+        off.scheduler.check_invariants()
