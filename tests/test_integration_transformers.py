@@ -846,3 +846,54 @@ async def test_a_deadline_that_is_not_missed_loads(model: Any, reference_model: 
 def test_a_negative_load_deadline_is_refused(model: Any) -> None:
     with pytest.raises(ConfigError, match="load_deadline_s=-1"):
         PagedEngine(model, num_gpu_blocks=8, block_size=BS, load_deadline_s=-1)
+
+
+async def test_an_abandoned_load_without_fresh_blocks_starts_over(
+    model: Any, reference_model: Any
+) -> None:
+    # Five GPU blocks: b's table takes four, so no three fresh ones are free when its load
+    # is abandoned. b is preempted and re-admitted once the late copy ended (the step
+    # waits for it), computes everything, and answers the tokens of no offload.
+    engine = PagedEngine(
+        model,
+        num_gpu_blocks=5,
+        block_size=BS,
+        enable_prefix_caching=False,
+        load_deadline_s=0,
+    )
+    copies = ControllableCopyEngine()
+    (prompt,) = prompts(1, 30, seed=6)
+    async with KVOffloader(
+        config(), engine.kv, layout=engine.layout, pinner=engine.pinner, copy_engine=copies
+    ) as off:
+        engine.attach(off)
+        engine.add_request("a", prompt, max_new_tokens=4)
+        await engine.run_until_done()
+        copies.complete_all()
+        await off.drain()
+        engine.add_request("b", prompt, max_new_tokens=4)
+        done: list[GenerationResult] = []
+
+        async def run() -> None:
+            done.extend(await engine.run_until_done())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            with anyio.fail_after(30):
+                while not engine.statistics().abandoned_loads:
+                    await anyio.sleep(0.001)
+                assert engine.statistics().preemptions == 1  # no fresh blocks: preempted
+                while not done:  # land every copy, the abandoned one included
+                    copies.complete_all()
+                    await anyio.sleep(0.001)
+        (b,) = done
+        assert b.output_token_ids == reference(reference_model, prompt, 4)
+        assert b.loaded_tokens == 0
+        assert b.computed_tokens == len(prompt)
+        copies.complete_all()
+        await off.drain()
+        assert off.statistics().scheduler.abandoned_loads == 1
+        off.scheduler.check_invariants()
+    engine.check_invariants()
+    assert engine.pinner.num_pinned == 0
+    assert engine.allocator.statistics().num_used == 0
