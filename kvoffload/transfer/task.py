@@ -36,7 +36,9 @@ class TransferStatus(enum.Enum):
 
     ``PENDING`` (created, not launched) → ``RUNNING`` (queued on its copy stream or
     worker) → ``DONE`` | ``FAILED`` | ``ABANDONED``. A launch failure goes straight from
-    ``PENDING`` to ``FAILED``. The last three are final.
+    ``PENDING`` to ``FAILED``. The last three are final. A load its request abandoned
+    (``abandon_load()``) is ``ABANDONED`` at once, while its copy may still run: its
+    completion is delivered (references released, GPU blocks unpinned) once it ended.
     """
 
     PENDING = "pending"
