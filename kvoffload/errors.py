@@ -16,6 +16,7 @@ library raised on purpose::
     ├── RequestStateError                 a request used in a state that forbids it (finished)
     ├── HostMemoryError                   host buffer allocation or pinning failed
     ├── TransferError                     a copy failed; the cause is chained
+    │   └── LoadAbandonedError            the engine abandoned the load (abandon_load())
     ├── TransferNotFinishedError          result()/exception() asked of a pending transfer
     ├── PinnerError                       the engine's GpuBlockPinner raised; the cause is chained
     ├── ClosedError                       an object was used after aclose()
@@ -46,6 +47,7 @@ __all__ = [
     "InvariantError",
     "KvOffloadError",
     "LayoutMismatchError",
+    "LoadAbandonedError",
     "OutOfBlocksError",
     "PinnerError",
     "RequestStateError",
@@ -130,6 +132,12 @@ class HostMemoryError(KvOffloadError):
 
 class TransferError(KvOffloadError):
     """A store or load failed; the underlying torch/CUDA error is chained as ``__cause__``."""
+
+
+class LoadAbandonedError(TransferError):
+    """The engine abandoned this load (`OffloadRequest.abandon_load()`,
+    `KVOffloader.abandon_load()`): awaiting it raises this at once, while the copy may
+    still run. Nothing it lands is used; its GPU blocks stay pinned until it has ended."""
 
 
 class TransferNotFinishedError(KvOffloadError):

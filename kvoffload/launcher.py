@@ -128,6 +128,22 @@ class TransferLauncher:
                 "(the transfer was recorded and its references released)"
             ) from error
 
+    def abandon_loads(self, plans: Sequence[TransferPlan]) -> tuple[int, ...]:
+        """Resolve the tasks of loads the scheduler just abandoned (their awaiters get
+        `LoadAbandonedError` now); their completion still arrives once the copy ended,
+        and only then are their GPU blocks unpinned.
+
+        Returns:
+            The GPU blocks those copies still write, in plan order.
+        """
+        gpu_block_ids: list[int] = []
+        for plan in plans:
+            task = self._tasks.get(plan.plan_id)
+            if task is not None:
+                task._give_up()  # the owner abandoning its load is what _give_up is for
+            gpu_block_ids.extend(plan.gpu_block_ids)
+        return tuple(gpu_block_ids)
+
     def abandon_all(self) -> None:
         """Abandon every transfer in flight (a reset): each publishes nothing."""
         for task in self._tasks.values():
@@ -154,7 +170,8 @@ class TransferLauncher:
         self._tasks.pop(task.plan.plan_id, None)
         try:
             ok = task.status is TransferStatus.DONE
-            self._scheduler.complete(task, ok=ok)
+            # An abandoned copy that ended well is no failure (its CPU blocks stay cached).
+            self._scheduler.complete(task, ok=ok or task._copy_ok)
             if ok and self.on_stored is not None and isinstance(task.plan, StorePlan):
                 self.on_stored(task.plan)
         finally:

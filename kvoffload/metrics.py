@@ -228,6 +228,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _c("scheduler", "failed_stores", "failed_stores"),
     _c("scheduler", "failed_loads", "failed_loads"),
     _c("scheduler", "abandoned_transfers", "abandoned_transfers"),
+    _c("scheduler", "abandoned_loads", "abandoned_loads"),
     _c("scheduler", "ignored_completions", "ignored_completions"),
     _c("scheduler", "bytes_stored", "stored_bytes"),
     _c("scheduler", "bytes_loaded", "loaded_bytes"),

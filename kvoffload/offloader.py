@@ -319,6 +319,16 @@ class KVOffloader:
             return None
         return session.launcher.launch(engine, plan, None)
 
+    def abandon_load(self, request_id: str) -> tuple[int, ...]:
+        """Stop waiting for the request's loads in flight; see `OffloadRequest.abandon_load()`.
+
+        Returns the GPU blocks their copies still write (pinned until each ends); raises
+        `UnknownRequestError` for an unknown id, `ClosedError` when not open.
+        """
+        session = self._session
+        session.check("abandon_load", pinner_error=False)
+        return session.launcher.abandon_loads(session.scheduler.abandon_load(request_id))
+
     def update(
         self,
         request_id: str,

@@ -12,7 +12,9 @@ later request is served wrong KV, silently.
 `RefCountPinner` keeps one count per block (two transfers may name the same block). The
 allocator asks `RefCountPinner.is_pinned()` before reusing a block it freed, or passes
 ``on_release`` to learn the moment a block's last pin goes, and puts it back on its free
-list then.
+list then. The same hook says when the blocks of an abandoned load
+(`OffloadRequest.abandon_load()`) are free: they stay pinned until the copy that was given
+up on has ended.
 """
 
 from __future__ import annotations

@@ -75,6 +75,8 @@ class _StepCalls(Protocol):
 
     def release(self, request_id: str) -> None: ...
 
+    def abandon_load(self, request_id: str) -> tuple[int, ...]: ...
+
     def preempt(self, request_id: str) -> None: ...
 
     def finish(self, request_id: str) -> None: ...
@@ -555,6 +557,32 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         self._state.check("release", self._request_id)
         self._off.release(self._request_id)
         self._hit = 0
+
+    def abandon_load(self) -> tuple[int, ...]:
+        """Stop waiting for the request's load in flight (its deadline passed, the client
+        is gone) and recompute those tokens instead.
+
+        The load's task resolves now: awaiting it raises `LoadAbandonedError`. The copy
+        itself cannot be stopped and runs on, but nothing it lands is used: its CPU
+        blocks keep their reference and its GPU blocks stay pinned through the
+        `GpuBlockPinner` until it has ended (``RefCountPinner(on_release=...)`` says
+        when), and it publishes nothing. The lookup pin is released; `hit_tokens` is 0.
+        Recompute the tokens into other GPU blocks, or into the returned ones once the
+        pinner released them; `advance()` may then report a table with other blocks
+        from the load's first block on. Without a load in flight it only releases the
+        pin.
+
+        Returns:
+            The GPU blocks the abandoned copy still writes: never hand them to any
+            computation until the pinner releases them.
+
+        Raises:
+            RequestStateError: the request is finished.
+        """
+        self._state.check("abandon_load", self._request_id)
+        blocks = self._off.abandon_load(self._request_id)
+        self._hit = 0
+        return blocks
 
     def preempt(self) -> None:
         """The engine freed the request's GPU blocks; it will be re-admitted later.

@@ -7,7 +7,9 @@
   and the scheduler's and pool's invariants hold. The machine also makes a second handle
   for an id in use or finished (refused), calls a finished handle (refused, whatever the
   call), and breaks the pinner's next ``unpin`` (the `PinnerError` it leaves surfaces
-  once, and a ``finish`` it surfaces in still finishes the request).
+  once, and a ``finish`` it surfaces in still finishes the request). Loads are started
+  and abandoned: an abandoned load's task is resolved at once, its request holds no pin,
+  and the blocks it names are the load's (until its copy ended and was processed).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from kvoffload import (
     OffloadRequest,
     PinnerError,
     RequestStateError,
+    TransferStatus,
     hash_prompt,
 )
 from kvoffload.hashing import BlockHash
@@ -159,6 +162,7 @@ AFTER_FINISH: dict[str, Callable[[OffloadRequest], object]] = {
     "advance": lambda r: r.advance([], 0),
     "extend": lambda r: r.extend([1]),
     "release": lambda r: r.release(),
+    "abandon_load": lambda r: r.abandon_load(),
     "preempt": lambda r: r.preempt(),
     "finish": lambda r: r.finish(),
 }
@@ -260,6 +264,29 @@ class HandleMachine(RuleBasedStateMachine):
         reported = max(done // BS, self.reported.get(rid, 0))
         assert list(state.block_hashes) == list(req.block_hashes[:reported])
         self.reported[rid] = len(state.block_hashes)
+
+    @precondition(lambda self: getattr(self, "reqs", None))
+    @rule(data=st.data(), abandon=st.booleans())
+    def load(self, data: st.DataObject, abandon: bool) -> None:
+        """Look up, load the hit, and (maybe) abandon the load right away."""
+        rid = data.draw(st.sampled_from(sorted(self.reqs)))
+        req, table = self.reqs[rid], self.tables[rid]
+        if not self.call(req.lookup):
+            return
+        table += list(range(len(table), req.blocks_for(req.num_tokens)))
+        # In a tuple: the portal would await a task it is handed back.
+        (task,) = self.call(lambda: (req.load(table),))
+        if task is None or not abandon:
+            return
+        blocks = self.call(req.abandon_load)
+        assert req.hit_tokens == 0
+        assert not self.off.scheduler.request_state(rid).pinned
+        assert task.done()  # resolved now, whether or not its copy had ended
+        if blocks:  # still in flight: the task is abandoned, the blocks are its
+            assert task.status is TransferStatus.ABANDONED
+            assert blocks == task.gpu_block_ids
+        else:  # processed before the call: nothing to abandon
+            assert task.status is TransferStatus.DONE
 
     @precondition(lambda self: getattr(self, "reqs", None))
     @rule(data=st.data())

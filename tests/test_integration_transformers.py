@@ -11,7 +11,7 @@ import anyio
 import pytest
 import torch
 
-from kvoffload import BlockStateError, ConfigError, KVOffloader, OffloadConfig
+from kvoffload import BlockStateError, ConfigError, HostKVBuffer, KVOffloader, OffloadConfig
 from kvoffload.testing import ControllableCopyEngine
 
 transformers = pytest.importorskip("transformers")
@@ -748,3 +748,152 @@ async def test_a_prompt_only_a_tier_holds_is_loaded_not_computed(
         await off.drain()
         off.scheduler.check_invariants()
         assert engine.pinner.num_pinned == 0
+
+
+async def test_a_load_past_its_deadline_is_abandoned_and_recomputed(
+    model: Any, reference_model: Any
+) -> None:
+    # load_deadline_s=0 and copies that end only when the test says: b's load is really
+    # abandoned. b recomputes into fresh blocks and answers the tokens of no offload; the
+    # late copy, landed while b and c still run, writes only blocks no request holds.
+    engine = PagedEngine(
+        model,
+        num_gpu_blocks=32,
+        block_size=BS,
+        max_batch_tokens=16,
+        enable_prefix_caching=False,  # the hit is the CPU pool's
+        load_deadline_s=0,
+    )
+    host = HostKVBuffer(engine.layout, 256, pin_memory="never")
+    copies = ControllableCopyEngine(layout=engine.layout, gpu_kv=engine.kv, host=host)
+    prompt, other = prompts(2, 30, seed=4)
+    try:
+        async with KVOffloader(
+            config(), engine.kv, layout=engine.layout, pinner=engine.pinner, copy_engine=copies
+        ) as off:
+            engine.attach(off)
+            engine.add_request("a", prompt, max_new_tokens=4)
+            (first,) = await engine.run_until_done()
+            copies.complete_all()  # a's stores land: the CPU pool holds its prefix
+            await off.drain()
+            engine.add_request("b", prompt, max_new_tokens=4)
+            engine.add_request("c", other, max_new_tokens=6)
+            results: dict[str, GenerationResult] = {}
+            late: set[int] = set()
+            steps = 0
+            while engine.has_work:
+                outs = await engine.step()
+                steps += 1
+                results.update({o.request_id: o.result for o in outs if o.result is not None})
+                loads = [t for t in copies.pending if t.kind == "load"]
+                if steps == 1:
+                    (load,) = loads  # b's, abandoned: still in flight
+                    late = set(load.gpu_block_ids)
+                    assert late
+                    assert all(engine.pinner.is_pinned(b) for b in late)
+                    assert engine.allocator.statistics().num_held >= len(late)
+                if loads:
+                    for r in engine._batch.running:
+                        assert not late & set(r.table), "a request holds a late copy's block"
+                if steps == 2:
+                    copies.complete_all()  # the late copy lands mid-run
+                engine.check_invariants()
+            assert steps > 2
+            b, c = results["b"], results["c"]
+            assert (
+                b.output_token_ids
+                == first.output_token_ids
+                == reference(reference_model, prompt, 4)
+            )
+            assert c.output_token_ids == reference(reference_model, other, 6)
+            assert b.loaded_tokens == 0
+            assert b.computed_tokens == len(prompt)
+            stats = engine.statistics()
+            assert stats.abandoned_loads == 1
+            assert stats.failed_loads == 0
+            copies.complete_all()
+            await off.drain()
+            sched = off.statistics().scheduler
+            assert sched.abandoned_loads == 1
+            assert sched.loaded_tokens == 0
+            assert off.pool.num_free == off.pool.num_blocks
+            off.scheduler.check_invariants()
+        engine.check_invariants()
+        assert engine.pinner.num_pinned == 0
+        assert engine.allocator.statistics().num_held == 0
+        assert engine.allocator.statistics().num_used == 0
+    finally:
+        host.close()
+
+
+async def test_a_deadline_that_is_not_missed_loads(model: Any, reference_model: Any) -> None:
+    engine = PagedEngine(
+        model, num_gpu_blocks=32, block_size=BS, enable_prefix_caching=False, load_deadline_s=60
+    )
+    prompt = prompts(1, 30, seed=4)[0]
+    async with KVOffloader(config(), engine.kv, layout=engine.layout, pinner=engine.pinner) as off:
+        engine.attach(off)
+        engine.add_request("a", prompt, max_new_tokens=3)
+        await engine.run_until_done()
+        await off.drain()
+        engine.add_request("b", prompt, max_new_tokens=3)
+        (b,) = await engine.run_until_done()
+        assert b.loaded_tokens == 3 * BS
+        assert b.output_token_ids == reference(reference_model, prompt, 3)
+        assert engine.statistics().abandoned_loads == 0
+
+
+def test_a_negative_load_deadline_is_refused(model: Any) -> None:
+    with pytest.raises(ConfigError, match="load_deadline_s=-1"):
+        PagedEngine(model, num_gpu_blocks=8, block_size=BS, load_deadline_s=-1)
+
+
+async def test_an_abandoned_load_without_fresh_blocks_starts_over(
+    model: Any, reference_model: Any
+) -> None:
+    # Five GPU blocks: b's table takes four, so no three fresh ones are free when its load
+    # is abandoned. b is preempted and re-admitted once the late copy ended (the step
+    # waits for it), computes everything, and answers the tokens of no offload.
+    engine = PagedEngine(
+        model,
+        num_gpu_blocks=5,
+        block_size=BS,
+        enable_prefix_caching=False,
+        load_deadline_s=0,
+    )
+    copies = ControllableCopyEngine()
+    (prompt,) = prompts(1, 30, seed=6)
+    async with KVOffloader(
+        config(), engine.kv, layout=engine.layout, pinner=engine.pinner, copy_engine=copies
+    ) as off:
+        engine.attach(off)
+        engine.add_request("a", prompt, max_new_tokens=4)
+        await engine.run_until_done()
+        copies.complete_all()
+        await off.drain()
+        engine.add_request("b", prompt, max_new_tokens=4)
+        done: list[GenerationResult] = []
+
+        async def run() -> None:
+            done.extend(await engine.run_until_done())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            with anyio.fail_after(30):
+                while not engine.statistics().abandoned_loads:
+                    await anyio.sleep(0.001)
+                assert engine.statistics().preemptions == 1  # no fresh blocks: preempted
+                while not done:  # land every copy, the abandoned one included
+                    copies.complete_all()
+                    await anyio.sleep(0.001)
+        (b,) = done
+        assert b.output_token_ids == reference(reference_model, prompt, 4)
+        assert b.loaded_tokens == 0
+        assert b.computed_tokens == len(prompt)
+        copies.complete_all()
+        await off.drain()
+        assert off.statistics().scheduler.abandoned_loads == 1
+        off.scheduler.check_invariants()
+    engine.check_invariants()
+    assert engine.pinner.num_pinned == 0
+    assert engine.allocator.statistics().num_used == 0

@@ -1,9 +1,11 @@
 """A hypothesis state machine over OffloadScheduler with a simulated engine.
 
 Random lookups, loads, chunked updates, stores, successful / failed / delayed completions,
-finishes (holding unstored blocks or not), preemptions and resets; and malformed input
-that must be refused with nothing changed (duplicate, out-of-range and changed block-table
-entries, reuse of a finished id), and plans undone because the engine's pinner raised.
+finishes (holding unstored blocks or not), preemptions, resets and abandoned loads (the
+engine recomputes into fresh GPU blocks while the abandoned copy may still land); and
+malformed input that must be refused with nothing changed (duplicate, out-of-range and
+changed block-table entries, reuse of a finished id), and plans undone because the
+engine's pinner raised.
 After every step: ``check_invariants()`` plus the model's own checks: every published CPU
 block holds the KV of its hash, and every load delivers exactly the KV the request needs
 (wrong KV is the worst bug there is). The engine reuses GPU blocks, but never one that an
@@ -58,6 +60,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.held: list[int] = []  # GPU blocks finished requests hold (hold_blocks_on_finish)
         self.finished: list[str] = []
+        self.abandoned: set[int] = set()  # load plans abandoned, their copy still in flight
 
     @initialize(restore=st.booleans(), size=st.integers(2, 8), hold=st.booleans())
     def setup(self, restore: bool, size: int, hold: bool) -> None:
@@ -157,6 +160,23 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.in_flight.append(plan)
         else:
             self.sched.update(rid, req.table, req.hs, req.computed)
+
+    def cached_prompts(self) -> list[tuple[int, int]]:
+        pool = self.sched.pool
+        return [
+            (f, v)
+            for f in range(FAMILIES)
+            for v in range(2)
+            if pool.is_cached(hashes(prompt(f, v, 1))[0])
+        ]
+
+    @precondition(lambda self: self.cached_prompts())
+    @rule(data=st.data(), num_blocks=st.integers(1, MAX_BLOCKS))
+    def admit_for_a_hit(self, data: st.DataObject, num_blocks: int) -> None:
+        """A prompt whose first block is cached: the lookup hits and the load starts (random
+        admissions alone rarely find one)."""
+        family, variant = data.draw(st.sampled_from(self.cached_prompts()))
+        self.admit(family, variant, num_blocks, 1.0, False, 0, False)
 
     @precondition(lambda self: any(not r.loading for r in self.reqs.values()))
     @rule(data=st.data(), chunk=st.integers(1, 3 * BS))
@@ -282,15 +302,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             if isinstance(plan, StorePlan):
                 for g, h in zip(plan.gpu_block_ids, plan.block_hashes, strict=True):
                     assert self.sim.gpu[g] == h, "a store would read a block that is not its KV"
-            self.sim.execute(plan)
-            if isinstance(plan, LoadPlan):
+            self.sim.execute(plan)  # an abandoned load writes too: into blocks nobody reads
+            if isinstance(plan, LoadPlan) and plan.plan_id not in self.abandoned:
                 req = self.reqs.get(plan.request_id)
                 if req is not None and req.table:
                     first = req.table.index(plan.gpu_block_ids[0])
                     for j, g in enumerate(plan.gpu_block_ids):
                         assert self.sim.gpu[g] == req.hs[first + j], "a load delivered wrong KV"
         assert self.sched.complete(plan, ok=ok)
-        if isinstance(plan, LoadPlan) and plan.request_id in self.reqs:
+        if isinstance(plan, LoadPlan) and plan.plan_id in self.abandoned:
+            self.abandoned.discard(plan.plan_id)
+        elif isinstance(plan, LoadPlan) and plan.request_id in self.reqs:
             req = self.reqs[plan.request_id]
             req.loading = False
             if ok and req.table:
@@ -299,6 +321,32 @@ class SchedulerMachine(RuleBasedStateMachine):
                 for g in plan.gpu_block_ids:
                     self.sim.gpu[g] = None  # failed load: garbage, recompute
         self.settle_gpu()
+
+    @precondition(lambda self: any(r.loading for r in self.reqs.values()))
+    @rule(data=st.data())
+    def abandon_load(self, data: st.DataObject) -> None:
+        """The engine stops waiting for a load and recomputes into fresh GPU blocks (or,
+        when none are free, is preempted); the copy stays in flight and may land later,
+        into blocks no computation uses until it ended."""
+        rid = data.draw(st.sampled_from(sorted(k for k, r in self.reqs.items() if r.loading)))
+        req = self.reqs[rid]
+        (plan,) = self.sched.abandon_load(rid)
+        assert plan in self.in_flight
+        assert not self.sched.request_state(rid).pinned
+        assert self.sched.abandon_load(rid) == []  # once
+        self.abandoned.add(plan.plan_id)
+        req.loading = False
+        old = list(plan.gpu_block_ids)
+        fresh = self.take_gpu(len(old))
+        if fresh is None:
+            self.sched.preempt(rid)
+            self.free_gpu(req.table)
+            req.table, req.computed = [], 0
+            return
+        first = req.table.index(old[0])
+        req.table[first : first + len(old)] = fresh
+        self.free_gpu(old)  # pinned by the abandoned copy: reusable only once it ended
+        self.sched.update(rid, req.table, req.hs, req.computed)
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())

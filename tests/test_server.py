@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -606,3 +607,45 @@ def test_the_command_line_refuses_a_thread_count_below_one(
         app_module.main(["--threads", "0"])
     assert exit_info.value.code == 2
     assert "--threads must be >= 1, got 0" in capsys.readouterr().err
+
+
+async def test_a_load_past_its_deadline_is_recomputed_with_the_same_answer() -> None:
+    """``--load-deadline-s 0`` with copies held back: the second request's load is
+    abandoned, its tokens recomputed, and the answer is the first one's."""
+    gate = threading.Event()
+    hook = CopyFaults(gate=gate)
+    gate.set()
+    engine = PagedEngine(
+        tiny_model(),
+        num_gpu_blocks=160,
+        block_size=BLOCK,
+        enable_prefix_caching=False,
+        load_deadline_s=0,
+    )
+    app = app_module.create_app(engine, offload_config(), copy_hook=hook)
+    prompt = {"prompt": list(range(40)), "max_tokens": 5}
+    try:
+        async with serving(app) as (url, _server), httpx.AsyncClient(base_url=url) as client:
+            first = (await client.post("/v1/completions", json=prompt)).json()
+            await until(client, lambda s: s["offloader"]["scheduler"]["in_flight_transfers"] == 0)
+            gate.clear()  # every copy from now on waits: the load misses its deadline
+            again = (await client.post("/v1/completions", json=prompt)).json()
+            body = await stats(client)
+            assert body["engine"]["abandoned_loads"] == 1
+            assert body["offloader"]["scheduler"]["abandoned_loads"] == 1
+            assert body["engine"]["loaded_tokens"] == 0
+            gate.set()
+            await until(client, lambda s: s["offloader"]["scheduler"]["in_flight_transfers"] == 0)
+        assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    finally:
+        gate.set()
+    assert_whole(app)
+
+
+def test_the_command_line_refuses_a_negative_load_deadline(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        app_module.main(["--load-deadline-s", "-1"])
+    assert exit_info.value.code == 2
+    assert "--load-deadline-s must be >= 0, got -1.0" in capsys.readouterr().err

@@ -580,6 +580,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-offload", action="store_true", help="serve without kvoffload (for comparison)"
     )
     parser.add_argument(
+        "--load-deadline-s",
+        type=float,
+        help="abandon a request's load from the CPU pool after this many seconds and "
+        "recompute those tokens (default: wait for every load)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         help="torch's intra-op threads (default: torch's choice, one per core); 1 on a CPU "
@@ -590,6 +596,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.threads < 1:
             parser.error(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.load_deadline_s is not None and not args.load_deadline_s >= 0:
+        parser.error(f"--load-deadline-s must be >= 0, got {args.load_deadline_s}")
     model = build_model(args.model, device=args.device)
     engine = PagedEngine(
         model,
@@ -597,6 +605,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         block_size=args.block_size,
         max_batch_tokens=args.max_batch_tokens,
         max_running=args.max_running,
+        load_deadline_s=args.load_deadline_s,
     )
     config = None
     if not args.no_offload:

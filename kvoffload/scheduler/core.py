@@ -346,6 +346,12 @@ class OffloadScheduler:
         """
         return self._loads.plan_load(request_id, gpu_block_ids, num_tokens)
 
+    def abandon_load(self, request_id: str) -> list[LoadPlan]:
+        """Stop waiting for ``request_id``'s loads in flight (see `LoadPlanner.abandon()`);
+        their CPU blocks stay referenced until `complete()`, which counts nothing for them.
+        Returns the plans abandoned; raises as `release()` does."""
+        return self._loads.abandon(self._table.get(request_id))
+
     # -- stores ----------------------------------------------------------------------------
 
     def plan_stores(self, gpu_cache: GpuCacheView | None = None) -> StorePlan | None:

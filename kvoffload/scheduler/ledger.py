@@ -42,6 +42,9 @@ class PlanEntry:
     ends: tuple[int, ...] | None = None
     # A completed store: how many of its blocks were published.
     published: int = 0
+    # A load its request abandoned (`BlockLedger.abandon_load()`): no longer "loading",
+    # its references kept until the copy has ended.
+    abandoned: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -196,6 +199,22 @@ class BlockLedger:
         self._plans[plan.plan_id] = PlanEntry(plan, take, (), self.epoch)
         return plan, concurrent
 
+    def abandon_load(self, plan_id: int) -> PlanEntry | None:
+        """A load's request stopped waiting for it: its blocks are no longer counted as
+        being loaded (a lookup does not defer to it, a second load is not concurrent),
+        but keep their references until the copy ends and `close()` releases them.
+
+        Returns:
+            The plan's entry, or ``None`` when it is not an open load that was not
+            abandoned yet (nothing changed).
+        """
+        rec = self._plans.get(plan_id)
+        if rec is None or rec.plan.kind != "load" or rec.abandoned:
+            return None
+        rec.abandoned = True
+        self._unmark_loading(rec.blocks)
+        return rec
+
     def _unmark_loading(self, blocks: list[CpuBlock]) -> None:
         loading = self.loading
         for block in blocks:  # count_down() inlined: a loop per block
@@ -236,7 +255,8 @@ class BlockLedger:
                     if pending.get(block_hash) is block:
                         del pending[block_hash]
         else:
-            self._unmark_loading(blocks)
+            if not rec.abandoned:
+                self._unmark_loading(blocks)
             if not ok:
                 for block in blocks:
                     pool.unpublish(block)
@@ -259,6 +279,8 @@ class BlockLedger:
             for block, block_hash in zip(blocks, rec.hashes, strict=True):
                 if pending.get(block_hash) is block:
                     del pending[block_hash]
+            self._pool.free(blocks[::-1])
+        elif rec.abandoned:
             self._pool.free(blocks[::-1])
         else:
             self._unmark_loading(blocks)
@@ -373,7 +395,7 @@ class BlockLedger:
         expected: dict[int, int] = {}
         loading: dict[int, int] = {}
         for rec in self._plans.values():
-            is_load = rec.plan.kind == "load"
+            is_load = rec.plan.kind == "load" and not rec.abandoned
             for block in rec.blocks:
                 if block.ref_cnt < 1:
                     raise InvariantError(

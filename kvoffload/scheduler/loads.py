@@ -178,11 +178,54 @@ class LoadPlanner:
         self._counters.load_plans += 1
         return plan
 
+    def abandon(self, state: RequestOffloadState) -> list[LoadPlan]:
+        """A request stops waiting for its loads in flight (see
+        `OffloadScheduler.abandon_load()`): its lookup pin is released, each load is
+        marked abandoned in the ledger (its references kept until the copy ends) and no
+        longer serves the request, and what the scheduler knew of the request's block
+        table from the first abandoned block on is forgotten (its recompute may use other
+        GPU blocks there).
+
+        Returns:
+            The load plans abandoned now, oldest first.
+        """
+        self.release_pin(state)
+        ledger = self._ledger
+        starts = self.starts
+        abandoned: list[LoadPlan] = []
+        first: int | None = None
+        for plan_id in sorted(state.in_flight):
+            if plan_id not in starts:
+                continue  # a store
+            rec = ledger.abandon_load(plan_id)
+            if rec is None or not isinstance(rec.plan, LoadPlan):
+                continue
+            abandoned.append(rec.plan)
+            start = starts[plan_id]
+            first = start if first is None else min(first, start)
+        for plan in abandoned:
+            state.in_flight.discard(plan.plan_id)
+        if abandoned:
+            self._counters.abandoned_loads += len(abandoned)
+            _log.debug(
+                "load_abandoned",
+                request_id=state.request_id,
+                plans=len(abandoned),
+                blocks=sum(p.num_blocks for p in abandoned),
+            )
+        if first is not None and state.num_stored_blocks <= first:
+            self._table.forget_from(state, first, self._block_size)
+        self._table.drop_if_done(state)
+        return abandoned
+
     def cancel_plan(self, rec: PlanEntry, current: bool) -> None:
         """A load plan was cancelled (the ledger keeps its blocks as a pin): they become
-        its request's lookup pin again, or are released if that cannot be."""
+        its request's lookup pin again, or are released if that cannot be (an abandoned
+        load's blocks the ledger released already)."""
         self._counters.load_plans -= 1
         start = self.starts.pop(rec.plan.plan_id)
+        if rec.abandoned:
+            return
         owner = self._table.requests.get(rec.plan.request_ids[0])
         if owner is not None and current and not owner.finished and not owner.pinned:
             owner.pinned = rec.blocks

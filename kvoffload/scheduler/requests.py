@@ -262,6 +262,17 @@ class RequestTable:
         state.move_to(RequestPhase.PREEMPTED)
         state.admitted = False
 
+    @staticmethod
+    def forget_from(state: RequestOffloadState, first: int, block_size: int) -> None:
+        """Forget the request's block table from entry ``first`` on (an abandoned load's
+        destinations: the engine may recompute there into other GPU blocks); its
+        computed tokens stop there too. The store cursor must be at or below ``first``."""
+        ids = state.gpu_block_ids
+        if len(ids) > first:
+            del ids[first:]
+            state.gpu_block_set = set(ids)
+        state.num_computed_tokens = min(state.num_computed_tokens, first * block_size)
+
     def check_invariants(
         self, pins: Collection[int], has_plan: Callable[[int], bool]
     ) -> tuple[Counter[BlockHash], int]:

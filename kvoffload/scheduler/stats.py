@@ -32,7 +32,8 @@ class SchedulerStatistics:
         loaded_blocks: blocks whose load completed.
         failed_stores: store transfers that failed (nothing published).
         failed_loads: load transfers that failed (their CPU blocks were unpublished).
-        abandoned_transfers: transfers that completed after a ``reset`` (nothing published).
+        abandoned_transfers: transfers that completed after a ``reset``, or after their
+            load was abandoned (nothing published, nothing counted as loaded).
         ignored_completions: completions of unknown or already completed plans.
         bytes_stored: bytes of completed stores.
         bytes_loaded: bytes of completed loads.
@@ -48,6 +49,8 @@ class SchedulerStatistics:
         prompt_tokens: tokens of the requests looked up, counted once per admission (at
             a request's first lookup, and again at its first lookup after a preemption),
             the engine's own prefix included.
+        abandoned_loads: loads their request abandoned while the copy was in flight
+            (``abandon_load``); the engine recomputed those tokens.
     """
 
     lookups: int
@@ -76,6 +79,7 @@ class SchedulerStatistics:
     hold_expired_blocks: int = 0
     loaded_tokens: int = 0
     prompt_tokens: int = 0
+    abandoned_loads: int = 0
 
 
 class Counters:
@@ -88,6 +92,7 @@ class Counters:
     __slots__ = (
         "_block_size",
         "_bytes_per_block",
+        "abandoned_loads",
         "abandoned_transfers",
         "bytes_loaded",
         "bytes_stored",
@@ -139,10 +144,11 @@ class Counters:
         self.hold_expired_blocks = 0
         self.loaded_tokens = 0
         self.prompt_tokens = 0
+        self.abandoned_loads = 0
 
     def completed(self, rec: PlanEntry, *, ok: bool, current: bool) -> None:
         """Count a plan the ledger closed (``current``: opened since the last reset)."""
-        if not current:
+        if not current or rec.abandoned:
             self.abandoned_transfers += 1
             return
         store = rec.plan.kind == "store"
@@ -188,6 +194,7 @@ class Counters:
             hold_expired_blocks=self.hold_expired_blocks,
             loaded_tokens=self.loaded_tokens,
             prompt_tokens=self.prompt_tokens,
+            abandoned_loads=self.abandoned_loads,
             live_requests=live_requests,
             in_flight_transfers=in_flight_transfers,
             held_blocks=held_blocks,

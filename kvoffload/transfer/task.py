@@ -18,7 +18,12 @@ from typing import Any, Protocol, TypeVar, final
 import anyio
 import anyio.lowlevel
 
-from kvoffload.errors import InvariantError, TransferError, TransferNotFinishedError
+from kvoffload.errors import (
+    InvariantError,
+    LoadAbandonedError,
+    TransferError,
+    TransferNotFinishedError,
+)
 from kvoffload.transfer.plan import TransferKind, TransferPlan
 
 __all__ = ["CompletionHandle", "TransferResult", "TransferStatus", "TransferTask"]
@@ -31,7 +36,9 @@ class TransferStatus(enum.Enum):
 
     ``PENDING`` (created, not launched) → ``RUNNING`` (queued on its copy stream or
     worker) → ``DONE`` | ``FAILED`` | ``ABANDONED``. A launch failure goes straight from
-    ``PENDING`` to ``FAILED``. The last three are final.
+    ``PENDING`` to ``FAILED``. The last three are final. A load its request abandoned
+    (``abandon_load()``) is ``ABANDONED`` at once, while its copy may still run: its
+    completion is delivered (references released, GPU blocks unpinned) once it ended.
     """
 
     PENDING = "pending"
@@ -105,8 +112,8 @@ class CompletionHandle(Protocol):
 
 
 def _fresh_copy(error: TransferError) -> TransferError:
-    """A new `TransferError` with the message and cause of ``error``, no traceback."""
-    copy = TransferError(*error.args)
+    """A new error of the type of ``error`` with its message and cause, no traceback."""
+    copy = type(error)(*error.args)
     copy.__cause__ = error.__cause__
     return copy
 
@@ -155,6 +162,7 @@ class TransferTask(metaclass=_NoPublicConstructor):
     __slots__ = (
         "_abandoned",
         "_completion",
+        "_copy_ok",
         "_delivered",
         "_event",
         "_exception",
@@ -189,6 +197,7 @@ class TransferTask(metaclass=_NoPublicConstructor):
         self._wait_on = wait_on
         self._status = status
         self._abandoned = False
+        self._copy_ok = False
         self._delivered = False
         self._woken = False
         self._event: anyio.Event | None = None
@@ -315,6 +324,29 @@ class TransferTask(metaclass=_NoPublicConstructor):
         if not self._delivered:
             self._abandoned = True
 
+    def _give_up(self) -> bool:
+        """Resolve the task as ``ABANDONED`` now (`LoadAbandonedError`), while its copy
+        runs on: awaiters wake at once and `wait_on()` does nothing any more. The copy's
+        completion is still watched and delivered once it ends (that is when its
+        references and GPU pins go).
+
+        Returns:
+            ``False`` when the task had already finished (nothing changed).
+        """
+        if self._status.is_final:
+            return False
+        self._abandoned = True
+        self._status = self._status.advance(TransferStatus.ABANDONED)
+        self._exception = LoadAbandonedError(
+            f"{self.plan.kind} of plan {self.plan.plan_id} ({self.plan.num_blocks} blocks) "
+            f"was abandoned (requests {', '.join(self.plan.request_ids)}); its copy may "
+            "still be running"
+        )
+        self._woken = True
+        if self._event is not None:
+            self._event.set()
+        return True
+
     def _fired_at(self) -> float | None:
         """When the copy itself finished, if the engine knows (thread engine)."""
         getter = getattr(self._completion, "finished_at", None)
@@ -326,7 +358,8 @@ class TransferTask(metaclass=_NoPublicConstructor):
     def _settle(self, error: BaseException | None) -> None:
         """Move to the final status for a copy that ended with ``error`` (or success)."""
         self._finished_at = self._fired_at() or time.perf_counter()
-        if self._status.is_final:  # launch failure; may have been abandoned since
+        self._copy_ok = error is None and self._status is not TransferStatus.PENDING
+        if self._status.is_final:  # launch failure or given up; may have been abandoned since
             if self._abandoned and self._status is TransferStatus.FAILED:
                 self._status = TransferStatus.ABANDONED
                 self._exception = self._abandoned_error(self._exception)

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 from transfer_helpers import load_plan, store_plan
 
-from kvoffload.errors import InvariantError, TransferError, TransferNotFinishedError
+from kvoffload.errors import (
+    InvariantError,
+    LoadAbandonedError,
+    TransferError,
+    TransferNotFinishedError,
+)
 from kvoffload.testing import ControllableCopyEngine
 from kvoffload.transfer import TransferResult, TransferStatus, TransferTask
 
@@ -113,6 +118,37 @@ def test_abandon_after_finish_changes_nothing() -> None:
     task = engine.submit(store_plan([0], [0]))
     engine.complete(task)
     task._abandon()
+    assert task.status is TransferStatus.DONE
+
+
+def test_a_given_up_load_resolves_now_and_is_delivered_when_its_copy_ends() -> None:
+    delivered: list[tuple[TransferStatus, bool]] = []
+    engine = ControllableCopyEngine(on_complete=lambda t: delivered.append((t.status, t._copy_ok)))
+    ok = engine.submit(load_plan([0], [0]))
+    bad = engine.submit(load_plan([1], [1]))
+    for task in (ok, bad):
+        assert task._give_up()
+        assert task.done()  # resolved before its copy ended
+        assert task.status is TransferStatus.ABANDONED
+        with pytest.raises(LoadAbandonedError, match="abandoned"):
+            task.result()
+        assert isinstance(task.exception(), TransferError)
+        assert not task._give_up()  # once
+    assert delivered == []
+    assert engine.pending == [ok, bad]  # the copies run on, still watched
+    engine.complete(ok)
+    engine.fail(bad)
+    # Delivered once each, still abandoned; whether the copy itself ended well is kept.
+    assert delivered == [(TransferStatus.ABANDONED, True), (TransferStatus.ABANDONED, False)]
+    with pytest.raises(LoadAbandonedError):
+        ok.result()
+
+
+def test_giving_up_a_finished_task_changes_nothing() -> None:
+    engine = ControllableCopyEngine(on_complete=lambda t: None)
+    task = engine.submit(load_plan([0], [0]))
+    engine.complete(task)
+    assert not task._give_up()
     assert task.status is TransferStatus.DONE
 
 

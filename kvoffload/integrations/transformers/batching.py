@@ -17,6 +17,7 @@ import time
 from collections import deque
 from typing import final
 
+import anyio
 import anyio.lowlevel
 
 from kvoffload.errors import BlockStateError, TransferError
@@ -48,6 +49,7 @@ class _Batcher:
         block_size: int,
         max_batch_tokens: int,
         max_running: int,
+        load_deadline_s: float | None = None,
     ) -> None:
         self.groups = groups
         """The KV cache groups, attention groups first (see `groups_of`)."""
@@ -62,6 +64,7 @@ class _Batcher:
         self._block_size = block_size
         self._max_tokens = max_batch_tokens
         self._max_running = max_running
+        self._load_deadline = load_deadline_s
         self.waiting: deque[_Req] = deque()
         """Requests not admitted yet, or preempted (the first is admitted first)."""
         self.running: list[_Req] = []
@@ -149,20 +152,33 @@ class _Batcher:
 
     def _load_failed(self, r: _Req) -> None:
         self._counters.failed_loads += 1
+        self._recompute(r)
+
+    def _recompute(self, r: _Req) -> None:
+        """``r`` computes what its load was to bring."""
         r.num_computed = r.num_cached_blocks * self._block_size
         if r.result.ttft_s is None:
             r.result.loaded_tokens = 0
 
     async def await_loads(self) -> None:
-        """Wait for the loads admission started (a failed one is recomputed)."""
-        bs = self._block_size
-        for r in self.running:
+        """Wait for the loads admission started (a failed one is recomputed; one past
+        ``load_deadline_s`` is abandoned and recomputed, see `abandon_load`)."""
+        bs, deadline = self._block_size, self._load_deadline
+        for r in list(self.running):
             task, r.load_task = r.load_task, None
             if task is None:
                 continue
             t0 = time.perf_counter()
             try:
-                await task
+                if deadline is None:
+                    await task
+                else:
+                    with anyio.move_on_after(deadline):
+                        await task
+                    if not task.done():
+                        self.abandon_load(r)
+                        continue
+                    task.result()  # a failed load raises here
                 self._counters.loaded += task.plan.num_blocks * bs
             except TransferError:
                 # Recompute what failed to load; the blocks are the request's own.
@@ -170,6 +186,26 @@ class _Batcher:
             finally:
                 if r.result.ttft_s is None:
                     r.result.load_wait_s += time.perf_counter() - t0
+
+    def abandon_load(self, r: _Req) -> None:
+        """Give up ``r``'s load: its copy runs on into blocks no computation may use until
+        it ended, so those leave ``r``'s table for fresh ones (the allocator holds them
+        until the pinner's release hook); ``r`` recomputes the tokens, and never loads
+        again. Without enough free blocks ``r`` is preempted (it starts over later)."""
+        self._counters.abandoned_loads += 1
+        self._recompute(r)
+        r.no_load = True
+        late = self._calls.abandon_load(r)
+        if not late:
+            return
+        table = r.table
+        fresh = self._allocator.allocate(len(late))
+        if fresh is None:
+            self.preempt(r)
+            return
+        swap = dict(zip(late, fresh, strict=True))
+        r.table = [swap.get(b, b) for b in table]
+        self._allocator.free(list(late))
 
     def schedule(self) -> _Segments:
         """This step's batch: decodes first, then prefill chunks, within the token budget."""

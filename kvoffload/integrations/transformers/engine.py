@@ -85,6 +85,10 @@ class PagedEngine:
             (and, for recurrent layers, a state snapshot at every block boundary).
         num_state_blocks: state snapshots the recurrent layers' pool holds (default
             ``num_gpu_blocks``).
+        load_deadline_s: how long a step waits for a request's load from the CPU pool
+            before it abandons it (`OffloadRequest.abandon_load`) and recomputes those
+            tokens, in fresh GPU blocks (the late copy's are reused only once it ended);
+            counted in `EngineStatistics.abandoned_loads`. ``None`` (default): wait.
 
     Raises:
         ConfigError: an unsupported architecture or a bad size (the message says which).
@@ -116,6 +120,7 @@ class PagedEngine:
         max_running: int = 16,
         enable_prefix_caching: bool = True,
         num_state_blocks: int | None = None,
+        load_deadline_s: float | None = None,
     ) -> None:
         cfg = model.config
         model_type = getattr(cfg, "model_type", None)
@@ -131,6 +136,8 @@ class PagedEngine:
                 f"max_batch_tokens={max_batch_tokens}, max_running={max_running} and "
                 f"block_size={block_size} must all be >= 1"
             )
+        if load_deadline_s is not None and not load_deadline_s >= 0:
+            raise ConfigError(f"load_deadline_s={load_deadline_s!r} must be >= 0 or None")
         self.groups = groups_of(cfg, block_size)
         """The KV cache groups (`EngineGroup`): attention groups first, recurrent last."""
         _register_attention()
@@ -198,6 +205,7 @@ class PagedEngine:
             block_size=block_size,
             max_batch_tokens=max_batch_tokens,
             max_running=max_running,
+            load_deadline_s=load_deadline_s,
         )
         self._pass = _ForwardPass(
             model,
@@ -342,6 +350,7 @@ class PagedEngine:
             finish_errors=c.finish_errors,
             pinner_errors=c.pinner_errors,
             allocator=self.allocator.statistics(),
+            abandoned_loads=c.abandoned_loads,
         )
 
     def check_invariants(self) -> None:

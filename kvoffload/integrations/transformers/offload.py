@@ -81,7 +81,7 @@ class _OffloadCalls:
         released): the request waits, and a later step loads what the tier had instead of
         computing it (each tier operation within its own budget).
         """
-        if r.handle is None:
+        if r.handle is None or r.no_load:
             return 0
         defer = self.off is not None and self.off.tiers is not None
         return self._call(
@@ -108,6 +108,13 @@ class _OffloadCalls:
             self._contained("load", r, exc)
         self.release(r)
         return None
+
+    def abandon_load(self, r: _Req) -> tuple[int, ...]:
+        """Give up ``r``'s load in flight; the GPU blocks its copy still writes (pinned
+        until it ended)."""
+        if r.handle is None:
+            return ()
+        return r.handle.abandon_load()  # never raises a PinnerError
 
     def release(self, r: _Req) -> None:
         """Drop ``r``'s lookup pin (it will not be loaded now)."""

@@ -92,6 +92,9 @@ class EngineStatistics:
             with its cause) and the call made again, so no request or step result was
             lost; a request's own call is also named in its `GenerationResult.error`.
         allocator: the block allocator's counters.
+        abandoned_loads: loads given up at ``load_deadline_s`` (their tokens were
+            recomputed in other GPU blocks; the late copy's blocks were reused only once
+            it ended).
     """
 
     steps: int
@@ -105,3 +108,4 @@ class EngineStatistics:
     finish_errors: int
     pinner_errors: int
     allocator: AllocatorStatistics
+    abandoned_loads: int = 0

@@ -34,6 +34,7 @@ class _Req:
         "hasher",
         "load_task",
         "max_new",
+        "no_load",
         "notes",
         "num_cached_blocks",
         "num_computed",
@@ -57,6 +58,7 @@ class _Req:
         self.num_cached_blocks = 0  # blocks registered in the GPU prefix cache
         self.load_task: TransferTask | None = None
         self.aborted = False
+        self.no_load = False  # a load of it was abandoned: it computes from now on
         self.notes: list[str] = []  # kvoffload errors contained along the way, for `result.error`
         self.t0 = time.perf_counter()
         self.result = GenerationResult(rid, len(prompt))
@@ -94,5 +96,6 @@ class _Counters:
     loaded: int = 0
     preemptions: int = 0
     failed_loads: int = 0
+    abandoned_loads: int = 0
     finish_errors: int = 0
     pinner_errors: int = 0
