@@ -10,16 +10,16 @@ completions are processed whether or not anyone does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, final, overload
+from typing import TYPE_CHECKING, Literal, TypeVar, final, overload
 
 import torch
 
 from kvoffload._session import Session
 from kvoffload.build import POOL_BOOKKEEPING_BYTES_PER_BLOCK, CorePlan, plan_core
 from kvoffload.config import KVLayout, OffloadConfig
-from kvoffload.errors import LayoutMismatchError
+from kvoffload.errors import InvalidInputError, LayoutMismatchError
 from kvoffload.hashing import BlockHash, HashNamespace, hash_prompt
 from kvoffload.pinner import GpuBlockPinner, NoOpPinner
 from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
@@ -32,17 +32,28 @@ from kvoffload.transfer.engine import CopyEngine
 from kvoffload.transfer.poller import PollerStatistics
 from kvoffload.transfer.task import TransferTask
 
+if TYPE_CHECKING:  # the group code is imported on first use: one group never loads it
+    from kvoffload._group_session import GroupSession
+    from kvoffload.groups import KVCacheGroup
+    from kvoffload.scheduler.groups import GroupStatistics
+
 __all__ = ["POOL_BOOKKEEPING_BYTES_PER_BLOCK", "KVOffloader", "OffloaderStatistics"]
 
 
 @dataclass(frozen=True, slots=True)
 class OffloaderStatistics:
-    """Counters of every part of one `KVOffloader`."""
+    """Counters of every part of one `KVOffloader`.
+
+    With several KV cache groups, ``pool`` adds up the groups' pools, ``scheduler`` counts
+    for the whole model, and ``groups`` holds each cacheable group's `GroupStatistics`
+    (``None`` for one group).
+    """
 
     pool: PoolStatistics
     scheduler: SchedulerStatistics
     poller: PollerStatistics
     tiers: TierManagerStatistics | None = None
+    groups: Mapping[str, GroupStatistics] | None = None
 
 
 @final
@@ -51,13 +62,18 @@ class KVOffloader:
 
     Args:
         config: the settings.
-        gpu_kv: the engine's per-layer KV tensors (CUDA or CPU).
+        gpu_kv: the engine's per-layer KV tensors (CUDA or CPU); with ``groups``, one
+            list per cacheable group name.
         layout: their layout; inferred with `KVLayout.from_tensors()` when omitted.
         copy_engine: moves the bytes; by default a `CudaCopyEngine` for CUDA
             tensors, else a `ThreadCopyEngine`, built on entry. A given engine is
-            owned too: it is closed on exit.
+            owned too: it is closed on exit. With several groups, one per group name.
         pinner: keeps GPU blocks of transfers in flight from being reused; see
-            `GpuBlockPinner` (default `NoOpPinner`).
+            `GpuBlockPinner` (default `NoOpPinner`). With several groups, one per group
+            name (their block ids are separate).
+        groups: the model's KV cache groups (docs/groups.md). Several (or one that is not
+            ``full``) are offloaded by a `GroupedScheduler`, one host buffer and copy
+            engine per group; the handles of `request()` then take a table per group.
 
     Raises:
         LayoutMismatchError: the tensors disagree with ``layout`` or with each other, or
@@ -74,39 +90,35 @@ class KVOffloader:
     def __init__(
         self,
         config: OffloadConfig,
-        gpu_kv: Sequence[torch.Tensor],
+        gpu_kv: Sequence[torch.Tensor] | Mapping[str, Sequence[torch.Tensor]],
         *,
         layout: KVLayout | None = None,
-        copy_engine: CopyEngine | None = None,
-        pinner: GpuBlockPinner | None = None,
+        copy_engine: CopyEngine | Mapping[str, CopyEngine] | None = None,
+        pinner: GpuBlockPinner | Mapping[str, GpuBlockPinner] | None = None,
+        groups: Sequence[KVCacheGroup] | None = None,
     ) -> None:
-        layout, plan = _plan_core(config, gpu_kv, layout, host_buffer=copy_engine is None)
-        self._num_cpu_blocks = plan.num_cpu_blocks
+        life, self._layout, self._namespace, self._num_cpu_blocks = _parts(
+            config, gpu_kv, layout, copy_engine, pinner, groups
+        )
         self._config = config
-        self._layout = layout
-        self._namespace = HashNamespace.from_layout(
-            layout, model_id=config.model_id, salt=config.hash_salt
-        )
-        self._session = Session(
-            plan,
-            layout,
-            gpu_kv,
-            self._namespace,
-            pinner if pinner is not None else NoOpPinner(),
-            copy_engine,
-        )
+        self._life: Session | GroupSession = life
+        self._groups: GroupSession | None = None
+        if isinstance(life, Session):
+            self._session = life
+        else:
+            self._groups = life
 
     def __repr__(self) -> str:
-        session = self._session
+        life = self._life
         return (
-            f"KVOffloader(state={session.state}, cpu_blocks={self._num_cpu_blocks}, "
-            f"in_flight={session.launcher.num_in_flight if session.built else 0})"
+            f"KVOffloader(state={life.state}, cpu_blocks={self._num_cpu_blocks}, "
+            f"in_flight={life.num_in_flight if life.built else 0})"
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def __aenter__(self) -> KVOffloader:
-        await self._session.open()
+        await self._life.open()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -128,13 +140,13 @@ class KVOffloader:
             WrongContextError: called from another thread or from a task other than the
                 one that entered; nothing was closed.
         """
-        if self._session.begin_close():
-            await self._session.shutdown()
+        if self._life.begin_close():
+            await self._life.shutdown()
 
     @property
     def tiers(self) -> TierManager | None:
         """The tier manager, when ``config.tiers`` is set (for inspection)."""
-        return self._session.tiers
+        return self._life.tiers
 
     # -- properties --------------------------------------------------------------------------
 
@@ -156,19 +168,21 @@ class KVOffloader:
     @property
     def scheduler(self) -> OffloadScheduler:
         """The scheduler (for inspection; drive it through this object)."""
-        self._session.check_built()
-        return self._session.scheduler
+        session = _single(self, "scheduler")
+        session.check_built()
+        return session.scheduler
 
     @property
     def pool(self) -> CpuBlockPool:
         """The CPU block pool."""
-        self._session.check_built()
-        return self._session.pool
+        session = _single(self, "pool")
+        session.check_built()
+        return session.pool
 
     @property
     def host(self) -> HostKVBuffer | None:
         """The host buffer, when this object made the copy engine."""
-        return self._session.host
+        return self._session.host if self._groups is None else None
 
     def hash_prompt(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """Hash a prompt's full blocks in this offloader's namespace."""
@@ -196,20 +210,22 @@ class KVOffloader:
             InvalidInputError: ``num_computed_tokens`` out of range or not block aligned.
             InputTypeError: a token is not a 64-bit int.
         """
-        session = self._session
-        session.check("request")
+        self._life.check("request")
+        g = self._groups
+        lanes = None if g is None else g.lanes_for(request_id)
         handle: OffloadRequest = OffloadRequest._create(
             self,
             request_id,
             prompt_token_ids,
             num_computed_tokens,
-            block_size=self._config.block_size,
+            block_size=self._config.block_size if g is None else g.alignment,
             root=self._namespace.root,
+            lanes=lanes,
         )
         # Last, once nothing can be refused any more: the id is the handle's until it
         # finishes, so a second handle for it (a client's retry) is refused here, before
         # either makes a call.
-        session.scheduler.reserve(request_id)
+        (g or self._session.scheduler).reserve(request_id)
         return handle
 
     # -- the engine's step loop ----------------------------------------------------------------
@@ -264,8 +280,9 @@ class KVOffloader:
             return self.lookup_or_defer(
                 request_id, block_hashes, num_tokens, num_computed_tokens, no_read=no_read
             )
-        self._session.check("lookup")  # with tiers, the scheduler asks the tier manager next
-        return self._session.scheduler.lookup(
+        session = _single(self, "lookup")
+        session.check("lookup")  # with tiers, the scheduler asks the tier manager next
+        return session.scheduler.lookup(
             request_id, block_hashes, num_tokens, num_computed_tokens, no_read=no_read
         )
 
@@ -284,8 +301,9 @@ class KVOffloader:
         or a hit block is being loaded for another request (see
         `OffloadScheduler.lookup_or_defer()`). Raises as `lookup()` does.
         """
-        self._session.check("lookup")
-        return self._session.scheduler.lookup_or_defer(
+        session = _single(self, "lookup_or_defer")
+        session.check("lookup")
+        return session.scheduler.lookup_or_defer(
             request_id, block_hashes, num_tokens, num_computed_tokens, no_read=no_read
         )
 
@@ -312,7 +330,7 @@ class KVOffloader:
             PinnerError: the pinner's ``pin`` raised; the load was not started and the
                 hit stays pinned.
         """
-        session = self._session
+        session = _single(self, "load")
         engine = session.check("load")
         plan = session.scheduler.plan_load(request_id, gpu_block_ids, num_tokens)
         if plan is None:
@@ -330,8 +348,9 @@ class KVOffloader:
 
         See `OffloadScheduler.update()`.
         """
-        self._session.check("update")
-        self._session.scheduler.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
+        session = _single(self, "update")
+        session.check("update")
+        session.scheduler.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
 
     def store(
         self, *, after: object | None = None, gpu_cache: GpuCacheView | None = None
@@ -353,6 +372,8 @@ class KVOffloader:
                 same blocks are planned by the next call.
             PinnerError: the pinner's ``pin`` raised; the plan is undone the same way.
         """
+        if self._groups is not None:
+            return self._groups.store(after)
         session = self._session
         engine = session.check("store")
         plan = session.scheduler.plan_stores(gpu_cache)
@@ -379,6 +400,9 @@ class KVOffloader:
                 finished without holding them), or its ``unpin`` raised after an earlier
                 completion (once; the request is finished all the same).
         """
+        if self._groups is not None:
+            self._groups.finish(request_id)
+            return
         session = self._session
         session.check("finish", pinner_error=False)
         held = session.scheduler.finish(request_id)
@@ -388,22 +412,24 @@ class KVOffloader:
 
     def preempt(self, request_id: str) -> None:
         """The engine preempted a request. See `OffloadScheduler.preempt()`."""
+        if self._groups is not None:
+            self._groups.preempt(request_id)
+            return
         self._session.check("preempt")
         self._session.scheduler.preempt(request_id)
 
     def release(self, request_id: str) -> None:
         """Drop a lookup pin the engine will not load. See `OffloadScheduler.release()`."""
-        self._session.check("release")
-        self._session.scheduler.release(request_id)
+        (self._groups or self._session).check("release")
+        (self._groups or self._session.scheduler).release(request_id)
 
     async def drain(self) -> None:
         """Wait until every transfer in flight has completed and been processed.
 
         Cancellation cancels only the wait.
         """
-        session = self._session
-        session.check("drain")
-        await session.launcher.poller.drain()
+        (self._groups or self._session).check("drain")
+        await (self._groups.poller if self._groups else self._session.launcher.poller).drain()
 
     async def reset(self) -> bool:
         """Empty the CPU prefix cache and wait for the transfers in flight to end.
@@ -418,33 +444,99 @@ class KVOffloader:
 
         Cancellation cancels only the wait; the reset itself has happened.
         """
-        session = self._session
-        session.check("reset")
-        session.scheduler.reset()
-        if session.tiers is not None:
-            session.tiers.reset()
-        launcher = session.launcher
-        launcher.unpin_released_holds()
-        launcher.abandon_all()
-        await launcher.poller.drain()
-        return session.pool.num_cached == 0 and session.scheduler.num_in_flight == 0
+        return await self._life.reset()
 
     def statistics(self) -> OffloaderStatistics:
-        """Counters of the pool, the scheduler and the poller."""
-        session = self._session
-        session.check_built()
-        tiers = session.tiers
-        return OffloaderStatistics(
-            pool=session.pool.statistics(),
-            scheduler=session.scheduler.statistics(),
-            poller=session.launcher.poller.statistics(),
-            tiers=tiers.statistics() if tiers is not None else None,
-        )
+        """Counters of the pool, the scheduler and the poller (and each KV cache group)."""
+        return OffloaderStatistics(*self._life.statistics())
 
     def take_events(self) -> list[PoolEvent]:
         """Pool events since the last call (``enable_events=True``), for KV-aware routers."""
+        if self._groups is not None:
+            return self._groups.take_events()
         self._session.check_built()
         return self._session.pool.take_events()
+
+
+_V = TypeVar("_V")
+
+
+def _single(off: KVOffloader, what: str) -> Session:
+    """The single-group session of ``off``, for a call that takes one group's blocks.
+
+    Raises:
+        InvalidInputError: ``off`` has several KV cache groups (the message names them).
+    """
+    if off._groups is not None:
+        raise InvalidInputError(
+            f"KVOffloader.{what}() takes one group's blocks; this offloader has the KV "
+            f"cache groups {[g.name for g in off._groups.groups]}: use the handles of "
+            "request(), which take one table per group"
+        )
+    return off._session
+
+
+def _by_group(value: _V | Mapping[str, _V]) -> dict[str, _V]:
+    """A per-group argument as a dict (a single value is refused with several groups)."""
+    if not isinstance(value, Mapping):
+        raise InvalidInputError(
+            f"with several KV cache groups, give one value per group name, not a "
+            f"{type(value).__name__}"
+        )
+    return dict(value)
+
+
+def _one(value: _V | Mapping[str, _V] | None) -> _V | None:
+    """A one-group argument: the value itself, or the one value of a mapping."""
+    if isinstance(value, Mapping):
+        if len(value) != 1:
+            raise InvalidInputError(f"one KV cache group: give one value, got {sorted(value)}")
+        return next(iter(value.values()))
+    return value
+
+
+def _parts(  # noqa: PLR0917 - the constructor's arguments, in its order
+    config: OffloadConfig,
+    gpu_kv: Sequence[torch.Tensor] | Mapping[str, Sequence[torch.Tensor]],
+    layout: KVLayout | None,
+    copy_engine: CopyEngine | Mapping[str, CopyEngine] | None,
+    pinner: GpuBlockPinner | Mapping[str, GpuBlockPinner] | None,
+    groups: Sequence[KVCacheGroup] | None,
+) -> tuple[Session | GroupSession, KVLayout, HashNamespace, int]:
+    """The session of a `KVOffloader`, its (first group's) layout, namespace and pool size.
+
+    Several groups, or one that is not ``full``, make a `GroupSession`; one ``full``
+    group is today's single-group offloader (its layout, or the one inferred).
+    """
+    if groups is not None and (len(groups) != 1 or groups[0].kind != "full"):
+        from kvoffload._group_session import GroupSession  # noqa: PLC0415 - groups only
+
+        g = GroupSession(
+            config,
+            groups,
+            _by_group(gpu_kv),
+            _by_group(pinner or {}),
+            None if copy_engine is None else _by_group(copy_engine),
+        )
+        return g, g.layout, g.namespaces[g.layout_group], g.num_cpu_blocks
+    kv: Sequence[torch.Tensor] | Mapping[str, Sequence[torch.Tensor]] | None = gpu_kv
+    engine, pin = copy_engine, pinner
+    if groups is not None:  # one full-attention group: the single-group offloader
+        kv, engine, pin = _one(gpu_kv), _one(copy_engine), _one(pinner)
+        layout = layout or groups[0].layout
+    if (
+        kv is None
+        or isinstance(kv, Mapping)
+        or isinstance(engine, Mapping)
+        or isinstance(pin, Mapping)
+    ):
+        raise InvalidInputError(
+            "gpu_kv, pinner and copy_engine take one value per group only with groups="
+        )
+    layout, plan = _plan_core(config, kv, layout, host_buffer=engine is None)
+    namespace = HashNamespace.from_layout(layout, model_id=config.model_id, salt=config.hash_salt)
+    session = Session(plan, layout, kv, namespace, pin if pin is not None else NoOpPinner(), engine)
+    return session, layout, namespace, plan.num_cpu_blocks
 
 
 def _plan_core(
