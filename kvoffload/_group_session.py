@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
 from typing import final
 
 import anyio
@@ -36,23 +35,22 @@ from kvoffload.errors import (
     RequestStateError,
     WrongContextError,
 )
+from kvoffload.group_launcher import GroupLauncher, pool_statistics
 from kvoffload.groups import KVCacheGroup, hit_alignment
 from kvoffload.hashing import BlockHash, HashNamespace
 from kvoffload.pinner import GpuBlockPinner
 from kvoffload.pool.block_pool import PoolEvent, PoolStatistics
 from kvoffload.request_groups import GroupLanes
 from kvoffload.scheduler import SchedulerStatistics
-from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler, GroupStatistics
+from kvoffload.scheduler.groups import GroupedScheduler, GroupStatistics
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.transfer.cuda_engine import CudaCopyEngine
 from kvoffload.transfer.engine import CopyEngine
-from kvoffload.transfer.grouped import GroupedTransferPlan, submit_grouped
-from kvoffload.transfer.plan import TransferKind
-from kvoffload.transfer.poller import CompletionPoller, PollerStatistics
-from kvoffload.transfer.task import TransferStatus, TransferTask
+from kvoffload.transfer.poller import PollerStatistics
+from kvoffload.transfer.task import TransferTask
 from kvoffload.transfer.thread_engine import ThreadCopyEngine
 
-__all__ = ["GroupCounters", "GroupSession", "page_layout"]
+__all__ = ["GroupSession", "page_layout"]
 
 _log = get_logger("offloader")
 _MAX_DIM = 65536
@@ -104,24 +102,6 @@ def page_layout(
         block_size=rows,
     )
     return layout, views
-
-
-@dataclass(slots=True)
-class GroupCounters:
-    """The whole-model counters of a `GroupSession` (per group: `GroupStatistics`)."""
-
-    lookups: int = 0
-    hit_tokens: int = 0
-    miss_tokens: int = 0
-    store_plans: int = 0
-    load_plans: int = 0
-    failed_stores: int = 0
-    failed_loads: int = 0
-    abandoned: int = 0
-    bytes_stored: int = 0
-    bytes_loaded: int = 0
-    loaded_tokens: int = 0
-    prompt_tokens: int = 0
 
 
 @final
@@ -195,17 +175,15 @@ class GroupSession:
         """Per cacheable group, its hash namespace."""
         self.lanes = [(g.name, g.block_size, self.namespaces[g.name].root) for g in cacheable]
         """Per cacheable group, what a handle hashes with: name, block size, root."""
-        self._pinners = dict(pinners)
         self.engines: dict[str, CopyEngine] = dict(engines or {})
         self._own_engines = engines is None
         self.hosts: dict[str, HostKVBuffer] = {}
         """Per cacheable group, its host buffer (when this session made the engines)."""
-        self.poller = CompletionPoller(self._on_complete, poll_interval_s=config.poll_interval_s)
-        self.counters = GroupCounters()
-        self._tasks: dict[int, TransferTask] = {}
-        self._load_tokens: dict[int, int] = {}
-        self._next_id = 0
-        self._pinner_error: BaseException | None = None
+        self.launcher = GroupLauncher(
+            self.scheduler, self.engines, pinners, poll_interval_s=config.poll_interval_s
+        )
+        self.poller = self.launcher.poller
+        self.counters = self.launcher.counters
         self._live: set[str] = set()
         self._state = _State.CREATED
         self._pid = os.getpid()
@@ -213,6 +191,8 @@ class GroupSession:
         self._owner_task: int | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self.tiers = None
+        self.host = None
+        """No single host buffer: one per group (`hosts`)."""
         self.built = True
 
     # -- lifecycle (as `Session`) --------------------------------------------------------
@@ -225,7 +205,7 @@ class GroupSession:
     @property
     def num_in_flight(self) -> int:
         """Grouped transfers launched and not completed yet."""
-        return len(self._tasks)
+        return len(self.launcher.tasks)
 
     def check_built(self) -> None:
         """Nothing to wait for: the pools are built at once."""
@@ -274,8 +254,9 @@ class GroupSession:
                 "the step loop runs on the event loop's thread"
             )
         self.poller.check_health()
-        if pinner_error and self._pinner_error is not None:
-            error, self._pinner_error = self._pinner_error, None
+        launcher = self.launcher
+        if pinner_error and launcher.pinner_error is not None:
+            error, launcher.pinner_error = launcher.pinner_error, None
             raise PinnerError(
                 f"the GpuBlockPinner's unpin raised after a transfer completed: {error!r}"
             ) from error
@@ -316,9 +297,13 @@ class GroupSession:
                 for host in self.hosts.values():
                     host.close()
                 self._state = _State.CLOSED
-                _log.info("offloader_closed", stored_blocks=self.scheduler_stats().stored_blocks)
+                _log.info("offloader_closed", stored_blocks=self.counters_now().stored_blocks)
 
     # -- the step calls (per-group tables and hashes) ----------------------------------------
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` has a live handle or copies in flight."""
+        return request_id in self._live or self.scheduler.has_request(request_id)
 
     def reserve(self, request_id: str) -> None:
         """Hold ``request_id`` for a new handle until it finishes."""
@@ -377,9 +362,7 @@ class GroupSession:
         if plan is None:
             return None
         self.counters.load_plans += 1
-        task = self.launch(plan, None)
-        self._load_tokens[task.plan.plan_id] = num_tokens
-        return task
+        return self.launcher.launch(plan, None, num_tokens)
 
     def update(
         self,
@@ -401,7 +384,7 @@ class GroupSession:
         if plan is None:
             return []
         self.counters.store_plans += 1
-        return [self.launch(plan, after)]
+        return [self.launcher.launch(plan, after)]
 
     def release(self, request_id: str) -> None:
         """Drop the lookup's pins in every group."""
@@ -414,7 +397,7 @@ class GroupSession:
         if self.scheduler.has_request(request_id):
             plan = self.scheduler.preempt(request_id)
             if plan is not None:
-                self.launch(plan, None)
+                self.launcher.launch(plan, None)
 
     def finish(self, request_id: str) -> None:
         """Store the request's last point now (its GPU blocks stay pinned through each
@@ -424,7 +407,7 @@ class GroupSession:
         if self.scheduler.has_request(request_id):
             plan = self.scheduler.finish(request_id)
             if plan is not None:
-                self.launch(plan, None)
+                self.launcher.launch(plan, None)
         self.check("finish")
 
     async def drain(self) -> None:
@@ -437,90 +420,17 @@ class GroupSession:
         `KVOffloader.reset()`); whether nothing is cached or in flight on return."""
         self.check("reset")
         self.scheduler.reset()
-        for task in self._tasks.values():
+        for task in self.launcher.tasks.values():
             task._abandon()
         await self.poller.drain()
         stats = self.scheduler.statistics().values()
         return not self.scheduler.num_in_flight and not any(s.cached_cpu_blocks for s in stats)
 
-    # -- launching and completing ------------------------------------------------------------
-
-    def launch(self, plan: GroupedPlan, after: object | None) -> TransferTask:
-        """Pin each group's GPU blocks, submit every part, track the one task.
-
-        Raises:
-            PinnerError: a pinner's ``pin`` raised; every part is cancelled.
-            Exception: what the first part's ``submit`` raised; unpinned and cancelled.
-        """
-        pinned: list[tuple[str, Sequence[int]]] = []
-        try:
-            for name, sub in plan.plans.items():
-                pinner = self._pinners.get(name)
-                if pinner is not None:
-                    pinner.pin(sub.gpu_block_ids)
-                    pinned.append((name, sub.gpu_block_ids))
-        except Exception as exc:
-            self._undo(plan, pinned)
-            raise PinnerError(
-                f"the GpuBlockPinner's pin raised for a {plan.kind} of groups "
-                f"{sorted(plan.plans)}: {exc!r} (the transfer was not started; nothing is lost)"
-            ) from exc
-        self._next_id += 1
-        try:
-            task = submit_grouped(
-                self.engines, plan.plans, plan_id=self._next_id, kind=plan_kind(plan), after=after
-            )
-        except BaseException:
-            self._undo(plan, pinned)
-            raise
-        self._tasks[task.plan.plan_id] = task
-        self.poller.track(task)
-        return task
-
-    def _undo(self, plan: GroupedPlan, pinned: Sequence[tuple[str, Sequence[int]]]) -> None:
-        for name, ids in pinned:
-            self._unpin(name, ids)
-        for name, sub in plan.plans.items():
-            self.scheduler.cancel(name, sub)
-
-    def _unpin(self, name: str, ids: Sequence[int]) -> None:
-        pinner = self._pinners.get(name)
-        if pinner is None:
-            return
-        try:
-            pinner.unpin(ids)
-        except Exception as exc:
-            _log.error("pinner_failed", call="unpin", group=name, error=repr(exc))
-            self._pinner_error = exc
-
-    def _on_complete(self, task: TransferTask) -> None:
-        self._tasks.pop(task.plan.plan_id, None)
-        plan = task.plan
-        if not isinstance(plan, GroupedTransferPlan):
-            return
-        ok = task.status is TransferStatus.DONE
-        c = self.counters
-        tokens = self._load_tokens.pop(plan.plan_id, 0)
-        if ok:
-            c.loaded_tokens += tokens
-        if task.status is TransferStatus.ABANDONED:
-            c.abandoned += 1
-        elif not ok and plan.kind == "store":
-            c.failed_stores += 1
-        elif not ok:
-            c.failed_loads += 1
-        elif plan.kind == "store":
-            c.bytes_stored += task.nbytes
-        else:
-            c.bytes_loaded += task.nbytes
-        try:
-            for name, sub in plan.parts.items():
-                self.scheduler.complete(name, sub, ok)
-        finally:
-            for name, sub in plan.parts.items():
-                self._unpin(name, sub.gpu_block_ids)
-
     # -- observation -------------------------------------------------------------------------
+
+    def counters_now(self) -> SchedulerStatistics:
+        """The whole model's counters (see `GroupLauncher.scheduler_statistics()`)."""
+        return self.launcher.scheduler_statistics(len(self._live))
 
     def statistics(
         self,
@@ -529,8 +439,8 @@ class GroupSession:
     ]:
         """The parts' statistics, for `OffloaderStatistics` (no tiers; per group last)."""
         return (
-            self.pool_stats(),
-            self.scheduler_stats(),
+            pool_statistics(self.scheduler),
+            self.counters_now(),
             self.poller.statistics(),
             None,
             self.scheduler.statistics(),
@@ -539,50 +449,3 @@ class GroupSession:
     def take_events(self) -> list[PoolEvent]:
         """Every group's pool events since the last call, group by group."""
         return [e for n in self._layouts for e in self.scheduler.ledger(n).pool.take_events()]
-
-    def pool_stats(self) -> PoolStatistics:
-        """Every group's pool statistics added up, field by field."""
-        ledgers = [self.scheduler.ledger(g) for g in self._layouts]
-        parts = [ledger.pool.statistics() for ledger in ledgers]
-        values = {
-            f.name: sum(getattr(p, f.name) for p in parts)
-            if all(isinstance(getattr(p, f.name), int) for p in parts)
-            else getattr(parts[0], f.name)
-            for f in fields(PoolStatistics)
-        }
-        return PoolStatistics(**values)
-
-    def scheduler_stats(self) -> SchedulerStatistics:
-        """The whole model's counters, as `SchedulerStatistics` (0 where a field has no
-        meaning for groups); per group, see `group_statistics()`."""
-        per = self.scheduler.statistics().values()
-        c = self.counters
-        return SchedulerStatistics(
-            lookups=c.lookups,
-            hit_tokens=c.hit_tokens,
-            miss_tokens=c.miss_tokens,
-            deferred_lookups=0,
-            store_plans=c.store_plans,
-            stored_blocks=sum(s.stored_blocks for s in per),
-            deferred_blocks=sum(s.deferred_stores for s in per),
-            deferred_steps=0,
-            evicted_while_live=0,
-            restored_blocks=0,
-            load_plans=c.load_plans,
-            loaded_blocks=sum(s.loaded_blocks for s in per),
-            failed_stores=c.failed_stores,
-            failed_loads=c.failed_loads,
-            abandoned_transfers=c.abandoned,
-            ignored_completions=0,
-            bytes_stored=c.bytes_stored,
-            bytes_loaded=c.bytes_loaded,
-            live_requests=len(self._live),
-            in_flight_transfers=len(self._tasks),
-            loaded_tokens=c.loaded_tokens,
-            prompt_tokens=c.prompt_tokens,
-        )
-
-
-def plan_kind(plan: GroupedPlan) -> TransferKind:
-    """The direction of a grouped plan."""
-    return "store" if plan.kind == "store" else "load"

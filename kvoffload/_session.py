@@ -29,7 +29,7 @@ from kvoffload.errors import ClosedError, ForkedProcessError, WrongContextError
 from kvoffload.hashing import HashNamespace
 from kvoffload.launcher import TransferLauncher
 from kvoffload.pinner import GpuBlockPinner
-from kvoffload.pool.block_pool import CpuBlockPool, PoolStatistics
+from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
 from kvoffload.scheduler import OffloadScheduler, SchedulerStatistics
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.tiers.manager import TierManager
@@ -227,6 +227,25 @@ class Session:
         launcher.abandon_all()
         await launcher.poller.drain()
         return self.pool.num_cached == 0 and self.scheduler.num_in_flight == 0
+
+    def finish(self, request_id: str) -> None:
+        """`KVOffloader.finish()`: finish the request, hold its unstored blocks, then raise
+        an earlier pinner error (the request is finished first)."""
+        self.check("finish", pinner_error=False)
+        held = self.scheduler.finish(request_id)
+        if held:
+            self.launcher.hold(request_id, held)
+        self.launcher.raise_pinner_error()
+
+    def preempt(self, request_id: str) -> None:
+        """`KVOffloader.preempt()`."""
+        self.check("preempt")
+        self.scheduler.preempt(request_id)
+
+    def take_events(self) -> list[PoolEvent]:
+        """`KVOffloader.take_events()`: the pool's events since the last call."""
+        self.check_built()
+        return self.pool.take_events()
 
     def statistics(
         self,

@@ -130,9 +130,8 @@ class KVOffloader:
         Call it from the task that entered the offloader (``async with`` does). The wait
         is shielded: a cancellation while closing takes effect only after the copies
         finished and their references were released (freeing host memory under a running
-        DMA would corrupt it). It lasts as long as the copies in flight, also when the
-        scope around ``async with`` was cancelled (completions are then collected here,
-        not by the cancelled poller).
+        DMA would corrupt it), also when the scope around ``async with`` was cancelled
+        (completions are then collected here, not by the cancelled poller).
 
         Raises:
             ForkedProcessError: called in a process forked after the offloader was made
@@ -143,12 +142,21 @@ class KVOffloader:
         if self._life.begin_close():
             await self._life.shutdown()
 
+    # -- properties --------------------------------------------------------------------------
+
     @property
     def tiers(self) -> TierManager | None:
         """The tier manager, when ``config.tiers`` is set (for inspection)."""
         return self._life.tiers
 
-    # -- properties --------------------------------------------------------------------------
+    @property
+    def groups(self) -> tuple[KVCacheGroup, ...] | None:
+        """The KV cache groups of a multi-group offloader (``None``: one group)."""
+        return self._groups.groups if self._groups is not None else None
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether state is kept for ``request_id`` (a live handle, or copies in flight)."""
+        return (self._groups or self._session.scheduler).has_request(request_id)
 
     @property
     def config(self) -> OffloadConfig:
@@ -181,8 +189,8 @@ class KVOffloader:
 
     @property
     def host(self) -> HostKVBuffer | None:
-        """The host buffer, when this object made the copy engine."""
-        return self._session.host if self._groups is None else None
+        """The host buffer, when this object made the copy engine (one group only)."""
+        return self._life.host
 
     def hash_prompt(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """Hash a prompt's full blocks in this offloader's namespace."""
@@ -400,23 +408,11 @@ class KVOffloader:
                 finished without holding them), or its ``unpin`` raised after an earlier
                 completion (once; the request is finished all the same).
         """
-        if self._groups is not None:
-            self._groups.finish(request_id)
-            return
-        session = self._session
-        session.check("finish", pinner_error=False)
-        held = session.scheduler.finish(request_id)
-        if held:
-            session.launcher.hold(request_id, held)
-        session.launcher.raise_pinner_error()
+        self._life.finish(request_id)
 
     def preempt(self, request_id: str) -> None:
         """The engine preempted a request. See `OffloadScheduler.preempt()`."""
-        if self._groups is not None:
-            self._groups.preempt(request_id)
-            return
-        self._session.check("preempt")
-        self._session.scheduler.preempt(request_id)
+        self._life.preempt(request_id)
 
     def release(self, request_id: str) -> None:
         """Drop a lookup pin the engine will not load. See `OffloadScheduler.release()`."""
@@ -452,10 +448,7 @@ class KVOffloader:
 
     def take_events(self) -> list[PoolEvent]:
         """Pool events since the last call (``enable_events=True``), for KV-aware routers."""
-        if self._groups is not None:
-            return self._groups.take_events()
-        self._session.check_built()
-        return self._session.pool.take_events()
+        return self._life.take_events()
 
 
 _V = TypeVar("_V")

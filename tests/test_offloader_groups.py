@@ -232,6 +232,10 @@ async def test_bad_input_names_the_request_the_group_and_the_value() -> None:
                 req.load([0, 1, 2])
         with pytest.raises(InvalidInputError, match=r"lookup\(\).*\['full', 'swa'\]"):
             off.lookup("x", [], 8)
+        assert off.groups == model.groups
+        assert not off.has_request("r1")  # finished, nothing in flight
+        with off.request("r3", [1, 2]):
+            assert off.has_request("r3")
         with (
             pytest.raises(RequestStateError, match="'r2'"),
             off.request("r2", [1, 2]),
