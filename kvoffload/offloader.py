@@ -154,6 +154,11 @@ class KVOffloader:
         """The KV cache groups of a multi-group offloader (``None``: one group)."""
         return self._groups.groups if self._groups is not None else None
 
+    def check_invariants(self) -> None:
+        """Check the scheduler's invariants (every group's, and the cross-group rules);
+        raises `InvariantError` naming what does not hold."""
+        (self._groups.scheduler if self._groups else self.scheduler).check_invariants()
+
     def has_request(self, request_id: str) -> bool:
         """Whether state is kept for ``request_id`` (a live handle, or copies in flight)."""
         return (self._groups or self._session.scheduler).has_request(request_id)
