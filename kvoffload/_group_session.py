@@ -241,18 +241,10 @@ class GroupSession:
         """Refuse a step-loop call named ``what`` unless open, in this process, on the
         loop's thread, with a healthy poller (and, with ``pinner_error``, raise an earlier
         ``unpin`` failure once). Raises as `Session.check()`."""
-        if os.getpid() != self._pid:
-            raise ForkedProcessError(
-                f"KVOffloader was created in process {self._pid} and used in forked process "
-                f"{os.getpid()}; create a new one in the child"
-            )
+        self._check_process()
         if self._state is not _State.OPEN:
             raise ClosedError(f"KVOffloader is {self._state.value}; use it inside 'async with'")
-        if self._loop_thread is not None and threading.get_ident() != self._loop_thread:
-            raise WrongContextError(
-                f"KVOffloader.{what}() called from thread {threading.current_thread().name!r}; "
-                "the step loop runs on the event loop's thread"
-            )
+        self._check_thread(what)
         self.poller.check_health()
         launcher = self.launcher
         if pinner_error and launcher.pinner_error is not None:
@@ -261,6 +253,20 @@ class GroupSession:
                 f"the GpuBlockPinner's unpin raised after a transfer completed: {error!r}"
             ) from error
 
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise ForkedProcessError(
+                f"KVOffloader was created in process {self._pid} and used in forked process "
+                f"{os.getpid()}; create a new one in the child"
+            )
+
+    def _check_thread(self, what: str) -> None:
+        if self._loop_thread is not None and threading.get_ident() != self._loop_thread:
+            raise WrongContextError(
+                f"KVOffloader.{what}() called from thread {threading.current_thread().name!r}; "
+                "the step loop runs on the event loop's thread"
+            )
+
     def begin_close(self) -> bool:
         """Whether `shutdown` must run now (see `Session.begin_close()`)."""
         if self._state in {_State.CLOSING, _State.CLOSED}:
@@ -268,6 +274,8 @@ class GroupSession:
         if self._state is _State.CREATED:
             self._state = self._state.to(_State.CLOSED)
             return False
+        self._check_process()
+        self._check_thread("aclose")
         if anyio.get_current_task().id != self._owner_task:
             raise WrongContextError(
                 "KVOffloader.aclose() must be called from the task that entered it"

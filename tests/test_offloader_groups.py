@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import anyio
+import anyio.to_thread
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -16,7 +17,14 @@ from hypothesis import strategies as st
 
 from kvoffload import KVOffloader, OffloadConfig
 from kvoffload._group_session import page_layout
-from kvoffload.errors import BlockTableError, InvalidInputError, RequestStateError, TransferError
+from kvoffload.errors import (
+    BlockTableError,
+    ClosedError,
+    InvalidInputError,
+    RequestStateError,
+    TransferError,
+    WrongContextError,
+)
 from kvoffload.groups import KVCacheGroup, needed
 from kvoffload.layout import KVLayout
 from kvoffload.pinner import RefCountPinner
@@ -242,6 +250,37 @@ async def test_bad_input_names_the_request_the_group_and_the_value() -> None:
             off.request("r2", [1, 2]),
         ):
             pass
+
+
+async def test_a_load_into_a_short_table_names_the_request_the_group_and_the_position() -> None:
+    model = Model(groups_of("recurrent"))
+    alloc = Tables(model)
+    async with KVOffloader(config(), model.kv, groups=model.groups) as off:
+        tokens = list(range(1, 19))
+        await serve(off, model, alloc, "a", tokens)
+        with off.request("b", [*tokens, 5]) as req:
+            assert req.lookup() == 16
+            short: dict[str, list[int | None]] = {"full": [0, 1, 2, 3], "rec": [0, 1, 2, None]}
+            with pytest.raises(BlockTableError, match=r"'b'.*'rec'.*position 3"):
+                req.load(short)
+            task = req.load(alloc.new(5))  # nothing changed: the hit is still pinned
+            assert task is not None
+            await task
+        off.check_invariants()
+
+
+async def test_a_multi_group_offloader_has_the_owner_checks_of_one() -> None:
+    model = Model(groups_of("sliding"))
+    off = KVOffloader(config(), model.kv, groups=model.groups)
+    with pytest.raises(ClosedError, match="created"):
+        off.store()
+    async with off:
+        with pytest.raises(WrongContextError, match="thread"):
+            await anyio.to_thread.run_sync(off.store)
+        assert off.store() == []
+    with pytest.raises(ClosedError, match="closed"):
+        off.request("late", [1, 2, 3])
+    await off.aclose()  # idempotent
 
 
 async def test_one_full_group_is_the_single_group_offloader() -> None:
