@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, final
 
-from kvoffload.errors import InvalidInputError
+from kvoffload.errors import BlockTableError, InvalidInputError
 from kvoffload.hashing import BlockHash, BlockHasher
 
 if TYPE_CHECKING:
@@ -126,8 +126,22 @@ class GroupLanes:
     def advance(self, request_id: str, tables: object, num_computed_tokens: int) -> None:
         """Report a step: per group, its table and the hashes of its blocks that are full
         and computed (at least those reported before: after a preemption the scheduler
-        keeps them)."""
+        keeps them).
+
+        Raises:
+            InvalidInputError: see `tables()`.
+            BlockTableError: a table shorter than the group's full computed blocks.
+        """
         checked = self.tables(tables)
+        for name, bs in self.block_sizes.items():
+            table = checked.get(name)
+            need = num_computed_tokens // bs
+            if table is not None and len(table) < need:
+                raise BlockTableError(
+                    f"{self._who}group {name!r}: the block table has {len(table)} entries, "
+                    f"{num_computed_tokens} computed tokens fill {need} blocks (None marks a "
+                    "block not held)"
+                )
         hashes: dict[str, Sequence[BlockHash]] = {}
         for name, h in self.hashers.items():
             full = h.block_hashes

@@ -230,6 +230,8 @@ async def test_bad_input_names_the_request_the_group_and_the_value() -> None:
                 req.advance({"full": [0, 1, 2], "swa": [3, 4, 5], "nope": []}, 12)
             with pytest.raises(BlockTableError, match=r"'r1'.*'swa'"):
                 req.advance({"full": [0, 1, 2]}, 12)
+            with pytest.raises(BlockTableError, match=r"'r1'.*'swa'.*has 1 entries.*fill 3"):
+                req.advance({"full": [0, 1, 2], "swa": [None]}, 12)
             with pytest.raises(BlockTableError, match=r"'r1'.*'swa'.*999"):
                 req.advance({"full": [0, 1, 2], "swa": [3, 999, 5]}, 12)
             with pytest.raises(InvalidInputError, match=r"'r1'.*'nope'"):
