@@ -19,6 +19,7 @@ from kvoffload import KVOffloader, OffloadConfig
 from kvoffload._group_session import page_layout
 from kvoffload.errors import (
     BlockTableError,
+    ConfigError,
     ClosedError,
     InvalidInputError,
     RequestStateError,
@@ -296,6 +297,14 @@ async def test_one_full_group_is_the_single_group_offloader() -> None:
 
 async def test_tiers_and_unknown_tensors_are_refused_with_several_groups() -> None:
     model = Model(groups_of("sliding"))
+    with pytest.raises(ConfigError, match=r"checkpoint_tokens=6 must be a positive multiple"):
+        KVOffloader(config(checkpoint=6), model.kv, groups=model.groups)
+    with pytest.raises(ConfigError, match="checkpoint_tokens"):
+        config(checkpoint=0)
+    tier = {"kind": "disk", "name": "d0", "path": "/nonexistent/t.bin", "capacity_bytes": 1 << 20}
+    with_tiers = OffloadConfig(num_cpu_blocks=8, block_size=BS, tiers=[tier])
+    with pytest.raises(ConfigError, match="tiers cannot be used with several KV cache groups"):
+        KVOffloader(with_tiers, model.kv, groups=model.groups)
     with pytest.raises(Exception, match=r"unknown \['x'\]"):
         KVOffloader(config(), {**model.kv, "x": []}, groups=model.groups)
     with pytest.raises(InvalidInputError, match="one value per group"):
