@@ -19,8 +19,8 @@ from kvoffload import KVOffloader, OffloadConfig
 from kvoffload._group_session import page_layout
 from kvoffload.errors import (
     BlockTableError,
-    ConfigError,
     ClosedError,
+    ConfigError,
     InvalidInputError,
     RequestStateError,
     TransferError,
