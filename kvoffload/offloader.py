@@ -78,7 +78,9 @@ class KVOffloader:
     Raises:
         LayoutMismatchError: the tensors disagree with ``layout`` or with each other, or
             hold no GPU block.
-        ConfigError: the pool size or block size does not fit the layout.
+        ConfigError: the pool size or block size does not fit the layout; with several
+            groups, also tiers, or ``gpu_kv`` not naming exactly the cacheable groups.
+        InvalidInputError: one value where several groups need one per name, or the reverse.
         HostMemoryError: the host buffer plus the pool's bookkeeping
             (`POOL_BOOKKEEPING_BYTES_PER_BLOCK` per block) exceed the memory this process
             can still use; checked before anything is allocated.
