@@ -23,12 +23,13 @@ import torch
 
 from kvoffload._logging import get_logger
 from kvoffload._session import _State
-from kvoffload.build import build_grouped_scheduler, check_host_memory
+from kvoffload.build import POOL_BOOKKEEPING_BYTES_PER_BLOCK, build_grouped_scheduler
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import (
     ClosedError,
     ConfigError,
     ForkedProcessError,
+    HostMemoryError,
     InvalidInputError,
     LayoutMismatchError,
     PinnerError,
@@ -43,7 +44,7 @@ from kvoffload.pool.block_pool import PoolEvent, PoolStatistics
 from kvoffload.request_groups import GroupLanes
 from kvoffload.scheduler import SchedulerStatistics
 from kvoffload.scheduler.groups import GroupedScheduler, GroupStatistics
-from kvoffload.storage.host_buffer import HostKVBuffer
+from kvoffload.storage.host_buffer import HostKVBuffer, available_host_memory
 from kvoffload.transfer.cuda_engine import CudaCopyEngine
 from kvoffload.transfer.engine import CopyEngine
 from kvoffload.transfer.poller import PollerStatistics
@@ -104,6 +105,28 @@ def page_layout(
     return layout, views
 
 
+def _check_host_memory(
+    blocks: Mapping[str, int], layouts: Mapping[str, KVLayout], *, host_buffer: bool
+) -> None:
+    """Refuse pools whose host buffers and bookkeeping, all groups together, exceed the
+    memory left (see `check_host_memory()`).
+
+    Raises:
+        HostMemoryError: naming each group's blocks.
+    """
+    available = available_host_memory()
+    if available is None:
+        return
+    host = sum(n * layouts[g].bytes_per_block for g, n in blocks.items()) if host_buffer else 0
+    total = host + sum(blocks.values()) * POOL_BOOKKEEPING_BYTES_PER_BLOCK
+    if total > available:
+        raise HostMemoryError(
+            f"the groups' CPU pools {dict(blocks)} (blocks) need {host} bytes of host buffer "
+            f"and {total - host} bytes of bookkeeping, {total} in all, but this process can "
+            f"still use {available} bytes; lower num_cpu_blocks or cpu_bytes"
+        )
+
+
 @final
 class GroupSession:
     """The parts, the lifecycle and the step calls of a multi-group `KVOffloader`.
@@ -141,12 +164,12 @@ class GroupSession:
         self.groups = tuple(groups)
         cacheable = [g for g in self.groups if g.cacheable]
         names = {g.name for g in cacheable}
-        given = set(gpu_kv) | set(engines or {})
-        if given - names or names - set(gpu_kv):
-            raise ConfigError(
-                f"gpu_kv must name exactly the cacheable groups {sorted(names)}; missing "
-                f"{sorted(names - set(gpu_kv))}, unknown {sorted(given - names)}"
-            )
+        for what, given in (("gpu_kv", gpu_kv), ("copy_engine", engines)):
+            if given is not None and set(given) != names:
+                raise ConfigError(
+                    f"{what} must name exactly the cacheable groups {sorted(names)}; missing "
+                    f"{sorted(names - set(given))}, unknown {sorted(set(given) - names)}"
+                )
         self.config = config
         self._layouts: dict[str, KVLayout] = {}
         self._kv: dict[str, list[torch.Tensor]] = {}
@@ -163,12 +186,9 @@ class GroupSession:
         self.alignment = hit_alignment(self.groups)
         """Hits are multiples of this many tokens (the LCM of the block sizes)."""
         self.names = [g.name for g in self.groups]
-        pools = self.scheduler.statistics()
-        self.num_cpu_blocks = sum(p.num_cpu_blocks for p in pools.values())
-        for name, ledger_stats in self.scheduler.statistics().items():
-            check_host_memory(
-                ledger_stats.num_cpu_blocks, self._layouts[name], host_buffer=engines is None
-            )
+        pools = {n: p.num_cpu_blocks for n, p in self.scheduler.statistics().items()}
+        self.num_cpu_blocks = sum(pools.values())
+        _check_host_memory(pools, self._layouts, host_buffer=engines is None)
         self.namespaces: dict[str, HashNamespace] = {
             g.name: g.namespace(model_id=config.model_id, salt=config.hash_salt) for g in cacheable
         }

@@ -21,6 +21,7 @@ from kvoffload.errors import (
     BlockTableError,
     ClosedError,
     ConfigError,
+    HostMemoryError,
     InvalidInputError,
     RequestStateError,
     TransferError,
@@ -286,6 +287,16 @@ async def test_a_multi_group_offloader_has_the_owner_checks_of_one() -> None:
     await off.aclose()  # idempotent
 
 
+def test_the_groups_host_memory_is_checked_all_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvoffload._group_session as gs  # noqa: PLC0415
+
+    model = Model(groups_of("sliding"))
+    one_group = 32 * ATTN.bytes_per_block  # each group alone fits, both do not
+    monkeypatch.setattr(gs, "available_host_memory", lambda: one_group + 32 * 144 + 1)
+    with pytest.raises(HostMemoryError, match=r"\{'full': 32, 'swa': 32\}"):
+        KVOffloader(config(), model.kv, groups=model.groups)
+
+
 async def test_one_full_group_is_the_single_group_offloader() -> None:
     group = KVCacheGroup.from_layout(ATTN, name="only")
     kv = [torch.zeros(ATTN.tensor_shape(8)) for _ in range(2)]
@@ -305,8 +316,13 @@ async def test_tiers_and_unknown_tensors_are_refused_with_several_groups() -> No
     with_tiers = OffloadConfig(num_cpu_blocks=8, block_size=BS, tiers=[tier])
     with pytest.raises(ConfigError, match="tiers cannot be used with several KV cache groups"):
         KVOffloader(with_tiers, model.kv, groups=model.groups)
-    with pytest.raises(Exception, match=r"unknown \['x'\]"):
+    with pytest.raises(ConfigError, match=r"gpu_kv must name.*unknown \['x'\]"):
         KVOffloader(config(), {**model.kv, "x": []}, groups=model.groups)
+    engines, hosts = engines_for(model, {}, 4)
+    with pytest.raises(ConfigError, match=r"copy_engine must name.*missing \['swa'\]"):
+        KVOffloader(config(), model.kv, groups=model.groups, copy_engine={"full": engines["full"]})
+    for host in hosts.values():
+        host.close()
     with pytest.raises(InvalidInputError, match="one value per group"):
         KVOffloader(config(), model.kv["full"], groups=model.groups)
 
