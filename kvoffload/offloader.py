@@ -201,8 +201,9 @@ class KVOffloader:
         return self._life.host
 
     def hash_prompt(self, token_ids: Sequence[int]) -> list[BlockHash]:
-        """Hash a prompt's full blocks in this offloader's namespace."""
-        return hash_prompt(token_ids, self._config.block_size, self._namespace)
+        """Hash a prompt's full blocks in this offloader's (first group's) namespace."""
+        bs = self._config.block_size if self._groups is None else self._groups.lanes[0][1]
+        return hash_prompt(token_ids, bs, self._namespace)
 
     def request(
         self, request_id: str, prompt_token_ids: Sequence[int], *, num_computed_tokens: int = 0
@@ -428,10 +429,8 @@ class KVOffloader:
         (self._groups or self._session.scheduler).release(request_id)
 
     async def drain(self) -> None:
-        """Wait until every transfer in flight has completed and been processed.
-
-        Cancellation cancels only the wait.
-        """
+        """Wait until every transfer in flight has completed and been processed;
+        cancellation cancels only the wait."""
         (self._groups or self._session).check("drain")
         await (self._groups.poller if self._groups else self._session.launcher.poller).drain()
 

@@ -245,6 +245,8 @@ async def test_bad_input_names_the_request_the_group_and_the_value() -> None:
         with pytest.raises(InvalidInputError, match=r"lookup\(\).*\['full', 'swa'\]"):
             off.lookup("x", [], 8)
         assert off.groups == model.groups
+        with off.request("r4", list(range(9))) as req:
+            assert off.hash_prompt(list(range(9))) == list(req.block_hashes)
         assert not off.has_request("r1")  # finished, nothing in flight
         with off.request("r3", [1, 2]):
             assert off.has_request("r3")
