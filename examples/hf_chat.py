@@ -25,8 +25,8 @@ prefix cache or loaded from CPU, and the time to first token (TTFT) both ways.
     python examples/hf_chat.py --model qwen3_next  # linear attention + full attention
     python examples/hf_chat.py --model /path/to/llama-checkpoint
 
-Gemma 3 and Qwen3-Next run without offload (kvoffload's core offloads one full-attention
-group for now): their tokens are checked against the GPU-cache-only and full-recompute runs.
+Gemma 3 and Qwen3-Next are offloaded with their KV cache groups (full attention plus
+sliding-window blocks, or plus recurrent state snapshots): a hit loads every group.
 
 Needs the ``transformers`` extra (from a kvoffload clone, ``pip install '.[transformers]'``;
 and ``.[plot]`` for ``--plot``).
@@ -249,7 +249,10 @@ async def chat(args: argparse.Namespace, size: dict[str, int]) -> tuple[list[Tur
         enable_prefix_caching=False,
     )
     config = OffloadConfig(
-        block_size=BLOCK, num_cpu_blocks=args.cpu_blocks, model_id=f"hf-chat@{args.seed}"
+        block_size=BLOCK,
+        num_cpu_blocks=args.cpu_blocks,
+        model_id=f"hf-chat@{args.seed}",
+        checkpoint_tokens=4 * BLOCK,  # hybrids: store points every 4 blocks, and at the end
     )
     timer = None
     if args.profile:
@@ -258,13 +261,12 @@ async def chat(args: argparse.Namespace, size: dict[str, int]) -> tuple[list[Tur
     turns: list[Turn] = []
     total = args.conversations * args.turns
     bar = tqdm(total=total, unit="req", file=sys.stderr, disable=not args.progress)
-    # kvoffload's core offloads one full-attention group: a sliding-window or recurrent
-    # model runs with the GPU prefix cache only (its `attach` would refuse, naming the groups).
-    single = len(engine.groups) == 1 and engine.groups[0].kind == "full"
-    args.offloaded = single
-    async with KVOffloader(config, engine.kv, layout=engine.layout, pinner=engine.pinner) as off:
-        if single:
-            engine.attach(off)
+    # One spelling for every family: a Llama has one group, Gemma 3 and Qwen3-Next several.
+    args.offloaded = True
+    async with KVOffloader(
+        config, engine.offload_kv, groups=engine.kv_groups, pinner=engine.pinners
+    ) as off:
+        engine.attach(off)
         for t in range(1, args.turns + 1):
             for c in range(args.conversations):
                 conv = history[c]
@@ -291,7 +293,7 @@ async def chat(args: argparse.Namespace, size: dict[str, int]) -> tuple[list[Tur
         bar.close()
         await off.drain()
         stats = off.statistics()
-        off.scheduler.check_invariants()
+        off.check_invariants()
     engine.allocator.check_invariants()
     s = stats.scheduler
     return turns, (

@@ -29,12 +29,14 @@ from kvoffload.errors import ClosedError, ForkedProcessError, WrongContextError
 from kvoffload.hashing import HashNamespace
 from kvoffload.launcher import TransferLauncher
 from kvoffload.pinner import GpuBlockPinner
-from kvoffload.pool.block_pool import CpuBlockPool
+from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
 from kvoffload.scheduler import OffloadScheduler, SchedulerStatistics
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.tiers.manager import TierManager
+from kvoffload.tiers.stats import TierManagerStatistics
 from kvoffload.transfer.cuda_engine import CudaCopyEngine
 from kvoffload.transfer.engine import CopyEngine
+from kvoffload.transfer.poller import PollerStatistics
 from kvoffload.transfer.thread_engine import ThreadCopyEngine
 
 __all__ = ["Session"]
@@ -151,6 +153,11 @@ class Session:
             )
 
     @property
+    def num_in_flight(self) -> int:
+        """Transfers launched whose completion was not processed yet (once built)."""
+        return self.launcher.num_in_flight
+
+    @property
     def state(self) -> str:
         """``created``, ``open``, ``closing`` or ``closed``."""
         return self._state.value
@@ -204,6 +211,53 @@ class Session:
             bytes_per_block=layout.bytes_per_block,
             engine=type(self.engine).__name__,
             pinned=self.host.is_pinned if self.host is not None else None,
+        )
+
+    # -- what the offloader asks of its parts ------------------------------------------
+
+    async def reset(self) -> bool:
+        """`KVOffloader.reset()`: empty the pool (and tiers), abandon the transfers in
+        flight and wait for them; whether nothing is cached or in flight on return."""
+        self.check("reset")
+        self.scheduler.reset()
+        if self.tiers is not None:
+            self.tiers.reset()
+        launcher = self.launcher
+        launcher.unpin_released_holds()
+        launcher.abandon_all()
+        await launcher.poller.drain()
+        return self.pool.num_cached == 0 and self.scheduler.num_in_flight == 0
+
+    def finish(self, request_id: str) -> None:
+        """`KVOffloader.finish()`: finish the request, hold its unstored blocks, then raise
+        an earlier pinner error (the request is finished first)."""
+        self.check("finish", pinner_error=False)
+        held = self.scheduler.finish(request_id)
+        if held:
+            self.launcher.hold(request_id, held)
+        self.launcher.raise_pinner_error()
+
+    def preempt(self, request_id: str) -> None:
+        """`KVOffloader.preempt()`."""
+        self.check("preempt")
+        self.scheduler.preempt(request_id)
+
+    def take_events(self) -> list[PoolEvent]:
+        """`KVOffloader.take_events()`: the pool's events since the last call."""
+        self.check_built()
+        return self.pool.take_events()
+
+    def statistics(
+        self,
+    ) -> tuple[PoolStatistics, SchedulerStatistics, PollerStatistics, TierManagerStatistics | None]:
+        """The parts' statistics, for `OffloaderStatistics`."""
+        self.check_built()
+        tiers = self.tiers
+        return (
+            self.pool.statistics(),
+            self.scheduler.statistics(),
+            self.launcher.poller.statistics(),
+            tiers.statistics() if tiers is not None else None,
         )
 
     # -- checks ------------------------------------------------------------------------

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CORE_FIELDS",
     "ENTRY_POINT_FIELDS",
+    "GROUP_FIELDS",
     "INLINE_POOL_BLOCKS",
     "POOL_BOOKKEEPING_BYTES_PER_BLOCK",
     "TIER_FIELDS",
@@ -80,6 +81,10 @@ CORE_FIELDS: frozenset[str] = frozenset(
 )
 """The `OffloadConfig` fields that configure the core (pool, policy, admission, scheduler):
 `build_core()` hands them on, the same way for every entry point."""
+
+GROUP_FIELDS: frozenset[str] = frozenset({"checkpoint_tokens"})
+"""The `OffloadConfig` fields only a model with several KV cache groups reads
+(`build_grouped_scheduler()`)."""
 
 TIER_FIELDS: frozenset[str] = frozenset({"tiers"})
 """The `OffloadConfig` fields that configure the secondary tiers (`build_tiers()`)."""
@@ -207,8 +212,10 @@ def build_grouped_scheduler(
     With ``config.cpu_bytes``, the bytes are split by need (`split_capacity()`: a
     group's ``cpu_bytes`` or ``cpu_share`` overrides its share); with
     ``config.num_cpu_blocks``, every cacheable group gets that many blocks. Each pool
-    takes ``config.eviction_policy`` and ``config.enable_events``. The group code is
-    imported here, on first use: a single-group model never loads it.
+    takes ``config.eviction_policy`` and ``config.enable_events``. ``checkpoint_tokens``
+    (default ``config.checkpoint_tokens``, then `default_checkpoint_tokens()`) spaces the
+    store points. The group code is imported here, on first use: a single-group model
+    never loads it.
 
     Raises:
         ConfigError: a group would get less than one block, the overrides exceed
@@ -218,6 +225,8 @@ def build_grouped_scheduler(
     from kvoffload.groups import default_checkpoint_tokens, split_capacity  # noqa: PLC0415
     from kvoffload.scheduler.groups import GroupedScheduler  # noqa: PLC0415
 
+    if checkpoint_tokens is None:
+        checkpoint_tokens = config.checkpoint_tokens
     if checkpoint_tokens is None:
         checkpoint_tokens = default_checkpoint_tokens(groups)
     if config.num_cpu_blocks is not None:

@@ -193,6 +193,15 @@ class OffloadConfig(BaseSettings):
         "given up and its GPU blocks released (hold_blocks_on_finish).",
     )
 
+    checkpoint_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=1 << 24,
+        description="Models with several KV cache groups: tokens between store points (a "
+        "multiple of the LCM of the groups' block sizes); None: the smallest such multiple "
+        "of at least 1024 tokens. Ignored for one full-attention group.",
+    )
+
     def __init__(self, **values: Any) -> None:
         try:
             super().__init__(**values)
@@ -211,6 +220,7 @@ class OffloadConfig(BaseSettings):
         "max_store_blocks_per_step",
         "hold_max_blocks",
         "hold_max_steps",
+        "checkpoint_tokens",
         mode="before",
     )(not_bool)
 

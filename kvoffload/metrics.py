@@ -25,6 +25,10 @@ With tiers (``OffloadConfig.tiers``), the `TierManagerStatistics` fields become
 or booleans are the samples of the gauge ``kvoffload_tier_detail``, labelled ``detail``.
 Without tiers these families have no samples.
 
+With several KV cache groups, each group's `GroupStatistics` fields become
+``kvoffload_group_<field>``, one sample per group labelled ``group`` (its name); for one
+group these families have no samples and the rest is unchanged.
+
 `KVOffloader.statistics()` is not thread-safe, so collect on the thread that drives the
 offloader (an ASGI ``/metrics`` route on the event loop does). To serve metrics from another
 thread (``prometheus_client.start_http_server``), give the collector a function that
@@ -53,10 +57,12 @@ except ImportError as exc:  # pragma: no cover - exercised by a test that hides 
 from kvoffload.offloader import OffloaderStatistics
 from kvoffload.pool import PoolStatistics
 from kvoffload.scheduler import SchedulerStatistics
+from kvoffload.scheduler.groups import GroupStatistics
 from kvoffload.tiers.stats import TierManagerStatistics, TierStatistics
 from kvoffload.transfer import PollerStatistics
 
 __all__ = [
+    "GROUP_LABELS",
     "METRICS",
     "TIER_LABELS",
     "TIER_TEXT_FIELDS",
@@ -67,9 +73,13 @@ __all__ = [
     "attribute_docs",
 ]
 
-Part = Literal["pool", "scheduler", "poller", "tiers", "tier"]
+Part = Literal["pool", "scheduler", "poller", "tiers", "tier", "group"]
 """Where a metric's value comes from: a field of `OffloaderStatistics` (``tiers`` is the
-`TierManagerStatistics`) or ``tier``, one `TierStatistics` of ``tiers.tiers``."""
+`TierManagerStatistics`), ``tier``, one `TierStatistics` of ``tiers.tiers``, or ``group``,
+one `GroupStatistics` of ``groups`` (a model with several KV cache groups)."""
+
+GROUP_LABELS: tuple[str, ...] = ("group",)
+"""Labels of every ``group`` metric: the KV cache group's name."""
 
 TIER_LABELS: tuple[str, ...] = ("tier", "kind")
 """Labels of every ``tier`` metric: the `TierStatistics` ``name`` and ``kind``."""
@@ -123,6 +133,7 @@ _STATISTICS: Mapping[Part, type] = {
     "poller": PollerStatistics,
     "tiers": TierManagerStatistics,
     "tier": TierStatistics,
+    "group": GroupStatistics,
 }
 """The statistics class each part's fields belong to; their docstrings are the help texts."""
 
@@ -275,6 +286,16 @@ METRICS: tuple[MetricSpec, ...] = (
     _c("tier", "write_seconds", "write_seconds"),
     _c("tier", "read_seconds", "read_seconds"),
     _g("tier", "details", "detail"),
+    # -- each KV cache group (GroupStatistics), labelled group --
+    _c("group", "stored_blocks", "stored_blocks"),
+    _c("group", "loaded_blocks", "loaded_blocks"),
+    _c("group", "skipped_null_blocks", "skipped_null_blocks"),
+    _c("group", "deferred_stores", "deferred_stores"),
+    _g("group", "pinned_blocks", "pinned_blocks"),
+    _g("group", "in_flight_plans", "in_flight_plans"),
+    _g("group", "num_cpu_blocks", "cpu_blocks"),
+    _g("group", "free_cpu_blocks", "free_cpu_blocks"),
+    _g("group", "cached_cpu_blocks", "cached_cpu_blocks"),
 )
 """Every exported metric, in exposition order. Names and kinds are fixed here; each help
 text is the field's entry in its statistics class's docstring (`attribute_docs`)."""
@@ -323,9 +344,9 @@ class OffloaderCollector(Collector):
         if isinstance(sources, Mapping):
             if not _NAME.fullmatch(label) or label.startswith("__"):
                 raise ValueError(f"label name {label!r} is not a valid Prometheus label name")
-            if label in (*TIER_LABELS, "detail"):
+            if label in (*TIER_LABELS, "detail", *GROUP_LABELS):
                 raise ValueError(
-                    f"label name {label!r} is taken by the tier metrics; choose another"
+                    f"label name {label!r} is taken by the tier or group metrics; choose another"
                 )
             if not sources:
                 raise ValueError("sources is an empty mapping: give at least one offloader")
@@ -359,6 +380,8 @@ class OffloaderCollector(Collector):
             labels += TIER_LABELS
             if spec.field == "details":
                 labels.append("detail")
+        elif spec.part == "group":
+            labels += GROUP_LABELS
         if spec.kind == "counter":
             return CounterMetricFamily(name, spec.documentation, labels=labels)
         return GaugeMetricFamily(name, spec.documentation, labels=labels)
@@ -369,6 +392,10 @@ def _samples(spec: MetricSpec, stats: OffloaderStatistics) -> Iterator[tuple[lis
     if spec.part == "tier":
         for tier in stats.tiers.tiers if stats.tiers is not None else ():
             yield from _tier_samples(spec.field, tier)
+        return
+    if spec.part == "group":
+        for name, group in (stats.groups or {}).items():
+            yield [name], float(getattr(group, spec.field))
         return
     if spec.part == "tiers":
         if stats.tiers is None:

@@ -10,18 +10,19 @@ completions are processed whether or not anyone does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, final, overload
+from typing import TYPE_CHECKING, Literal, final, overload
 
 import torch
 
 from kvoffload._session import Session
-from kvoffload.build import POOL_BOOKKEEPING_BYTES_PER_BLOCK, CorePlan, plan_core
+from kvoffload._setup import make_session
+from kvoffload.build import POOL_BOOKKEEPING_BYTES_PER_BLOCK
 from kvoffload.config import KVLayout, OffloadConfig
-from kvoffload.errors import LayoutMismatchError
+from kvoffload.errors import InvalidInputError
 from kvoffload.hashing import BlockHash, HashNamespace, hash_prompt
-from kvoffload.pinner import GpuBlockPinner, NoOpPinner
+from kvoffload.pinner import GpuBlockPinner
 from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
 from kvoffload.request import OffloadRequest
 from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
@@ -32,17 +33,28 @@ from kvoffload.transfer.engine import CopyEngine
 from kvoffload.transfer.poller import PollerStatistics
 from kvoffload.transfer.task import TransferTask
 
+if TYPE_CHECKING:  # the group code is imported on first use: one group never loads it
+    from kvoffload._group_session import GroupSession
+    from kvoffload.groups import KVCacheGroup
+    from kvoffload.scheduler.groups import GroupStatistics
+
 __all__ = ["POOL_BOOKKEEPING_BYTES_PER_BLOCK", "KVOffloader", "OffloaderStatistics"]
 
 
 @dataclass(frozen=True, slots=True)
 class OffloaderStatistics:
-    """Counters of every part of one `KVOffloader`."""
+    """Counters of every part of one `KVOffloader`.
+
+    With several KV cache groups, ``pool`` adds up the groups' pools, ``scheduler`` counts
+    for the whole model, and ``groups`` holds each cacheable group's `GroupStatistics`
+    (``None`` for one group).
+    """
 
     pool: PoolStatistics
     scheduler: SchedulerStatistics
     poller: PollerStatistics
     tiers: TierManagerStatistics | None = None
+    groups: Mapping[str, GroupStatistics] | None = None
 
 
 @final
@@ -51,18 +63,25 @@ class KVOffloader:
 
     Args:
         config: the settings.
-        gpu_kv: the engine's per-layer KV tensors (CUDA or CPU).
+        gpu_kv: the engine's per-layer KV tensors (CUDA or CPU); with ``groups``, one
+            list per cacheable group name.
         layout: their layout; inferred with `KVLayout.from_tensors()` when omitted.
         copy_engine: moves the bytes; by default a `CudaCopyEngine` for CUDA
             tensors, else a `ThreadCopyEngine`, built on entry. A given engine is
-            owned too: it is closed on exit.
+            owned too: it is closed on exit. With several groups, one per group name.
         pinner: keeps GPU blocks of transfers in flight from being reused; see
-            `GpuBlockPinner` (default `NoOpPinner`).
+            `GpuBlockPinner` (default `NoOpPinner`). With several groups, one per group
+            name (their block ids are separate).
+        groups: the model's KV cache groups (docs/groups.md). Several (or one that is not
+            ``full``) are offloaded by a `GroupedScheduler`, one host buffer and copy
+            engine per group; the handles of `request()` then take a table per group.
 
     Raises:
         LayoutMismatchError: the tensors disagree with ``layout`` or with each other, or
             hold no GPU block.
-        ConfigError: the pool size or block size does not fit the layout.
+        ConfigError: the pool size or block size does not fit the layout; with several
+            groups, also tiers, or ``gpu_kv`` not naming exactly the cacheable groups.
+        InvalidInputError: one value where several groups need one per name, or the reverse.
         HostMemoryError: the host buffer plus the pool's bookkeeping
             (`POOL_BOOKKEEPING_BYTES_PER_BLOCK` per block) exceed the memory this process
             can still use; checked before anything is allocated.
@@ -74,39 +93,35 @@ class KVOffloader:
     def __init__(
         self,
         config: OffloadConfig,
-        gpu_kv: Sequence[torch.Tensor],
+        gpu_kv: Sequence[torch.Tensor] | Mapping[str, Sequence[torch.Tensor]],
         *,
         layout: KVLayout | None = None,
-        copy_engine: CopyEngine | None = None,
-        pinner: GpuBlockPinner | None = None,
+        copy_engine: CopyEngine | Mapping[str, CopyEngine] | None = None,
+        pinner: GpuBlockPinner | Mapping[str, GpuBlockPinner] | None = None,
+        groups: Sequence[KVCacheGroup] | None = None,
     ) -> None:
-        layout, plan = _plan_core(config, gpu_kv, layout, host_buffer=copy_engine is None)
-        self._num_cpu_blocks = plan.num_cpu_blocks
+        life, self._layout, self._namespace, self._num_cpu_blocks = make_session(
+            config, gpu_kv, layout, copy_engine, pinner, groups
+        )
         self._config = config
-        self._layout = layout
-        self._namespace = HashNamespace.from_layout(
-            layout, model_id=config.model_id, salt=config.hash_salt
-        )
-        self._session = Session(
-            plan,
-            layout,
-            gpu_kv,
-            self._namespace,
-            pinner if pinner is not None else NoOpPinner(),
-            copy_engine,
-        )
+        self._life: Session | GroupSession = life
+        self._groups: GroupSession | None = None
+        if isinstance(life, Session):
+            self._session = life
+        else:
+            self._groups = life
 
     def __repr__(self) -> str:
-        session = self._session
+        life = self._life
         return (
-            f"KVOffloader(state={session.state}, cpu_blocks={self._num_cpu_blocks}, "
-            f"in_flight={session.launcher.num_in_flight if session.built else 0})"
+            f"KVOffloader(state={life.state}, cpu_blocks={self._num_cpu_blocks}, "
+            f"in_flight={life.num_in_flight if life.built else 0})"
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def __aenter__(self) -> KVOffloader:
-        await self._session.open()
+        await self._life.open()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -118,9 +133,8 @@ class KVOffloader:
         Call it from the task that entered the offloader (``async with`` does). The wait
         is shielded: a cancellation while closing takes effect only after the copies
         finished and their references were released (freeing host memory under a running
-        DMA would corrupt it). It lasts as long as the copies in flight, also when the
-        scope around ``async with`` was cancelled (completions are then collected here,
-        not by the cancelled poller).
+        DMA would corrupt it), also when the scope around ``async with`` was cancelled
+        (completions are then collected here, not by the cancelled poller).
 
         Raises:
             ForkedProcessError: called in a process forked after the offloader was made
@@ -128,15 +142,29 @@ class KVOffloader:
             WrongContextError: called from another thread or from a task other than the
                 one that entered; nothing was closed.
         """
-        if self._session.begin_close():
-            await self._session.shutdown()
+        if self._life.begin_close():
+            await self._life.shutdown()
+
+    # -- properties --------------------------------------------------------------------------
 
     @property
     def tiers(self) -> TierManager | None:
         """The tier manager, when ``config.tiers`` is set (for inspection)."""
-        return self._session.tiers
+        return self._life.tiers
 
-    # -- properties --------------------------------------------------------------------------
+    @property
+    def groups(self) -> tuple[KVCacheGroup, ...] | None:
+        """The KV cache groups of a multi-group offloader (``None``: one group)."""
+        return self._groups.groups if self._groups is not None else None
+
+    def check_invariants(self) -> None:
+        """Check the scheduler's invariants (every group's, and the cross-group rules);
+        raises `InvariantError` naming what does not hold."""
+        (self._groups.scheduler if self._groups else self.scheduler).check_invariants()
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether state is kept for ``request_id`` (a live handle, or copies in flight)."""
+        return (self._groups or self._session.scheduler).has_request(request_id)
 
     @property
     def config(self) -> OffloadConfig:
@@ -156,23 +184,26 @@ class KVOffloader:
     @property
     def scheduler(self) -> OffloadScheduler:
         """The scheduler (for inspection; drive it through this object)."""
-        self._session.check_built()
-        return self._session.scheduler
+        session = _single(self, "scheduler")
+        session.check_built()
+        return session.scheduler
 
     @property
     def pool(self) -> CpuBlockPool:
         """The CPU block pool."""
-        self._session.check_built()
-        return self._session.pool
+        session = _single(self, "pool")
+        session.check_built()
+        return session.pool
 
     @property
     def host(self) -> HostKVBuffer | None:
-        """The host buffer, when this object made the copy engine."""
-        return self._session.host
+        """The host buffer, when this object made the copy engine (one group only)."""
+        return self._life.host
 
     def hash_prompt(self, token_ids: Sequence[int]) -> list[BlockHash]:
-        """Hash a prompt's full blocks in this offloader's namespace."""
-        return hash_prompt(token_ids, self._config.block_size, self._namespace)
+        """Hash a prompt's full blocks in this offloader's (first group's) namespace."""
+        bs = self._config.block_size if self._groups is None else self._groups.lanes[0][1]
+        return hash_prompt(token_ids, bs, self._namespace)
 
     def request(
         self, request_id: str, prompt_token_ids: Sequence[int], *, num_computed_tokens: int = 0
@@ -196,20 +227,22 @@ class KVOffloader:
             InvalidInputError: ``num_computed_tokens`` out of range or not block aligned.
             InputTypeError: a token is not a 64-bit int.
         """
-        session = self._session
-        session.check("request")
+        self._life.check("request")
+        g = self._groups
+        lanes = None if g is None else g.lanes_for(request_id)
         handle: OffloadRequest = OffloadRequest._create(
             self,
             request_id,
             prompt_token_ids,
             num_computed_tokens,
-            block_size=self._config.block_size,
+            block_size=self._config.block_size if g is None else g.alignment,
             root=self._namespace.root,
+            lanes=lanes,
         )
         # Last, once nothing can be refused any more: the id is the handle's until it
         # finishes, so a second handle for it (a client's retry) is refused here, before
         # either makes a call.
-        session.scheduler.reserve(request_id)
+        (g or self._session.scheduler).reserve(request_id)
         return handle
 
     # -- the engine's step loop ----------------------------------------------------------------
@@ -264,8 +297,9 @@ class KVOffloader:
             return self.lookup_or_defer(
                 request_id, block_hashes, num_tokens, num_computed_tokens, no_read=no_read
             )
-        self._session.check("lookup")  # with tiers, the scheduler asks the tier manager next
-        return self._session.scheduler.lookup(
+        session = _single(self, "lookup")
+        session.check("lookup")  # with tiers, the scheduler asks the tier manager next
+        return session.scheduler.lookup(
             request_id, block_hashes, num_tokens, num_computed_tokens, no_read=no_read
         )
 
@@ -284,8 +318,9 @@ class KVOffloader:
         or a hit block is being loaded for another request (see
         `OffloadScheduler.lookup_or_defer()`). Raises as `lookup()` does.
         """
-        self._session.check("lookup")
-        return self._session.scheduler.lookup_or_defer(
+        session = _single(self, "lookup_or_defer")
+        session.check("lookup")
+        return session.scheduler.lookup_or_defer(
             request_id, block_hashes, num_tokens, num_computed_tokens, no_read=no_read
         )
 
@@ -312,7 +347,7 @@ class KVOffloader:
             PinnerError: the pinner's ``pin`` raised; the load was not started and the
                 hit stays pinned.
         """
-        session = self._session
+        session = _single(self, "load")
         engine = session.check("load")
         plan = session.scheduler.plan_load(request_id, gpu_block_ids, num_tokens)
         if plan is None:
@@ -325,7 +360,7 @@ class KVOffloader:
         Returns the GPU blocks their copies still write (pinned until each ends); raises
         `UnknownRequestError` for an unknown id, `ClosedError` when not open.
         """
-        session = self._session
+        session = _single(self, "abandon_load")
         session.check("abandon_load", pinner_error=False)
         return session.launcher.abandon_loads(session.scheduler.abandon_load(request_id))
 
@@ -340,8 +375,9 @@ class KVOffloader:
 
         See `OffloadScheduler.update()`.
         """
-        self._session.check("update")
-        self._session.scheduler.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
+        session = _single(self, "update")
+        session.check("update")
+        session.scheduler.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
 
     def store(
         self, *, after: object | None = None, gpu_cache: GpuCacheView | None = None
@@ -363,6 +399,8 @@ class KVOffloader:
                 same blocks are planned by the next call.
             PinnerError: the pinner's ``pin`` raised; the plan is undone the same way.
         """
+        if self._groups is not None:
+            return self._groups.store(after)
         session = self._session
         engine = session.check("store")
         plan = session.scheduler.plan_stores(gpu_cache)
@@ -389,31 +427,22 @@ class KVOffloader:
                 finished without holding them), or its ``unpin`` raised after an earlier
                 completion (once; the request is finished all the same).
         """
-        session = self._session
-        session.check("finish", pinner_error=False)
-        held = session.scheduler.finish(request_id)
-        if held:
-            session.launcher.hold(request_id, held)
-        session.launcher.raise_pinner_error()
+        self._life.finish(request_id)
 
     def preempt(self, request_id: str) -> None:
         """The engine preempted a request. See `OffloadScheduler.preempt()`."""
-        self._session.check("preempt")
-        self._session.scheduler.preempt(request_id)
+        self._life.preempt(request_id)
 
     def release(self, request_id: str) -> None:
         """Drop a lookup pin the engine will not load. See `OffloadScheduler.release()`."""
-        self._session.check("release")
-        self._session.scheduler.release(request_id)
+        (self._groups or self._session).check("release")
+        (self._groups or self._session.scheduler).release(request_id)
 
     async def drain(self) -> None:
-        """Wait until every transfer in flight has completed and been processed.
-
-        Cancellation cancels only the wait.
-        """
-        session = self._session
-        session.check("drain")
-        await session.launcher.poller.drain()
+        """Wait until every transfer in flight has completed and been processed;
+        cancellation cancels only the wait."""
+        (self._groups or self._session).check("drain")
+        await (self._groups.poller if self._groups else self._session.launcher.poller).drain()
 
     async def reset(self) -> bool:
         """Empty the CPU prefix cache and wait for the transfers in flight to end.
@@ -428,54 +457,27 @@ class KVOffloader:
 
         Cancellation cancels only the wait; the reset itself has happened.
         """
-        session = self._session
-        session.check("reset")
-        session.scheduler.reset()
-        if session.tiers is not None:
-            session.tiers.reset()
-        launcher = session.launcher
-        launcher.unpin_released_holds()
-        launcher.abandon_all()
-        await launcher.poller.drain()
-        return session.pool.num_cached == 0 and session.scheduler.num_in_flight == 0
+        return await self._life.reset()
 
     def statistics(self) -> OffloaderStatistics:
-        """Counters of the pool, the scheduler and the poller."""
-        session = self._session
-        session.check_built()
-        tiers = session.tiers
-        return OffloaderStatistics(
-            pool=session.pool.statistics(),
-            scheduler=session.scheduler.statistics(),
-            poller=session.launcher.poller.statistics(),
-            tiers=tiers.statistics() if tiers is not None else None,
-        )
+        """Counters of the pool, the scheduler and the poller (and each KV cache group)."""
+        return OffloaderStatistics(*self._life.statistics())
 
     def take_events(self) -> list[PoolEvent]:
         """Pool events since the last call (``enable_events=True``), for KV-aware routers."""
-        self._session.check_built()
-        return self._session.pool.take_events()
+        return self._life.take_events()
 
 
-def _plan_core(
-    config: OffloadConfig,
-    gpu_kv: Sequence[torch.Tensor],
-    layout: KVLayout | None,
-    *,
-    host_buffer: bool,
-) -> tuple[KVLayout, CorePlan]:
-    """The layout of ``gpu_kv`` (inferred when ``None``) and the core sized for it.
+def _single(off: KVOffloader, what: str) -> Session:
+    """The single-group session of ``off``, for a call that takes one group's blocks.
 
     Raises:
-        LayoutMismatchError: the tensors disagree with ``layout`` or with each other, or
-            hold no GPU block.
-        ConfigError, HostMemoryError: see `plan_core()`.
+        InvalidInputError: ``off`` has several KV cache groups (the message names them).
     """
-    if layout is None:
-        layout = KVLayout.from_tensors(gpu_kv, block_size=config.block_size)
-    num_gpu_blocks = layout.num_gpu_blocks(gpu_kv)
-    if num_gpu_blocks < 1:
-        raise LayoutMismatchError(
-            f"the KV tensors hold no GPU block (shape {tuple(gpu_kv[0].shape)})"
+    if off._groups is not None:
+        raise InvalidInputError(
+            f"KVOffloader.{what}() takes one group's blocks; this offloader has the KV "
+            f"cache groups {[g.name for g in off._groups.groups]}: use the handles of "
+            "request(), which take one table per group"
         )
-    return layout, plan_core(config, layout, num_gpu_blocks=num_gpu_blocks, host_buffer=host_buffer)
+    return off._session

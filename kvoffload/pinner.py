@@ -75,6 +75,9 @@ class RefCountPinner:
             call (in the order given), so that an allocator can make blocks it freed while
             they were pinned reusable again. It runs on the thread that processes
             completions (the event loop's).
+        on_pin: called with the ids of the blocks that got their first pin in one `pin()`
+            call, so that an allocator stops handing out a free block a transfer now
+            reads (a block freed before its last store was planned).
 
     Use it as the ``pinner`` of `KVOffloader` and consult it in the allocator::
 
@@ -82,11 +85,17 @@ class RefCountPinner:
         async with KVOffloader(config, gpu_kv, pinner=pinner) as off: ...
     """
 
-    __slots__ = ("_counts", "_on_release")
+    __slots__ = ("_counts", "_on_pin", "_on_release")
 
-    def __init__(self, on_release: Callable[[Sequence[int]], None] | None = None) -> None:
+    def __init__(
+        self,
+        on_release: Callable[[Sequence[int]], None] | None = None,
+        *,
+        on_pin: Callable[[Sequence[int]], None] | None = None,
+    ) -> None:
         self._counts: dict[int, int] = {}
         self._on_release = on_release
+        self._on_pin = on_pin
 
     def __repr__(self) -> str:
         return f"RefCountPinner(pinned_blocks={len(self._counts)})"
@@ -94,8 +103,11 @@ class RefCountPinner:
     def pin(self, gpu_block_ids: Sequence[int]) -> None:
         """Add one pin to each of these blocks (a block named twice gets two)."""
         counts = self._counts
+        first = [b for b in gpu_block_ids if b not in counts] if self._on_pin else ()
         for b in gpu_block_ids:
             counts[b] = counts.get(b, 0) + 1
+        if first and self._on_pin is not None:
+            self._on_pin(first)
 
     def unpin(self, gpu_block_ids: Sequence[int]) -> None:
         """Remove one pin from each of these blocks; report the blocks now free of pins.

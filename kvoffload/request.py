@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, final, overload
 
@@ -36,6 +36,7 @@ from kvoffload.hashing import BlockHash, BlockHasher
 from kvoffload.transfer.task import _NoPublicConstructor
 
 if TYPE_CHECKING:
+    from kvoffload.request_groups import GroupLanes
     from kvoffload.transfer.task import TransferTask
 
 __all__ = [
@@ -261,6 +262,7 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         "_hasher",
         "_hashes",
         "_hit",
+        "_lanes",
         "_num_computed",
         "_off",
         "_reported",
@@ -279,6 +281,7 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         *,
         block_size: int,
         root: BlockHash,
+        lanes: GroupLanes | None = None,
     ) -> None:
         who = f"request {request_id!r}: "
         if num_computed_tokens < 0 or num_computed_tokens % block_size:
@@ -296,7 +299,11 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         self._who = who
         self._block_size = block_size
         self._tokens: list[int] = []
-        self._hasher = BlockHasher(root, block_size)
+        # With several groups (``lanes``), the first group's hasher is this one.
+        self._lanes = lanes
+        self._hasher = (
+            next(iter(lanes.hashers.values())) if lanes else BlockHasher(root, block_size)
+        )
         self._hashes = self._hasher.block_hashes  # the hasher's own list, bound once
         self._engine_prefix = num_computed_tokens
         self._num_computed = num_computed_tokens
@@ -342,7 +349,7 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         """
         self._state.check("extend", self._request_id)
         try:  # the hasher checks every token before it changes anything
-            self._hasher.extend(token_ids)
+            (self._lanes or self._hasher).extend(token_ids)
         except InvalidInputError as exc:
             raise type(exc)(f"{self._who}{exc}") from None
         self._tokens.extend(token_ids)
@@ -364,7 +371,8 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
 
     @property
     def block_hashes(self) -> Sequence[BlockHash]:
-        """The chained hashes of the full blocks so far (read-only)."""
+        """The chained hashes of the full blocks so far (read-only; with several groups,
+        the first cacheable group's, in its namespace)."""
         return ReadOnlyList(self._hashes)
 
     @property
@@ -400,13 +408,20 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
 
     # -- block-table arithmetic --------------------------------------------------------------
 
-    def blocks_for(self, num_tokens: int) -> int:
-        """How many blocks hold ``num_tokens`` tokens. See `blocks_for()`.
+    def blocks_for(self, num_tokens: int, *, group: str | None = None) -> int:
+        """How many blocks hold ``num_tokens`` tokens (of ``group``, with several KV cache
+        groups; default the handle's block size). See `blocks_for()`.
 
         Raises:
-            InvalidInputError: a negative ``num_tokens`` (the message names the request).
+            InvalidInputError: a negative ``num_tokens``, or a group the offloader does
+                not have (the message names the request).
         """
-        return _blocks_for(num_tokens, self._block_size, self._who)
+        bs = self._block_size
+        if group is not None:
+            if self._lanes is None:
+                raise InvalidInputError(f"{self._who}group={group!r}: the offloader has one group")
+            bs = self._lanes.block_size(group)
+        return _blocks_for(num_tokens, bs, self._who)
 
     def blocks_needed(self, num_tokens: int | None = None, *, have: int = 0) -> int:
         """How many blocks a table of ``have`` blocks must gain to hold ``num_tokens``.
@@ -479,26 +494,29 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
     def _lookup(self, what: str, num_computed_tokens: int | None, allow_defer: bool) -> int | None:
         self._state.check(what, self._request_id)
         prefix = self._engine_prefix if num_computed_tokens is None else num_computed_tokens
-        hit = self._off.lookup(
-            self._request_id,
-            self._hashes,
-            len(self._tokens),
-            prefix,
-            allow_defer=allow_defer,
-        )
+        if self._lanes is not None:
+            hit: int | None = self._lanes.lookup(self._request_id, len(self._tokens), prefix)
+        else:
+            hit = self._off.lookup(
+                self._request_id, self._hashes, len(self._tokens), prefix, allow_defer=allow_defer
+            )
         self._engine_prefix = prefix
         self._hit = hit or 0
         self._num_computed = max(self._num_computed, prefix)
         return hit
 
     def load(
-        self, block_table: Sequence[int], num_tokens: int | None = None
+        self,
+        block_table: Sequence[int] | Mapping[str, Sequence[int | None]],
+        num_tokens: int | None = None,
     ) -> TransferTask | None:
         """Start loading the last lookup's hit into the request's blocks.
 
         Args:
             block_table: the request's whole block table (block ``i`` of the request in
-                entry ``i``; the hit lands after the engine's prefix).
+                entry ``i``; the hit lands after the engine's prefix); with several KV
+                cache groups, one table per group name (``None`` for blocks not held),
+                and ``num_tokens`` is the whole hit or 0.
             num_tokens: load only this many of the hit's tokens (whole blocks); the rest of
                 the pin is released. Default: the whole hit.
 
@@ -513,12 +531,20 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         """
         self._state.check("load", self._request_id)
         n = self._hit if num_tokens is None else num_tokens
-        task = self._off.load(self._request_id, block_table, n)
+        if self._lanes is not None:
+            task = self._lanes.off.load(self._request_id, self._lanes.tables(block_table), n)
+        else:
+            task = self._off.load(self._request_id, block_table, n)  # type: ignore[arg-type]
         self._hit = n
         return task
 
-    def advance(self, block_table: Sequence[int], num_computed_tokens: int) -> None:
-        """Report a step: the table and how many tokens now have KV.
+    def advance(
+        self,
+        block_table: Sequence[int] | Mapping[str, Sequence[int | None]],
+        num_computed_tokens: int,
+    ) -> None:
+        """Report a step: the table (per group name, with several KV cache groups) and how
+        many tokens now have KV.
 
         Calls `KVOffloader.update()` with the hashes of the blocks that are full and
         computed, so each such block may be stored by the next `KVOffloader.store()` (after
@@ -536,6 +562,10 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
                 f"{self._who}num_computed_tokens={num_computed_tokens} "
                 f"exceeds its {len(self._tokens)} tokens"
             )
+        if self._lanes is not None:
+            self._lanes.advance(self._request_id, block_table, num_computed_tokens)
+            self._num_computed = num_computed_tokens
+            return
         hashes = self._hashes
         n = num_computed_tokens // self._block_size
         if n < self._reported:  # noqa: PLR1730 - cheaper than max() on the per-step path
@@ -544,7 +574,7 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
             n = self._reported
         if n < len(hashes):
             hashes = hashes[:n]  # the last full block is not computed yet
-        self._off.update(self._request_id, block_table, hashes, num_computed_tokens)
+        self._off.update(self._request_id, block_table, hashes, num_computed_tokens)  # type: ignore[arg-type]
         self._reported = len(hashes)
         self._num_computed = num_computed_tokens
 

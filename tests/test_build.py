@@ -16,6 +16,7 @@ import kvoffload.request
 from kvoffload.build import (
     CORE_FIELDS,
     ENTRY_POINT_FIELDS,
+    GROUP_FIELDS,
     INLINE_POOL_BLOCKS,
     TIER_FIELDS,
     Core,
@@ -98,11 +99,17 @@ def via_builder(config: OffloadConfig) -> dict[str, object]:
 
 def test_every_config_field_is_classified_once() -> None:
     fields = set(OffloadConfig.model_fields)
-    classes = {"core": CORE_FIELDS, "tiers": TIER_FIELDS, "entry point": ENTRY_POINT_FIELDS}
+    classes = {
+        "core": CORE_FIELDS,
+        "tiers": TIER_FIELDS,
+        "entry point": ENTRY_POINT_FIELDS,
+        "groups": GROUP_FIELDS,
+    }
     unclassified = fields - set().union(*classes.values())
     assert not unclassified, (
         f"OffloadConfig fields {sorted(unclassified)} are in none of kvoffload.build's "
-        "CORE_FIELDS, TIER_FIELDS and ENTRY_POINT_FIELDS: say which part reads each"
+        "CORE_FIELDS, TIER_FIELDS, ENTRY_POINT_FIELDS and GROUP_FIELDS: say which part reads "
+        "each"
     )
     names = list(classes)
     for i, a in enumerate(names):

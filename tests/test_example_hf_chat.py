@@ -81,8 +81,11 @@ def test_a_local_checkpoint_loads_by_path(
 def test_each_hybrid_family_runs_with_identical_tokens(
     example: ModuleType, capsys: pytest.CaptureFixture[str], family: str
 ) -> None:
-    argv = ["--no-progress", "--model", family, "--turns", "2", "--conversations", "2"]
+    argv = ["--no-progress", "--model", family, "--turns", "2", "--conversations", "3"]
     assert example.main(argv) == 0
     out = capsys.readouterr().out
-    assert "tokens identical with the GPU cache only and full recompute: 4 requests" in out
-    assert "stored 0 blocks" in out  # these families run without offload for now
+    assert "tokens identical with offload, GPU cache only and full recompute: 6 requests" in out
+    stored = re.search(r"offloader: stored (\d+) blocks, loaded (\d+),", out)
+    assert stored is not None
+    assert int(stored.group(1)) > 0
+    assert int(stored.group(2)) > 0  # the second turns load every group from CPU

@@ -897,3 +897,22 @@ async def test_an_abandoned_load_without_fresh_blocks_starts_over(
     engine.check_invariants()
     assert engine.pinner.num_pinned == 0
     assert engine.allocator.statistics().num_used == 0
+def test_a_free_block_a_transfer_pins_is_not_handed_out() -> None:
+    """A block freed before its store was planned (a finished request's, a sliding
+    window's, a state snapshot in the prefix cache) is held while the copy reads it."""
+    from kvoffload.hashing import BlockHash  # noqa: PLC0415
+
+    alloc = GpuBlockAllocator(2)
+    blocks = alloc.allocate(2)
+    assert blocks is not None
+    h = BlockHash(bytes(32))
+    alloc.cache(h, blocks[0])
+    alloc.free(blocks)
+    alloc.pinner.pin([blocks[0]])  # a store of the cached, free block starts
+    assert alloc.allocate(1) == [blocks[1]]
+    assert alloc.allocate(1) is None  # not the pinned one
+    alloc.check_invariants()
+    alloc.pinner.unpin([blocks[0]])
+    assert alloc.cached_block(h) == blocks[0]  # it kept its hash
+    assert alloc.num_free == 1
+    alloc.check_invariants()

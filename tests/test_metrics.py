@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvoffload as kvoffload_package
 from kvoffload import KVLayout, KVOffloader, OffloadConfig
+from kvoffload.groups import KVCacheGroup
 from kvoffload.metrics import (
     METRICS,
     TIER_LABELS,
@@ -33,6 +34,7 @@ from kvoffload.metrics import (
 from kvoffload.offloader import OffloaderStatistics
 from kvoffload.pool import PoolStatistics
 from kvoffload.scheduler import SchedulerStatistics
+from kvoffload.scheduler.groups import GroupStatistics
 from kvoffload.testing import ControllableCopyEngine
 from kvoffload.tiers.stats import TierManagerStatistics, TierStatistics
 from kvoffload.transfer import PollerStatistics
@@ -96,6 +98,7 @@ def fake_statistics(base: int, *, tiers: bool = True) -> OffloaderStatistics:
         scheduler=build(SchedulerStatistics),  # type: ignore[arg-type]
         poller=build(PollerStatistics),  # type: ignore[arg-type]
         tiers=tier_stats,  # type: ignore[arg-type]
+        groups={name: build(GroupStatistics) for name in ("full", "sliding")},  # type: ignore[misc]
     )
 
 
@@ -117,13 +120,44 @@ def samples_of(
             else:
                 out.append((labels, float(getattr(tier, field))))
         return out
+    if spec_part == "group":
+        groups = stats.groups or {}
+        return [({"group": n}, float(getattr(g, field))) for n, g in groups.items()]
     part = getattr(stats, spec_part)
     return [({}, float(getattr(part, field)))]
 
 
+@pytest.mark.anyio
+async def test_a_multi_group_offloader_is_scraped_with_a_group_label() -> None:
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=4, dtype="float32", block_size=BS)
+    groups = (
+        KVCacheGroup.from_layout(layout, name="full"),
+        KVCacheGroup.from_layout(layout, name="swa", kind="sliding_window", window=5),
+    )
+    kv = {g.name: [torch.zeros(layout.tensor_shape(4))] for g in groups}
+    config = OffloadConfig(num_cpu_blocks=6, block_size=BS, checkpoint_tokens=BS)
+    async with KVOffloader(config, kv, groups=groups) as off:
+        registry = CollectorRegistry()
+        registry.register(OffloaderCollector(off))
+        families = scrape(registry)
+    assert families["kvoffload_group_cpu_blocks"][1] == [
+        ({"group": "full"}, 6.0),
+        ({"group": "swa"}, 6.0),
+    ]
+    assert families["kvoffload_pool_blocks"][1] == [({}, 12.0)]
+
+
 def test_every_statistics_field_is_exported_exactly_once() -> None:
-    parts = {**PARTS, "tiers": TierManagerStatistics, "tier": TierStatistics}
-    assert {f.name for f in dataclasses.fields(OffloaderStatistics)} == set(PARTS) | {"tiers"}
+    parts = {
+        **PARTS,
+        "tiers": TierManagerStatistics,
+        "tier": TierStatistics,
+        "group": GroupStatistics,
+    }
+    assert {f.name for f in dataclasses.fields(OffloaderStatistics)} == set(PARTS) | {
+        "tiers",
+        "groups",
+    }
     exported = [(spec.part, spec.field) for spec in METRICS]
     assert len(exported) == len(set(exported))
     # Every field is a metric, except the list of tiers (each is part "tier"), a tier's
@@ -157,7 +191,12 @@ def test_docs_list_every_metric_with_its_type_field_and_help() -> None:
     assert rows == expected, "docs/metrics.md's rows should be:\n" + "\n".join(expected)
 
 
-STATISTICS = {**PARTS, "tiers": TierManagerStatistics, "tier": TierStatistics}
+STATISTICS = {
+    **PARTS,
+    "tiers": TierManagerStatistics,
+    "tier": TierStatistics,
+    "group": GroupStatistics,
+}
 
 
 def griffe_attributes(cls: type) -> dict[str, str]:
@@ -314,9 +353,9 @@ def test_without_tiers_the_tier_families_have_no_samples() -> None:
     assert families["kvoffload_pool_evictions"] == ("counter", [({}, float(stats.pool.evictions))])
 
 
-@pytest.mark.parametrize("label", ["tier", "kind", "detail"])
+@pytest.mark.parametrize("label", ["tier", "kind", "detail", "group"])
 def test_the_tier_labels_cannot_name_the_sources(label: str) -> None:
-    with pytest.raises(ValueError, match="taken by the tier metrics"):
+    with pytest.raises(ValueError, match="taken by the tier or group metrics"):
         OffloaderCollector({"0": lambda: fake_statistics(0)}, label=label)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvoffload import ConfigError, KVOffloader, OffloadConfig
+from kvoffload import ConfigError, InvalidInputError, KVOffloader, OffloadConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -170,7 +170,9 @@ def test_needed_and_the_hit_point_per_group() -> None:
     assert hit_point(groups, 4, lambda g, i: True) == 0
 
 
-async def test_attaching_an_offloader_to_a_hybrid_is_refused_naming_the_groups() -> None:
+async def test_attaching_a_single_group_offloader_to_a_hybrid_is_refused_naming_the_groups() -> (
+    None
+):
     llama_cfg = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -181,3 +183,150 @@ async def test_attaching_an_offloader_to_a_hybrid_is_refused_naming_the_groups()
     async with KVOffloader(cfg, llama.kv, layout=llama.layout, pinner=llama.pinner) as off:
         with pytest.raises(ConfigError, match=r"'full' \(full.*'recurrent' \(recurrent"):
             engine.attach(off)
+    # And the other way round: a hybrid's offloader on a Llama engine.
+    async with offloader_for(engine) as off:
+        with pytest.raises(ConfigError, match=r"groups=engine.kv_groups"):
+            llama.attach(off)
+    assert llama.kv_groups[0].kind == "full"
+    assert [g.kind for g in engine.kv_groups] == ["full", "recurrent"]
+
+
+async def test_a_load_deadline_with_a_multi_group_offloader_is_refused_at_attach() -> None:
+    # Abandoning a load is single-group for now: the engine says so when the offloader is
+    # attached, instead of waiting past its deadline or abandoning part of a hit.
+    engine = PagedEngine(gemma3(), num_gpu_blocks=8, block_size=BS, load_deadline_s=0.5)
+    async with offloader_for(engine) as off:
+        with pytest.raises(ConfigError, match=r"load_deadline_s=0.5 .*several KV cache groups"):
+            engine.attach(off)
+        with off.request("r", list(range(3 * BS))) as req:
+            with pytest.raises(InvalidInputError, match=r"abandon_load\(\).*'full'"):
+                req.abandon_load()
+
+
+async def test_offload_with_preemption_and_batching_equals_a_recompute(
+    models: tuple[Any, Any],
+) -> None:
+    """Three conversations at once in a cache that cannot hold them: preemptions store
+    each group's last point, re-admissions and later turns load it back."""
+    model, ref = models
+    engine = PagedEngine(model, num_gpu_blocks=14, block_size=BS, max_batch_tokens=12)
+    gen = torch.Generator().manual_seed(3)
+    convs = [torch.randint(0, VOCAB, (9 + 2 * i,), generator=gen).tolist() for i in range(3)]
+    async with offloader_for(engine) as off:
+        engine.attach(off)
+        for turn in range(3):
+            for i, c in enumerate(convs):
+                engine.add_request(f"c{i}-{turn}", c, max_new_tokens=4)
+            got = await run_checked(engine)
+            for i, c in enumerate(convs):
+                toks = got[f"c{i}-{turn}"]
+                assert toks == reference(ref, c, 4), (i, turn)
+                convs[i] = [*c, *toks, *torch.randint(0, VOCAB, (3,), generator=gen).tolist()]
+            off.check_invariants()
+        await off.drain()
+    stats = engine.statistics()
+    assert stats.preemptions > 0
+    assert stats.loaded_tokens > 0
+    engine.check_invariants()
+
+
+def offload_config(num_cpu_blocks: int = 96) -> OffloadConfig:
+    return OffloadConfig(
+        block_size=BS, num_cpu_blocks=num_cpu_blocks, checkpoint_tokens=2 * BS, model_id="t"
+    )
+
+
+def offloader_for(engine: PagedEngine, num_cpu_blocks: int = 96) -> KVOffloader:
+    return KVOffloader(
+        offload_config(num_cpu_blocks),
+        engine.offload_kv,
+        groups=engine.kv_groups,
+        pinner=engine.pinners,
+    )
+
+
+async def converse(
+    engine: PagedEngine, ref: Any, *, turns: int = 3, seed: int = 5
+) -> tuple[int, list[list[int]]]:
+    """Interleaved multi-turn conversations, one request at a time; each answer equals a
+    full recompute of the stock model. Returns the tokens loaded from CPU and the
+    answers."""
+    gen = torch.Generator().manual_seed(seed)
+    convs = [torch.randint(0, VOCAB, (10 + 3 * i,), generator=gen).tolist() for i in range(3)]
+    loaded, answers = 0, []
+    for turn in range(turns):
+        for i, c in enumerate(convs):
+            engine.add_request(f"c{i}-{turn}", c, max_new_tokens=4)
+            (res,) = await engine.run_until_done()
+            engine.check_invariants()
+            assert res.error is None, res.error
+            assert res.output_token_ids == reference(ref, c, 4), (i, turn)
+            assert res.computed_tokens + res.gpu_cached_tokens + res.loaded_tokens == len(c)
+            loaded += res.loaded_tokens
+            answers.append(res.output_token_ids)
+            extra = torch.randint(0, VOCAB, (3,), generator=gen).tolist()
+            convs[i] = [*c, *res.output_token_ids, *extra]
+    return loaded, answers
+
+
+async def test_offload_serves_hybrids_from_cpu_with_tokens_equal_to_a_recompute(
+    models: tuple[Any, Any],
+) -> None:
+    """A GPU cache too small for the history of three conversations: later turns load
+    every group from CPU (the full blocks, the sliding window's blocks, the recurrent
+    state snapshot), and every answer equals a full recompute of the stock model."""
+    model, ref = models
+    engine = PagedEngine(model, num_gpu_blocks=12, block_size=BS, max_batch_tokens=16)
+    async with offloader_for(engine) as off:
+        engine.attach(off)
+        loaded, _ = await converse(engine, ref)
+        await off.drain()
+        stats = off.statistics()
+        assert stats.groups is not None
+        assert set(stats.groups) == {g.name for g in engine.kv_groups}
+        assert all(s.loaded_blocks > 0 for s in stats.groups.values()), stats.groups
+        assert stats.scheduler.live_requests == 0
+        off.check_invariants()
+        assert all(p.num_pinned == 0 for p in engine.pinners.values())
+    assert loaded > 0
+    assert engine.statistics().loaded_tokens == loaded
+    engine.check_invariants()
+    for alloc in engine.allocators.values():
+        assert alloc.statistics().num_held == 0
+
+
+@pytest.mark.parametrize("corrupt", [None, "full", "sliding", "recurrent"])
+async def test_a_corrupted_cpu_block_of_one_group_changes_the_answer(
+    models: tuple[Any, Any], corrupt: str | None
+) -> None:
+    """The negative control: overwrite one group's host blocks after the first turn; the
+    second turn loads them (its prefix was evicted from the GPU cache), and its answer
+    differs from a recompute, while without the corruption it equals it (so the equality
+    above depends on every group's bytes)."""
+    model, ref = models
+    engine = PagedEngine(model, num_gpu_blocks=12, block_size=BS, max_batch_tokens=16)
+    if corrupt is not None and corrupt not in {g.name for g in engine.kv_groups}:
+        pytest.skip(f"the model has no {corrupt} group")
+    gen = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, VOCAB, (22,), generator=gen).tolist()
+    filler = torch.randint(0, VOCAB, (40,), generator=gen).tolist()
+    async with offloader_for(engine) as off:
+        engine.attach(off)
+        engine.add_request("t1", prompt, max_new_tokens=4)
+        (first,) = await engine.run_until_done()
+        engine.add_request("filler", filler, max_new_tokens=2)  # evicts t1 from the GPU
+        await engine.run_until_done()
+        await off.drain()
+        if corrupt is not None:
+            host = off._groups.hosts[corrupt]  # type: ignore[union-attr]
+            host.raw.fill_(0x47)  # every float becomes about 51,000
+        turn2 = [*prompt, *first.output_token_ids, 7, 8, 9]
+        engine.add_request("t2", turn2, max_new_tokens=4)
+        (second,) = await engine.run_until_done()
+        await off.drain()
+    assert second.loaded_tokens >= 16
+    expected = reference(ref, turn2, 4)
+    if corrupt is None:
+        assert second.output_token_ids == expected
+    else:
+        assert second.output_token_ids != expected

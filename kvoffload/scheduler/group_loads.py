@@ -1,16 +1,18 @@
-"""The hit rule of `GroupedScheduler`: the largest ``N`` valid for every group."""
+"""The hit rule of `GroupedScheduler` (the largest ``N`` valid for every group) and its
+cross-group checks."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvoffload.errors import InvariantError
 from kvoffload.groups import KVCacheGroup, needed
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.scheduler.group_state import GroupedRequest
+from kvoffload.scheduler.ledger import BlockLedger
 
-__all__ = ["check_request", "find_hit", "load_range"]
+__all__ = ["check_ledgers", "check_request", "find_hit", "load_range"]
 
 
 def load_range(g: KVCacheGroup, n: int, computed: int) -> range:
@@ -92,3 +94,23 @@ def check_request(groups: Mapping[str, KVCacheGroup], state: GroupedRequest, ali
             raise InvariantError(
                 f"request {rid!r}: group {name!r} pins {got} blocks for a hit needing {len(span)}"
             )
+
+
+def check_ledgers(ledgers: Mapping[str, BlockLedger], requests: Iterable[GroupedRequest]) -> None:
+    """Check every group's pool and ledger, and that the ledger's pins are the requests'
+    lookups and its plans the requests' plans in flight.
+
+    Raises:
+        InvariantError: naming the group and the breach.
+    """
+    states = list(requests)
+    for name, ledger in ledgers.items():
+        ledger.check_invariants()
+        pins = {id(p) for p in ledger.pins()}
+        held = {id(s.lanes[name].pin) for s in states if s.lanes[name].pin is not None}
+        if pins != held:
+            raise InvariantError(f"group {name!r}: the ledger's pins are not the lookups'")
+        plans = {rec.plan.plan_id for rec in ledger.plans()}
+        named = {p for s in states for g, p in s.in_flight if g == name}
+        if plans != named:
+            raise InvariantError(f"group {name!r}: requests' plans {named} != {plans}")

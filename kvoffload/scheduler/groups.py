@@ -38,7 +38,7 @@ from kvoffload.groups import (
     hit_alignment,
 )
 from kvoffload.pool.block_pool import CpuBlockPool
-from kvoffload.scheduler.group_loads import check_request, find_hit, load_range
+from kvoffload.scheduler.group_loads import check_ledgers, check_request, find_hit, load_range
 from kvoffload.scheduler.group_state import (
     GroupCounts,
     GroupedPlan,
@@ -470,21 +470,8 @@ class GroupedScheduler:
         Raises:
             InvariantError: naming the group and the breach.
         """
-        groups = {g.name: g for g in self._cacheable}
-        for name, ledger in self._ledgers.items():
-            ledger.check_invariants()
-            pins = {id(p) for p in ledger.pins()}
-            held = {
-                id(s.lanes[name].pin)
-                for s in self._requests.values()
-                if s.lanes[name].pin is not None
-            }
-            if pins != held:
-                raise InvariantError(f"group {name!r}: the ledger's pins are not the lookups'")
-            plans = {rec.plan.plan_id for rec in ledger.plans()}
-            named = {p for s in self._requests.values() for g, p in s.in_flight if g == name}
-            if plans != named:
-                raise InvariantError(f"group {name!r}: requests' plans {named} != {plans}")
+        check_ledgers(self._ledgers, self._requests.values())
         self._planner.check_invariants()
+        groups = {g.name: g for g in self._cacheable}
         for state in self._requests.values():
             check_request(groups, state, self._align)

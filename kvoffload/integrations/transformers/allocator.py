@@ -67,7 +67,7 @@ class GpuBlockAllocator:
         self._held: set[int] = set()  # ref 0 but pinned: handed out once unpinned
         self._hash_of: dict[int, BlockHash] = {}
         self._block_of: dict[BlockHash, int] = {}
-        self.pinner = RefCountPinner(on_release=self.on_unpinned)
+        self.pinner = RefCountPinner(on_release=self.on_unpinned, on_pin=self.on_pinned)
         """The pinner to give `KVOffloader`; it reports released pins to this allocator."""
         self._hits = 0
         self._evicted = 0
@@ -164,6 +164,14 @@ class GpuBlockAllocator:
             else:
                 self._free[b] = None
                 self._free.move_to_end(b, last=False)  # no data worth keeping: reuse first
+
+    def on_pinned(self, block_ids: Sequence[int]) -> None:
+        """The pinner's pin hook: a free block a transfer now reads is held, not handed
+        out, until its last pin goes (a cached block keeps its hash)."""
+        for b in block_ids:
+            if b in self._free:
+                del self._free[b]
+                self._held.add(b)
 
     def on_unpinned(self, block_ids: Sequence[int]) -> None:
         """The pinner's release hook: unreferenced blocks whose last pin went are free."""

@@ -71,6 +71,21 @@ class _Batcher:
         """Admitted requests, oldest first."""
         self.ids: set[str] = set()
         """The ids of every waiting and running request."""
+        calls.tables_of = self.offload_tables
+
+    def offload_tables(self, r: _Req) -> object:
+        """What ``r``'s handle is given as its table: the first attention group's table,
+        or with a multi-group offloader one table per group name (the recurrent group's:
+        the state blocks of its snapshots)."""
+        if not self._calls.grouped:
+            return r.table
+        tables: dict[str, list[int | None]] = {
+            self.groups[gi].name: list(t) for gi, t in zip(self._attn, r.tables, strict=True)
+        }
+        if self._rec is not None:
+            width = max(len(r.tables[0]) if r.tables else 0, len(r.rec_table))
+            tables[self.groups[self._rec].name] = r.rec_table + [None] * (width - len(r.rec_table))
+        return tables
 
     def add(self, r: _Req) -> None:
         """Queue a new request."""
@@ -106,6 +121,9 @@ class _Batcher:
                     calls.release(r)
                     return  # wait until running requests free blocks
                 t.extend(fresh)
+            if hit and not self._load_into_state(r, cached * bs + hit):
+                calls.release(r)  # no state block to load the snapshot into: compute
+                hit = 0
             self.waiting.popleft()
             r.tables = tables
             r.num_cached_blocks = cached
@@ -150,6 +168,18 @@ class _Batcher:
                 allocs[self._rec].free([b])
         return tables
 
+    def _load_into_state(self, r: _Req, n: int) -> bool:
+        """With a recurrent group and a multi-group offloader, give the load of a hit at
+        ``n`` tokens a state block for the snapshot at ``n`` (``r.rec_table``); whether
+        the load can go on."""
+        if self._rec is None or not self._calls.grouped:
+            return True
+        got = self.allocators[self._rec].allocate(1)
+        if got is None:
+            return False
+        r.rec_table = [None] * (n // self._block_size - 1) + got
+        return True
+
     def _load_failed(self, r: _Req) -> None:
         self._counters.failed_loads += 1
         self._recompute(r)
@@ -159,6 +189,22 @@ class _Batcher:
         r.num_computed = r.num_cached_blocks * self._block_size
         if r.result.ttft_s is None:
             r.result.loaded_tokens = 0
+        held = [b for b in r.rec_table if b is not None]
+        if held and self._rec is not None:  # a snapshot that did not arrive
+            self.allocators[self._rec].free(held)
+        r.rec_table = []
+
+    def _loaded(self, r: _Req) -> None:
+        """A load arrived: start the recurrent state from the loaded snapshot (kept in
+        the GPU prefix cache), and free the sliding-window blocks below the loaded window
+        (allocated for the prompt, never written)."""
+        n = r.num_computed
+        if self._rec is not None and r.rec_table and r.state is not None and self._state_pool:
+            b = r.rec_table[n // self._block_size - 1]
+            if b is not None:
+                self._state_pool.load(b, r.state)
+                self.allocators[self._rec].cache(r.hashes[n // self._block_size - 1], b)
+        self.trim(r)
 
     async def await_loads(self) -> None:
         """Wait for the loads admission started (a failed one is recomputed; one past
@@ -179,7 +225,8 @@ class _Batcher:
                         self.abandon_load(r)
                         continue
                     task.result()  # a failed load raises here
-                self._counters.loaded += task.plan.num_blocks * bs
+                self._counters.loaded += r.num_computed - r.num_cached_blocks * bs
+                self._loaded(r)
             except TransferError:
                 # Recompute what failed to load; the blocks are the request's own.
                 self._load_failed(r)
@@ -268,15 +315,30 @@ class _Batcher:
         snaps, state.snaps = state.snaps, {}
         alloc, hashes = self.allocators[gi], r.hashes
         layers = len(self.groups[gi].layers)
+        keep = self._calls.grouped  # the request's table holds a ref on each snapshot
+        rec = r.rec_table
         for i, snap in sorted(snaps.items()):
-            if i >= len(hashes) or len(snap) != layers or alloc.cached_block(hashes[i]):
+            if i >= len(hashes) or len(snap) != layers:
                 continue
-            got = alloc.allocate(1)
-            if got is None:
-                return
-            pool.store(got[0], snap)
-            alloc.cache(hashes[i], got[0])
-            alloc.free(got)
+            if keep and i < len(rec) and rec[i] is not None:
+                continue
+            b = alloc.cached_block(hashes[i])
+            if b is None:
+                got = alloc.allocate(1)
+                if got is None:
+                    return
+                b = got[0]
+                pool.store(b, snap)
+                alloc.cache(hashes[i], b)
+                if not keep:
+                    alloc.free(got)
+            elif keep:
+                alloc.take([b])
+            else:
+                continue
+            if keep:
+                rec.extend([None] * (i + 1 - len(rec)))
+                rec[i] = b
 
     def preempt(self, r: _Req) -> None:
         """Move a running request back to the front of the waiting queue, reset."""
@@ -292,6 +354,9 @@ class _Batcher:
             held = [b for b in t if b is not None]
             if held:
                 self.allocators[gi].free(held)
+        rec, r.rec_table = [b for b in r.rec_table if b is not None], []
+        if rec and self._rec is not None:
+            self.allocators[self._rec].free(rec)
 
     def reset(self, r: _Req) -> None:
         """Free ``r``'s GPU blocks and rewind it and its handle to nothing computed."""
@@ -301,7 +366,8 @@ class _Batcher:
 
     async def wait_for_blocks(self) -> None:
         """Nothing could be scheduled: wait for transfers to release their pins, or yield."""
-        if self._calls.off is not None and self._allocator.statistics().num_held:
+        held = any(a.statistics().num_held for a in self.allocators)
+        if self._calls.off is not None and held:
             await self._calls.drain()
         else:
             await anyio.lowlevel.checkpoint()
@@ -334,6 +400,7 @@ class _Batcher:
             pos = self._attn.index(gi) if gi in self._attn else None
             for r in self.running:
                 table = r.tables[pos] if pos is not None and pos < len(r.tables) else []
+                table = r.rec_table if gi == self._rec else table
                 for b in table:
                     if b is not None:
                         counts[b] += 1
@@ -345,7 +412,7 @@ class _Batcher:
                         f"requests' tables (group {g.name!r})"
                     )
         for r in self.waiting:
-            held = sum(b is not None for t in r.tables for b in t)
+            held = sum(b is not None for t in (*r.tables, r.rec_table) for b in t)
             if held or r.load_task is not None:
                 raise BlockStateError(
                     f"request {r.request_id!r} waits but holds {held} GPU "

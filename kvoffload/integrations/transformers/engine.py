@@ -35,14 +35,19 @@ from transformers import AttentionInterface
 
 from kvoffload.config import KVLayout
 from kvoffload.errors import ConfigError
+from kvoffload.groups import KVCacheGroup
 from kvoffload.hashing import BlockHasher, HashNamespace
 from kvoffload.integrations.transformers.allocator import GpuBlockAllocator
 from kvoffload.integrations.transformers.attention import ATTENTION_NAME, paged_attention
 from kvoffload.integrations.transformers.batching import _Batcher
 from kvoffload.integrations.transformers.forward import _ForwardPass
-from kvoffload.integrations.transformers.groups import groups_of
+from kvoffload.integrations.transformers.groups import EngineGroup, groups_of
 from kvoffload.integrations.transformers.offload import _OffloadCalls
-from kvoffload.integrations.transformers.recurrent import StatePool, install_mixers
+from kvoffload.integrations.transformers.recurrent import (
+    StatePool,
+    install_mixers,
+    probe_states,
+)
 from kvoffload.integrations.transformers.results import (
     EngineStatistics,
     FinishReason,
@@ -89,6 +94,8 @@ class PagedEngine:
             before it abandons it (`OffloadRequest.abandon_load`) and recomputes those
             tokens, in fresh GPU blocks (the late copy's are reused only once it ended);
             counted in `EngineStatistics.abandoned_loads`. ``None`` (default): wait.
+            Single-group models only for now: `attach` refuses an offloader with several
+            KV cache groups while a deadline is set.
 
     Raises:
         ConfigError: an unsupported architecture or a bad size (the message says which).
@@ -138,6 +145,7 @@ class PagedEngine:
             )
         if load_deadline_s is not None and not load_deadline_s >= 0:
             raise ConfigError(f"load_deadline_s={load_deadline_s!r} must be >= 0 or None")
+        self._load_deadline_s = load_deadline_s
         self.groups = groups_of(cfg, block_size)
         """The KV cache groups (`EngineGroup`): attention groups first, recurrent last."""
         _register_attention()
@@ -189,7 +197,17 @@ class PagedEngine:
         state_pool = None
         if rec:
             install_mixers(model, rec[0].layers)
-            state_pool = StatePool(self.allocators[rec[0].name].num_blocks, rec[0].layers)
+            example = probe_states(model, rec[0].layers, param.device, param.dtype)
+            state_pool = StatePool(self.allocators[rec[0].name].num_blocks, rec[0].layers, example)
+        self.kv_groups = _kv_groups(self.groups, layouts, state_pool)
+        """The KV cache groups as kvoffload describes them (`KVCacheGroup`), for
+        ``KVOffloader(..., groups=engine.kv_groups)``: one per `groups` entry, the
+        recurrent group's page being one state block (conv and recurrent state) per layer."""
+        self.offload_kv: dict[str, list[torch.Tensor]] = dict(self.group_kv)
+        """Per group, the tensors to give `KVOffloader` (a recurrent group's: the state
+        pool's byte rows, one per layer)."""
+        if state_pool is not None:
+            self.offload_kv[rec[0].name] = state_pool.rows
         self._model = model
         self._block_size = block_size
         self._vocab = int(cfg.vocab_size)
@@ -232,27 +250,48 @@ class PagedEngine:
         """Tokens per block."""
         return self._block_size
 
+    @property
+    def pinners(self) -> dict[str, RefCountPinner]:
+        """Per group, the `GpuBlockPinner` of its allocator, for
+        ``KVOffloader(..., pinner=engine.pinners)``."""
+        return {name: alloc.pinner for name, alloc in self.allocators.items()}
+
     def attach(self, offloader: KVOffloader | None) -> None:
         """Offload through ``offloader`` from now on (``None``: stop offloading).
 
+        A model with several KV cache groups (Gemma 3, Qwen3-Next) needs an offloader
+        made with them: ``KVOffloader(config, engine.offload_kv, groups=engine.kv_groups,
+        pinner=engine.pinners)`` (that spelling works for one group too). A hit then
+        loads every group: the full group's blocks, the sliding window's blocks before
+        it, and the recurrent state snapshot at it.
+
         Raises:
-            ConfigError: its block size or layout differs from the engine's, or the model
-                has other KV cache groups than one of full attention (kvoffload's core
-                offloads one full-attention group for now).
+            ConfigError: its block size or layout differs from the engine's, its KV
+                cache groups are not the engine's `kv_groups`, or it has several groups
+                while ``load_deadline_s`` is set (a multi-group load cannot be abandoned
+                yet).
             RuntimeError: requests are in progress.
         """
         if self.has_work:
             raise RuntimeError("attach an offloader while no request is in progress")
-        if offloader is not None and (len(self.groups) != 1 or self.groups[0].kind != "full"):
-            names = ", ".join(
-                f"{g.name!r} ({g.kind}, layers {list(g.layers)})" for g in self.groups
-            )
-            raise ConfigError(
-                f"this model's KV cache has the groups {names}; offload needs every group of "
-                "a hit and kvoffload's core offloads one full-attention group only for now: "
-                "run the engine without an offloader"
-            )
-        if offloader is not None and offloader.layout != self.layout:
+        many = len(self.kv_groups) != 1 or self.kv_groups[0].kind != "full"
+        if offloader is not None and (many or offloader.groups is not None):
+            if tuple(offloader.groups or ()) != self.kv_groups:
+                names = ", ".join(
+                    f"{g.name!r} ({g.kind}, layers {list(g.layers)})" for g in self.groups
+                )
+                raise ConfigError(
+                    f"this model's KV cache has the groups {names}; offload needs every "
+                    "group of a hit: make the offloader with groups=engine.kv_groups, "
+                    "engine.offload_kv and pinner=engine.pinners"
+                )
+            if offloader.groups is not None and self._load_deadline_s is not None:
+                raise ConfigError(
+                    f"load_deadline_s={self._load_deadline_s!r} with an offloader of several "
+                    "KV cache groups: abandoning a multi-group load is not supported yet; "
+                    "make the engine with load_deadline_s=None"
+                )
+        elif offloader is not None and offloader.layout != self.layout:
             raise ConfigError(
                 f"the offloader's layout {offloader.layout!r} differs from the engine's "
                 f"{self.layout!r} (block_size and dtype must match)"
@@ -278,7 +317,7 @@ class PagedEngine:
         off = self._calls.off
         if request_id in self._batch.ids:
             raise ValueError(f"request id {request_id!r} is in use")
-        if off is not None and off.scheduler.has_request(request_id):
+        if off is not None and off.has_request(request_id):
             raise ValueError(
                 f"request id {request_id!r} is in use: the offloader still copies blocks of "
                 "an earlier request with that id"
@@ -417,3 +456,30 @@ class PagedEngine:
                 batch.running.remove(r)
                 outputs.append(StepOutput(r.request_id, None, batch.end(r, "aborted")))
         return outputs
+
+
+def _kv_groups(
+    groups: Sequence[EngineGroup], layouts: Sequence[KVLayout], state_pool: StatePool | None
+) -> tuple[KVCacheGroup, ...]:
+    """The engine's groups as `KVCacheGroup`s: the attention groups with their K/V
+    layouts, the recurrent one with the state pool's page."""
+    out: list[KVCacheGroup] = []
+    attn = iter(layouts)
+    for g in groups:
+        if g.kind == "recurrent":
+            if state_pool is None:
+                raise ConfigError(f"group {g.name!r} is recurrent but has no state pool")
+            out.append(
+                KVCacheGroup(
+                    name=g.name,
+                    kind="recurrent",
+                    block_size=g.block_size,
+                    num_layers=len(g.layers),
+                    bytes_per_layer_block=state_pool.page_bytes,
+                )
+            )
+        else:
+            out.append(
+                KVCacheGroup.from_layout(next(attn), name=g.name, kind=g.kind, window=g.window)
+            )
+    return tuple(out)

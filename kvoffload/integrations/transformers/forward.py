@@ -126,7 +126,6 @@ class _ForwardPass:
                 r.result.output_token_ids.append(sampled)
                 if r.result.ttft_s is None:
                     r.result.ttft_s = now - r.t0
-            calls.advance(r, r.table, r.num_computed)
             hashes = r.hashes
             full = min(r.num_computed // bs, len(hashes))
             for alloc, t in zip(batcher.allocators, r.tables, strict=False):
@@ -137,6 +136,8 @@ class _ForwardPass:
             r.num_cached_blocks = max(r.num_cached_blocks, full)
             batcher.store_snapshots(r)
             batcher.trim(r)
+            # After the trim: a block freed here is never named to kvoffload afterwards.
+            calls.advance(r, r.num_computed)
             if sampled is not None:
                 reason: FinishReason | None = None
                 if r.eos is not None and sampled == r.eos:

@@ -19,7 +19,7 @@ all the same.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar, final
 
 from kvoffload._logging import get_logger
@@ -39,12 +39,20 @@ _T = TypeVar("_T")
 class _OffloadCalls:
     """The attached offloader (or none) and every call the engine makes on it."""
 
-    __slots__ = ("_counters", "off")
+    __slots__ = ("_counters", "off", "tables_of")
 
     def __init__(self, counters: _Counters) -> None:
         self._counters = counters
         self.off: KVOffloader | None = None
         """The attached offloader."""
+        self.tables_of: Callable[[_Req], Any] = lambda r: r.table
+        """What ``load`` and ``advance`` hand the handle: the request's table, or with a
+        multi-group offloader one table per group (set by the batching)."""
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the attached offloader has several KV cache groups."""
+        return self.off is not None and self.off.groups is not None
 
     def _contained(self, call: str, r: _Req | None, exc: PinnerError) -> None:
         """Log, count and note a `PinnerError` that ``call`` raised."""
@@ -103,7 +111,7 @@ class _OffloadCalls:
         if handle is None:
             return None
         try:
-            return self._call("load", r, handle.load, r.table)
+            return self._call("load", r, handle.load, self.tables_of(r))
         except PinnerError as exc:
             self._contained("load", r, exc)
         self.release(r)
@@ -126,10 +134,10 @@ class _OffloadCalls:
         if r.handle is not None:
             self._call("preempt", r, r.handle.preempt)
 
-    def advance(self, r: _Req, table: Sequence[int], num_computed: int) -> None:
-        """Report ``r``'s step."""
+    def advance(self, r: _Req, num_computed: int) -> None:
+        """Report ``r``'s step: its tables (`tables_of`) and computed tokens."""
         if r.handle is not None:
-            self._call("advance", r, r.handle.advance, table, num_computed)
+            self._call("advance", r, r.handle.advance, self.tables_of(r), num_computed)
 
     def store(self) -> None:
         """Start this step's stores (left for the next step if the pinner's ``pin`` keeps

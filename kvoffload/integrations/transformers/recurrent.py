@@ -127,23 +127,66 @@ def install_mixers(model: Any, layers: Sequence[int]) -> None:
         object.__setattr__(mixer, "_kvoffload_wrapped", True)
 
 
+def probe_states(model: Any, layers: Sequence[int], device: Any, dtype: Any) -> _Snapshot:
+    """One state per recurrent layer, from running each stock mixer over one zero token
+    (what the pool's rows are shaped like)."""
+    hidden = int(model.config.hidden_size)
+    snap: _Snapshot = {}
+    with torch.inference_mode():
+        for i, mixer in zip(layers, recurrent_mixers(model, layers), strict=True):
+            forward = mixer.forward
+            orig = forward.args[0] if isinstance(forward, functools.partial) else forward
+            cache = _LayerCache()
+            orig(torch.zeros((1, 1, hidden), device=device, dtype=dtype), cache=cache)
+            if cache.conv is None or cache.rec is None:
+                raise TypeError(f"recurrent layer {i}: the mixer kept no conv or recurrent state")
+            snap[i] = (cache.conv, cache.rec)
+    return snap
+
+
+def _align(n: int) -> int:
+    return -(-n // 8) * 8
+
+
 @final
 class StatePool:
-    """Paged state snapshots: per recurrent layer, a conv and a recurrent tensor with one
-    row per state block (made on the first store, in the states' shapes and dtypes)."""
+    """Paged state snapshots: per recurrent layer, one byte row per state block holding a
+    conv state and a recurrent state (views of the row, in the states' shapes and
+    dtypes).
 
-    def __init__(self, num_blocks: int, layers: Sequence[int]) -> None:
-        self._n = num_blocks
+    Args:
+        num_blocks: state blocks.
+        layers: the recurrent layers.
+        example: one state per layer, as `probe_states()` gives (the rows' layout).
+
+    `rows` are the byte tensors (``uint8 [num_blocks, page_bytes]``, one per layer) a
+    kvoffload offloader copies as opaque pages.
+    """
+
+    def __init__(self, num_blocks: int, layers: Sequence[int], example: _Snapshot) -> None:
         self._layers = tuple(layers)
         self._conv: dict[int, torch.Tensor] = {}
         self._rec: dict[int, torch.Tensor] = {}
+        self.rows: list[torch.Tensor] = []
+        """Per recurrent layer, in order, its ``uint8 [num_blocks, page_bytes]`` rows."""
+        sizes = {
+            i: (_align(c.numel() * c.element_size()), _align(r.numel() * r.element_size()))
+            for i, (c, r) in example.items()
+        }
+        self.page_bytes = max(cb + rb for cb, rb in sizes.values())
+        """Bytes of one layer's part of one state block."""
+        for i in self._layers:
+            conv, rec = example[i]
+            cb = sizes[i][0]
+            row = torch.zeros((num_blocks, self.page_bytes), dtype=torch.uint8, device=conv.device)
+            n_conv, n_rec = conv.numel() * conv.element_size(), rec.numel() * rec.element_size()
+            self._conv[i] = row[:, :n_conv].view(conv.dtype).view(num_blocks, *conv.shape)
+            self._rec[i] = row[:, cb : cb + n_rec].view(rec.dtype).view(num_blocks, *rec.shape)
+            self.rows.append(row)
 
     def store(self, block: int, snap: _Snapshot) -> None:
         """Copy one boundary's states into ``block``."""
         for i, (conv, rec) in snap.items():
-            if i not in self._conv:
-                self._conv[i] = conv.new_zeros((self._n, *conv.shape))
-                self._rec[i] = rec.new_zeros((self._n, *rec.shape))
             self._conv[i][block].copy_(conv)
             self._rec[i][block].copy_(rec)
 

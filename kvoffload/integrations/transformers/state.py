@@ -38,6 +38,7 @@ class _Req:
         "notes",
         "num_cached_blocks",
         "num_computed",
+        "rec_table",
         "result",
         "state",
         "t0",
@@ -54,6 +55,9 @@ class _Req:
         self.hasher = hasher
         self.tables: list[list[int | None]] = []  # per attention group; None: freed
         self.state: RecurrentState | None = None  # the recurrent layers' state, if any
+        # With a multi-group offloader: the state blocks of the request's snapshots (entry
+        # i: the state after (i + 1) * block_size tokens), one ref each; None: none kept.
+        self.rec_table: list[int | None] = []
         self.num_computed = 0
         self.num_cached_blocks = 0  # blocks registered in the GPU prefix cache
         self.load_task: TransferTask | None = None

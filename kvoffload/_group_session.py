@@ -1,0 +1,479 @@
+"""The parts of a `KVOffloader` for a model with several KV cache groups.
+
+`GroupSession` is the counterpart of `Session` (same lifecycle: created, open, closing,
+closed; same owner checks) for a model whose cache is several groups (docs/groups.md).
+It owns the `GroupedScheduler` (built by `build_grouped_scheduler()`), one host buffer
+and one copy engine per cacheable group (a group's copies touch only that group's
+tensors), the completion poller, and the step calls with per-group tables and hashes.
+Each grouped plan runs as one `TransferTask` (`submit_grouped()`) that completes once
+every group's part did; a failure in any part completes every part as failed (a store
+publishes nothing, its references are released).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import final
+
+import anyio
+import anyio.abc
+import torch
+
+from kvoffload._logging import get_logger
+from kvoffload._session import _State
+from kvoffload.build import POOL_BOOKKEEPING_BYTES_PER_BLOCK, build_grouped_scheduler
+from kvoffload.config import KVLayout, OffloadConfig
+from kvoffload.errors import (
+    ClosedError,
+    ConfigError,
+    ForkedProcessError,
+    HostMemoryError,
+    InvalidInputError,
+    LayoutMismatchError,
+    PinnerError,
+    RequestStateError,
+    WrongContextError,
+)
+from kvoffload.group_launcher import GroupLauncher, pool_statistics
+from kvoffload.groups import KVCacheGroup, hit_alignment
+from kvoffload.hashing import BlockHash, HashNamespace
+from kvoffload.pinner import GpuBlockPinner
+from kvoffload.pool.block_pool import PoolEvent, PoolStatistics
+from kvoffload.request_groups import GroupLanes
+from kvoffload.scheduler import SchedulerStatistics
+from kvoffload.scheduler.groups import GroupedScheduler, GroupStatistics
+from kvoffload.storage.host_buffer import HostKVBuffer, available_host_memory
+from kvoffload.transfer.cuda_engine import CudaCopyEngine
+from kvoffload.transfer.engine import CopyEngine
+from kvoffload.transfer.poller import PollerStatistics
+from kvoffload.transfer.task import TransferTask
+from kvoffload.transfer.thread_engine import ThreadCopyEngine
+
+__all__ = ["GroupSession", "page_layout"]
+
+_log = get_logger("offloader")
+_MAX_DIM = 65536
+
+
+def page_layout(
+    group: KVCacheGroup, tensors: Sequence[torch.Tensor]
+) -> tuple[KVLayout, list[torch.Tensor]]:
+    """The copy geometry of ``group`` and its tensors as the copy engines see them.
+
+    A group whose ``layout`` matches its tensors keeps them; any other page (an MLA
+    latent, a state snapshot, a quantized page) is copied as opaque bytes: each layer's
+    tensor, contiguous with the GPU block in its first dimension, is viewed as ``uint8``
+    ``[blocks, 2, rows, 1, cols]`` holding ``bytes_per_layer_block`` bytes per block.
+
+    Raises:
+        LayoutMismatchError: the tensors disagree with the group (layer count, bytes per
+            block, contiguity), naming the group and the values.
+    """
+    where = f"group {group.name!r} (kind {group.kind!r})"
+    if len(tensors) != group.num_layers:
+        raise LayoutMismatchError(
+            f"{where}: {len(tensors)} layer tensors given, the group has {group.num_layers}"
+        )
+    lay = group.layout
+    if lay is not None and all(t.dim() == 5 for t in tensors):
+        lay.num_gpu_blocks(tensors)
+        return lay, list(tensors)
+    page = group.bytes_per_layer_block
+    half, rows = page // 2, 1
+    while half // rows > _MAX_DIM or half % rows:
+        rows += 1
+    if page % 2 or rows > _MAX_DIM:
+        raise LayoutMismatchError(f"{where}: a page of {page} bytes cannot be copied as K/V halves")
+    views = []
+    for i, t in enumerate(tensors):
+        nbytes = t[0].numel() * t.element_size() if t.dim() and t.shape[0] else 0
+        if not t.is_contiguous() or nbytes != page:
+            raise LayoutMismatchError(
+                f"{where}: layer {i} tensor of shape {tuple(t.shape)} ({t.dtype}) must be "
+                f"contiguous with {page} bytes per block in its first dimension, has {nbytes}"
+            )
+        views.append(t.view(torch.uint8).view(t.shape[0], 2, rows, 1, half // rows))
+    layout = KVLayout(
+        num_layers=group.num_layers,
+        num_kv_heads=1,
+        head_size=half // rows,
+        dtype="uint8",
+        block_size=rows,
+    )
+    return layout, views
+
+
+def _check_host_memory(
+    blocks: Mapping[str, int], layouts: Mapping[str, KVLayout], *, host_buffer: bool
+) -> None:
+    """Refuse pools whose host buffers and bookkeeping, all groups together, exceed the
+    memory left (see `check_host_memory()`).
+
+    Raises:
+        HostMemoryError: naming each group's blocks.
+    """
+    available = available_host_memory()
+    if available is None:
+        return
+    host = sum(n * layouts[g].bytes_per_block for g, n in blocks.items()) if host_buffer else 0
+    total = host + sum(blocks.values()) * POOL_BOOKKEEPING_BYTES_PER_BLOCK
+    if total > available:
+        raise HostMemoryError(
+            f"the groups' CPU pools {dict(blocks)} (blocks) need {host} bytes of host buffer "
+            f"and {total - host} bytes of bookkeeping, {total} in all, but this process can "
+            f"still use {available} bytes; lower num_cpu_blocks or cpu_bytes"
+        )
+
+
+@final
+class GroupSession:
+    """The parts, the lifecycle and the step calls of a multi-group `KVOffloader`.
+
+    Args:
+        config: the settings (``cpu_bytes`` is split across the groups by need).
+        groups: the model's groups, in order.
+        gpu_kv: per cacheable group name, its layer tensors.
+        pinners: per group name, the pinner of that group's GPU blocks (groups not named
+            get none).
+        engines: per cacheable group, a copy engine given by the caller (then no host
+            buffer is made), or ``None``.
+
+    Raises:
+        ConfigError: tiers are set (not supported with several groups yet), a tensor
+            mapping that misses a group or names an unknown one, or a pool that does not
+            fit (see `build_grouped_scheduler()`).
+        LayoutMismatchError: a group's tensors disagree with it.
+        HostMemoryError: the host buffers exceed the memory left.
+    """
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        groups: Sequence[KVCacheGroup],
+        gpu_kv: Mapping[str, Sequence[torch.Tensor]],
+        pinners: Mapping[str, GpuBlockPinner],
+        engines: Mapping[str, CopyEngine] | None,
+    ) -> None:
+        if config.tiers:
+            raise ConfigError(
+                "OffloadConfig.tiers cannot be used with several KV cache groups yet "
+                f"(groups {[g.name for g in groups]})"
+            )
+        self.groups = tuple(groups)
+        cacheable = [g for g in self.groups if g.cacheable]
+        names = {g.name for g in cacheable}
+        for what, given in (("gpu_kv", gpu_kv), ("copy_engine", engines)):
+            if given is not None and set(given) != names:
+                raise ConfigError(
+                    f"{what} must name exactly the cacheable groups {sorted(names)}; missing "
+                    f"{sorted(names - set(given))}, unknown {sorted(set(given) - names)}"
+                )
+        self.config = config
+        self._layouts: dict[str, KVLayout] = {}
+        self._kv: dict[str, list[torch.Tensor]] = {}
+        num_gpu: dict[str, int] = {}
+        for g in cacheable:
+            self._layouts[g.name], self._kv[g.name] = page_layout(g, gpu_kv[g.name])
+            num_gpu[g.name] = self._layouts[g.name].num_gpu_blocks(self._kv[g.name])
+        self.scheduler: GroupedScheduler = build_grouped_scheduler(
+            config, self.groups, num_gpu_blocks=num_gpu
+        )
+        self.layout_group = cacheable[0].name
+        """The first cacheable group (its layout and namespace are the offloader's)."""
+        self.layout = self._layouts[self.layout_group]
+        self.alignment = hit_alignment(self.groups)
+        """Hits are multiples of this many tokens (the LCM of the block sizes)."""
+        self.names = [g.name for g in self.groups]
+        pools = {n: p.num_cpu_blocks for n, p in self.scheduler.statistics().items()}
+        self.num_cpu_blocks = sum(pools.values())
+        _check_host_memory(pools, self._layouts, host_buffer=engines is None)
+        self.namespaces: dict[str, HashNamespace] = {
+            g.name: g.namespace(model_id=config.model_id, salt=config.hash_salt) for g in cacheable
+        }
+        """Per cacheable group, its hash namespace."""
+        self.lanes = [(g.name, g.block_size, self.namespaces[g.name].root) for g in cacheable]
+        """Per cacheable group, what a handle hashes with: name, block size, root."""
+        self.engines: dict[str, CopyEngine] = dict(engines or {})
+        self._own_engines = engines is None
+        self.hosts: dict[str, HostKVBuffer] = {}
+        """Per cacheable group, its host buffer (when this session made the engines)."""
+        self.launcher = GroupLauncher(
+            self.scheduler, self.engines, pinners, poll_interval_s=config.poll_interval_s
+        )
+        self.poller = self.launcher.poller
+        self.counters = self.launcher.counters
+        self._live: set[str] = set()
+        self._state = _State.CREATED
+        self._pid = os.getpid()
+        self._loop_thread: int | None = None
+        self._owner_task: int | None = None
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self.tiers = None
+        self.host = None
+        """No single host buffer: one per group (`hosts`)."""
+        self.built = True
+
+    # -- lifecycle (as `Session`) --------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        """``created``, ``open``, ``closing`` or ``closed``."""
+        return self._state.value
+
+    @property
+    def num_in_flight(self) -> int:
+        """Grouped transfers launched and not completed yet."""
+        return len(self.launcher.tasks)
+
+    def check_built(self) -> None:
+        """Nothing to wait for: the pools are built at once."""
+
+    async def open(self) -> None:
+        """Become open, make the host buffers and copy engines, start the poller; on an
+        error (also a cancellation) whatever was made is released again."""
+        self._state = self._state.to(_State.OPEN)
+        self._loop_thread = threading.get_ident()
+        self._owner_task = anyio.get_current_task().id
+        try:
+            if self._own_engines:
+                stats = self.scheduler.statistics()
+                for name, lay in self._layouts.items():
+                    self.hosts[name] = await HostKVBuffer.create(
+                        lay,
+                        stats[name].num_cpu_blocks,
+                        pin_memory=self.config.pin_memory,
+                        pin_chunk_bytes=int(self.config.pin_chunk_bytes),
+                    )
+                    kv = self._kv[name]
+                    cls = CudaCopyEngine if kv[0].is_cuda else ThreadCopyEngine
+                    self.engines[name] = cls(lay, kv, self.hosts[name])
+            self._task_group = anyio.create_task_group()
+            await self._task_group.__aenter__()
+            await self._task_group.start(self.poller.run)
+        except BaseException:
+            await self.shutdown()
+            raise
+        _log.info("offloader_opened", groups=sorted(self._layouts), engines=len(self.engines))
+
+    def check(self, what: str, *, pinner_error: bool = True) -> None:
+        """Refuse a step-loop call named ``what`` unless open, in this process, on the
+        loop's thread, with a healthy poller (and, with ``pinner_error``, raise an earlier
+        ``unpin`` failure once). Raises as `Session.check()`."""
+        self._check_process()
+        if self._state is not _State.OPEN:
+            raise ClosedError(f"KVOffloader is {self._state.value}; use it inside 'async with'")
+        self._check_thread(what)
+        self.poller.check_health()
+        launcher = self.launcher
+        if pinner_error and launcher.pinner_error is not None:
+            error, launcher.pinner_error = launcher.pinner_error, None
+            raise PinnerError(
+                f"the GpuBlockPinner's unpin raised after a transfer completed: {error!r}"
+            ) from error
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise ForkedProcessError(
+                f"KVOffloader was created in process {self._pid} and used in forked process "
+                f"{os.getpid()}; create a new one in the child"
+            )
+
+    def _check_thread(self, what: str) -> None:
+        if self._loop_thread is not None and threading.get_ident() != self._loop_thread:
+            raise WrongContextError(
+                f"KVOffloader.{what}() called from thread {threading.current_thread().name!r}; "
+                "the step loop runs on the event loop's thread"
+            )
+
+    def begin_close(self) -> bool:
+        """Whether `shutdown` must run now (see `Session.begin_close()`)."""
+        if self._state in {_State.CLOSING, _State.CLOSED}:
+            return False
+        if self._state is _State.CREATED:
+            self._state = self._state.to(_State.CLOSED)
+            return False
+        self._check_process()
+        self._check_thread("aclose")
+        if anyio.get_current_task().id != self._owner_task:
+            raise WrongContextError(
+                "KVOffloader.aclose() must be called from the task that entered it"
+            )
+        self._state = self._state.to(_State.CLOSING)
+        return True
+
+    async def shutdown(self) -> None:
+        """Close the engines, process the last completions, stop the poller, free the
+        host buffers; shielded from cancellation."""
+        self._state = _State.CLOSING
+        try:
+            with anyio.CancelScope(shield=True):
+                for engine in self.engines.values():
+                    await engine.aclose()
+                while self.poller.in_flight:
+                    self.poller.poll()
+                    if self.poller.in_flight:
+                        await anyio.sleep(self.config.poll_interval_s)
+        finally:
+            try:
+                if self._task_group is not None:
+                    task_group, self._task_group = self._task_group, None
+                    task_group.cancel_scope.cancel()
+                    await task_group.__aexit__(None, None, None)
+            finally:
+                for host in self.hosts.values():
+                    host.close()
+                self._state = _State.CLOSED
+                _log.info("offloader_closed", stored_blocks=self.counters_now().stored_blocks)
+
+    # -- the step calls (per-group tables and hashes) ----------------------------------------
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` has a live handle or copies in flight."""
+        return request_id in self._live or self.scheduler.has_request(request_id)
+
+    def reserve(self, request_id: str) -> None:
+        """Hold ``request_id`` for a new handle until it finishes."""
+        if request_id in self._live or self.scheduler.has_request(request_id):
+            raise RequestStateError(
+                f"request {request_id!r} is in use (a live handle, or copies in flight)"
+            )
+        self._live.add(request_id)
+
+    def lanes_for(self, request_id: str) -> GroupLanes:
+        """The per-group part of a new handle for ``request_id``."""
+        return GroupLanes(self, self.lanes, self.names, f"request {request_id!r}: ")
+
+    def _check_names(self, rid: str, what: str, value: Mapping[str, object]) -> None:
+        if not isinstance(value, Mapping):
+            raise InvalidInputError(
+                f"request {rid!r}: {what} must map each group name to its list "
+                f"(groups {sorted(self._layouts)}), got {type(value).__name__}"
+            )
+        unknown = sorted(set(value) - {g.name for g in self.groups})
+        if unknown:
+            raise InvalidInputError(
+                f"request {rid!r}: {what} names unknown groups {unknown} "
+                f"(groups {[g.name for g in self.groups]})"
+            )
+
+    def lookup(
+        self,
+        request_id: str,
+        block_hashes: Mapping[str, Sequence[BlockHash]],
+        num_tokens: int,
+        num_computed_tokens: int = 0,
+        *,
+        allow_defer: bool = False,
+    ) -> int:
+        """The hit valid for every group, pinned (see `GroupedScheduler.lookup()`);
+        never deferred."""
+        self.check("lookup")
+        self._check_names(request_id, "block_hashes", block_hashes)
+        hit = self.scheduler.lookup(request_id, block_hashes, num_tokens, num_computed_tokens)
+        c = self.counters
+        c.lookups += 1
+        c.hit_tokens += hit
+        c.miss_tokens += max(0, num_tokens - num_computed_tokens - hit)
+        c.prompt_tokens += num_tokens
+        return hit
+
+    def load(
+        self, request_id: str, tables: Mapping[str, Sequence[int | None]], num_tokens: int
+    ) -> TransferTask | None:
+        """Start loading the last lookup's hit into every group's table (see
+        `GroupedScheduler.plan_load()`)."""
+        self.check("load")
+        self._check_names(request_id, "tables", tables)
+        plan = self.scheduler.plan_load(request_id, tables, num_tokens)
+        if plan is None:
+            return None
+        self.counters.load_plans += 1
+        return self.launcher.launch(plan, None, num_tokens)
+
+    def update(
+        self,
+        request_id: str,
+        tables: Mapping[str, Sequence[int | None]],
+        block_hashes: Mapping[str, Sequence[BlockHash]],
+        num_computed_tokens: int,
+    ) -> None:
+        """See `GroupedScheduler.update()`."""
+        self.check("update")
+        self._check_names(request_id, "tables", tables)
+        self._check_names(request_id, "block_hashes", block_hashes)
+        self.scheduler.update(request_id, tables, block_hashes, num_computed_tokens)
+
+    def store(self, after: object | None = None) -> list[TransferTask]:
+        """Plan and start this step's stores (one grouped transfer, or none)."""
+        self.check("store")
+        plan = self.scheduler.plan_stores()
+        if plan is None:
+            return []
+        self.counters.store_plans += 1
+        return [self.launcher.launch(plan, after)]
+
+    def release(self, request_id: str) -> None:
+        """Drop the lookup's pins in every group."""
+        self.check("release")
+        self.scheduler.release(request_id)
+
+    def preempt(self, request_id: str) -> None:
+        """Store the request's last point now, then reset its tables and cursors."""
+        self.check("preempt")
+        if self.scheduler.has_request(request_id):
+            plan = self.scheduler.preempt(request_id)
+            if plan is not None:
+                self.launcher.launch(plan, None)
+
+    def finish(self, request_id: str) -> None:
+        """Store the request's last point now (its GPU blocks stay pinned through each
+        group's pinner until copied) and give up its id."""
+        self.check("finish", pinner_error=False)
+        self._live.discard(request_id)
+        if self.scheduler.has_request(request_id):
+            plan = self.scheduler.finish(request_id)
+            if plan is not None:
+                self.launcher.launch(plan, None)
+        self.check("finish")
+
+    async def drain(self) -> None:
+        """Wait for every transfer in flight. Cancellation cancels only the wait."""
+        self.check("drain")
+        await self.poller.drain()
+
+    async def reset(self) -> bool:
+        """Empty every group's pool and abandon the transfers in flight (see
+        `KVOffloader.reset()`); whether nothing is cached or in flight on return."""
+        self.check("reset")
+        self.scheduler.reset()
+        for task in self.launcher.tasks.values():
+            task._abandon()
+        await self.poller.drain()
+        stats = self.scheduler.statistics().values()
+        return not self.scheduler.num_in_flight and not any(s.cached_cpu_blocks for s in stats)
+
+    # -- observation -------------------------------------------------------------------------
+
+    def counters_now(self) -> SchedulerStatistics:
+        """The whole model's counters (see `GroupLauncher.scheduler_statistics()`)."""
+        return self.launcher.scheduler_statistics(len(self._live))
+
+    def statistics(
+        self,
+    ) -> tuple[
+        PoolStatistics, SchedulerStatistics, PollerStatistics, None, dict[str, GroupStatistics]
+    ]:
+        """The parts' statistics, for `OffloaderStatistics` (no tiers; per group last)."""
+        return (
+            pool_statistics(self.scheduler),
+            self.counters_now(),
+            self.poller.statistics(),
+            None,
+            self.scheduler.statistics(),
+        )
+
+    def take_events(self) -> list[PoolEvent]:
+        """Every group's pool events since the last call, group by group."""
+        return [e for n in self._layouts for e in self.scheduler.ledger(n).pool.take_events()]

@@ -1,0 +1,117 @@
+"""How a `KVOffloader` is set up: its session, single-group or multi-group.
+
+`make_session()` turns the constructor's arguments into a `Session` (one full-attention
+group: the layout given or inferred, the pool sized and checked) or a `GroupSession`
+(several KV cache groups, imported on first use: a single-group process never loads the
+group code), with the layout, namespace and pool size the offloader reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+from kvoffload._session import Session
+from kvoffload.build import CorePlan, plan_core
+from kvoffload.config import KVLayout, OffloadConfig
+from kvoffload.errors import InvalidInputError, LayoutMismatchError
+from kvoffload.hashing import HashNamespace
+from kvoffload.pinner import GpuBlockPinner, NoOpPinner
+from kvoffload.transfer.engine import CopyEngine
+
+if TYPE_CHECKING:
+    from kvoffload._group_session import GroupSession
+    from kvoffload.groups import KVCacheGroup
+
+__all__ = ["make_session"]
+
+_V = TypeVar("_V")
+
+
+def _by_group(value: _V | Mapping[str, _V]) -> dict[str, _V]:
+    """A per-group argument as a dict (a single value is refused with several groups)."""
+    if not isinstance(value, Mapping):
+        raise InvalidInputError(
+            f"with several KV cache groups, give one value per group name, not a "
+            f"{type(value).__name__}"
+        )
+    return dict(value)
+
+
+def _one(value: _V | Mapping[str, _V] | None) -> _V | None:
+    """A one-group argument: the value itself, or the one value of a mapping."""
+    if isinstance(value, Mapping):
+        if len(value) != 1:
+            raise InvalidInputError(f"one KV cache group: give one value, got {sorted(value)}")
+        return next(iter(value.values()))
+    return value
+
+
+def make_session(  # noqa: PLR0917 - the constructor's arguments, in its order
+    config: OffloadConfig,
+    gpu_kv: Sequence[torch.Tensor] | Mapping[str, Sequence[torch.Tensor]],
+    layout: KVLayout | None,
+    copy_engine: CopyEngine | Mapping[str, CopyEngine] | None,
+    pinner: GpuBlockPinner | Mapping[str, GpuBlockPinner] | None,
+    groups: Sequence[KVCacheGroup] | None,
+) -> tuple[Session | GroupSession, KVLayout, HashNamespace, int]:
+    """The session of a `KVOffloader`, its (first group's) layout, namespace and pool size.
+
+    Several groups, or one that is not ``full``, make a `GroupSession`; one ``full``
+    group is today's single-group offloader (its layout, or the one inferred).
+    """
+    if groups is not None and (len(groups) != 1 or groups[0].kind != "full"):
+        from kvoffload._group_session import GroupSession  # noqa: PLC0415 - groups only
+
+        g = GroupSession(
+            config,
+            groups,
+            _by_group(gpu_kv),
+            _by_group(pinner or {}),
+            None if copy_engine is None else _by_group(copy_engine),
+        )
+        return g, g.layout, g.namespaces[g.layout_group], g.num_cpu_blocks
+    kv: Sequence[torch.Tensor] | Mapping[str, Sequence[torch.Tensor]] | None = gpu_kv
+    engine, pin = copy_engine, pinner
+    if groups is not None:  # one full-attention group: the single-group offloader
+        kv, engine, pin = _one(gpu_kv), _one(copy_engine), _one(pinner)
+        layout = layout or groups[0].layout
+    if (
+        kv is None
+        or isinstance(kv, Mapping)
+        or isinstance(engine, Mapping)
+        or isinstance(pin, Mapping)
+    ):
+        raise InvalidInputError(
+            "gpu_kv, pinner and copy_engine take one value per group only with groups="
+        )
+    layout, plan = _plan_core(config, kv, layout, host_buffer=engine is None)
+    namespace = HashNamespace.from_layout(layout, model_id=config.model_id, salt=config.hash_salt)
+    session = Session(plan, layout, kv, namespace, pin if pin is not None else NoOpPinner(), engine)
+    return session, layout, namespace, plan.num_cpu_blocks
+
+
+def _plan_core(
+    config: OffloadConfig,
+    gpu_kv: Sequence[torch.Tensor],
+    layout: KVLayout | None,
+    *,
+    host_buffer: bool,
+) -> tuple[KVLayout, CorePlan]:
+    """The layout of ``gpu_kv`` (inferred when ``None``) and the core sized for it.
+
+    Raises:
+        LayoutMismatchError: the tensors disagree with ``layout`` or with each other, or
+            hold no GPU block.
+        ConfigError, HostMemoryError: see `plan_core()`.
+    """
+    if layout is None:
+        layout = KVLayout.from_tensors(gpu_kv, block_size=config.block_size)
+    num_gpu_blocks = layout.num_gpu_blocks(gpu_kv)
+    if num_gpu_blocks < 1:
+        raise LayoutMismatchError(
+            f"the KV tensors hold no GPU block (shape {tuple(gpu_kv[0].shape)})"
+        )
+    return layout, plan_core(config, layout, num_gpu_blocks=num_gpu_blocks, host_buffer=host_buffer)

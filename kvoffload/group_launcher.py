@@ -1,0 +1,220 @@
+"""`GroupLauncher`: how a multi-group `KVOffloader` starts a grouped plan and ends it.
+
+As `TransferLauncher` for one group: each group's GPU blocks are pinned through that
+group's pinner, every part is submitted to its group's copy engine as one `TransferTask`
+(`submit_grouped()`), the task is tracked by the completion poller, and once every part's
+copy ended each part is completed in the `GroupedScheduler` with the same outcome (a
+failure in any part fails them all: nothing is published, every reference is released)
+and its GPU blocks are unpinned. A raising ``unpin`` is kept and raised once, as
+`PinnerError`, by the next step-loop call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import final
+
+from kvoffload._logging import get_logger
+from kvoffload.errors import PinnerError
+from kvoffload.pinner import GpuBlockPinner
+from kvoffload.pool.block_pool import PoolStatistics
+from kvoffload.scheduler import SchedulerStatistics
+from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler
+from kvoffload.transfer.engine import CopyEngine
+from kvoffload.transfer.grouped import GroupedTransferPlan, submit_grouped
+from kvoffload.transfer.plan import TransferKind
+from kvoffload.transfer.poller import CompletionPoller
+from kvoffload.transfer.task import TransferStatus, TransferTask
+
+__all__ = ["GroupCounters", "GroupLauncher", "plan_kind", "pool_statistics"]
+
+_log = get_logger("offloader")
+
+
+@dataclass(slots=True)
+class GroupCounters:
+    """The whole-model counters of a `GroupSession` (per group: `GroupStatistics`)."""
+
+    lookups: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    store_plans: int = 0
+    load_plans: int = 0
+    failed_stores: int = 0
+    failed_loads: int = 0
+    abandoned: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    loaded_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+@final
+class GroupLauncher:
+    """Pins, submits, tracks, completes and unpins the grouped transfers of a
+    `GroupedScheduler`.
+
+    Args:
+        scheduler: makes the plans and is told how each part ended.
+        engines: per cacheable group, its copy engine (filled in on opening).
+        pinners: per group name, its pinner (groups not named are not pinned).
+        poll_interval_s: the completion poller's sleep while transfers are in flight.
+    """
+
+    __slots__ = (
+        "_engines",
+        "_load_tokens",
+        "_next_id",
+        "_pinners",
+        "_scheduler",
+        "counters",
+        "pinner_error",
+        "poller",
+        "tasks",
+    )
+
+    def __init__(
+        self,
+        scheduler: GroupedScheduler,
+        engines: Mapping[str, CopyEngine],
+        pinners: Mapping[str, GpuBlockPinner],
+        *,
+        poll_interval_s: float,
+    ) -> None:
+        self._scheduler = scheduler
+        self._engines = engines
+        self._pinners = dict(pinners)
+        self.poller = CompletionPoller(self._on_complete, poll_interval_s=poll_interval_s)
+        """Delivers each completion to this launcher (run it in a task group)."""
+        self.counters = GroupCounters()
+        self.tasks: dict[int, TransferTask] = {}
+        """Grouped transfers launched and not completed yet, by id."""
+        self._load_tokens: dict[int, int] = {}
+        self._next_id = 0
+        self.pinner_error: BaseException | None = None
+        """What an ``unpin`` raised since it was last reported."""
+
+    def launch(self, plan: GroupedPlan, after: object | None, load_tokens: int = 0) -> TransferTask:
+        """Pin each group's GPU blocks, submit every part, track the one task.
+
+        Raises:
+            PinnerError: a pinner's ``pin`` raised; every part is cancelled.
+            Exception: what the first part's ``submit`` raised; unpinned and cancelled.
+        """
+        pinned: list[tuple[str, Sequence[int]]] = []
+        try:
+            for name, sub in plan.plans.items():
+                pinner = self._pinners.get(name)
+                if pinner is not None:
+                    pinner.pin(sub.gpu_block_ids)
+                    pinned.append((name, sub.gpu_block_ids))
+        except Exception as exc:
+            self._undo(plan, pinned)
+            raise PinnerError(
+                f"the GpuBlockPinner's pin raised for a {plan.kind} of groups "
+                f"{sorted(plan.plans)}: {exc!r} (the transfer was not started; nothing is lost)"
+            ) from exc
+        self._next_id += 1
+        try:
+            task = submit_grouped(
+                self._engines, plan.plans, plan_id=self._next_id, kind=plan_kind(plan), after=after
+            )
+        except BaseException:
+            self._undo(plan, pinned)
+            raise
+        self.tasks[task.plan.plan_id] = task
+        if load_tokens:
+            self._load_tokens[task.plan.plan_id] = load_tokens
+        self.poller.track(task)
+        return task
+
+    def _undo(self, plan: GroupedPlan, pinned: Sequence[tuple[str, Sequence[int]]]) -> None:
+        for name, ids in pinned:
+            self._unpin(name, ids)
+        for name, sub in plan.plans.items():
+            self._scheduler.cancel(name, sub)
+
+    def _unpin(self, name: str, ids: Sequence[int]) -> None:
+        pinner = self._pinners.get(name)
+        if pinner is None:
+            return
+        try:
+            pinner.unpin(ids)
+        except Exception as exc:
+            _log.error("pinner_failed", call="unpin", group=name, error=repr(exc))
+            self.pinner_error = exc
+
+    def _on_complete(self, task: TransferTask) -> None:
+        self.tasks.pop(task.plan.plan_id, None)
+        plan = task.plan
+        if not isinstance(plan, GroupedTransferPlan):
+            return
+        ok = task.status is TransferStatus.DONE
+        c = self.counters
+        tokens = self._load_tokens.pop(plan.plan_id, 0)
+        if ok:
+            c.loaded_tokens += tokens
+        if task.status is TransferStatus.ABANDONED:
+            c.abandoned += 1
+        elif not ok and plan.kind == "store":
+            c.failed_stores += 1
+        elif not ok:
+            c.failed_loads += 1
+        elif plan.kind == "store":
+            c.bytes_stored += task.nbytes
+        else:
+            c.bytes_loaded += task.nbytes
+        try:
+            for name, sub in plan.parts.items():
+                self._scheduler.complete(name, sub, ok)
+        finally:
+            for name, sub in plan.parts.items():
+                self._unpin(name, sub.gpu_block_ids)
+
+    def scheduler_statistics(self, live_requests: int) -> SchedulerStatistics:
+        """The whole model's counters, as `SchedulerStatistics` (0 where a field has no
+        meaning for groups); per group, see `GroupedScheduler.statistics()`."""
+        per = self._scheduler.statistics().values()
+        c = self.counters
+        return SchedulerStatistics(
+            lookups=c.lookups,
+            hit_tokens=c.hit_tokens,
+            miss_tokens=c.miss_tokens,
+            deferred_lookups=0,
+            store_plans=c.store_plans,
+            stored_blocks=sum(s.stored_blocks for s in per),
+            deferred_blocks=sum(s.deferred_stores for s in per),
+            deferred_steps=0,
+            evicted_while_live=0,
+            restored_blocks=0,
+            load_plans=c.load_plans,
+            loaded_blocks=sum(s.loaded_blocks for s in per),
+            failed_stores=c.failed_stores,
+            failed_loads=c.failed_loads,
+            abandoned_transfers=c.abandoned,
+            ignored_completions=0,
+            bytes_stored=c.bytes_stored,
+            bytes_loaded=c.bytes_loaded,
+            live_requests=live_requests,
+            in_flight_transfers=len(self.tasks),
+            loaded_tokens=c.loaded_tokens,
+            prompt_tokens=c.prompt_tokens,
+        )
+
+
+def pool_statistics(scheduler: GroupedScheduler) -> PoolStatistics:
+    """Every group's pool statistics added up, field by field."""
+    parts = [scheduler.ledger(name).pool.statistics() for name in scheduler.statistics()]
+    values = {
+        f.name: sum(getattr(p, f.name) for p in parts)
+        if all(isinstance(getattr(p, f.name), int) for p in parts)
+        else getattr(parts[0], f.name)
+        for f in fields(PoolStatistics)
+    }
+    return PoolStatistics(**values)
+
+
+def plan_kind(plan: GroupedPlan) -> TransferKind:
+    """The direction of a grouped plan."""
+    return "store" if plan.kind == "store" else "load"
