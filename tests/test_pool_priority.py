@@ -231,7 +231,7 @@ def _machine(policy: str) -> type[RuleBasedStateMachine]:
         def consistent(self) -> None:
             self.pool.check_invariants()
             for owner in self.pool.retained_owners:
-                for block in self.pool._retained[owner]:
+                for block in self.pool._retained.held(owner):
                     assert block.ref_cnt >= 1  # never free, never evicted
 
     PriorityMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30)
