@@ -10,7 +10,7 @@ completions are processed whether or not anyone does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal, final, overload
 
@@ -25,6 +25,7 @@ from kvoffload.pinner import GpuBlockPinner, NoOpPinner
 from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
 from kvoffload.request import OffloadRequest
 from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
+from kvoffload.scheduler.requests import check_request_priority
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.tiers.manager import TierManager
 from kvoffload.tiers.stats import TierManagerStatistics
@@ -175,7 +176,12 @@ class KVOffloader:
         return hash_prompt(token_ids, self._config.block_size, self._namespace)
 
     def request(
-        self, request_id: str, prompt_token_ids: Sequence[int], *, num_computed_tokens: int = 0
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        num_computed_tokens: int = 0,
+        priority: int = 0,
     ) -> OffloadRequest:
         """A handle for one request: its tokens, incremental block hashes and step calls.
 
@@ -187,17 +193,20 @@ class KVOffloader:
             prompt_token_ids: the prompt; its full blocks are hashed now.
             num_computed_tokens: tokens of the prompt the engine's own prefix cache holds
                 (a multiple of the block size); the lookup starts after them.
+            priority: its retention priority (`OffloadScheduler.set_priority()`).
 
         Raises:
             ClosedError: not open.
             RequestStateError: ``request_id`` is in use (by a handle not finished yet,
                 also one that made no call: the id is reserved when its handle is made), or
                 finished (ids are never reused).
-            InvalidInputError: ``num_computed_tokens`` out of range or not block aligned.
+            InvalidInputError: ``num_computed_tokens`` out of range or not block aligned,
+                or a bad ``priority``.
             InputTypeError: a token is not a 64-bit int.
         """
         session = self._session
         session.check("request")
+        check_request_priority(request_id, priority)
         handle: OffloadRequest = OffloadRequest._create(
             self,
             request_id,
@@ -210,7 +219,27 @@ class KVOffloader:
         # finishes, so a second handle for it (a client's retry) is refused here, before
         # either makes a call.
         session.scheduler.reserve(request_id)
+        if priority:
+            session.scheduler.set_priority(request_id, priority)
         return handle
+
+    def retain_prefix(self, token_ids: Sequence[int], *, owner: Hashable) -> int:
+        """Keep the leading run of a prompt's full blocks that is stored in the CPU pool
+        now (a system prompt) from eviction until `release_retained(owner)` or `reset()`;
+        return how many blocks that is. A block not stored yet, and every one after it,
+        is not retained (store, then call again); docs/policies.md, "Retention priorities".
+
+        Raises:
+            InvalidInputError: over ``max_retained_fraction`` (nothing is retained).
+        """
+        self._session.check("retain_prefix")
+        return len(self._session.scheduler.ledger.retain(self.hash_prompt(token_ids), owner))
+
+    def release_retained(self, owner: Hashable) -> int:
+        """Let the blocks `retain_prefix()` kept for ``owner`` be evicted again; return
+        how many. Raises `InvalidInputError` if ``owner`` retains nothing."""
+        self._session.check("release_retained")
+        return self._session.scheduler.ledger.release_retained(owner)
 
     # -- the engine's step loop ----------------------------------------------------------------
 

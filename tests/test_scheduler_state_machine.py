@@ -1,7 +1,9 @@
 """A hypothesis state machine over OffloadScheduler with a simulated engine.
 
 Random lookups, loads, chunked updates, stores, successful / failed / delayed completions,
-finishes (holding unstored blocks or not), preemptions and resets; and malformed input
+finishes (holding unstored blocks or not), preemptions and resets, retention priorities
+drawn at random (per request, changed mid-flight) and prefixes retained and released
+within the pool's bound; and malformed input
 that must be refused with nothing changed (duplicate, out-of-range and changed block-table
 entries, reuse of a finished id), and plans undone because the engine's pinner raised.
 After every step: ``check_invariants()`` plus the model's own checks: every published CPU
@@ -21,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from scheduler_helpers import BS, SimKV, hashes, make
 
-from kvoffload.errors import BlockTableError, RequestStateError
+from kvoffload.errors import BlockTableError, InvalidInputError, RequestStateError
 from kvoffload.hashing import BlockHash
 from kvoffload.transfer.plan import LoadPlan, StorePlan, TransferPlan
 
@@ -58,9 +60,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.held: list[int] = []  # GPU blocks finished requests hold (hold_blocks_on_finish)
         self.finished: list[str] = []
+        self.retained: set[str] = set()  # owners of retained prefixes
 
-    @initialize(restore=st.booleans(), size=st.integers(2, 8), hold=st.booleans())
-    def setup(self, restore: bool, size: int, hold: bool) -> None:
+    @initialize(
+        restore=st.booleans(),
+        size=st.integers(2, 8),
+        hold=st.booleans(),
+        retained=st.sampled_from([0.1, 0.5, 1.0]),
+    )
+    def setup(self, restore: bool, size: int, hold: bool, retained: float) -> None:
         self.sched = make(
             num_blocks=size,
             restore_evicted=restore,
@@ -68,6 +76,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             hold_max_blocks=4,
             hold_max_steps=3,
             num_gpu_blocks=NUM_GPU_BLOCKS,
+            max_retained_fraction=retained,
         )
 
     # -- engine side ---------------------------------------------------------------------
@@ -109,6 +118,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         allow_defer=st.booleans(),
         engine_prefix=st.integers(0, 2),
         pin_fails=st.booleans(),
+        priority=st.sampled_from([0, 0, 1, 2, 7]),
     )
     def admit(
         self,
@@ -119,9 +129,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         allow_defer: bool,
         engine_prefix: int,
         pin_fails: bool,
+        priority: int,
     ) -> None:
         rid = f"r{self.next_id}"
         self.next_id += 1
+        if priority:
+            self.sched.set_priority(rid, priority)
         toks = prompt(family, variant, num_blocks)
         req = Req(toks, hashes(toks))
         own = min(engine_prefix, len(req.hs))  # blocks the engine's own prefix cache holds
@@ -225,13 +238,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                 st.num_computed_tokens,
                 st.num_stored_blocks,
                 [b.block_id for b in st.pinned],
+                st.priority,
             )
             for rid in self.reqs
             if sched.has_request(rid)
             for st in [sched.request_state(rid)]
         }
         refs = [pool.block(i).ref_cnt for i in range(pool.num_blocks)]
-        cached = [pool.block(i).block_hash for i in range(pool.num_blocks)]
+        cached = [
+            (pool.block(i).block_hash, pool.block(i).priority) for i in range(pool.num_blocks)
+        ]
         return states, refs, cached, sched.num_in_flight
 
     @precondition(lambda self: any(r.table for r in self.reqs.values()))
@@ -323,9 +339,49 @@ class SchedulerMachine(RuleBasedStateMachine):
         req.table = []
         req.computed = 0
 
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data(), priority=st.sampled_from([0, 1, 3, 7, -1, "high"]))
+    def reprioritize(self, data: st.DataObject, priority: object) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.reqs)))
+        if not isinstance(priority, int) or priority < 0:
+            before = self.snapshot()
+            with pytest.raises(InvalidInputError, match=rf"request {rid!r}: priority"):
+                self.sched.set_priority(rid, priority)  # type: ignore[arg-type]
+            assert self.snapshot() == before
+            return
+        self.sched.set_priority(rid, priority)
+        assert self.sched.request_state(rid).priority == priority
+
+    @rule(family=st.integers(0, FAMILIES - 1), num_blocks=st.integers(1, MAX_BLOCKS))
+    def retain(self, family: int, num_blocks: int) -> None:
+        owner = f"sys{family}"
+        pool = self.sched.pool
+        hs = hashes(prompt(family, 0, num_blocks))
+        held = pool.num_retained
+        try:
+            run = self.sched.ledger.retain(hs, owner)
+        except InvalidInputError:
+            assert pool.num_retained == held  # over the bound: nothing retained
+            return
+        assert all(b.block_hash == h for b, h in zip(run, hs, strict=False))
+        assert pool.num_retained <= pool.max_retained_blocks
+        if owner in pool.retained_owners:
+            self.retained.add(owner)
+
+    @precondition(lambda self: self.retained)
+    @rule(data=st.data())
+    def release_retained(self, data: st.DataObject) -> None:
+        owner = data.draw(st.sampled_from(sorted(self.retained)))
+        self.retained.discard(owner)
+        assert self.sched.ledger.release_retained(owner) >= 1
+        with pytest.raises(InvalidInputError, match="retains no block"):
+            self.sched.ledger.release_retained(owner)
+
     @rule()
     def reset(self) -> None:
         clean = self.sched.reset()
+        assert not self.sched.pool.retained_owners  # a reset releases every retained block
+        self.retained.clear()
         self.take_released()
         assert clean == (not self.in_flight)
         assert self.sched.pool.num_cached == 0
@@ -348,6 +404,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.sched.num_in_flight == len(self.in_flight)
 
     def teardown(self) -> None:
+        for owner in self.retained:
+            self.sched.ledger.release_retained(owner)
         while self.in_flight:
             self.sched.complete(self.in_flight.pop(), ok=True)
         for rid in list(self.reqs):

@@ -340,6 +340,26 @@ class CpuBlockPool:
             zeroed = dict.fromkeys(reversed(blocks))
             self._hooked.on_free([b for b in reversed(zeroed) if b.ref_cnt == 0])
 
+    def raise_priority(self, block: CpuBlock, priority: int) -> None:
+        """Raise ``block``'s retention priority to at least ``priority``, referenced or
+        free (a free block moves to the most recently used end of its new level under LRU;
+        another policy keeps its place). No reference is taken.
+
+        Raises:
+            BlockStateError: a block of another pool.
+            InvalidInputError: ``priority`` is not an int in [0, `MAX_PRIORITY`].
+        """
+        check_priority(priority)
+        if block._owner is not self._token:
+            raise BlockStateError(f"block {block.block_id} belongs to another pool")
+        if priority <= block.priority:
+            return
+        if block.ref_cnt:
+            self._raise(block, priority)
+        else:
+            self._levels.raise_free(block, priority)
+            self._plain = False
+
     def _raise(self, block: CpuBlock, priority: int) -> None:
         """Raise a referenced block's priority (it sits in no free queue)."""
         self._levels.raise_held(block, priority)
@@ -457,6 +477,10 @@ class CpuBlockPool:
     def retained_owners(self) -> tuple[Hashable, ...]:
         """The owners that retain blocks now."""
         return self._retained.owners
+
+    def retained_refs(self) -> dict[int, int]:
+        """Block id → references `retain()` holds on it now (one per owner)."""
+        return self._retained.refs()
 
     def reset_prefix_cache(self) -> bool:
         """Unpublish every block.

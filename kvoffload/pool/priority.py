@@ -206,11 +206,23 @@ class FreeLevels:
 
     def raise_free(self, block: CpuBlock, priority: int) -> None:
         """Raise a free block's priority: under LRU it moves to the most recently used end
-        of its new level; another policy keeps its place."""
-        self.unlink(block)
-        self.raised += not block.priority
+        of its new level; another policy keeps its place (only the counts change)."""
+        old = block.priority
+        self.raised += not old
+        if self._hooked is None:
+            self.unlink(block)
+            block.priority = priority
+            self.link(block)
+            return
+        counts = self._level_free
+        if old:
+            left = counts[old] - 1
+            if left:
+                counts[old] = left
+            else:
+                del counts[old]
+        counts[priority] = counts.get(priority, 0) + 1
         block.priority = priority
-        self.link(block)
 
     def unlink(self, block: CpuBlock) -> None:
         """Take a free block out of the free set (whichever queue or count holds it)."""

@@ -59,6 +59,10 @@ class RetainedBlocks:
         """The owners that retain blocks now."""
         return tuple(self._by_owner)
 
+    def refs(self) -> dict[int, int]:
+        """Block id → owners that hold it (a copy)."""
+        return dict(self._holds)
+
     def held(self, owner: Hashable) -> tuple[CpuBlock, ...]:
         """The blocks ``owner`` retains, in the order retained (empty: none)."""
         return tuple(self._by_owner.get(owner, ()))
