@@ -117,14 +117,12 @@ class CpuBlockPool:
         bind = getattr(self._policy, "bind_pool_factory", None)
         if callable(bind):
             bind(lambda n, name: CpuBlockPool(n, policy=name))
-        # LRU is the free queue itself: the inlined paths below serve it without calls.
+        # LRU is the free queue itself, served by the inlined paths while no block has a
+        # raised priority (the pool is _plain); the rest goes through the levels.
         self._hooked = None if isinstance(self._policy, LruPolicy) else self._policy
-        # The free set by priority level, off the fast path. While no block has a raised
-        # priority under LRU the pool is _plain and runs the single-queue fast paths.
         self._levels = FreeLevels(self._blocks, self._free, self._policy, self._hooked, token)
         self._plain = self._hooked is None
-        # The optional lookup hook (see `EvictionPolicy`); ``None`` for every built-in
-        # policy but the adaptive one, and then `lookup()` costs one test more.
+        # The adaptive policy's lookup hook (see `EvictionPolicy`): one test per lookup.
         on_lookup = getattr(self._hooked, "on_lookup", None)
         self._on_lookup: _LookupHook | None = on_lookup if callable(on_lookup) else None
 
@@ -341,9 +339,9 @@ class CpuBlockPool:
             self._hooked.on_free([b for b in reversed(zeroed) if b.ref_cnt == 0])
 
     def raise_priority(self, block: CpuBlock, priority: int) -> None:
-        """Raise ``block``'s retention priority to at least ``priority``, referenced or
-        free (a free block moves to the most recently used end of its new level under LRU;
-        another policy keeps its place). No reference is taken.
+        """Raise ``block``'s retention priority to at least ``priority``, taking no
+        reference (a free block moves to the most recently used end of its new level
+        under LRU; another policy keeps its place).
 
         Raises:
             BlockStateError: a block of another pool.
@@ -352,18 +350,9 @@ class CpuBlockPool:
         check_priority(priority)
         if block._owner is not self._token:
             raise BlockStateError(f"block {block.block_id} belongs to another pool")
-        if priority <= block.priority:
-            return
-        if block.ref_cnt:
-            self._raise(block, priority)
-        else:
-            self._levels.raise_free(block, priority)
+        if priority > block.priority:
+            self._levels.raise_to(block, priority)
             self._plain = False
-
-    def _raise(self, block: CpuBlock, priority: int) -> None:
-        """Raise a referenced block's priority (it sits in no free queue)."""
-        self._levels.raise_held(block, priority)
-        self._plain = False
 
     # -- the prefix-cache map ---------------------------------------------------------------
 
@@ -394,7 +383,8 @@ class CpuBlockPool:
         if current is not None:
             if current == block_hash:
                 if priority > block.priority:
-                    self._raise(block, priority)
+                    self._levels.raise_to(block, priority)
+                    self._plain = False
                 return True
             raise BlockStateError(
                 f"block {block.block_id} is already published under {current.hex()[:16]}…"
@@ -404,7 +394,8 @@ class CpuBlockPool:
             return False
         block.block_hash = block_hash
         if priority > block.priority:
-            self._raise(block, priority)
+            self._levels.raise_to(block, priority)
+            self._plain = False
         if self._enable_events:
             self._events.append(BlockStored(block_hash, block.block_id))
         return True

@@ -150,10 +150,13 @@ class FreeLevels:
                 block.priority = priority
         self.raised = raised
 
-    def raise_held(self, block: CpuBlock, priority: int) -> None:
-        """Raise a referenced block's priority (it sits in no free queue)."""
-        self.raised += not block.priority
-        block.priority = priority
+    def raise_to(self, block: CpuBlock, priority: int) -> None:
+        """Raise a block's priority to ``priority`` (above its own), wherever it is."""
+        if block.ref_cnt:  # in no free queue
+            self.raised += not block.priority
+            block.priority = priority
+        else:
+            self._raise_free(block, priority)
 
     def take(self, blocks: Iterable[CpuBlock]) -> None:
         """Blocks an allocation took out of the free set: one reference each, priority 0."""
@@ -204,7 +207,7 @@ class FreeLevels:
             f"free of block {block.block_id} whose ref_cnt is {ref_cnt} (double free)"
         )
 
-    def raise_free(self, block: CpuBlock, priority: int) -> None:
+    def _raise_free(self, block: CpuBlock, priority: int) -> None:
         """Raise a free block's priority: under LRU it moves to the most recently used end
         of its new level; another policy keeps its place (only the counts change)."""
         old = block.priority
