@@ -170,11 +170,7 @@ class CpuBlockPool:
         return 1.0 - self.num_free / self._num_blocks
 
     def block(self, block_id: int) -> CpuBlock:
-        """The block with id ``block_id``.
-
-        Raises:
-            IndexError: no such block.
-        """
+        """The block with id ``block_id``; `IndexError` if there is none."""
         if not 0 <= block_id < self._num_blocks:
             raise IndexError(f"block_id {block_id} out of range [0, {self._num_blocks})")
         return self._blocks[block_id]
@@ -341,12 +337,8 @@ class CpuBlockPool:
     def raise_priority(self, block: CpuBlock, priority: int) -> None:
         """Raise ``block``'s retention priority to at least ``priority``, taking no
         reference (a free block moves to the most recently used end of its new level
-        under LRU; another policy keeps its place).
-
-        Raises:
-            BlockStateError: a block of another pool.
-            InvalidInputError: ``priority`` is not an int in [0, `MAX_PRIORITY`].
-        """
+        under LRU; another policy keeps its place). Raises `BlockStateError` for another
+        pool's block, `InvalidInputError` for a bad ``priority``."""
         check_priority(priority)
         if block._owner is not self._token:
             raise BlockStateError(f"block {block.block_id} belongs to another pool")
@@ -380,32 +372,24 @@ class CpuBlockPool:
         if block._owner is not self._token or block.ref_cnt <= 0:
             raise publish_refused(block, self._token)
         current = block.block_hash
-        if current is not None:
-            if current == block_hash:
-                if priority > block.priority:
-                    self._levels.raise_to(block, priority)
-                    self._plain = False
-                return True
+        if current is None:
+            if self._cached.setdefault(block_hash, block) is not block:
+                return False
+            block.block_hash = block_hash
+            if self._enable_events:
+                self._events.append(BlockStored(block_hash, block.block_id))
+        elif current != block_hash:
             raise BlockStateError(
                 f"block {block.block_id} is already published under {current.hex()[:16]}…"
             )
-        holder = self._cached.setdefault(block_hash, block)
-        if holder is not block:
-            return False
-        block.block_hash = block_hash
         if priority > block.priority:
             self._levels.raise_to(block, priority)
             self._plain = False
-        if self._enable_events:
-            self._events.append(BlockStored(block_hash, block.block_id))
         return True
 
     def unpublish(self, block: CpuBlock) -> bool:
-        """Make ``block`` unfindable (e.g. its data is suspect); its references are unchanged.
-
-        Returns:
-            whether it was published.
-        """
+        """Make ``block`` unfindable (e.g. its data is suspect), its references unchanged;
+        return whether it was published."""
         return self._map.unpublish(block)
 
     def unpublish_all(self) -> int:

@@ -407,18 +407,18 @@ class FreeLevels:
             if type(p) is not int or p < 0:
                 raise InvariantError(f"block {block.block_id} has priority {p!r}")
             counted += p != 0
-            level = level_of.get(id(block))
-            if (level is not None) != (block.ref_cnt == 0):
+            found = level_of.get(id(block))
+            if (found is not None) != (block.ref_cnt == 0):
                 raise InvariantError(
                     f"block {block.block_id}: ref_cnt={block.ref_cnt} but "
-                    f"{'in' if level is not None else 'not in'} the free queue"
+                    f"{'in' if found is not None else 'not in'} the free queue"
                 )
-            if level is None:
+            if found is None:
                 referenced += 1
                 continue
-            if self._hooked is None and level != p:
+            if self._hooked is None and found != p:
                 raise InvariantError(
-                    f"free block {block.block_id} of priority {p} sits in level {level}'s queue"
+                    f"free block {block.block_id} of priority {p} sits in level {found}'s queue"
                 )
             if p:
                 counts[p] = counts.get(p, 0) + 1
