@@ -61,12 +61,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.held: list[int] = []  # GPU blocks finished requests hold (hold_blocks_on_finish)
         self.finished: list[str] = []
         self.retained: set[str] = set()  # owners of retained prefixes
+        self.prompts: list[list[BlockHash]] = []  # every admitted prompt's hashes
 
     @initialize(
         restore=st.booleans(),
         size=st.integers(2, 8),
         hold=st.booleans(),
-        retained=st.sampled_from([0.1, 0.5, 1.0]),
+        retained=st.sampled_from([0.1, 0.5, 1.0, 1.0]),
     )
     def setup(self, restore: bool, size: int, hold: bool, retained: float) -> None:
         self.sched = make(
@@ -137,6 +138,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.set_priority(rid, priority)
         toks = prompt(family, variant, num_blocks)
         req = Req(toks, hashes(toks))
+        self.prompts.append(req.hs)
         own = min(engine_prefix, len(req.hs))  # blocks the engine's own prefix cache holds
         hit = self.sched.lookup(rid, req.hs, len(toks), own * BS, allow_defer=allow_defer)
         self.reqs[rid] = req
@@ -352,21 +354,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.set_priority(rid, priority)
         assert self.sched.request_state(rid).priority == priority
 
-    @rule(family=st.integers(0, FAMILIES - 1), num_blocks=st.integers(1, MAX_BLOCKS))
-    def retain(self, family: int, num_blocks: int) -> None:
-        owner = f"sys{family}"
+    def cached_prefixes(self) -> list[list[BlockHash]]:
+        is_cached = self.sched.pool.is_cached
+        return [hs for hs in self.prompts if hs and is_cached(hs[0])]
+
+    @precondition(lambda self: self.cached_prefixes())
+    @rule(data=st.data(), owner=st.sampled_from(["sys0", "sys1", "sys2"]))
+    def retain(self, data: st.DataObject, owner: str) -> None:
+        hs = data.draw(st.sampled_from(self.cached_prefixes()))
+        hs = hs[: data.draw(st.integers(1, len(hs)))]
         pool = self.sched.pool
-        hs = hashes(prompt(family, 0, num_blocks))
-        held = pool.num_retained
+        before = self.snapshot()
         try:
             run = self.sched.ledger.retain(hs, owner)
         except InvalidInputError:
-            assert pool.num_retained == held  # over the bound: nothing retained
+            assert self.snapshot() == before  # over the bound: nothing retained
             return
-        assert all(b.block_hash == h for b, h in zip(run, hs, strict=False))
+        assert run
+        assert [b.block_hash for b in run] == hs[: len(run)]
         assert pool.num_retained <= pool.max_retained_blocks
-        if owner in pool.retained_owners:
-            self.retained.add(owner)
+        self.retained.add(owner)
 
     @precondition(lambda self: self.retained)
     @rule(data=st.data())
