@@ -132,8 +132,6 @@ class CpuBlockPool:
             f"num_cached={len(self._cached)})"
         )
 
-    # -- sizes ---------------------------------------------------------------------------
-
     @property
     def num_blocks(self) -> int:
         """Pool size in blocks."""
@@ -262,8 +260,7 @@ class CpuBlockPool:
 
         Raises:
             BlockStateError: a block of another pool; nothing changed.
-            InvalidInputError: ``priority`` is not an int in [0, `MAX_PRIORITY`]; nothing
-                changed.
+            InvalidInputError: a bad ``priority`` (see `check_priority`); nothing changed.
         """
         if type(blocks) is not list and type(blocks) is not tuple:
             blocks = list(blocks)
@@ -354,8 +351,7 @@ class CpuBlockPool:
         Args:
             block: a block holding a reference.
             block_hash: its key.
-            priority: raise the block's retention priority to at least this when it is
-                published (or already was, under this hash).
+            priority: raise the block's retention priority to at least this.
 
         Returns:
             ``True`` if ``block`` is now published under ``block_hash``; ``False`` if
@@ -365,7 +361,7 @@ class CpuBlockPool:
         Raises:
             BlockStateError: ``block`` has no reference, is published under another hash,
                 or belongs to another pool (it would be served for this pool's lookups).
-            InvalidInputError: ``priority`` is not an int in [0, `MAX_PRIORITY`].
+            InvalidInputError: a bad ``priority`` (see `check_priority`).
         """
         if priority:
             check_priority(priority)
@@ -393,11 +389,9 @@ class CpuBlockPool:
         return self._map.unpublish(block)
 
     def unpublish_all(self) -> int:
-        """Unpublish every block, referenced or not; return how many were published.
-
-        Unlike `reset_prefix_cache()` this never refuses: references are unchanged, so
-        a block pinned by a load stays pinned, it just can no longer be found.
-        """
+        """Unpublish every block, referenced or not; return how many were published. Unlike
+        `reset_prefix_cache()` this never refuses: references are unchanged (a block pinned
+        by a load stays pinned, it just can no longer be found)."""
         return self._map.unpublish_all()
 
     def lookup(self, block_hashes: Iterable[BlockHash]) -> list[CpuBlock]:
@@ -424,28 +418,19 @@ class CpuBlockPool:
     # -- retention ---------------------------------------------------------------------------
 
     def retain(self, block_hashes: Iterable[BlockHash], *, owner: Hashable) -> list[CpuBlock]:
-        """Keep the leading run of published blocks for ``block_hashes`` until released:
-        one reference per owner and block (see `RetainedBlocks.retain`).
-
-        Args:
-            block_hashes: the prefix's block hashes, in order.
-            owner: any hashable name for the holder (e.g. ``"system-prompt"``).
-
-        Returns:
-            the blocks ``owner`` now retains for this prefix (the leading run).
+        """Hold the leading run of published blocks for ``block_hashes`` for ``owner``
+        (any hashable name, e.g. ``"system-prompt"``), one reference per owner and block,
+        until `release_retained(owner)`; return the run (`RetainedBlocks.retain`).
 
         Raises:
-            InvalidInputError: retaining them would hold more than ``max_retained_blocks``
-                distinct blocks; nothing changed.
+            InvalidInputError: it would hold more than ``max_retained_blocks`` distinct
+                blocks; nothing changed.
         """
         return self._retained.retain(block_hashes, owner, self._cached.get, self.touch)
 
     def release_retained(self, owner: Hashable) -> int:
         """Drop every reference `retain()` took for ``owner``; return how many blocks.
-
-        Raises:
-            InvalidInputError: ``owner`` retains nothing (released twice, or never).
-        """
+        Raises `InvalidInputError` if ``owner`` retains nothing (released twice, or never)."""
         return self._retained.release(owner, self.free)
 
     @property
@@ -458,12 +443,8 @@ class CpuBlockPool:
         return self._retained.refs()
 
     def reset_prefix_cache(self) -> bool:
-        """Unpublish every block.
-
-        Returns:
-            ``False`` (and changes nothing) while any block holds a reference (a
-            retained block does: release it first).
-        """
+        """Unpublish every block; ``False`` (and nothing changed) while any block holds a
+        reference (a retained block does: release it first)."""
         if self.num_free != self._num_blocks:
             return False
         self._map.unpublish_all(cleared=True)
@@ -480,9 +461,8 @@ class CpuBlockPool:
         return self._map.statistics(self._num_blocks, self.num_free)
 
     def check_invariants(self) -> None:
-        """Check DESIGN invariants 1 and 3 over the whole pool (O(num_blocks)).
-
-        Also runs the eviction policy's own check.
+        """Check DESIGN invariants 1 and 3 over the whole pool (O(num_blocks)), the levels,
+        the retained set and the eviction policy's own bookkeeping.
 
         Raises:
             InvariantError: conservation, free-queue membership, the hash map or the
