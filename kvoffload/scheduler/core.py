@@ -454,8 +454,8 @@ class OffloadScheduler:
 
     def reset(self) -> bool:
         """Empty the CPU prefix cache: unpublish every block, abandon transfers in flight
-        (they publish nothing), release pins, put cursors back to 0. After new weights,
-        use a new namespace (``model_id`` / ``hash_salt``) instead.
+        (they publish nothing), release pins and retained blocks, put cursors back to 0.
+        After new weights, use a new namespace (``model_id`` / ``hash_salt``) instead.
 
         Returns:
             ``True`` when no transfer is in flight any more (the cache stays empty until
