@@ -437,8 +437,8 @@ class KVOffloader:
     async def reset(self) -> bool:
         """Empty the CPU prefix cache and wait for the transfers in flight to end.
 
-        Published blocks are dropped at once and transfers in flight are abandoned: they
-        publish nothing, and awaiting one raises `TransferError`.
+        Published blocks are dropped at once (retained ones released) and transfers in
+        flight are abandoned: they publish nothing, and awaiting one raises `TransferError`.
         Work the engine starts while this waits is not affected.
 
         Returns:
