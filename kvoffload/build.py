@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, final
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import ConfigError, HostMemoryError
 from kvoffload.pool.block_pool import CpuBlockPool
+from kvoffload.pool.priority import default_max_retained
 from kvoffload.scheduler import OffloadScheduler
 from kvoffload.storage.host_buffer import available_host_memory
 from kvoffload.tiers.build import build_tier
@@ -62,11 +63,12 @@ thread on entering ``async with``."""
 
 CORE_FIELDS: frozenset[str] = frozenset(
     {
-        # the pool: its size, eviction policy and events
+        # the pool: its size, eviction policy, events and retention bound
         "num_cpu_blocks",
         "cpu_bytes",
         "eviction_policy",
         "enable_events",
+        "max_retained_fraction",
         # the scheduler: it reads these from the config it is given
         "block_size",
         "store_mode",
@@ -133,13 +135,10 @@ class CorePlan:
         return self.num_cpu_blocks <= INLINE_POOL_BLOCKS
 
     def build(self) -> Core:
-        """Build the pool (policy and events from the config) and its scheduler."""
+        """Build the pool (policy, events and retention bound from the config) and its
+        scheduler."""
         config = self.config
-        pool = CpuBlockPool(
-            self.num_cpu_blocks,
-            enable_events=config.enable_events,
-            policy=config.eviction_policy,
-        )
+        pool = make_pool(config, self.num_cpu_blocks)
         scheduler = OffloadScheduler(
             config,
             pool,
@@ -147,6 +146,17 @@ class CorePlan:
             num_gpu_blocks=self.num_gpu_blocks,
         )
         return Core(pool, scheduler)
+
+
+def make_pool(config: OffloadConfig, num_blocks: int) -> CpuBlockPool:
+    """A CPU block pool of ``num_blocks`` with the config's eviction policy, events and
+    retention bound (``max_retained_fraction``)."""
+    return CpuBlockPool(
+        num_blocks,
+        enable_events=config.enable_events,
+        policy=config.eviction_policy,
+        max_retained_blocks=default_max_retained(num_blocks, config.max_retained_fraction),
+    )
 
 
 def plan_core(
@@ -233,10 +243,7 @@ def build_grouped_scheduler(
         sizes = {g.name: config.num_cpu_blocks for g in groups if g.cacheable}
     else:  # the config holds exactly one of the two
         sizes = split_capacity(groups, int(config.cpu_bytes or 0), checkpoint_tokens)
-    pools = {
-        name: CpuBlockPool(n, enable_events=config.enable_events, policy=config.eviction_policy)
-        for name, n in sizes.items()
-    }
+    pools = {name: make_pool(config, n) for name, n in sizes.items()}
     return GroupedScheduler(
         groups, pools, checkpoint_tokens=checkpoint_tokens, num_gpu_blocks=num_gpu_blocks
     )

@@ -192,6 +192,13 @@ class OffloadConfig(BaseSettings):
         description="plan_stores() calls after which a finished request's unstored blocks are "
         "given up and its GPU blocks released (hold_blocks_on_finish).",
     )
+    max_retained_fraction: float = Field(
+        default=0.1,
+        gt=0.0,
+        le=1.0,
+        description="The share of the CPU pool KVOffloader.retain_prefix() may hold, all "
+        "owners together (rounded down to whole blocks; at most the pool less one block).",
+    )
 
     checkpoint_tokens: int | None = Field(
         default=None,

@@ -10,7 +10,7 @@ completions are processed whether or not anyone does.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, final, overload
 
@@ -26,6 +26,7 @@ from kvoffload.pinner import GpuBlockPinner
 from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
 from kvoffload.request import OffloadRequest
 from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
+from kvoffload.scheduler.requests import check_request_priority
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.tiers.manager import TierManager
 from kvoffload.tiers.stats import TierManagerStatistics
@@ -206,7 +207,12 @@ class KVOffloader:
         return hash_prompt(token_ids, bs, self._namespace)
 
     def request(
-        self, request_id: str, prompt_token_ids: Sequence[int], *, num_computed_tokens: int = 0
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        num_computed_tokens: int = 0,
+        priority: int = 0,
     ) -> OffloadRequest:
         """A handle for one request: its tokens, incremental block hashes and step calls.
 
@@ -218,17 +224,25 @@ class KVOffloader:
             prompt_token_ids: the prompt; its full blocks are hashed now.
             num_computed_tokens: tokens of the prompt the engine's own prefix cache holds
                 (a multiple of the block size); the lookup starts after them.
+            priority: its retention priority (`OffloadScheduler.set_priority()`).
 
         Raises:
             ClosedError: not open.
             RequestStateError: ``request_id`` is in use (by a handle not finished yet,
                 also one that made no call: the id is reserved when its handle is made), or
                 finished (ids are never reused).
-            InvalidInputError: ``num_computed_tokens`` out of range or not block aligned.
+            InvalidInputError: ``num_computed_tokens`` out of range or not block aligned,
+                or a bad ``priority``.
             InputTypeError: a token is not a 64-bit int.
         """
         self._life.check("request")
+        check_request_priority(request_id, priority)
         g = self._groups
+        if g is not None and priority:
+            raise InvalidInputError(
+                f"request {request_id!r}: priority={priority!r} with several KV cache groups "
+                f"{[x.name for x in g.groups]}: retention priorities are single-group for now"
+            )
         lanes = None if g is None else g.lanes_for(request_id)
         handle: OffloadRequest = OffloadRequest._create(
             self,
@@ -243,7 +257,29 @@ class KVOffloader:
         # finishes, so a second handle for it (a client's retry) is refused here, before
         # either makes a call.
         (g or self._session.scheduler).reserve(request_id)
+        if priority:
+            self._session.scheduler.set_priority(request_id, priority)
         return handle
+
+    def retain_prefix(self, token_ids: Sequence[int], *, owner: Hashable) -> int:
+        """Keep the leading run of a prompt's full blocks that is stored in the CPU pool
+        now (a system prompt) from eviction until `release_retained(owner)` or `reset()`;
+        return how many blocks that is. A block not stored yet, and every one after it,
+        is not retained (store, then call again); docs/policies.md, "Retention priorities".
+
+        Raises:
+            InvalidInputError: over ``max_retained_fraction`` (nothing is retained).
+        """
+        session = _single(self, "retain_prefix")
+        session.check("retain_prefix")
+        return len(session.scheduler.ledger.retain(self.hash_prompt(token_ids), owner))
+
+    def release_retained(self, owner: Hashable) -> int:
+        """Let the blocks `retain_prefix()` kept for ``owner`` be evicted again; return
+        how many. Raises `InvalidInputError` if ``owner`` retains nothing."""
+        session = _single(self, "release_retained")
+        session.check("release_retained")
+        return session.scheduler.ledger.release_retained(owner)
 
     # -- the engine's step loop ----------------------------------------------------------------
 
@@ -447,8 +483,8 @@ class KVOffloader:
     async def reset(self) -> bool:
         """Empty the CPU prefix cache and wait for the transfers in flight to end.
 
-        Published blocks are dropped at once and transfers in flight are abandoned: they
-        publish nothing, and awaiting one raises `TransferError`.
+        Published blocks are dropped at once (retained ones released) and transfers in
+        flight are abandoned: they publish nothing, and awaiting one raises `TransferError`.
         Work the engine starts while this waits is not affected.
 
         Returns:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from kvoffload.config import OffloadConfig
 from kvoffload.hashing import BlockHash, HashNamespace, hash_prompt
 from kvoffload.pool import CpuBlockPool
+from kvoffload.pool.priority import default_max_retained
 from kvoffload.scheduler import OffloadScheduler
 from kvoffload.transfer.plan import TransferPlan
 
@@ -33,9 +34,11 @@ def make(
     num_blocks: int = 16, *, num_gpu_blocks: int | None = None, **overrides: object
 ) -> OffloadScheduler:
     config = OffloadConfig(block_size=BS, num_cpu_blocks=num_blocks, **overrides)  # type: ignore[arg-type]
-    return OffloadScheduler(
-        config, CpuBlockPool(num_blocks), bytes_per_block=100, num_gpu_blocks=num_gpu_blocks
+    pool = CpuBlockPool(
+        num_blocks,
+        max_retained_blocks=default_max_retained(num_blocks, config.max_retained_fraction),
     )
+    return OffloadScheduler(config, pool, bytes_per_block=100, num_gpu_blocks=num_gpu_blocks)
 
 
 @dataclass

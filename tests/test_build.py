@@ -59,6 +59,7 @@ CHANGED: dict[str, dict[str, Any]] = {
     "hold_blocks_on_finish": {"hold_blocks_on_finish": True},
     "hold_max_blocks": {"hold_max_blocks": 7},
     "hold_max_steps": {"hold_max_steps": 5},
+    "max_retained_fraction": {"max_retained_fraction": 0.5},
 }
 
 
@@ -69,6 +70,7 @@ def describe(pool: CpuBlockPool, scheduler: OffloadScheduler) -> dict[str, objec
     facts: dict[str, object] = {
         "pool.num_blocks": pool.num_blocks,
         "pool.policy": pool.policy.name,
+        "pool.max_retained_blocks": pool.max_retained_blocks,
         "scheduler.pool_is_the_pool": scheduler.pool is pool,
         "scheduler.config": {f: getattr(config, f) for f in sorted(CORE_FIELDS)},
     }
@@ -138,6 +140,7 @@ def test_a_core_field_reaches_the_same_objects_on_every_path(field: str) -> None
         ("store_admission", "scheduler.stores_first_offer", False),
         ("num_cpu_blocks", "pool.num_blocks", 12),
         ("cpu_bytes", "pool.num_blocks", 5),
+        ("max_retained_fraction", "pool.max_retained_blocks", 4),
     ],
 )
 def test_the_pool_and_admission_settings_reach_the_objects_themselves(

@@ -897,6 +897,8 @@ async def test_an_abandoned_load_without_fresh_blocks_starts_over(
     engine.check_invariants()
     assert engine.pinner.num_pinned == 0
     assert engine.allocator.statistics().num_used == 0
+
+
 def test_a_free_block_a_transfer_pins_is_not_handed_out() -> None:
     """A block freed before its store was planned (a finished request's, a sliding
     window's, a state snapshot in the prefix cache) is held while the copy reads it."""

@@ -60,6 +60,7 @@ def drive(
     if generic_lru:
         pool._hooked = pool.policy  # the protocol path, not the inlined one
         pool._plain = False
+        pool._levels._hooked = pool.policy  # its free set too
     blocks = [pool.block(i) for i in range(NUM_BLOCKS)]
     model = MODELS[name](blocks)
     held: list[CpuBlock] = []  # one entry per reference taken

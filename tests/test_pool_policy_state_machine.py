@@ -57,6 +57,7 @@ def machine_for(policy: str) -> type[PoolMachine]:
             if policy == "lru":
                 self.pool._hooked = self.pool.policy  # exercise the protocol path
                 self.pool._plain = False
+                self.pool._levels._hooked = self.pool.policy  # its free set too
             self.model = PolicyModel(NUM_BLOCKS)
 
         def allocate_and_publish(self, keys: list[int]) -> None:

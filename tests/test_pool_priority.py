@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvoffload.errors import InvalidInputError
+from kvoffload.errors import BlockStateError, InvalidInputError
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.pool.policies import POLICY_NAMES
@@ -231,7 +231,7 @@ def _machine(policy: str) -> type[RuleBasedStateMachine]:
         def consistent(self) -> None:
             self.pool.check_invariants()
             for owner in self.pool.retained_owners:
-                for block in self.pool._retained[owner]:
+                for block in self.pool._retained.held(owner):
                     assert block.ref_cnt >= 1  # never free, never evicted
 
     PriorityMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30)
@@ -241,3 +241,35 @@ def _machine(policy: str) -> type[RuleBasedStateMachine]:
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_priority_state_machine(policy: str) -> None:
     _machine(policy).TestCase().runTest()
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_raise_priority_moves_a_free_or_held_block_up_without_a_reference(policy: str) -> None:
+    pool = CpuBlockPool(6, policy=policy)
+    store(pool, [10, 11], priority=1)
+    store(pool, [20, 21, 30, 31])
+    free_block = pool.get_cached(h(20))
+    held_block = pool.get_cached(h(30))
+    assert free_block is not None
+    assert held_block is not None
+    pool.touch([held_block])
+    pool.raise_priority(free_block, 2)
+    pool.raise_priority(held_block, 3)
+    pool.raise_priority(free_block, 1)  # never lowered
+    assert (free_block.priority, free_block.ref_cnt) == (2, 0)
+    assert (held_block.priority, held_block.ref_cnt) == (3, 1)
+    pool.check_invariants()
+    pool.free([held_block])
+    order = []
+    for _ in range(6):
+        evicted: list[BlockHash] = []
+        pool.allocate(1, evicted=evicted)
+        pool.check_invariants()
+        order.append(int.from_bytes(evicted[0], "little", signed=True))
+    assert set(order[:2]) == {21, 31}  # the priority-0 blocks go first
+    assert set(order[2:4]) == {10, 11}
+    assert order[4:] == [20, 30]
+    with pytest.raises(InvalidInputError, match="priority"):
+        pool.raise_priority(free_block, -1)
+    with pytest.raises(BlockStateError, match="another pool"):
+        CpuBlockPool(2).raise_priority(free_block, 1)

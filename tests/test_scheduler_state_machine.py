@@ -6,6 +6,11 @@ engine recomputes into fresh GPU blocks while the abandoned copy may still land)
 malformed input that must be refused with nothing changed (duplicate, out-of-range and
 changed block-table entries, reuse of a finished id), and plans undone because the
 engine's pinner raised.
+finishes (holding unstored blocks or not), preemptions and resets, retention priorities
+drawn at random (per request, changed mid-flight) and prefixes retained and released
+within the pool's bound; and malformed input
+that must be refused with nothing changed (duplicate, out-of-range and changed block-table
+entries, reuse of a finished id), and plans undone because the engine's pinner raised.
 After every step: ``check_invariants()`` plus the model's own checks: every published CPU
 block holds the KV of its hash, and every load delivers exactly the KV the request needs
 (wrong KV is the worst bug there is). The engine reuses GPU blocks, but never one that an
@@ -23,7 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from scheduler_helpers import BS, SimKV, hashes, make
 
-from kvoffload.errors import BlockTableError, RequestStateError
+from kvoffload.errors import BlockTableError, InvalidInputError, RequestStateError
 from kvoffload.hashing import BlockHash
 from kvoffload.transfer.plan import LoadPlan, StorePlan, TransferPlan
 
@@ -61,9 +66,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.held: list[int] = []  # GPU blocks finished requests hold (hold_blocks_on_finish)
         self.finished: list[str] = []
         self.abandoned: set[int] = set()  # load plans abandoned, their copy still in flight
+        self.retained: set[str] = set()  # owners of retained prefixes
+        self.prompts: list[list[BlockHash]] = []  # every admitted prompt's hashes
 
-    @initialize(restore=st.booleans(), size=st.integers(2, 8), hold=st.booleans())
-    def setup(self, restore: bool, size: int, hold: bool) -> None:
+    @initialize(
+        restore=st.booleans(),
+        size=st.integers(2, 8),
+        hold=st.booleans(),
+        retained=st.sampled_from([0.1, 0.5, 1.0, 1.0]),
+    )
+    def setup(self, restore: bool, size: int, hold: bool, retained: float) -> None:
         self.sched = make(
             num_blocks=size,
             restore_evicted=restore,
@@ -71,6 +83,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             hold_max_blocks=4,
             hold_max_steps=3,
             num_gpu_blocks=NUM_GPU_BLOCKS,
+            max_retained_fraction=retained,
         )
 
     # -- engine side ---------------------------------------------------------------------
@@ -112,6 +125,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         allow_defer=st.booleans(),
         engine_prefix=st.integers(0, 2),
         pin_fails=st.booleans(),
+        priority=st.sampled_from([0, 0, 1, 2, 7]),
     )
     def admit(
         self,
@@ -122,11 +136,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         allow_defer: bool,
         engine_prefix: int,
         pin_fails: bool,
+        priority: int,
     ) -> None:
         rid = f"r{self.next_id}"
         self.next_id += 1
+        if priority:
+            self.sched.set_priority(rid, priority)
         toks = prompt(family, variant, num_blocks)
         req = Req(toks, hashes(toks))
+        self.prompts.append(req.hs)
         own = min(engine_prefix, len(req.hs))  # blocks the engine's own prefix cache holds
         hit = self.sched.lookup(rid, req.hs, len(toks), own * BS, allow_defer=allow_defer)
         self.reqs[rid] = req
@@ -176,7 +194,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         """A prompt whose first block is cached: the lookup hits and the load starts (random
         admissions alone rarely find one)."""
         family, variant = data.draw(st.sampled_from(self.cached_prompts()))
-        self.admit(family, variant, num_blocks, 1.0, False, 0, False)
+        priority = data.draw(st.sampled_from([0, 0, 1, 2, 7]))
+        self.admit(family, variant, num_blocks, 1.0, False, 0, False, priority)
 
     @precondition(lambda self: any(not r.loading for r in self.reqs.values()))
     @rule(data=st.data(), chunk=st.integers(1, 3 * BS))
@@ -245,13 +264,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                 st.num_computed_tokens,
                 st.num_stored_blocks,
                 [b.block_id for b in st.pinned],
+                st.priority,
             )
             for rid in self.reqs
             if sched.has_request(rid)
             for st in [sched.request_state(rid)]
         }
         refs = [pool.block(i).ref_cnt for i in range(pool.num_blocks)]
-        cached = [pool.block(i).block_hash for i in range(pool.num_blocks)]
+        cached = [
+            (pool.block(i).block_hash, pool.block(i).priority) for i in range(pool.num_blocks)
+        ]
         return states, refs, cached, sched.num_in_flight
 
     @precondition(lambda self: any(r.table for r in self.reqs.values()))
@@ -371,9 +393,54 @@ class SchedulerMachine(RuleBasedStateMachine):
         req.table = []
         req.computed = 0
 
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data(), priority=st.sampled_from([0, 1, 3, 7, -1, "high"]))
+    def reprioritize(self, data: st.DataObject, priority: object) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.reqs)))
+        if not isinstance(priority, int) or priority < 0:
+            before = self.snapshot()
+            with pytest.raises(InvalidInputError, match=rf"request {rid!r}: priority"):
+                self.sched.set_priority(rid, priority)  # type: ignore[arg-type]
+            assert self.snapshot() == before
+            return
+        self.sched.set_priority(rid, priority)
+        assert self.sched.request_state(rid).priority == priority
+
+    def cached_prefixes(self) -> list[list[BlockHash]]:
+        is_cached = self.sched.pool.is_cached
+        return [hs for hs in self.prompts if hs and is_cached(hs[0])]
+
+    @precondition(lambda self: self.cached_prefixes())
+    @rule(data=st.data(), owner=st.sampled_from(["sys0", "sys1", "sys2"]))
+    def retain(self, data: st.DataObject, owner: str) -> None:
+        hs = data.draw(st.sampled_from(self.cached_prefixes()))
+        hs = hs[: data.draw(st.integers(1, len(hs)))]
+        pool = self.sched.pool
+        before = self.snapshot()
+        try:
+            run = self.sched.ledger.retain(hs, owner)
+        except InvalidInputError:
+            assert self.snapshot() == before  # over the bound: nothing retained
+            return
+        assert run
+        assert [b.block_hash for b in run] == hs[: len(run)]
+        assert pool.num_retained <= pool.max_retained_blocks
+        self.retained.add(owner)
+
+    @precondition(lambda self: self.retained)
+    @rule(data=st.data())
+    def release_retained(self, data: st.DataObject) -> None:
+        owner = data.draw(st.sampled_from(sorted(self.retained)))
+        self.retained.discard(owner)
+        assert self.sched.ledger.release_retained(owner) >= 1
+        with pytest.raises(InvalidInputError, match="retains no block"):
+            self.sched.ledger.release_retained(owner)
+
     @rule()
     def reset(self) -> None:
         clean = self.sched.reset()
+        assert not self.sched.pool.retained_owners  # a reset releases every retained block
+        self.retained.clear()
         self.take_released()
         assert clean == (not self.in_flight)
         assert self.sched.pool.num_cached == 0
@@ -396,6 +463,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.sched.num_in_flight == len(self.in_flight)
 
     def teardown(self) -> None:
+        for owner in self.retained:
+            self.sched.ledger.release_retained(owner)
         while self.in_flight:
             self.sched.complete(self.in_flight.pop(), ok=True)
         for rid in list(self.reqs):

@@ -198,9 +198,11 @@ async def test_a_load_deadline_with_a_multi_group_offloader_is_refused_at_attach
     async with offloader_for(engine) as off:
         with pytest.raises(ConfigError, match=r"load_deadline_s=0.5 .*several KV cache groups"):
             engine.attach(off)
-        with off.request("r", list(range(3 * BS))) as req:
-            with pytest.raises(InvalidInputError, match=r"abandon_load\(\).*'full'"):
-                req.abandon_load()
+        with (
+            off.request("r", list(range(3 * BS))) as req,
+            pytest.raises(InvalidInputError, match=r"abandon_load\(\).*'full'"),
+        ):
+            req.abandon_load()
 
 
 async def test_offload_with_preemption_and_batching_equals_a_recompute(

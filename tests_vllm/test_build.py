@@ -39,6 +39,7 @@ CHANGED: dict[str, dict[str, Any]] = {
     "hold_blocks_on_finish": {"hold_blocks_on_finish": True},
     "hold_max_blocks": {"hold_max_blocks": 7},
     "hold_max_steps": {"hold_max_steps": 5},
+    "max_retained_fraction": {"max_retained_fraction": 0.5},
 }
 
 
@@ -47,6 +48,7 @@ def describe(pool: CpuBlockPool, scheduler: OffloadScheduler) -> dict[str, objec
     facts: dict[str, object] = {
         "pool.num_blocks": pool.num_blocks,
         "pool.policy": pool.policy.name,
+        "pool.max_retained_blocks": pool.max_retained_blocks,
         "scheduler.pool_is_the_pool": scheduler.pool is pool,
         "scheduler.config": {f: getattr(config, f) for f in sorted(CORE_FIELDS)},
     }

@@ -137,6 +137,16 @@ class OffloadScheduler:
         """Whether ``request_id`` is one of the last ``FINISHED_IDS_REMEMBERED`` finished."""
         return self._table.was_finished(request_id)
 
+    def set_priority(self, request_id: str, priority: int) -> None:
+        """Give ``request_id`` (registered on first use) a retention priority, 0 by
+        default: see `RequestTable.set_priority()`.
+
+        Raises:
+            InvalidInputError: not an int in [0, `MAX_PRIORITY`]; RequestStateError: the
+                request is finished.
+        """
+        self._table.set_priority(request_id, priority)
+
     def reserve(self, request_id: str) -> None:
         """Register ``request_id`` before its first call (`OffloadRequest` does), so a
         second handle for it is refused instead of sharing its state.
@@ -450,8 +460,8 @@ class OffloadScheduler:
 
     def reset(self) -> bool:
         """Empty the CPU prefix cache: unpublish every block, abandon transfers in flight
-        (they publish nothing), release pins, put cursors back to 0. After new weights,
-        use a new namespace (``model_id`` / ``hash_salt``) instead.
+        (they publish nothing), release pins and retained blocks, put cursors back to 0.
+        After new weights, use a new namespace (``model_id`` / ``hash_salt``) instead.
 
         Returns:
             ``True`` when no transfer is in flight any more (the cache stays empty until

@@ -15,7 +15,7 @@ are "being filled": DESIGN.md invariants 2 and 3).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import final
 
@@ -73,6 +73,8 @@ class BlockLedger:
     def __init__(self, pool: CpuBlockPool) -> None:
         self._pool = pool
         self.pending: dict[BlockHash, CpuBlock] = {}
+        self.priorities: dict[BlockHash, int] = {}
+        """Pending hash → the retention priority it is published with (absent: 0)."""
         self.loading: dict[int, int] = {}
         self._plans: dict[int, PlanEntry] = {}
         self._pins: dict[int, list[CpuBlock]] = {}
@@ -122,10 +124,14 @@ class BlockLedger:
         protect: set[CpuBlock],
         evicted: list[BlockHash],
         ends: tuple[int, ...] | None,
+        priorities: Mapping[BlockHash, int] | None = None,
     ) -> StorePlan:
         """Take one CPU block per hash (evicting only free blocks), mark the hashes
-        pending and open the store plan that fills them."""
+        pending and open the store plan that fills them (each published with its entry
+        in ``priorities``, 0 when absent, unless raised meanwhile)."""
         blocks = self._pool.allocate(len(hashes), protect=protect, evicted=evicted)
+        if priorities:
+            self.priorities.update(priorities)
         pending = self.pending
         for block, block_hash in zip(blocks, hashes, strict=True):
             pending[block_hash] = block
@@ -142,11 +148,32 @@ class BlockLedger:
 
     # -- pins and loads --------------------------------------------------------------------
 
-    def pin(self, blocks: list[CpuBlock]) -> None:
+    def pin(self, blocks: list[CpuBlock], priority: int = 0) -> None:
         """Reference a lookup's hit (a lease on the list itself, released by `unpin()`
-        or turned into a load by `open_load()`)."""
-        self._pool.touch(blocks)
+        or turned into a load by `open_load()`), raising each block to ``priority``."""
+        if priority:
+            self._pool.touch(blocks, priority=priority)
+        else:
+            self._pool.touch(blocks)
         self._pins[id(blocks)] = blocks
+
+    def raise_priority(self, block_hash: BlockHash, priority: int) -> None:
+        """Raise the retention priority of the block being filled with ``block_hash``
+        (it is published with it) or published under it; nothing for an unknown hash."""
+        if block_hash in self.pending:
+            if self.priorities.get(block_hash, 0) < priority:
+                self.priorities[block_hash] = priority
+        elif (block := self._pool.get_cached(block_hash)) is not None:
+            self._pool.raise_priority(block, priority)
+
+    def retain(self, block_hashes: Sequence[BlockHash], owner: Hashable) -> list[CpuBlock]:
+        """`CpuBlockPool.retain()`: hold the published leading run of ``block_hashes``
+        for ``owner`` (one reference each) until `release_retained()`."""
+        return self._pool.retain(block_hashes, owner=owner)
+
+    def release_retained(self, owner: Hashable) -> int:
+        """`CpuBlockPool.release_retained()`."""
+        return self._pool.release_retained(owner)
 
     def unpin(self, blocks: list[CpuBlock]) -> None:
         """Release a pin taken by `pin()` (or left by a cancelled load).
@@ -242,7 +269,9 @@ class BlockLedger:
         if rec.plan.kind == "store":
             pending = self.pending
             publish = pool.publish
-            if ok and rec.epoch == self.epoch:
+            if ok and rec.epoch == self.epoch and self.priorities:
+                rec.published = _publish_prioritized(rec, pending, self.priorities, publish)
+            elif ok and rec.epoch == self.epoch:
                 published = 0
                 for block, block_hash in zip(blocks, rec.hashes, strict=True):
                     if pending.get(block_hash) is block:
@@ -254,6 +283,7 @@ class BlockLedger:
                 for block, block_hash in zip(blocks, rec.hashes, strict=True):
                     if pending.get(block_hash) is block:
                         del pending[block_hash]
+                _forget_priorities(self.priorities, self.pending, rec.hashes)
         else:
             if not rec.abandoned:
                 self._unmark_loading(blocks)
@@ -279,6 +309,7 @@ class BlockLedger:
             for block, block_hash in zip(blocks, rec.hashes, strict=True):
                 if pending.get(block_hash) is block:
                     del pending[block_hash]
+            _forget_priorities(self.priorities, self.pending, rec.hashes)
             self._pool.free(blocks[::-1])
         elif rec.abandoned:
             self._pool.free(blocks[::-1])
@@ -289,9 +320,13 @@ class BlockLedger:
 
     def reset(self) -> None:
         """Empty the cache: plans and promotions open now publish nothing when they
-        close; nothing is pending any more; every published block is unpublished."""
+        close; nothing is pending any more; every retained block is released and every
+        published block unpublished."""
         self.epoch += 1
         self.pending.clear()
+        self.priorities.clear()
+        for owner in self._pool.retained_owners:
+            self._pool.release_retained(owner)
         self._pool.unpublish_all()
 
     # -- tiers -------------------------------------------------------------------------------
@@ -367,9 +402,16 @@ class BlockLedger:
         for k, ((_, block_hash), block) in enumerate(
             zip(promotion.wanted, promotion.blocks, strict=True)
         ):
+            priority = 0
             if pending.get(block_hash) is block:
                 del pending[block_hash]
-            out.append(publish and good is not None and good[k] and pool.publish(block, block_hash))
+                priority = self.priorities.pop(block_hash, 0) if self.priorities else 0
+            out.append(
+                publish
+                and good is not None
+                and good[k]
+                and pool.publish(block, block_hash, priority=priority)
+            )
         blocks = promotion.blocks[::-1]
         refs = self._tier_refs
         for block in blocks:
@@ -421,13 +463,17 @@ class BlockLedger:
                 tier_refs[block_id] = tier_refs.get(block_id, 0) + n
         for block_id, n in tier_refs.items():
             expected[block_id] = expected.get(block_id, 0) + n
+        for block_id, n in pool.retained_refs().items():
+            expected[block_id] = expected.get(block_id, 0) + n
+        if not self.priorities.keys() <= self.pending.keys():
+            raise InvariantError("a priority is kept for a hash that is not being filled")
         if loading != self.loading:
             raise InvariantError("blocks marked as loading disagree with the load plans")
         for block_id in range(pool.num_blocks):
             block = pool.block(block_id)
             if block.ref_cnt != expected.get(block_id, 0):
                 raise InvariantError(
-                    f"block {block_id}: ref_cnt {block.ref_cnt} but plans, pins and tiers "
+                    f"block {block_id}: ref_cnt {block.ref_cnt} but plans, pins, tiers and retains "
                     f"hold {expected.get(block_id, 0)}"
                 )
         for block_hash, block in self.pending.items():
@@ -437,6 +483,36 @@ class BlockLedger:
                 )
             if block.ref_cnt < 1:
                 raise InvariantError(f"in-flight block {block.block_id} has no reference")
+
+
+def _publish_prioritized(
+    rec: PlanEntry,
+    pending: dict[BlockHash, CpuBlock],
+    priorities: dict[BlockHash, int],
+    publish: Callable[..., bool],
+) -> int:
+    """`BlockLedger.close()` of a store while some pending hash has a priority: publish
+    each block with its own; return how many were published."""
+    published = 0
+    for block, block_hash in zip(rec.blocks, rec.hashes, strict=True):
+        priority = 0
+        if pending.get(block_hash) is block:
+            del pending[block_hash]
+            priority = priorities.pop(block_hash, 0)
+        published += publish(block, block_hash, priority=priority)
+    return published
+
+
+def _forget_priorities(
+    priorities: dict[BlockHash, int],
+    pending: dict[BlockHash, CpuBlock],
+    hashes: Sequence[BlockHash],
+) -> None:
+    """Drop the priorities of ``hashes`` no longer pending (their fill ended unpublished)."""
+    if priorities:
+        for block_hash in hashes:
+            if block_hash not in pending:
+                priorities.pop(block_hash, None)
 
 
 def _free_order(rec: PlanEntry) -> list[CpuBlock]:

@@ -137,7 +137,7 @@ class LoadPlanner:
                 _log.debug("lookup_deferred", request_id=rid, block=end)
                 return None
         if hits:
-            ledger.pin(hits)
+            ledger.pin(hits, state.priority)
             state.pinned = hits
             state.pin_start_block = start
         hit_tokens = len(hits) * bs

@@ -23,6 +23,7 @@ from kvoffload.errors import (
     UnknownRequestError,
 )
 from kvoffload.hashing import BlockHash
+from kvoffload.pool.priority import MAX_PRIORITY
 from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
 from kvoffload.transfer.plan import TransferPlan
 
@@ -75,6 +76,20 @@ def check_hash(value: object, what: str, rid: str) -> None:
         )
 
 
+def check_request_priority(request_id: str, priority: object) -> int:
+    """``priority`` if it is an int in [0, `MAX_PRIORITY`].
+
+    Raises:
+        InvalidInputError: anything else; the message names the request and the value.
+    """
+    if type(priority) is not int or not 0 <= priority <= MAX_PRIORITY:
+        raise InvalidInputError(
+            f"request {request_id!r}: priority must be an integer in [0, {MAX_PRIORITY}], "
+            f"got {priority!r}"
+        )
+    return priority
+
+
 def _out_of_range(g: int, j: int, rid: str, limit: int | None) -> NoReturn:
     raise BlockTableError(
         f"request {rid!r}: gpu_block_ids[{j}]={g} is out of range "
@@ -111,6 +126,8 @@ class RequestTable:
         self._restore_evicted = restore_evicted
         self._block_size = block_size
         self._warned_unhashed = False
+        self.prioritized = 0
+        """Registered requests whose priority is not 0 (while 0, stores pay nothing)."""
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -196,9 +213,28 @@ class RequestTable:
         if len(self._finished_order) > FINISHED_IDS_REMEMBERED:
             self._finished_ids.discard(self._finished_order.popleft())
 
+    def set_priority(self, request_id: str, priority: object) -> None:
+        """Give a request (registered on first use) a retention priority: the blocks
+        stored for it are published with it and its lookup hits are touched with it (a
+        block several requests share keeps the highest); a free block of a lower priority
+        is evicted first. 0, the default, is every request's and costs nothing.
+
+        Raises:
+            InvalidInputError: not an int in [0, `MAX_PRIORITY`] (names request and value).
+            RequestStateError: the request is finished.
+        """
+        priority = check_request_priority(request_id, priority)
+        state = self.known(request_id)
+        if state is None:
+            state = self.register(request_id)
+        self.prioritized += (priority != 0) - (state.priority != 0)
+        state.priority = priority
+
     def drop(self, state: RequestOffloadState) -> None:
         """Forget a finished request (its last transfer completed)."""
         del self.requests[state.request_id]
+        if state.priority:
+            self.prioritized -= 1
         _log.debug("request_dropped", request_id=state.request_id)
 
     def drop_if_done(self, state: RequestOffloadState) -> None:
@@ -330,6 +366,11 @@ class RequestTable:
             live_refs.update(Counter(state.block_hashes[: state.num_stored_blocks]))
         if unclaimed:
             raise InvariantError(f"{len(unclaimed)} pins in the ledger belong to no request")
+        prioritized = sum(1 for state in self.requests.values() if state.priority)
+        if prioritized != self.prioritized:
+            raise InvariantError(
+                f"{prioritized} requests have a priority, {self.prioritized} counted"
+            )
         return live_refs, held
 
     def detach(self, plan: TransferPlan) -> None:

@@ -75,6 +75,9 @@ class RequestOffloadState:
             given up.
         admitted: a lookup counted the request's tokens in ``prompt_tokens`` since it
             was registered or last preempted.
+        priority: the retention priority its stored blocks are published with and its
+            lookup hits are touched with (0: the default; see
+            `OffloadScheduler.set_priority()`).
     """
 
     request_id: str
@@ -91,6 +94,7 @@ class RequestOffloadState:
     held_gpu_block_ids: list[int] = field(default_factory=list)
     hold_deadline: int = 0
     admitted: bool = False
+    priority: int = 0
 
     @property
     def finished(self) -> bool:

@@ -209,6 +209,7 @@ class StorePlanner:
                 protected=len(batch.protect),
                 planned=len(batch.hashes),
             )
+        priorities = self._priorities(batch) if self._table.prioritized else None
         if not batch.hashes:
             return None
         evicted: list[BlockHash] = []
@@ -220,6 +221,7 @@ class StorePlanner:
             protect=batch.protect,
             evicted=evicted,
             ends=tuple(batch.ends) if len(batch.ends) > 1 else None,
+            priorities=priorities,
         )
         live_refs = self.live_refs
         for block_hash in evicted:
@@ -232,6 +234,30 @@ class StorePlanner:
             requests[rid].in_flight.add(plan.plan_id)
         counters.store_plans += 1
         return plan
+
+    def _priorities(self, batch: _StoreBatch) -> dict[BlockHash, int]:
+        """The retention priority of each block this scan passed for a request that has
+        one (the highest, for a block several requests share): the blocks the batch
+        plans get theirs from the returned map; cached or pending ones are raised now."""
+        want: dict[BlockHash, int] = {}
+        requests = self._table.requests
+        if batch.owners:  # one per planned hash (none in lazy mode)
+            for block_hash, rid in zip(batch.hashes, batch.owners, strict=True):
+                priority = requests[rid].priority
+                if priority > want.get(block_hash, 0):
+                    want[block_hash] = priority
+        for state, start in batch.rollback:
+            priority = state.priority
+            if priority:
+                for block_hash in state.block_hashes[start : state.num_stored_blocks]:
+                    if priority > want.get(block_hash, 0):
+                        want[block_hash] = priority
+        planned = batch.planned
+        raise_priority = self._ledger.raise_priority
+        for block_hash, priority in want.items():
+            if block_hash not in planned:
+                raise_priority(block_hash, priority)
+        return {h: p for h, p in want.items() if h in planned}
 
     def _scan_eager(self, batch: _StoreBatch, hold_done: list[RequestOffloadState]) -> None:
         # The hot loop: _StoreBatch.offer() inlined, with its state in locals. The count

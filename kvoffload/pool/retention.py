@@ -1,0 +1,171 @@
+"""Retention: which owners hold which published blocks of a `CpuBlockPool`, and the bound.
+
+`CpuBlockPool.retain()` takes one reference per owner and block (however often the same
+owner retains it), so a retained block is never evicted, whatever its priority, until
+`CpuBlockPool.release_retained()`. `RetainedBlocks` keeps the owners' records and refuses a
+retain that would hold more distinct blocks than the bound; the pool takes and drops the
+references.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING, final
+
+from kvoffload.errors import InvalidInputError, InvariantError
+from kvoffload.pool.priority import default_max_retained
+
+if TYPE_CHECKING:
+    from kvoffload.hashing import BlockHash
+    from kvoffload.pool.block import CpuBlock
+
+__all__ = ["RetainedBlocks"]
+
+
+@final
+class RetainedBlocks:
+    """The retained blocks of one pool, by owner.
+
+    Args:
+        num_blocks: the pool's size.
+        max_retained: the most distinct blocks all owners together may hold; ``None``
+            for `default_max_retained()`.
+
+    Raises:
+        ValueError: ``max_retained`` outside [0, num_blocks - 1].
+    """
+
+    __slots__ = ("_by_owner", "_holds", "max_retained")
+
+    def __init__(self, num_blocks: int, max_retained: int | None) -> None:
+        if max_retained is None:
+            max_retained = default_max_retained(num_blocks)
+        if not 0 <= max_retained < num_blocks:
+            raise ValueError(
+                f"max_retained_blocks must be in [0, {num_blocks - 1}] for a pool of "
+                f"{num_blocks} blocks, got {max_retained}"
+            )
+        self.max_retained = max_retained
+        # owner -> its blocks, in the order retained; block_id -> how many owners hold it.
+        self._by_owner: dict[Hashable, list[CpuBlock]] = {}
+        self._holds: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        """Distinct blocks held, all owners together."""
+        return len(self._holds)
+
+    @property
+    def owners(self) -> tuple[Hashable, ...]:
+        """The owners that retain blocks now."""
+        return tuple(self._by_owner)
+
+    def refs(self) -> dict[int, int]:
+        """Block id → owners that hold it (a copy)."""
+        return dict(self._holds)
+
+    def held(self, owner: Hashable) -> tuple[CpuBlock, ...]:
+        """The blocks ``owner`` retains, in the order retained (empty: none)."""
+        return tuple(self._by_owner.get(owner, ()))
+
+    def retain(
+        self,
+        block_hashes: Iterable[BlockHash],
+        owner: Hashable,
+        get: Callable[[BlockHash], CpuBlock | None],
+        touch: Callable[[list[CpuBlock]], None],
+    ) -> list[CpuBlock]:
+        """`CpuBlockPool.retain()`: hold the leading run of ``block_hashes`` that ``get``
+        finds, taking one reference with ``touch`` on each block ``owner`` does not hold
+        yet.
+
+        A retained block is never evicted, whatever its priority, until
+        `release()` (one reference per owner and block, however often it is retained).
+        Hashes past the first one not published are ignored: a prefix hit cannot reach
+        them. The pool's lookup counters are not changed.
+
+        Returns:
+            The run (every block of it is now held by ``owner``).
+
+        Raises:
+            InvalidInputError: holding the run would exceed the bound; nothing changed.
+        """
+        run: list[CpuBlock] = []
+        for block_hash in block_hashes:
+            block = get(block_hash)
+            if block is None:
+                break
+            run.append(block)
+        new = self._admit(owner, run)
+        if new:
+            touch(new)
+            self._record(owner, new)
+        return run
+
+    def _admit(self, owner: Hashable, run: Sequence[CpuBlock]) -> list[CpuBlock]:
+        held = self._by_owner.get(owner, ())
+        have = {b.block_id for b in held}
+        new = [b for b in dict.fromkeys(run) if b.block_id not in have]
+        holds = self._holds
+        more = sum(1 for b in new if b.block_id not in holds)
+        if len(holds) + more > self.max_retained:
+            raise InvalidInputError(
+                f"retain for owner {owner!r} would hold {len(holds) + more} blocks, "
+                f"over max_retained_blocks={self.max_retained} "
+                f"({len(holds)} held, {more} more asked)"
+            )
+        return new
+
+    def _record(self, owner: Hashable, new: list[CpuBlock]) -> None:
+        holds = self._holds
+        for block in new:
+            holds[block.block_id] = holds.get(block.block_id, 0) + 1
+        self._by_owner[owner] = self._by_owner.get(owner, []) + new
+
+    def release(self, owner: Hashable, free: Callable[[list[CpuBlock]], None]) -> int:
+        """`CpuBlockPool.release_retained()`: forget ``owner``'s blocks and drop their
+        references with ``free``, tail first (as a request frees: the prefix's head is
+        kept longest); return how many. The blocks join the free set (most recently used
+        end of their level) unless something else still holds them.
+
+        Raises:
+            InvalidInputError: ``owner`` retains nothing (released twice, or never).
+        """
+        held = self._by_owner.pop(owner, None)
+        if held is None:
+            raise InvalidInputError(f"owner {owner!r} retains no block in this pool")
+        holds = self._holds
+        for block in held:
+            left = holds[block.block_id] - 1
+            if left:
+                holds[block.block_id] = left
+            else:
+                del holds[block.block_id]
+        held.reverse()
+        free(held)
+        return len(held)
+
+    def check(self, blocks: Sequence[CpuBlock]) -> None:
+        """Check the records against each other, the bound and the blocks' references.
+
+        Raises:
+            InvariantError: naming the breach.
+        """
+        holds: dict[int, int] = {}
+        for owner, held in self._by_owner.items():
+            ids = [b.block_id for b in held]
+            if not ids or len(set(ids)) != len(ids):
+                raise InvariantError(f"owner {owner!r} retains {ids} (empty or repeated)")
+            for block_id in ids:
+                holds[block_id] = holds.get(block_id, 0) + 1
+        if holds != self._holds:
+            raise InvariantError("retained blocks disagree with the owners' records")
+        if len(holds) > self.max_retained:
+            raise InvariantError(
+                f"{len(holds)} blocks retained, over max_retained_blocks={self.max_retained}"
+            )
+        for held_id, count in holds.items():
+            block = blocks[held_id]
+            if block.ref_cnt < count:
+                raise InvariantError(
+                    f"block {held_id} is retained {count} time(s) but has ref_cnt {block.ref_cnt}"
+                )
