@@ -11,6 +11,7 @@ docs/groups.md, "Worker side: the tensors"); a worker connector is built from th
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from test_groups import DEEPSEEK_V3, GEMMA3_HMA, QWEN3_NEXT_HMA, attn, config, f
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from kvoffload.errors import LayoutMismatchError
+from kvoffload.errors import ConfigError, LayoutMismatchError
 from kvoffload.integrations.vllm.metadata import (
     GroupTransfer,
     KVOffloadConnectorMetadata,
@@ -299,3 +300,27 @@ def test_a_tensor_that_is_not_block_major_pages_is_refused_by_name(
     kv[attn("2")] = torch.zeros((2, NUM_BLOCKS, 32, 32))  # K/V first: not block-major
     with pytest.raises(LayoutMismatchError, match=r"layer 'model\.layers\.2\.self_attn\.attn'"):
         conn.register_kv_caches(kv)
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"store_mode": "lazy"}, "store_mode='lazy'"),
+        ({"restore_evicted": True}, "restore_evicted=True"),
+        ({"enable_events": True}, "enable_events=True"),
+    ],
+)
+def test_single_group_settings_are_refused_for_a_multi_group_model(
+    model_dir: Path, extra: dict[str, object], named: str
+) -> None:
+    vllm = vllm_config(
+        model_dir,
+        {"num_cpu_blocks": 8, **extra},
+        num_gpu_blocks=NUM_BLOCKS,
+        connector="TestConnector",
+        module="harness",
+    )
+    vllm.cache_config.block_size = 32
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ConfigError, match=rf"{re.escape(named)} apply to a model of one full"):
+            TestConnector(vllm, role, GEMMA3_HMA)

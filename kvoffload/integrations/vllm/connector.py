@@ -23,6 +23,7 @@ from kvoffload.integrations.vllm.scheduler_groups import GroupedSchedulerSide
 from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
 from kvoffload.integrations.vllm.setup import (
     accepted_groups,
+    check_grouped_settings,
     is_single_full_group,
     model_namespace_id,
     offload_config,
@@ -141,6 +142,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self, role: KVConnectorRole, num_blocks: int, model_id: str, world_size: int
     ) -> None:
         """Both sides of a multi-group model (the groups translated once, alike)."""
+        check_grouped_settings(self.offload_config, self.groups)
         kv_groups = [to_kv_cache_group(g) for g in self.groups]
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = GroupedSchedulerSide(
