@@ -10,6 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -151,7 +152,6 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 model_id=model_id,
                 world_size=world_size,
                 num_gpu_blocks=num_blocks,
-                async_loads=any(g.kind == "recurrent" for g in kv_groups),
             )
             return
         from kvoffload.groups import hit_alignment  # noqa: PLC0415
@@ -300,12 +300,19 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._worker().wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose asynchronous loads ended (a model with recurrent-state groups);
-        no request waits on a store (frees are not delayed)."""
+        """Requests whose asynchronous loads ended (a multi-group model; vLLM asks
+        `get_transfer_results`, which also names the failed ones); no request waits on a
+        store (frees are not delayed)."""
+        return None, self.get_transfer_results(finished_req_ids).finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """A multi-group model's loads: the requests whose loads all ended, and those with
+        a failed load (vLLM recomputes them from the start). Nothing for one group."""
         worker = self.worker_side
-        if isinstance(worker, GroupedWorkerSide):
-            return None, worker.get_finished()
-        return None, None
+        if not isinstance(worker, GroupedWorkerSide):
+            return KVConnectorTransferResults()
+        done, failed = worker.take_received()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """GPU blocks whose load failed: vLLM recomputes them."""

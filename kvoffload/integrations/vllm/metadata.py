@@ -52,8 +52,9 @@ class KVOffloadConnectorMetadata(KVConnectorMetadata):
             worker starts them after the forward.
         group_loads: a multi-group model's loads (``loads`` is then empty).
         group_stores: a multi-group model's stores (``stores`` is then empty).
-        async_loads: whether vLLM waits for ``group_loads`` asynchronously (workers then
-            report each request whose loads ended in ``get_finished``).
+        async_loads: whether vLLM waits for ``group_loads`` asynchronously (workers
+            report each request whose loads ended, and whether one failed, in
+            ``get_transfer_results``); always so for a multi-group model.
     """
 
     loads: tuple[LoadPlan, ...] = ()

@@ -86,7 +86,6 @@ class GroupedSchedulerSide:
         model_id: mixed into every group's hash namespace.
         world_size: workers that copy every plan.
         num_gpu_blocks: vLLM's block count (shared by every group).
-        async_loads: whether loads are waited for asynchronously (a recurrent group).
 
     Raises:
         ConfigError: a group gets no CPU block, or ``world_size`` < 1.
@@ -100,14 +99,12 @@ class GroupedSchedulerSide:
         model_id: str,
         world_size: int,
         num_gpu_blocks: int,
-        async_loads: bool,
     ) -> None:
         if world_size < 1:
             raise ConfigError(f"world_size must be >= 1, got {world_size}")
         self.config = config
         self.groups = tuple(groups)
         self.world_size = world_size
-        self.async_loads = async_loads
         self.alignment = hit_alignment(self.groups)
         self.checkpoint_tokens = self.alignment
         self.scheduler: GroupedScheduler = build_grouped_scheduler(
@@ -185,7 +182,9 @@ class GroupedSchedulerSide:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Tokens past vLLM's own prefix (a multiple of the alignment) that every group
-        can load from CPU, and whether vLLM waits for the load asynchronously."""
+        can load from CPU; a load is always asynchronous (vLLM takes a multi-group
+        model's load failures only per waiting request, and copies a loaded recurrent
+        state before the forward of the step it is scheduled in)."""
         if not self._offloadable(request) or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
         rid = request.request_id
@@ -200,7 +199,7 @@ class GroupedSchedulerSide:
             return 0, False
         hashes = self._hashes(request, request.num_tokens)
         hit = sched.lookup(rid, hashes, request.num_tokens, num_computed_tokens)
-        return hit, bool(hit) and self.async_loads
+        return hit, bool(hit)
 
     def _preempt(self, rid: str) -> None:
         plan = self.scheduler.preempt(rid)
@@ -254,9 +253,7 @@ class GroupedSchedulerSide:
         self._track_stores(sched.plan_stores())
         loads, self._loads = tuple(self._loads), []
         stores, self._stores = tuple(self._stores), []
-        return KVOffloadConnectorMetadata(
-            group_loads=loads, group_stores=stores, async_loads=self.async_loads
-        )
+        return KVOffloadConnectorMetadata(group_loads=loads, group_stores=stores, async_loads=True)
 
     def _track_stores(self, plan: GroupedPlan | None) -> None:
         if plan is None:

@@ -7,11 +7,13 @@ that group's layers. vLLM's group tensors alias one allocation, so a copy of one
 blocks touches that group's layers' pages of those blocks only; the step's metadata names
 the group of every plan (`GroupTransfer`).
 
-A request whose loads vLLM waits for asynchronously (a model with recurrent-state groups:
-vLLM copies a loaded state into the request's running block before the forward, so the
-load must have ended a step earlier) is reported finished receiving in `get_finished` once
-all of its groups' loads ended. A failed load of any group reports every block the
-request loaded in that step, in every group, so vLLM recomputes them all.
+vLLM waits for a multi-group model's loads asynchronously: block ids are not unique
+across groups, so vLLM takes load failures only per request (``failed_recving``), and
+only for a request waiting for its load; and a recurrent group's loaded state is copied
+into the request's running block before the forward, so it must have landed a step
+earlier. A request is reported finished receiving (`get_transfer_results`) once all of
+its groups' loads ended, and failed if any of them failed: vLLM then recomputes it from
+the start in every group.
 """
 
 from __future__ import annotations
@@ -108,10 +110,9 @@ class GroupedWorkerSide:
         self._poller = CompletionPoller(self._on_complete, poll_interval_s=config.poll_interval_s)
         self._running: dict[int, GroupTransfer] = {}  # id(plan) -> its transfer
         self._reports: dict[int, bool] = {}
-        self._load_errors: set[int] = set()
-        self._step_loads: dict[str, set[int]] = {}  # request -> GPU blocks loaded this step
-        self._receiving: dict[str, int] = {}  # async: request -> loads not ended yet
+        self._receiving: dict[str, int] = {}  # request -> its loads not ended yet
         self._received: set[str] = set()
+        self._failed: set[str] = set()
         self._meta: KVOffloadConnectorMetadata | None = None
         self.bytes_loaded: dict[int, int] = dict.fromkeys(self.groups, 0)
         self.bytes_stored: dict[int, int] = dict.fromkeys(self.groups, 0)
@@ -163,7 +164,7 @@ class GroupedWorkerSide:
             if ok:
                 self.bytes_loaded[transfer.group] += task.nbytes
             else:
-                self._load_errors.update(self._step_loads.get(rid, plan.gpu_block_ids))
+                self._failed.add(rid)
             left = self._receiving.get(rid)
             if left is not None:
                 if left <= 1:
@@ -196,13 +197,10 @@ class GroupedWorkerSide:
         meta = self._meta
         if meta is None or not meta.group_loads:
             return
-        self._step_loads = {}
         for transfer in meta.group_loads:
             plan = transfer.plan
             if isinstance(plan, LoadPlan):
-                self._step_loads.setdefault(plan.request_id, set()).update(plan.gpu_block_ids)
-                if meta.async_loads:
-                    self._receiving[plan.request_id] = self._receiving.get(plan.request_id, 0) + 1
+                self._receiving[plan.request_id] = self._receiving.get(plan.request_id, 0) + 1
         tasks = [self._submit(t) for t in meta.group_loads]
         if self._device is not None and self._device.type == "cuda":
             current = torch.cuda.current_stream(self._device)
@@ -223,19 +221,18 @@ class GroupedWorkerSide:
                 self._submit(transfer)
         self._poller.poll()
 
-    def get_finished(self) -> set[str] | None:
-        """Requests whose asynchronous loads all ended since the last call."""
+    def take_received(self) -> tuple[set[str], set[str]]:
+        """``(finished, failed)``: the requests whose loads all ended since the last call,
+        and those of them with a failed load (a subset)."""
         self._poller.poll()
-        if not self._received:
-            return None
         done, self._received = self._received, set()
-        return done
+        failed = self._failed & done
+        self._failed -= failed
+        return done, failed
 
     def take_load_errors(self) -> set[int]:
-        """GPU block ids whose load failed since the last call."""
-        self._poller.poll()
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        """Nothing: a multi-group model's load failures go per request (`take_received`)."""
+        return set()
 
     def take_reports(self) -> KVOffloadWorkerMetadata | None:
         """This rank's finished copies since the last call, keyed by transfer key."""
