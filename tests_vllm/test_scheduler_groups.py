@@ -257,3 +257,30 @@ def test_failed_copies_publish_nothing_or_recompute_every_group(model_dir: Path,
         assert h.loads == []
     else:
         assert h.side.load_failures == 2  # one plan per group
+
+
+def test_a_preempted_request_restarts_from_what_every_group_stored(model_dir: Path) -> None:
+    h = GroupHarness(model_dir)
+    a = make_request("a", prompt(6, 4, seed=3), max_tokens=8)
+    h.scheduler.add_request(a)
+    h.step()  # the prompt's prefill: store points 16 ... 96
+    worker = h.worker.worker_side
+    assert isinstance(worker, GroupedWorkerSide)
+    worker.wait_idle()
+    h.step()  # collects the stores; their GPU blocks are no longer referenced
+    assert h.side.in_flight_plan_ids() == []
+    stored = {n: s.stored_blocks for n, s in h.side.scheduler.statistics().items()}
+    assert stored["g1"] == 6
+    # vLLM's reset preempts "a" and frees its blocks before the connector hears of it:
+    # the last store point preempt() plans would read freed blocks, so it is cancelled.
+    assert h.scheduler.reset_prefix_cache(reset_running_requests=True)
+    out = h.step()  # re-admitted: it hits kvoffload and waits for its loads
+    assert "a" not in out.num_scheduled_tokens
+    assert h.side.loaded_tokens == 6 * BLOCK_SIZE
+    h.step()
+    assert h.wrong_slots(a) == []
+    while not a.is_finished():
+        h.step()
+    h.settle()
+    after = h.side.scheduler.statistics()
+    assert (after["g0"].loaded_blocks, after["g1"].loaded_blocks) == (2, 6)
