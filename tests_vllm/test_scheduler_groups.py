@@ -63,10 +63,12 @@ class GroupHarness:
     """vLLM's `Scheduler` with two groups and one simulated worker whose two layers (one
     per group) are views of one tensor."""
 
-    def __init__(self, model_dir: Path, *, gpu_blocks: int = 64, cpu_blocks: int = 32) -> None:
+    def __init__(
+        self, model_dir: Path, *, gpu_blocks: int = 64, extra: dict[str, Any] | None = None
+    ) -> None:
         config = vllm_config(
             model_dir,
-            {"num_cpu_blocks": cpu_blocks},
+            {"num_cpu_blocks": 32, **(extra or {})},
             num_gpu_blocks=gpu_blocks,
             connector="TestConnector",
             module="harness",
@@ -284,3 +286,24 @@ def test_a_preempted_request_restarts_from_what_every_group_stored(model_dir: Pa
     h.settle()
     after = h.side.scheduler.statistics()
     assert (after["g0"].loaded_blocks, after["g1"].loaded_blocks) == (2, 6)
+
+
+def test_the_pools_are_built_from_the_connector_settings(model_dir: Path) -> None:
+    h = GroupHarness(
+        model_dir, extra={"num_cpu_blocks": None, "cpu_bytes": 1 << 20, "eviction_policy": "arc"}
+    )
+    sched = h.side.scheduler
+    assert h.side.alignment == h.side.checkpoint_tokens == BLOCK_SIZE
+    for name in ("g0", "g1"):
+        assert type(sched.ledger(name).pool.policy).__name__ == "ArcPolicy"
+    # cpu_bytes split by need: with store points at every block, a window group stores
+    # a block per block of tokens, as the full group does (the same page): equal halves.
+    page = 2 * BLOCK_SIZE * HEADS * HEAD * 4
+    sizes = {n: s.num_cpu_blocks for n, s in sched.statistics().items()}
+    assert sizes == {"g0": (1 << 19) // page, "g1": (1 << 19) // page}
+    worker = h.worker.worker_side
+    assert isinstance(worker, GroupedWorkerSide)
+    assert {i: g.num_cpu_blocks for i, g in worker.groups.items()} == {
+        0: sizes["g0"],
+        1: sizes["g1"],
+    }
