@@ -307,3 +307,21 @@ def test_the_pools_are_built_from_the_connector_settings(model_dir: Path) -> Non
         0: sizes["g0"],
         1: sizes["g1"],
     }
+
+
+def test_a_request_that_skips_reading_the_cache_is_stored_but_not_served(
+    model_dir: Path,
+) -> None:
+    h = GroupHarness(model_dir)
+    a = make_request("a", prompt(6, 5, seed=1), max_tokens=2)
+    a.skip_reading_prefix_cache = True
+    h.run(a)
+    h.settle()
+    assert h.side.scheduler.statistics()["g1"].stored_blocks == 6  # stored all the same
+    assert h.scheduler.reset_prefix_cache()
+    b = make_request("b", prompt(6, 9, seed=2), max_tokens=2)
+    b.skip_reading_prefix_cache = True
+    h.scheduler.add_request(b)
+    out = h.step()
+    assert out.num_scheduled_tokens["b"] == len(b.prompt_token_ids)  # not served
+    assert h.loads == []

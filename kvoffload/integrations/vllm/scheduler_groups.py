@@ -185,7 +185,7 @@ class GroupedSchedulerSide:
         can load from CPU; a load is always asynchronous (vLLM takes a multi-group
         model's load failures only per waiting request, and copies a loaded recurrent
         state before the forward of the step it is scheduled in)."""
-        if not self._offloadable(request) or getattr(request, "skip_reading_prefix_cache", False):
+        if not self._offloadable(request):
             return 0, False
         rid = request.request_id
         sched = self.scheduler
@@ -195,9 +195,11 @@ class GroupedSchedulerSide:
             # point preempt() plans would read those freed blocks, so it is cancelled.
             self._preempt(rid)
             self._restarted.add(rid)
-        if num_computed_tokens % self.alignment:
+        hashes = self._hashes(request, request.num_tokens)  # its blocks are stored too
+        if num_computed_tokens % self.alignment or getattr(
+            request, "skip_reading_prefix_cache", False
+        ):
             return 0, False
-        hashes = self._hashes(request, request.num_tokens)
         hit = sched.lookup(rid, hashes, request.num_tokens, num_computed_tokens)
         return hit, bool(hit)
 
