@@ -161,3 +161,16 @@ def test_mla_latent_pages_are_offloaded_with_identical_tokens(
     assert sum(run.cached) == run.loaded_tokens
     stats = run.group_stats["g0"]
     assert run.bytes_loaded[0] == stats.bytes_loaded == stats.loaded_blocks * group.bytes_per_block
+
+
+def test_pools_small_enough_to_defer_every_group_give_identical_tokens(
+    models_dir: Path, baseline: Any
+) -> None:
+    base: HybridRun = baseline("gemma3")
+    run = _run(models_dir, "gemma3", kvoffload_config({"num_cpu_blocks": 4}))
+    assert run.tokens == base.tokens
+    assert _same_logprobs(run, base)
+    for index in range(4):  # every group's pool ran full: its stores were deferred
+        stats = run.group_stats[f"g{index}"]
+        assert stats.deferred_stores > 0
+        assert stats.stored_blocks > 0
