@@ -372,3 +372,11 @@ def test_layers_of_one_kind_with_different_pages_are_refused() -> None:
     reason = refusal([group])
     assert reason is not None
     assert "kind full: its layers have pages of different sizes [8192, 16384]" in reason
+
+
+def test_k_and_v_of_two_head_sizes_are_moved_as_opaque_pages() -> None:
+    spec = full(head_size=64, head_size_v=32)
+    layout, _, opaque = single_group_layout(config(([attn("0")], spec)))
+    assert opaque
+    assert (layout.dtype, layout.bytes_per_layer_block) == ("uint8", spec.page_size_bytes)
+    assert spec.page_size_bytes == 32 * (64 + 32) * 4
