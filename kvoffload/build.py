@@ -49,6 +49,7 @@ __all__ = [
     "build_grouped_scheduler",
     "build_tiers",
     "check_host_memory",
+    "grouped_pool_sizes",
     "plan_core",
 ]
 
@@ -232,21 +233,35 @@ def build_grouped_scheduler(
             ``cpu_bytes``, or the groups or ``checkpoint_tokens`` are refused by
             `GroupedScheduler`.
     """
-    from kvoffload.groups import default_checkpoint_tokens, split_capacity  # noqa: PLC0415
+    from kvoffload.groups import default_checkpoint_tokens  # noqa: PLC0415
     from kvoffload.scheduler.groups import GroupedScheduler  # noqa: PLC0415
 
     if checkpoint_tokens is None:
         checkpoint_tokens = config.checkpoint_tokens
     if checkpoint_tokens is None:
         checkpoint_tokens = default_checkpoint_tokens(groups)
-    if config.num_cpu_blocks is not None:
-        sizes = {g.name: config.num_cpu_blocks for g in groups if g.cacheable}
-    else:  # the config holds exactly one of the two
-        sizes = split_capacity(groups, int(config.cpu_bytes or 0), checkpoint_tokens)
+    sizes = grouped_pool_sizes(config, groups, checkpoint_tokens)
     pools = {name: make_pool(config, n) for name, n in sizes.items()}
     return GroupedScheduler(
         groups, pools, checkpoint_tokens=checkpoint_tokens, num_gpu_blocks=num_gpu_blocks
     )
+
+
+def grouped_pool_sizes(
+    config: OffloadConfig, groups: Sequence[KVCacheGroup], checkpoint_tokens: int
+) -> dict[str, int]:
+    """CPU blocks per cacheable group, as `build_grouped_scheduler()` sizes its pools
+    (an engine that allocates a host buffer per group elsewhere sizes it with this).
+
+    Raises:
+        ConfigError: as `split_capacity()`.
+    """
+    from kvoffload.groups import split_capacity  # noqa: PLC0415
+
+    if config.num_cpu_blocks is not None:
+        return {g.name: config.num_cpu_blocks for g in groups if g.cacheable}
+    # the config holds exactly one of the two
+    return split_capacity(groups, int(config.cpu_bytes or 0), checkpoint_tokens)
 
 
 def check_host_memory(num_blocks: int, layout: KVLayout, *, host_buffer: bool) -> None:

@@ -61,13 +61,25 @@ def test_a_misspelt_key_stops_the_engine_before_any_connector_is_built(
     assert built == []  # neither a worker nor the scheduler got as far as a connector
 
 
-def test_a_recurrent_hybrid_is_refused_by_the_layout_query(tmp_path: Path) -> None:
-    # Without it, vLLM loads the model and then fails with "Failed to promote local KV
-    # cache specs to one unified type" (the hybrid manager is off for this connector).
+def test_a_recurrent_hybrid_passes_the_layout_query_with_the_hybrid_manager_on(
+    tmp_path: Path,
+) -> None:
     qwen3_next = write_model(tmp_path / "qwen3-next", QWEN3_NEXT)
     config = vllm_config(qwen3_next, {"num_cpu_blocks": 8}, num_gpu_blocks=16)
+    assert not config.scheduler_config.disable_hybrid_kv_cache_manager
+    assert KVOffloadConnector.get_required_kvcache_layout(config) is None
+
+
+def test_a_recurrent_hybrid_is_refused_by_the_layout_query_with_the_hybrid_manager_off(
+    tmp_path: Path,
+) -> None:
+    # Without it, vLLM loads the model and then fails with "Failed to promote local KV
+    # cache specs to one unified type".
+    qwen3_next = write_model(tmp_path / "qwen3-next", QWEN3_NEXT)
+    config = vllm_config(qwen3_next, {"num_cpu_blocks": 8}, num_gpu_blocks=16)
+    config.scheduler_config.disable_hybrid_kv_cache_manager = True
     with pytest.raises(
         ConfigError,
-        match=r"cannot offload Qwen3NextForCausalLM: its recurrent-state layers .*group support",
+        match=r"cannot offload Qwen3NextForCausalLM with vLLM's hybrid KV cache manager off",
     ):
         KVOffloadConnector.get_required_kvcache_layout(config)

@@ -28,8 +28,17 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvoffload.errors import ConfigError
-from kvoffload.integrations.vllm.groups import GroupDescription, describe_groups, refusal
-from kvoffload.integrations.vllm.setup import layout_from_kv_cache_config
+from kvoffload.integrations.vllm.groups import (
+    GroupDescription,
+    describe_groups,
+    refusal,
+    to_kv_cache_group,
+)
+from kvoffload.integrations.vllm.setup import (
+    accepted_groups,
+    layout_from_kv_cache_config,
+    single_group_layout,
+)
 
 F32 = torch.float32
 BF16 = torch.bfloat16
@@ -40,6 +49,7 @@ def attn(name: str) -> str:
 
 
 def config(*groups: tuple[list[str], KVCacheSpec]) -> KVCacheConfig:
+    """A KV cache config of these groups (no tensors: nothing is allocated here)."""
     return KVCacheConfig(
         num_blocks=256,
         kv_cache_tensors=[],
@@ -89,10 +99,8 @@ def mla() -> MLAAttentionSpec:
     )
 
 
-GEMMA3_HMA = config(
-    *(([attn(str(i))], sliding()) for i in range(3)),
-    ([attn("3")], full()),
-)
+GEMMA3_HMA_GROUPS = [*(([attn(str(i))], sliding()) for i in range(3)), ([attn("3")], full())]
+GEMMA3_HMA = config(*GEMMA3_HMA_GROUPS)
 GEMMA3_NO_HMA = config(([attn(str(i)) for i in range(4)], full(sliding_window=64)))
 GPT_OSS_HMA = config(
     (["model.layers.0.attn.attn"], sliding()), (["model.layers.1.attn.attn"], full())
@@ -205,41 +213,115 @@ def test_descriptions_are_frozen_plain_data() -> None:
         assert all(isinstance(v, (str, int, bool, type(None))) for v in items), f.name
 
 
-# -- the refusal ---------------------------------------------------------------------------
+# -- what the connector accepts, and the refusal ------------------------------------------
 
 
-def test_a_plain_full_group_and_hma_off_chunked_attention_are_accepted() -> None:
-    assert refusal(describe_groups(config(([attn("0"), attn("1")], full())))) is None
-    assert refusal(describe_groups(LLAMA4_NO_HMA)) is None
+@pytest.mark.parametrize(
+    "kv_config",
+    [
+        GEMMA3_NO_HMA,
+        LLAMA4_NO_HMA,
+        DEEPSEEK_V3,
+        GEMMA3_HMA,
+        GPT_OSS_HMA,
+        LLAMA4_HMA,
+        QWEN3_NEXT_HMA,
+    ],
+    ids=["gemma3-no-hma", "llama4-no-hma", "mla", "gemma3", "gpt-oss", "llama4", "qwen3-next"],
+)
+def test_every_family_of_models_py_is_accepted(kv_config: KVCacheConfig) -> None:
+    assert refusal(describe_groups(kv_config)) is None
+    assert accepted_groups(kv_config) == describe_groups(kv_config)
+
+
+def test_fp8_and_uint8_pages_are_accepted() -> None:
+    for dtype in (torch.uint8, torch.float8_e4m3fn):
+        spec = full(dtype=dtype, kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)
+        layout, _, opaque = single_group_layout(config(([attn("0")], spec)))
+        assert (layout.dtype, layout.bytes_per_layer_block, opaque) == (
+            str(dtype).removeprefix("torch."),
+            32 * 64,
+            False,
+        )
+
+
+def test_groups_become_kvoffload_groups_with_their_kind_window_chunk_and_page() -> None:
+    gemma = [to_kv_cache_group(g) for g in describe_groups(GEMMA3_HMA)]
+    assert [(g.name, g.kind, g.window, g.block_size) for g in gemma] == [
+        ("g0", "sliding_window", 64, 32),
+        ("g1", "sliding_window", 64, 32),
+        ("g2", "sliding_window", 64, 32),
+        ("g3", "full", None, 32),
+    ]
+    assert {(g.num_layers, g.bytes_per_layer_block, g.dtype) for g in gemma} == {
+        (1, 8192, "float32")
+    }
+    llama = [to_kv_cache_group(g) for g in describe_groups(LLAMA4_HMA)]
+    assert [(g.kind, g.chunk) for g in llama] == [("chunked", 64)] * 3 + [("full", None)]
+    qwen = [to_kv_cache_group(g) for g in describe_groups(QWEN3_NEXT_HMA)]
+    assert [(g.kind, g.block_size, g.bytes_per_layer_block) for g in qwen] == [
+        ("recurrent", 288, 36864)
+    ] * 3 + [("full", 288, 36864)]
+    assert qwen[0].dtype == "int8"
+    # Hybrid manager off: the window stays on the description, the group is full.
+    (promoted,) = [to_kv_cache_group(g) for g in describe_groups(GEMMA3_NO_HMA)]
+    assert (promoted.kind, promoted.window, promoted.num_layers) == ("full", None, 4)
+    (state,) = [
+        to_kv_cache_group(g)
+        for g in describe_groups(config((["model.layers.0.mixer"], gdn_state("none"))))
+    ]
+    assert not state.cacheable
+
+
+def test_single_group_layouts_keep_kv_pages_and_make_mla_pages_opaque() -> None:
+    layout, names, opaque = single_group_layout(GEMMA3_NO_HMA)
+    assert (layout.dtype, layout.num_kv_heads, layout.head_size, opaque) == (
+        "float32",
+        1,
+        32,
+        False,
+    )
+    assert len(names) == 4
+    layout, names, opaque = single_group_layout(DEEPSEEK_V3)
+    assert opaque
+    assert (layout.dtype, layout.bytes_per_layer_block, layout.block_size) == (
+        "uint8",
+        32 * 576 * 2,
+        32,
+    )
+    assert names == [attn("0"), attn("1")]
+
+
+SINK = config(
+    (
+        [attn("0")],
+        SinkFullAttentionSpec(block_size=32, num_kv_heads=1, head_size=32, dtype=F32, sink_len=4),
+    )
+)
+PER_TOKEN_HEAD = config(
+    ([attn("0")], full(dtype=torch.int8, kv_quant_mode=KVQuantMode.INT8_PER_TOKEN_HEAD))
+)
+NOT_CACHEABLE = config((["model.layers.0.mixer"], gdn_state("none")))
 
 
 @pytest.mark.parametrize(
     ("kv_config", "message"),
     [
         (
-            GEMMA3_NO_HMA,
-            r"^group 0: FullAttentionSpec with sliding_window=64 \(4 layers, e\.g\. "
-            r"model\.layers\.0\.self_attn\.attn\): sliding-window groups need kvoffload's "
-            r"KV cache group support$",
+            SINK,
+            r"^group 0: SinkFullAttentionSpec \(1 layer, e\.g\. model\.layers\.0\.self_attn"
+            r"\.attn\): kind full: kvoffload does not know which blocks a hit needs from a "
+            r"SinkFullAttentionSpec group",
         ),
+        (PER_TOKEN_HEAD, r"^group 0: FullAttentionSpec .*: kind full: packed or per-token-head"),
+        (NOT_CACHEABLE, r"^group 0: MambaSpec with mamba_cache_mode=none .*: kind none: .*nothing"),
+        (config(), r"no KV cache groups"),
         (
-            DEEPSEEK_V3,
-            r"^group 0: MLAAttentionSpec \(2 layers, .*\): MLA latent pages .*opaque-page",
-        ),
-        (
-            GEMMA3_HMA,
-            r"^this model has 4 KV cache groups.*group 0: SlidingWindowSpec with "
-            r"sliding_window=64 \(1 layer, .*\): sliding-window groups need.*; group 3: "
-            r"FullAttentionSpec \(1 layer, e\.g\. model\.layers\.3\.self_attn\.attn\)$",
-        ),
-        (LLAMA4_HMA, r"group 0: ChunkedLocalAttentionSpec with attention_chunk_size=64 .*chunked"),
-        (
-            QWEN3_NEXT_HMA,
-            r"group 0: MambaSpec with mamba_cache_mode=align \(1 layer, e\.g\. "
-            r"model\.layers\.0\.linear_attn\): recurrent-state groups",
+            config(*GEMMA3_HMA_GROUPS[:3], ([attn("3")], SINK.kv_cache_groups[0].kv_cache_spec)),
+            r"^group 3: SinkFullAttentionSpec .*kind full",
         ),
     ],
-    ids=["gemma3-no-hma", "mla", "gemma3-hma", "llama4-hma", "qwen3-next-hma"],
+    ids=["sink", "per-token-head", "not-cacheable", "no-groups", "gemma3-with-a-sink-group"],
 )
 def test_the_refusal_names_the_group_its_kind_and_why(
     kv_config: KVCacheConfig, message: str
@@ -252,42 +334,31 @@ def test_the_refusal_names_the_group_its_kind_and_why(
 @pytest.mark.parametrize(
     ("kv_config", "message"),
     [
-        (
-            GEMMA3_NO_HMA,
-            r"cannot offload this model's KV cache: group 0: FullAttentionSpec with "
-            r"sliding_window=64 .*sliding-window",
-        ),
-        (DEEPSEEK_V3, "group 0: MLAAttentionSpec .*MLA latent pages"),
-        (
-            config(
-                (
-                    [attn("0")],
-                    SinkFullAttentionSpec(
-                        block_size=32, num_kv_heads=1, head_size=32, dtype=F32, sink_len=4
-                    ),
-                )
-            ),
-            "group 0: SinkFullAttentionSpec is not plain full attention",
-        ),
+        (SINK, "cannot offload this model's KV cache: group 0: SinkFullAttentionSpec .*kind full"),
+        (PER_TOKEN_HEAD, "group 0: FullAttentionSpec .*per-token-head"),
     ],
-    ids=["sliding-window", "mla", "sink"],
+    ids=["sink", "per-token-head"],
 )
 def test_the_connector_refuses_at_start_up_with_that_message(
     kv_config: KVCacheConfig, message: str
 ) -> None:
     with pytest.raises(ConfigError, match=message):
+        accepted_groups(kv_config)
+    with pytest.raises(ConfigError, match=message):
         layout_from_kv_cache_config(kv_config)
 
 
-def test_the_connector_still_takes_one_plain_full_group() -> None:
+def test_the_single_group_layout_takes_one_full_group_only() -> None:
     layout, names = layout_from_kv_cache_config(config(([attn("0"), attn("1")], full())))
     assert names == [attn("0"), attn("1")]
     assert (layout.num_layers, layout.bytes_per_layer_block) == (2, 8192)
     layout, _ = layout_from_kv_cache_config(LLAMA4_NO_HMA)
     assert layout.num_layers == 4
+    with pytest.raises(ConfigError, match=r"expected one full-attention group, got 4"):
+        layout_from_kv_cache_config(GEMMA3_HMA)
 
 
-def test_layers_of_one_kind_with_different_pages_keep_their_own_page_sizes() -> None:
+def test_layers_of_one_kind_with_different_pages_are_refused() -> None:
     # vLLM wraps them in UniformTypeKVCacheSpecs (e.g. two head sizes, all full attention).
     wide = full(head_size=64)
     specs = {attn("0"): full(), attn("1"): wide}
@@ -298,6 +369,14 @@ def test_layers_of_one_kind_with_different_pages_keep_their_own_page_sizes() -> 
     assert group.uniform_page_bytes is None
     assert group.bytes_per_block == 8192 + 16384
     assert group.spec == "UniformTypeKVCacheSpecs of FullAttentionSpec"
-    assert refusal([group]) is None  # the kind and page are fine: the layout check refuses
-    with pytest.raises(ConfigError, match="UniformTypeKVCacheSpecs is not plain full attention"):
-        layout_from_kv_cache_config(config(([attn("0"), attn("1")], uniform)))
+    reason = refusal([group])
+    assert reason is not None
+    assert "kind full: its layers have pages of different sizes [8192, 16384]" in reason
+
+
+def test_k_and_v_of_two_head_sizes_are_moved_as_opaque_pages() -> None:
+    spec = full(head_size=64, head_size_v=32)
+    layout, _, opaque = single_group_layout(config(([attn("0")], spec)))
+    assert opaque
+    assert (layout.dtype, layout.bytes_per_layer_block) == ("uint8", spec.page_size_bytes)
+    assert spec.page_size_bytes == 32 * (64 + 32) * 4

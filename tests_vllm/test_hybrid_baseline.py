@@ -6,8 +6,10 @@ vLLM's hybrid KV cache manager on, gets the KV cache groups recorded in `EXPECTE
 serves a two-turn conversation deterministically: greedy, turn 2's answer with vLLM's
 prefix hit on turn 1 is the same as with turn 2 recomputed from scratch.
 
-With kvoffload's connector configured, vLLM turns the hybrid manager off; what the
-connector does then, per family, is `test_with_the_connector`.
+With kvoffload's connector and the hybrid manager turned off
+(``disable_hybrid_kv_cache_manager``), windowed models run as one full-attention group
+and a recurrent hybrid is refused at start-up (`test_with_the_hybrid_manager_off`); with
+it on, ``test_hybrid_offload.py`` offloads every group.
 """
 
 from __future__ import annotations
@@ -97,46 +99,42 @@ def test_serves_a_two_turn_conversation_deterministically(models_dir: Path, name
     ), (logprobs_2, recomputed_logprobs)
 
 
-# -- with kvoffload's connector (the hybrid manager then off) ------------------------------
+# -- with kvoffload's connector and the hybrid manager turned off ---------------------------
+# (with it on, test_hybrid_offload.py offloads every group)
 
-REFUSED: dict[str, str] = {
-    "gemma3": (
-        r"group 0: FullAttentionSpec with sliding_window=64 \(4 layers, .*\): "
-        r"sliding-window groups need kvoffload's KV cache group support"
-    ),
-    "gpt_oss": r"group 0: FullAttentionSpec with sliding_window=64 \(2 layers, .*sliding-window",
-    "qwen3_next": r"cannot offload Qwen3NextForCausalLM: its recurrent-state layers",
-    "deepseek_v3": r"group 0: MLAAttentionSpec \(2 layers, .*\): MLA latent pages",
-}
-
-
+HMA_OFF: dict[str, Any] = {"disable_hybrid_kv_cache_manager": True}
 CONNECTOR: dict[str, Any] = {"kv_transfer_config": kvoffload_config({"num_cpu_blocks": 64})}
 
 
-@pytest.mark.parametrize("name", list(REFUSED))
-def test_with_the_connector_an_unsupported_family_is_refused_at_start_up(
-    models_dir: Path, name: str
+@pytest.mark.parametrize(
+    ("name", "window"), [("gemma3", (64, None)), ("llama4", (None, 64))], ids=["gemma3", "llama4"]
+)
+def test_with_the_hybrid_manager_off_windowed_models_run_as_one_full_group(
+    models_dir: Path, name: str, window: tuple[int | None, int | None]
 ) -> None:
     case = CASES[name]
-    kwargs = engine_kwargs(_model(models_dir, case), case, **CONNECTOR)
-    with pytest.raises(ConfigError, match=REFUSED[name]), started(**kwargs):
-        pass
-
-
-def test_with_the_connector_llama4_runs_as_one_full_group_with_identical_tokens(
-    models_dir: Path,
-) -> None:
-    case = CASES["llama4"]
     model = _model(models_dir, case)
     answers = []
     for extra in ({}, CONNECTOR):
-        with started(**engine_kwargs(model, case, **extra)) as llm:
+        with started(**engine_kwargs(model, case, **HMA_OFF, **extra)) as llm:
             groups = describe_groups(kv_cache_config_of(llm))
             answer_1, _, _ = _generate(llm, TURN_1)
             answer_2, _, _ = _generate(llm, TURN_1 + answer_1 + TURN_2_USER)
             answers.append((answer_1, answer_2))
-    # Hybrid manager off: chunked layers are allocated as full attention, one group.
-    assert [(g.kind, g.attention_chunk_size, len(g.layer_names)) for g in groups] == [
-        ("full", 64, 4)
-    ]
+    # Windowed layers are promoted to full attention: one group, every block kept.
+    assert [
+        (g.kind, g.sliding_window, g.attention_chunk_size, len(g.layer_names)) for g in groups
+    ] == [("full", *window, 4)]
     assert answers[0] == answers[1]
+
+
+def test_with_the_hybrid_manager_off_a_recurrent_hybrid_is_refused_at_start_up(
+    models_dir: Path,
+) -> None:
+    case = CASES["qwen3_next"]
+    kwargs = engine_kwargs(_model(models_dir, case), case, **HMA_OFF, **CONNECTOR)
+    with (
+        pytest.raises(ConfigError, match=r"cannot offload Qwen3NextForCausalLM with vLLM's hybrid"),
+        started(**kwargs),
+    ):
+        pass

@@ -21,7 +21,7 @@ from vllm import SamplingParams
 from vllm.distributed import kv_events
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-from vllm.v1.kv_cache_interface import SlidingWindowSpec
+from vllm.v1.kv_cache_interface import SinkFullAttentionSpec
 from vllm.v1.request import Request, RequestStatus
 
 from kvoffload.errors import ConfigError
@@ -125,20 +125,14 @@ def test_every_offload_config_field_is_accepted(model_dir: Path) -> None:
     assert h.side.pool.num_blocks == (1 << 20) // h.side.layout.bytes_per_block
 
 
-def test_two_kv_cache_groups_are_refused(model_dir: Path) -> None:
-    config = vllm_config(model_dir, {"num_cpu_blocks": 8}, num_gpu_blocks=16)
-    with pytest.raises(ConfigError, match="group 1"):
-        Harness(config, kv_cache_config(16, groups=2))
-
-
-def test_sliding_window_group_is_refused_by_name(model_dir: Path) -> None:
+def test_a_group_kvoffload_cannot_restore_is_refused_by_name(model_dir: Path) -> None:
     kv_config = kv_cache_config(16)
     group = kv_config.kv_cache_groups[0]
-    group.kv_cache_spec = SlidingWindowSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64
+    group.kv_cache_spec = SinkFullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=32, dtype=torch.float32, sink_len=4
     )
     config = vllm_config(model_dir, {"num_cpu_blocks": 8}, num_gpu_blocks=16)
-    with pytest.raises(ConfigError, match="group 0: SlidingWindowSpec"):
+    with pytest.raises(ConfigError, match="group 0: SinkFullAttentionSpec .*kind full"):
         Harness(config, kv_config)
 
 

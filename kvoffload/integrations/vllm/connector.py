@@ -10,19 +10,29 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
+from kvoffload.build import grouped_pool_sizes
 from kvoffload.errors import InvariantError
 from kvoffload.hashing import HashNamespace
+from kvoffload.integrations.vllm.groups import GroupDescription, to_kv_cache_group
 from kvoffload.integrations.vllm.metadata import KVOffloadConnectorMetadata
+from kvoffload.integrations.vllm.scheduler_groups import GroupedSchedulerSide
 from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
 from kvoffload.integrations.vllm.setup import (
-    layout_from_kv_cache_config,
+    accepted_groups,
+    check_grouped_settings,
+    is_single_full_group,
     model_namespace_id,
     offload_config,
+    opaque_layout,
     refuse_recurrent_hybrid,
+    single_group_layout,
 )
+from kvoffload.integrations.vllm.worker_groups import GroupedWorkerSide, WorkerGroup
 from kvoffload.integrations.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -41,7 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["KVOffloadConnector"]
 
 
-class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Offloads vLLM's KV blocks to a CPU pool with kvoffload and loads them back.
 
     vLLM builds one instance in its scheduler process (``role=SCHEDULER``: the decisions,
@@ -49,14 +59,19 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
     `ThreadCopyEngine` on CPU tensors or `CudaCopyEngine` on CUDA tensors). Settings come
     from ``kv_connector_extra_config``: every `OffloadConfig` field under its own name.
 
+    It supports vLLM's hybrid KV cache manager (`SupportsHMA`): a model of one
+    full-attention group keeps `OffloadScheduler`'s path exactly; a model of several
+    groups (sliding window, chunked, recurrent state, full) is driven by kvoffload's
+    `GroupedScheduler` (`GroupedSchedulerSide`, `GroupedWorkerSide`).
+
     Args:
         vllm_config: vLLM's configuration (its ``kv_transfer_config`` names this class).
         role: scheduler or worker.
         kv_cache_config: the KV cache layout vLLM allocated.
 
     Raises:
-        ConfigError: an unknown or invalid setting, or a model whose KV cache is not one
-            group of full-attention layers.
+        ConfigError: an unknown or invalid setting, or a model with a group the
+            connector cannot offload (named, with its kind and why).
 
     The class is not final: vLLM instantiates whatever class the configuration names, and
     tests subclass it to choose a worker's rank (`_worker_rank`) or to inject copy
@@ -73,13 +88,13 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         instead of from each worker after the model has loaded.
 
         A model with recurrent-state layers (Mamba, linear attention) next to attention
-        is refused here too: vLLM turns its hybrid KV cache manager off for this
-        connector, and would then fail after loading the model with "Failed to promote
-        local KV cache specs to one unified type".
+        is refused here too when vLLM's hybrid KV cache manager is turned off: vLLM would
+        then fail after loading the model with "Failed to promote local KV cache specs to
+        one unified type".
 
         Raises:
             ConfigError: as `offload_config` (the key named, the valid keys listed), or
-                the model has recurrent-state layers (its architecture named).
+                such a hybrid with the hybrid manager off (its architecture named).
         """
         transfer = vllm_config.kv_transfer_config
         block_size = vllm_config.cache_config.block_size
@@ -97,20 +112,21 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.offload_config = offload_config(extra, block_size=vllm_config.cache_config.block_size)
-        self.layout, layer_names = layout_from_kv_cache_config(kv_cache_config)
-        self.scheduler_side: SchedulerSide | None = None
-        self.worker_side: WorkerSide | None = None
+        self.groups = accepted_groups(kv_cache_config)
+        self.scheduler_side: SchedulerSide | GroupedSchedulerSide | None = None
+        self.worker_side: WorkerSide | GroupedWorkerSide | None = None
+        model_id = model_namespace_id(vllm_config, self.offload_config)
+        world_size = vllm_config.parallel_config.world_size
+        if not is_single_full_group(self.groups):
+            self._init_grouped(role, kv_cache_config.num_blocks, model_id, world_size)
+            return
+        self.layout, layer_names, opaque = single_group_layout(kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             namespace = HashNamespace.from_layout(
-                self.layout,
-                model_id=model_namespace_id(vllm_config, self.offload_config),
-                salt=self.offload_config.hash_salt,
+                self.layout, model_id=model_id, salt=self.offload_config.hash_salt
             )
             self.scheduler_side = SchedulerSide(
-                self.offload_config,
-                self.layout,
-                namespace,
-                world_size=vllm_config.parallel_config.world_size,
+                self.offload_config, self.layout, namespace, world_size=world_size
             )
         else:
             self.worker_side = WorkerSide(
@@ -120,7 +136,47 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 kv_cache_config.num_blocks,
                 rank=self._worker_rank(),
                 copy_hook=self._copy_hook(),
+                opaque=opaque,
             )
+
+    def _init_grouped(
+        self, role: KVConnectorRole, num_blocks: int, model_id: str, world_size: int
+    ) -> None:
+        """Both sides of a multi-group model (the groups translated once, alike)."""
+        check_grouped_settings(self.offload_config, self.groups)
+        kv_groups = [to_kv_cache_group(g) for g in self.groups]
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = GroupedSchedulerSide(
+                self.offload_config,
+                kv_groups,
+                model_id=model_id,
+                world_size=world_size,
+                num_gpu_blocks=num_blocks,
+            )
+            return
+        from kvoffload.groups import hit_alignment  # noqa: PLC0415
+
+        sizes = grouped_pool_sizes(self.offload_config, kv_groups, hit_alignment(kv_groups))
+        described: dict[str, GroupDescription] = {
+            k.name: d for k, d in zip(kv_groups, self.groups, strict=True)
+        }
+        workers = [
+            WorkerGroup(
+                described[k.name].index,
+                described[k.name].layer_names,
+                opaque_layout(described[k.name]),
+                sizes[k.name],
+            )
+            for k in kv_groups
+            if k.cacheable
+        ]
+        self.worker_side = GroupedWorkerSide(
+            self.offload_config,
+            workers,
+            num_blocks,
+            rank=self._worker_rank(),
+            copy_hook=self._copy_hook(),
+        )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -137,12 +193,12 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """A hook run before each CPU copy (fault injection); ``None`` by default."""
         return None
 
-    def _sched(self) -> SchedulerSide:
+    def _sched(self) -> SchedulerSide | GroupedSchedulerSide:
         if self.scheduler_side is None:
             raise InvariantError("a scheduler-side method was called on a worker connector")
         return self.scheduler_side
 
-    def _worker(self) -> WorkerSide:
+    def _worker(self) -> WorkerSide | GroupedWorkerSide:
         if self.worker_side is None:
             raise InvariantError("a worker-side method was called on a scheduler connector")
         return self.worker_side
@@ -181,9 +237,19 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         referenced themselves, so vLLM frees the rest now."""
         return self._sched().request_finished(request), None
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """The request finished, before vLLM frees its blocks in every group: plan its
+        last store point in every group (those blocks stay referenced until the copies
+        end), so vLLM frees the rest now."""
+        return self._sched().request_finished(request), None
+
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """CPU pool events (with ``enable_events``) for vLLM's event publisher."""
-        return self._sched().take_events()
+        """CPU pool events (with ``enable_events``) for vLLM's event publisher (one
+        full-attention group only; a multi-group model publishes none)."""
+        side = self._sched()
+        return side.take_events() if isinstance(side, SchedulerSide) else ()
 
     def reset_cache(self) -> bool:
         """Empty the CPU prefix cache."""
@@ -234,9 +300,19 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker().wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """No request waits on this connector (loads are synchronous, frees are not
-        delayed)."""
-        return None, None
+        """Requests whose asynchronous loads ended (a multi-group model; vLLM asks
+        `get_transfer_results`, which also names the failed ones); no request waits on a
+        store (frees are not delayed)."""
+        return None, self.get_transfer_results(finished_req_ids).finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """A multi-group model's loads: the requests whose loads all ended, and those with
+        a failed load (vLLM recomputes them from the start). Nothing for one group."""
+        worker = self.worker_side
+        if not isinstance(worker, GroupedWorkerSide):
+            return KVConnectorTransferResults()
+        done, failed = worker.take_received()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """GPU blocks whose load failed: vLLM recomputes them."""

@@ -6,8 +6,8 @@ translates that into one frozen `GroupDescription` per group, with no vLLM type 
 what kvoffload's core needs to know about a group to store and load its blocks (what a
 hit requires of it, the geometry of one block's page, the layers it covers).
 
-`refusal` says why the connector, which today offloads exactly one group of plain
-full-attention K/V pages, cannot offload a model, naming the group, its kind and why.
+`refusal` says why the connector cannot offload a model, naming the group, its kind and
+why; `to_kv_cache_group` turns an accepted description into kvoffload's `KVCacheGroup`.
 See ``docs/groups.md`` for what each vLLM spec means for offload.
 """
 
@@ -20,7 +20,16 @@ from typing import TYPE_CHECKING, Literal, final
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 
-__all__ = ["GroupDescription", "GroupKind", "PageFormat", "describe_groups", "refusal"]
+    from kvoffload.groups import KVCacheGroup
+
+__all__ = [
+    "GroupDescription",
+    "GroupKind",
+    "PageFormat",
+    "describe_groups",
+    "refusal",
+    "to_kv_cache_group",
+]
 
 GroupKind = Literal["full", "sliding_window", "chunked", "recurrent", "none"]
 """What a prefix hit at N tokens needs from a group.
@@ -69,6 +78,7 @@ class GroupDescription:
         head_size_v: V head size (0 for MLA); ``None`` for states.
         prefix_cacheable: whether vLLM keys this group's blocks by prefix hash and lets
             external KV be loaded into it.
+        spec_type: the class name of the (first layer's) vLLM spec.
     """
 
     index: int
@@ -87,6 +97,7 @@ class GroupDescription:
     head_size: int | None = None
     head_size_v: int | None = None
     prefix_cacheable: bool = True
+    spec_type: str = ""
 
     @property
     def bytes_per_block(self) -> int:
@@ -223,6 +234,7 @@ def describe_group(index: int, group: KVCacheGroupSpec) -> GroupDescription:
         head_size=size,
         head_size_v=size_v,
         prefix_cacheable=cacheable,
+        spec_type=type(first).__name__,
     )
 
 
@@ -237,55 +249,83 @@ def _where(group: GroupDescription) -> str:
     return f"{group.name}: {group.spec} ({count} layer{'s' if count != 1 else ''}, e.g. {example})"
 
 
-_WHY_KIND: dict[GroupKind, str] = {
-    "sliding_window": "sliding-window groups need kvoffload's KV cache group support",
-    "chunked": "chunked local attention groups need kvoffload's KV cache group support",
-    "recurrent": (
-        "recurrent-state groups (Mamba, linear attention) need kvoffload's KV cache group "
-        "support (state snapshots)"
-    ),
-    "none": "this group is not prefix-cacheable, so there is nothing to offload",
-}
-
-_WHY_PAGE: dict[PageFormat, str] = {
-    "mla": (
-        "MLA latent pages (one latent vector per token, no separate K and V) need "
-        "kvoffload's opaque-page support"
-    ),
-    "state": "recurrent-state pages need kvoffload's KV cache group support",
-    "opaque": "packed or quantized pages with scales need kvoffload's opaque-page support",
-}
+_KNOWN_SPECS = frozenset(
+    {
+        "FullAttentionSpec",
+        "MLAAttentionSpec",
+        "SlidingWindowSpec",
+        "SlidingWindowMLASpec",
+        "ChunkedLocalAttentionSpec",
+        "MambaSpec",
+    }
+)
+"""The vLLM specs whose blocks kvoffload knows how to store and load. A spec outside it
+(attention sinks, reduced sliding windows, HiSparse, ...) that vLLM expects a connector to
+restore is refused; one that is not prefix-cacheable is a ``none`` group."""
 
 
 def _reason(group: GroupDescription) -> str | None:
-    """Why the connector cannot offload this group today, or ``None``."""
-    if group.kind != "full":
-        return _WHY_KIND[group.kind]
-    if group.sliding_window is not None:
-        return _WHY_KIND["sliding_window"]
-    if group.page_format != "kv":
-        return _WHY_PAGE[group.page_format]
+    """Why the connector cannot offload this group, or ``None``."""
+    if group.kind == "none":
+        return None  # not prefix-cacheable: never stored, does not limit hits
+    if group.spec_type and group.spec_type not in _KNOWN_SPECS:
+        return (
+            f"kind {group.kind}: kvoffload does not know which blocks a hit needs from a "
+            f"{group.spec_type} group, so it cannot restore it"
+        )
+    if group.uniform_page_bytes is None:
+        return (
+            f"kind {group.kind}: its layers have pages of different sizes "
+            f"{sorted(set(group.page_bytes))}; a CPU block holds one page size per group"
+        )
+    if group.page_format == "opaque":
+        return (
+            f"kind {group.kind}: packed or per-token-head quantized pages "
+            "(their scales laid out by the attention backend) are not supported"
+        )
     return None
 
 
 def refusal(groups: Sequence[GroupDescription]) -> str | None:
-    """Why the connector cannot offload these groups today, or ``None`` if it can.
+    """Why the connector cannot offload these groups, or ``None`` if it can.
 
-    Today it offloads exactly one ``full`` group of ``kv`` pages; a chunked-attention
-    window that vLLM allocates as full attention (hybrid manager off) is accepted, since
-    every block is kept and a hit is downward-closed. The message names each group, its
-    kind and the reason.
+    Every group of a known kind is offloaded: full attention (with a window or chunk set
+    by vLLM when its hybrid manager is off: every block kept, hits downward-closed),
+    sliding window, chunked, recurrent state (``align`` mode) and groups that are not
+    prefix-cacheable (never stored). Pages are opaque bytes per layer: K/V heads, an MLA
+    latent, a one-byte fp8 page, a padded state. The message names each group it cannot
+    offload, its kind and why.
     """
     if not groups:
         return "this model has no KV cache groups (attention-free): there is nothing to offload"
-    if len(groups) == 1:
-        reason = _reason(groups[0])
-        return None if reason is None else f"{_where(groups[0])}: {reason}"
-    listed = []
-    for group in groups:
-        reason = _reason(group)
-        listed.append(_where(group) if reason is None else f"{_where(group)}: {reason}")
-    return (
-        f"this model has {len(groups)} KV cache groups, and more than one needs kvoffload's "
-        "KV cache group support: " + "; ".join(listed)
+    listed = [f"{_where(g)}: {why}" for g in groups if (why := _reason(g)) is not None]
+    if listed:
+        return "; ".join(listed)
+    if all(g.kind == "none" for g in groups):
+        return "; ".join(
+            f"{_where(g)}: kind none: this group is not prefix-cacheable, so there is "
+            "nothing to offload"
+            for g in groups
+        )
+    return None
+
+
+def to_kv_cache_group(group: GroupDescription) -> KVCacheGroup:
+    """kvoffload's `KVCacheGroup` for an accepted description (`refusal` is ``None``).
+
+    Its name is ``g<index>``; its page is ``page_bytes`` per layer, opaque (padding
+    included); a ``full`` group keeps no window or chunk (vLLM keeps every block of it).
+    """
+    from kvoffload.groups import KVCacheGroup  # noqa: PLC0415
+
+    page = group.uniform_page_bytes or 1
+    return KVCacheGroup(
+        name=f"g{group.index}",
+        kind=group.kind,
+        block_size=group.block_size,
+        window=group.sliding_window if group.kind == "sliding_window" else None,
+        chunk=group.attention_chunk_size if group.kind == "chunked" else None,
+        num_layers=max(1, len(group.layer_names)),
+        bytes_per_layer_block=page,
+        dtype=group.dtype,
     )

@@ -1,7 +1,8 @@
 """What travels between vLLM's scheduler process and its workers.
 
 Scheduler → workers: the `KVOffloadConnectorMetadata` of a step (its load and store
-plans). Workers → scheduler: `KVOffloadWorkerMetadata`, the outcome of every copy a
+plans; for a model of several KV cache groups, one `GroupTransfer` per plan,
+naming its group). Workers → scheduler: `KVOffloadWorkerMetadata`, the outcome of every copy a
 rank finished, keyed by plan and rank; vLLM merges the ranks' reports of one step with
 `KVOffloadWorkerMetadata.aggregate`, and the scheduler side publishes a plan only once
 every rank reported it.
@@ -17,9 +18,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvoffload.transfer.plan import LoadPlan, StorePlan
+from kvoffload.transfer.plan import LoadPlan, StorePlan, TransferPlan
 
-__all__ = ["KVOffloadConnectorMetadata", "KVOffloadWorkerMetadata"]
+__all__ = ["GroupTransfer", "KVOffloadConnectorMetadata", "KVOffloadWorkerMetadata"]
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class GroupTransfer:
+    """One group's plan of a multi-group model.
+
+    Attributes:
+        key: what workers report the copy under (unique per scheduler side: plan ids are
+            unique only within one group's pool).
+        group: vLLM's KV cache group id; the copy touches that group's layers only.
+        plan: the group's load or store plan (its ids address that group's CPU pool).
+    """
+
+    key: int
+    group: int
+    plan: TransferPlan
 
 
 @final
@@ -32,10 +50,18 @@ class KVOffloadConnectorMetadata(KVConnectorMetadata):
             them before the forward starts.
         stores: GPU → CPU copies of blocks that exist once this step's forward ran; a
             worker starts them after the forward.
+        group_loads: a multi-group model's loads (``loads`` is then empty).
+        group_stores: a multi-group model's stores (``stores`` is then empty).
+        async_loads: whether vLLM waits for ``group_loads`` asynchronously (workers
+            report each request whose loads ended, and whether one failed, in
+            ``get_transfer_results``); always so for a multi-group model.
     """
 
     loads: tuple[LoadPlan, ...] = ()
     stores: tuple[StorePlan, ...] = ()
+    group_loads: tuple[GroupTransfer, ...] = ()
+    group_stores: tuple[GroupTransfer, ...] = ()
+    async_loads: bool = False
 
 
 @final

@@ -15,13 +15,21 @@ import torch
 
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import ConfigError
-from kvoffload.integrations.vllm.groups import describe_groups, refusal
+from kvoffload.integrations.vllm.groups import GroupDescription, describe_groups, refusal
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["layout_from_kv_cache_config", "offload_config"]
+__all__ = [
+    "accepted_groups",
+    "check_grouped_settings",
+    "is_single_full_group",
+    "layout_from_kv_cache_config",
+    "offload_config",
+    "opaque_layout",
+    "single_group_layout",
+]
 
 
 def offload_config(extra: Mapping[str, Any] | None, *, block_size: int) -> OffloadConfig:
@@ -70,84 +78,152 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig) -> tuple[KVLayout, list[str]]:
-    """The layout of one CPU block, and the attention layers it covers in order.
-
-    Only models whose KV cache is one group of full-attention layers with K/V pages are
-    supported (chunked local attention that vLLM allocates as full attention included);
-    any other model is refused with each group it cannot offload, its kind and why (see
-    `kvoffload.integrations.vllm.groups.refusal`).
-
-    Args:
-        kv_cache_config: the KV cache configuration vLLM passes to the connector.
-
-    Returns:
-        ``(layout, layer_names)``: a ``blocks_first`` layout whose per-layer block holds
-        exactly one vLLM page, and the layer names in the order CPU blocks hold them.
+def accepted_groups(kv_cache_config: KVCacheConfig) -> tuple[GroupDescription, ...]:
+    """The model's groups, described; refused when the connector cannot offload them.
 
     Raises:
-        ConfigError: the cache has more or fewer than one group, or its group is not plain
-            full attention with K/V pages (a sliding window, chunked local attention as
-            its own group, a recurrent state, an MLA latent, a packed page), or its page
-            size does not match K and V of the layout.
+        ConfigError: naming each group it cannot offload, its kind and why (see
+            `kvoffload.integrations.vllm.groups.refusal`).
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: PLC0415
-
-    groups = kv_cache_config.kv_cache_groups
     described = describe_groups(kv_cache_config)
     reason = refusal(described)
     if reason is not None:
         raise ConfigError(f"KVOffloadConnector cannot offload this model's KV cache: {reason}")
-    spec = groups[0].kv_cache_spec
-    where = f"{described[0].name} ({len(groups[0].layer_names)} layers)"
-    if type(spec) is not FullAttentionSpec:
+    return described
+
+
+def is_single_full_group(groups: tuple[GroupDescription, ...]) -> bool:
+    """Whether the model is one full-attention group: `OffloadScheduler`'s path."""
+    return len(groups) == 1 and groups[0].kind == "full"
+
+
+_SINGLE_GROUP_SETTINGS = {
+    "store_mode": "eager",
+    "restore_evicted": False,
+    "hold_blocks_on_finish": False,
+    "enable_events": False,
+}
+"""Settings only `OffloadScheduler`'s path has, with the value a multi-group model runs."""
+
+
+def check_grouped_settings(config: OffloadConfig, groups: tuple[GroupDescription, ...]) -> None:
+    """Refuse settings a multi-group model cannot honour (it stores eagerly, at its store
+    points, and publishes no KV events).
+
+    Raises:
+        ConfigError: naming each such setting and the groups.
+    """
+    wrong = [
+        f"{name}={getattr(config, name)!r}"
+        for name, value in _SINGLE_GROUP_SETTINGS.items()
+        if getattr(config, name) != value
+    ]
+    if wrong:
+        kinds = ", ".join(f"{g.name}: {g.kind}" for g in groups)
         raise ConfigError(
-            f"KVOffloadConnector cannot offload this model's KV cache: {described[0].name}: "
-            f"{type(spec).__name__} is not plain full attention (FullAttentionSpec); this "
-            "spec needs kvoffload's KV cache group support"
+            f"kv_connector_extra_config: {', '.join(wrong)} apply to a model of one "
+            f"full-attention group only; this model has {len(groups)} KV cache groups "
+            f"({kinds}); leave them out"
         )
-    head_size_v = spec.head_size_v if spec.head_size_v is not None else spec.head_size
-    if head_size_v != spec.head_size:
+
+
+def opaque_layout(group: GroupDescription) -> KVLayout:
+    """A ``uint8`` layout whose per-layer block is exactly one of ``group``'s pages.
+
+    The page is opaque bytes (an MLA latent, a padded state, K/V of any head sizes):
+    ``2 * block_size * 1 * head_size`` bytes, with ``head_size = page / (2 * block_size)``.
+
+    Raises:
+        ConfigError: the page is not a multiple of twice the block size (named).
+    """
+    page = group.uniform_page_bytes or 0
+    bs = group.block_size
+    if page <= 0 or page % (2 * bs):
         raise ConfigError(
-            f"KVOffloadConnector needs K and V of one head size; {where} has "
-            f"head_size={spec.head_size}, head_size_v={head_size_v}"
+            f"KVOffloadConnector cannot offload {group.name} ({group.spec}, kind "
+            f"{group.kind}): a page of {page} bytes per layer is not a multiple of "
+            f"2 x block_size={bs} bytes"
         )
-    layout = KVLayout(
-        num_layers=len(groups[0].layer_names),
-        num_kv_heads=spec.num_kv_heads,
-        head_size=spec.head_size,
-        dtype=_dtype_name(spec.dtype),
-        block_size=spec.block_size,
+    return KVLayout(
+        num_layers=max(1, len(group.layer_names)),
+        num_kv_heads=1,
+        head_size=page // (2 * bs),
+        dtype="uint8",
+        block_size=bs,
         kind="blocks_first",
     )
-    if spec.page_size_bytes != layout.bytes_per_layer_block:
+
+
+def single_group_layout(kv_cache_config: KVCacheConfig) -> tuple[KVLayout, list[str], bool]:
+    """The layout of one CPU block of a one-group full-attention model, its layers, and
+    whether its pages are moved as opaque bytes.
+
+    Plain K/V pages (K and V of one head size, the page exactly their bytes; with or
+    without a window that vLLM allocates as full attention) get the K/V layout of
+    today's path. Any other page (an MLA latent, K/V of two head sizes) gets an
+    `opaque_layout` (``uint8``), and workers view vLLM's tensors as bytes.
+
+    Raises:
+        ConfigError: the model cannot be offloaded (`accepted_groups`), or it is not one
+            full-attention group.
+    """
+    groups = accepted_groups(kv_cache_config)
+    if not is_single_full_group(groups):
+        kinds = ", ".join(f"{g.name}: {g.kind}" for g in groups)
         raise ConfigError(
-            f"{where}: a page of {spec.page_size_bytes} bytes per layer is not K and "
-            f"V of {spec.block_size} tokens x {spec.num_kv_heads} heads x {spec.head_size} "
-            f"({layout.bytes_per_layer_block} bytes); padded or quantized pages are not "
-            "supported"
+            f"KVOffloadConnector: expected one full-attention group, got {len(groups)} ({kinds})"
         )
-    return layout, list(groups[0].layer_names)
+    (group,) = groups
+    names = list(group.layer_names)
+    if group.page_format == "kv" and group.head_size_v == group.head_size:
+        heads, size = group.num_kv_heads or 0, group.head_size or 0
+        layout = KVLayout(
+            num_layers=len(names),
+            num_kv_heads=heads,
+            head_size=size,
+            dtype=group.dtype,
+            block_size=group.block_size,
+            kind="blocks_first",
+        )
+        if group.uniform_page_bytes == layout.bytes_per_layer_block:
+            return layout, names, False
+    return opaque_layout(group), names, True
+
+
+def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig) -> tuple[KVLayout, list[str]]:
+    """The layout of one CPU block of a one-group full-attention model, and its layers in
+    the order CPU blocks hold them (`single_group_layout` without the opaque flag).
+
+    Raises:
+        ConfigError: as `single_group_layout`.
+    """
+    layout, names, _ = single_group_layout(kv_cache_config)
+    return layout, names
 
 
 def refuse_recurrent_hybrid(vllm_config: VllmConfig) -> None:
-    """Refuse a model with recurrent-state layers next to attention, before it loads.
+    """Refuse a model with recurrent-state layers next to attention when vLLM's hybrid
+    KV cache manager is off, before the model loads.
 
-    Such a model's KV cache has recurrent-state groups (one state per request, snapshots
-    at block boundaries), which reach a connector only through vLLM's hybrid KV cache
-    manager, and vLLM turns that off for a connector without HMA support.
+    The connector supports the hybrid manager (`SupportsHMA`), so vLLM keeps it on and
+    hands such a model's recurrent-state groups to the connector. Turned off
+    (``--disable-hybrid-kv-cache-manager``), vLLM would fail after loading the model with
+    "Failed to promote local KV cache specs to one unified type".
 
     Raises:
-        ConfigError: ``vllm_config``'s model is such a hybrid (its architecture named).
+        ConfigError: ``vllm_config``'s model is such a hybrid and the hybrid manager is
+            off (its architecture named).
     """
     model = vllm_config.model_config
     if model is None or not model.is_hybrid:
         return
+    if not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+        return
     raise ConfigError(
-        f"KVOffloadConnector cannot offload {model.architecture}: its recurrent-state "
-        "layers (Mamba, linear attention) next to attention need kvoffload's KV cache "
-        "group support (state snapshots); without it vLLM would fail at start-up with "
-        "'Failed to promote local KV cache specs to one unified type'"
+        f"KVOffloadConnector cannot offload {model.architecture} with vLLM's hybrid KV "
+        "cache manager off: its recurrent-state layers (Mamba, linear attention) reach a "
+        "connector only through that manager (vLLM would fail at start-up with 'Failed "
+        "to promote local KV cache specs to one unified type'); leave it on"
     )
 
 

@@ -23,6 +23,7 @@ from kvoffload.integrations.vllm.metadata import (
     KVOffloadConnectorMetadata,
     KVOffloadWorkerMetadata,
 )
+from kvoffload.integrations.vllm.pages import page_views
 from kvoffload.storage import HostKVBuffer
 from kvoffload.transfer import (
     CompletionPoller,
@@ -36,7 +37,7 @@ from kvoffload.transfer import (
 if TYPE_CHECKING:
     from kvoffload.transfer.thread_engine import CopyHook
 
-__all__ = ["WorkerSide", "layer_views"]
+__all__ = ["WorkerSide", "layer_views", "worker_rank"]
 
 _log = get_logger("integrations.vllm")
 _LOAD_WAIT_S = 0.0002
@@ -86,7 +87,7 @@ def layer_views(
     return views
 
 
-def _worker_rank() -> int:
+def worker_rank() -> int:
     """This worker's rank in vLLM's world group (0 when vLLM's groups are not set up)."""
     try:
         from vllm.distributed.parallel_state import get_world_group  # noqa: PLC0415
@@ -107,6 +108,8 @@ class WorkerSide:
         num_gpu_blocks: vLLM's GPU block count.
         rank: this worker's rank (``None``: read it from vLLM).
         copy_hook: for `ThreadCopyEngine`, run before each copy (fault injection).
+        opaque: move pages as bytes (``layout`` is an `opaque_layout`: an MLA latent,
+            K/V of two head sizes) through `page_views` instead of `layer_views`.
     """
 
     def __init__(
@@ -118,12 +121,14 @@ class WorkerSide:
         *,
         rank: int | None = None,
         copy_hook: CopyHook | None = None,
+        opaque: bool = False,
     ) -> None:
         self.config = config
+        self.opaque = opaque
         self.layout = layout
         self.layer_names = list(layer_names)
         self.num_gpu_blocks = num_gpu_blocks
-        self.rank = _worker_rank() if rank is None else rank
+        self.rank = worker_rank() if rank is None else rank
         self._copy_hook = copy_hook
         self.engine: CopyEngine | None = None
         self.host: HostKVBuffer | None = None
@@ -142,7 +147,8 @@ class WorkerSide:
             LayoutMismatchError: the caches do not fit the layout (see `layer_views`).
             HostMemoryError: the host buffer cannot be allocated or pinned.
         """
-        views = layer_views(kv_caches, self.layer_names, self.layout, self.num_gpu_blocks)
+        views_of = page_views if self.opaque else layer_views
+        views = views_of(kv_caches, self.layer_names, self.layout, self.num_gpu_blocks)
         num_cpu_blocks = self.config.resolve_num_cpu_blocks(self.layout)
         self.host = HostKVBuffer(
             self.layout,

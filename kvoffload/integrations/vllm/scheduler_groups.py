@@ -1,0 +1,337 @@
+"""The connector's scheduler side for a model of several KV cache groups: vLLM's hybrid
+KV cache manager events mapped onto kvoffload's `GroupedScheduler`.
+
+vLLM hands the connector one block-id list per group (`KVCacheBlocks.get_block_ids()`,
+``NewRequestData.block_ids``); its null block (id 0) marks a block the group does not
+hold (out of the window, a skipped state, padding) and becomes a ``None`` entry. Each
+group hashes the request's tokens in its own namespace with its own block size, so a hit
+is checked group by group and is valid for every group, a multiple of the LCM of their
+block sizes (vLLM's ``cache_hit_alignment_tokens``), added beyond vLLM's own local hit.
+
+Store points are every multiple of that LCM (``checkpoint_tokens`` = the alignment): a
+recurrent-state snapshot exists in vLLM's table only right after the step that computed
+it, so every boundary a step ends at must be a store point. Stores and loads are planned
+per group; GPU blocks a store reads are referenced in vLLM's block pool until every
+worker finished copying them, as in the single-group path.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, final
+
+from kvoffload._logging import get_logger
+from kvoffload.build import build_grouped_scheduler
+from kvoffload.config import OffloadConfig
+from kvoffload.errors import ConfigError, InvariantError, RequestStateError
+from kvoffload.groups import KVCacheGroup, hit_alignment
+from kvoffload.hashing import BlockHash, BlockHasher
+from kvoffload.integrations.vllm.metadata import (
+    GroupTransfer,
+    KVOffloadConnectorMetadata,
+    KVOffloadWorkerMetadata,
+)
+from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["GroupedSchedulerSide"]
+
+_log = get_logger("integrations.vllm")
+
+
+@dataclass(slots=True, eq=False)
+class _Tracked:
+    """One group's plan sent to the workers and not yet reported by all of them."""
+
+    group: str
+    plan: Any
+    pinned_gpu_blocks: list[Any]
+    reports: dict[int, bool] = field(default_factory=dict)
+
+
+@dataclass(slots=True, eq=False)
+class _Hashes:
+    """One request's block hashes, one hasher per cacheable group."""
+
+    request: Request
+    hashers: dict[str, BlockHasher]
+
+
+def tables_of(
+    block_ids: Sequence[Sequence[int]], names: Sequence[str | None]
+) -> dict[str, list[int | None]]:
+    """Per cacheable group name, vLLM's block ids with its null block (0) as ``None``."""
+    return {
+        name: [b or None for b in ids]
+        for name, ids in zip(names, block_ids, strict=True)
+        if name is not None
+    }
+
+
+@final
+class GroupedSchedulerSide:
+    """kvoffload's decisions for one vLLM scheduler of a multi-group model.
+
+    Args:
+        config: the settings from ``kv_connector_extra_config``.
+        groups: one `KVCacheGroup` per vLLM group, in vLLM's group order.
+        model_id: mixed into every group's hash namespace.
+        world_size: workers that copy every plan.
+        num_gpu_blocks: vLLM's block count (shared by every group).
+
+    Raises:
+        ConfigError: a group gets no CPU block, or ``world_size`` < 1.
+    """
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        groups: Sequence[KVCacheGroup],
+        *,
+        model_id: str,
+        world_size: int,
+        num_gpu_blocks: int,
+    ) -> None:
+        if world_size < 1:
+            raise ConfigError(f"world_size must be >= 1, got {world_size}")
+        self.config = config
+        self.groups = tuple(groups)
+        self.world_size = world_size
+        self.alignment = hit_alignment(self.groups)
+        self.checkpoint_tokens = self.alignment
+        self.scheduler: GroupedScheduler = build_grouped_scheduler(
+            config,
+            self.groups,
+            checkpoint_tokens=self.checkpoint_tokens,
+            num_gpu_blocks={g.name: num_gpu_blocks for g in self.groups if g.cacheable},
+        )
+        self._cacheable = [g for g in self.groups if g.cacheable]
+        self._index = {g.name: i for i, g in enumerate(self.groups)}
+        self._names: list[str | None] = [g.name if g.cacheable else None for g in self.groups]
+        self._roots = {
+            g.name: g.namespace(model_id=model_id, salt=config.hash_salt).root
+            for g in self._cacheable
+        }
+        self._requests: dict[str, _Hashes] = {}
+        self._tracked: dict[int, _Tracked] = {}
+        self._keys = itertools.count()
+        self._loads: list[GroupTransfer] = []
+        self._stores: list[GroupTransfer] = []
+        self._gpu_pool: BlockPool | None = None
+        self._manager: KVCacheManager | None = None
+        self._restarted: set[str] = set()
+        self.load_failures = 0
+        self.loaded_tokens = 0
+        """Prompt tokens planned to load from the CPU pool (beyond vLLM's own hits)."""
+
+    # -- binding -----------------------------------------------------------------------
+
+    def bind(self, manager: KVCacheManager) -> None:
+        """Use vLLM's KV cache manager (block tables and GPU block references)."""
+        self._manager = manager
+        self._gpu_pool = manager.block_pool
+
+    # -- hashing -----------------------------------------------------------------------
+
+    def _offloadable(self, request: Request) -> bool:
+        return not request.mm_features and request.prompt_embeds is None
+
+    def _hashes(self, request: Request, num_tokens: int) -> dict[str, list[BlockHash]]:
+        """Per cacheable group, the hashes of the request's full blocks below
+        ``num_tokens``."""
+        entry = self._requests.get(request.request_id)
+        if entry is None or entry.request is not request:
+            parts = []
+            if request.lora_request is not None:
+                parts.append(f"lora:{request.lora_request.lora_name}")
+            if request.cache_salt:
+                parts.append(f"salt:{request.cache_salt}")
+            extra = "\x00".join(parts).encode()
+            hashers = {
+                g.name: BlockHasher(self._roots[g.name], g.block_size, extra)
+                for g in self._cacheable
+            }
+            entry = _Hashes(request, hashers)
+            self._requests[request.request_id] = entry
+        tokens = request.all_token_ids
+        out: dict[str, list[BlockHash]] = {}
+        for g in self._cacheable:
+            hasher = entry.hashers[g.name]
+            have = hasher.block_hashes
+            bs = g.block_size
+            want = min(num_tokens, request.num_tokens) // bs
+            if len(have) < want:  # whole blocks only
+                hasher.extend(tokens[len(have) * bs : want * bs])
+            out[g.name] = list(hasher.block_hashes[:want])
+        return out
+
+    def _tables(self, block_ids: Sequence[Sequence[int]]) -> dict[str, list[int | None]]:
+        return tables_of(block_ids, self._names)
+
+    # -- vLLM scheduler hooks ----------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens past vLLM's own prefix (a multiple of the alignment) that every group
+        can load from CPU; a load is always asynchronous (vLLM takes a multi-group
+        model's load failures only per waiting request, and copies a loaded recurrent
+        state before the forward of the step it is scheduled in)."""
+        if not self._offloadable(request):
+            return 0, False
+        rid = request.request_id
+        sched = self.scheduler
+        if sched.has_request(rid) and rid not in self._restarted:
+            # Asked again with state kept: vLLM preempted it and freed its blocks (it tells
+            # the connector only in build_connector_meta). Start it over; the final store
+            # point preempt() plans would read those freed blocks, so it is cancelled.
+            self._preempt(rid)
+            self._restarted.add(rid)
+        hashes = self._hashes(request, request.num_tokens)  # its blocks are stored too
+        if num_computed_tokens % self.alignment or getattr(
+            request, "skip_reading_prefix_cache", False
+        ):
+            return 0, False
+        hit = sched.lookup(rid, hashes, request.num_tokens, num_computed_tokens)
+        return hit, bool(hit)
+
+    def _preempt(self, rid: str) -> None:
+        plan = self.scheduler.preempt(rid)
+        if plan is not None:
+            for name, sub in plan.plans.items():
+                self.scheduler.cancel(name, sub)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Plan the load of the hit into the blocks vLLM allocated in every group."""
+        rid = request.request_id
+        sched = self.scheduler
+        if not sched.has_request(rid):
+            return
+        if num_external_tokens == 0:
+            sched.release(rid)
+            return
+        tables = self._tables(blocks.get_block_ids())
+        plan = sched.plan_load(rid, tables, num_external_tokens)
+        if plan is None:
+            return
+        self.loaded_tokens += num_external_tokens
+        for name, sub in plan.plans.items():
+            key = next(self._keys)
+            self._loads.append(GroupTransfer(key, self._index[name], sub))
+            self._tracked[key] = _Tracked(name, sub, [])
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVOffloadConnectorMetadata:
+        """Record what vLLM scheduled in every group, plan this step's stores, and hand
+        out the plans."""
+        sched = self.scheduler
+        restarted, self._restarted = self._restarted, set()
+        for rid in scheduler_output.preempted_req_ids or ():
+            if rid in restarted:
+                continue
+            if sched.has_request(rid):
+                self._preempt(rid)
+        manager = self._manager
+        if manager is None:
+            raise InvariantError("KVOffloadConnector: the KV cache manager was never bound")
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            entry = self._requests.get(rid)
+            if entry is None or not self._offloadable(entry.request):
+                continue
+            request = entry.request
+            computed = request.num_computed_tokens + num_scheduled - len(spec_tokens.get(rid, ()))
+            hashes = self._hashes(request, computed)
+            sched.update(rid, self._tables(manager.get_block_ids(rid)), hashes, computed)
+        self._track_stores(sched.plan_stores())
+        loads, self._loads = tuple(self._loads), []
+        stores, self._stores = tuple(self._stores), []
+        return KVOffloadConnectorMetadata(group_loads=loads, group_stores=stores, async_loads=True)
+
+    def _track_stores(self, plan: GroupedPlan | None) -> None:
+        if plan is None:
+            return
+        for name, sub in plan.plans.items():
+            key = next(self._keys)
+            self._stores.append(GroupTransfer(key, self._index[name], sub))
+            self._tracked[key] = _Tracked(name, sub, self._pin_gpu_blocks(sub.gpu_block_ids))
+
+    def _pin_gpu_blocks(self, block_ids: Sequence[int]) -> list[Any]:
+        """Reference the GPU blocks a store reads in vLLM's block pool until it is done."""
+        pool = self._gpu_pool
+        if pool is None:
+            return []
+        blocks = [pool.blocks[i] for i in block_ids]
+        pool.touch(blocks)
+        return blocks
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Complete every group's plan that all workers have now reported."""
+        meta = connector_output.kv_connector_worker_meta
+        if meta is None:
+            return
+        if not isinstance(meta, KVOffloadWorkerMetadata):
+            raise TypeError(f"KVOffloadConnector got worker metadata of type {type(meta).__name__}")
+        for key, ranks in meta.reports.items():
+            tracked = self._tracked.get(key)
+            if tracked is None:
+                _log.debug("late_report_ignored", key=key)
+                continue
+            for rank, ok in ranks.items():
+                tracked.reports[rank] = tracked.reports.get(rank, True) and ok
+            if len(tracked.reports) < self.world_size:
+                continue
+            del self._tracked[key]
+            ok = all(tracked.reports.values())
+            if not ok and tracked.plan.kind == "load":
+                self.load_failures += 1
+            self.scheduler.complete(tracked.group, tracked.plan, ok)
+            if tracked.pinned_gpu_blocks and self._gpu_pool is not None:
+                self._gpu_pool.free_blocks(tracked.pinned_gpu_blocks)
+
+    def request_finished(self, request: Request) -> bool:
+        """The request left vLLM, before vLLM frees its blocks: plan its last store point
+        now (its GPU blocks stay referenced until the copies end); always ``False``."""
+        rid = request.request_id
+        self._requests.pop(rid, None)
+        self._restarted.discard(rid)
+        sched = self.scheduler
+        if sched.has_request(rid):
+            try:
+                plan = sched.finish(rid)
+            except RequestStateError:  # already finished, its transfers still in flight
+                _log.debug("finish_ignored", request_id=rid)
+                return False
+            self._track_stores(plan)
+        return False
+
+    def reset_cache(self) -> bool:
+        """Empty every group's CPU prefix cache (copies in flight publish nothing)."""
+        self.scheduler.reset()
+        return True
+
+    def has_pending_block_frees(self) -> bool:
+        """Whether a store in flight is the last holder of some GPU block."""
+        held: dict[int, int] = {}
+        for tracked in self._tracked.values():
+            for block in tracked.pinned_gpu_blocks:
+                held[block.block_id] = held.get(block.block_id, 0) + 1
+        pool = self._gpu_pool
+        if pool is None:
+            return False
+        return any(pool.blocks[i].ref_cnt == n for i, n in held.items())
+
+    # -- observation -------------------------------------------------------------------
+
+    def in_flight_plan_ids(self) -> list[int]:
+        """Transfer keys sent to workers and not reported by all of them yet."""
+        return list(self._tracked)
