@@ -193,7 +193,40 @@ class Worker:
     held: list[Any] = field(default_factory=list)
 
 
-class Harness:
+class Stepping:
+    """What a harness over vLLM's `Scheduler` does with its `step()` (subclasses provide
+    ``scheduler``, ``side``, `step` and `drain_copies`)."""
+
+    scheduler: Scheduler
+
+    def step(self) -> SchedulerOutput:
+        """Schedule, run the workers (loads, forward, stores), and feed back the output."""
+        raise NotImplementedError
+
+    def drain_copies(self) -> None:
+        """Let every worker's copies end (reports go out with the next step)."""
+        raise NotImplementedError
+
+    def run(self, request: Request, *, max_steps: int = 200) -> None:
+        """Add ``request`` and step until it finished."""
+        self.scheduler.add_request(request)
+        for _ in range(max_steps):
+            self.step()
+            if request.is_finished():
+                return
+        raise AssertionError(f"request {request.request_id} did not finish in {max_steps} steps")
+
+    def settle(self, *, max_steps: int = 20) -> None:
+        """Step (empty steps included) until no copy is in flight anywhere."""
+        for _ in range(max_steps):
+            self.drain_copies()
+            self.step()
+            if not self.side.in_flight_plan_ids():  # type: ignore[attr-defined]
+                return
+        raise AssertionError("copies still in flight")
+
+
+class Harness(Stepping):
     """A real `Scheduler` plus ``world_size`` simulated workers.
 
     Args:
@@ -294,24 +327,6 @@ class Harness:
         """Let every worker's copies end (reports go out with the next step)."""
         for worker in self.workers:
             worker.connector.worker_side.wait_idle()  # type: ignore[union-attr]
-
-    def run(self, request: Request, *, max_steps: int = 200) -> None:
-        """Add ``request`` and step until it finished."""
-        self.scheduler.add_request(request)
-        for _ in range(max_steps):
-            self.step()
-            if request.is_finished():
-                return
-        raise AssertionError(f"request {request.request_id} did not finish in {max_steps} steps")
-
-    def settle(self, *, max_steps: int = 20) -> None:
-        """Step (empty steps included) until no copy is in flight anywhere."""
-        for _ in range(max_steps):
-            self.drain_copies()
-            self.step()
-            if not self.side.in_flight_plan_ids():  # type: ignore[union-attr]
-                return
-        raise AssertionError("copies still in flight")
 
     # -- checks ------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import BLOCK_SIZE, TestConnector, make_request, vllm_config
+from harness import BLOCK_SIZE, Stepping, TestConnector, make_request, vllm_config
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -59,7 +59,7 @@ def value(token: int, position: int, group: int) -> float:
     return float(token * 4096 + position) + group * 0.5
 
 
-class GroupHarness:
+class GroupHarness(Stepping):
     """vLLM's `Scheduler` with two groups and one simulated worker whose two layers (one
     per group) are views of one tensor."""
 
@@ -134,23 +134,10 @@ class GroupHarness:
         self.side.scheduler.check_invariants()
         return out
 
-    def run(self, request: Request, *, max_steps: int = 100) -> None:
-        self.scheduler.add_request(request)
-        for _ in range(max_steps):
-            self.step()
-            if request.is_finished():
-                return
-        raise AssertionError(f"request {request.request_id} did not finish")
-
-    def settle(self) -> None:
-        for _ in range(20):
-            worker = self.worker.worker_side
-            assert isinstance(worker, GroupedWorkerSide)
-            worker.wait_idle()
-            self.step()
-            if not self.side.in_flight_plan_ids():
-                return
-        raise AssertionError("copies still in flight")
+    def drain_copies(self) -> None:
+        worker = self.worker.worker_side
+        assert isinstance(worker, GroupedWorkerSide)
+        worker.wait_idle()
 
     def wrong_slots(self, request: Request) -> list[tuple[int, int]]:
         """``(group, position)`` of every slot a group holds for ``request`` with a wrong
