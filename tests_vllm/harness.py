@@ -140,7 +140,9 @@ def _init_vllm_hashing() -> None:
     init_none_hash(sha256)
 
 
-def make_request(request_id: str, prompt: Sequence[int], max_tokens: int = 4) -> Request:
+def make_request(
+    request_id: str, prompt: Sequence[int], max_tokens: int = 4, *, cache_salt: str | None = None
+) -> Request:
     """A vLLM request with token-id prompt and vLLM's own block hasher."""
     _init_vllm_hashing()
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -151,6 +153,7 @@ def make_request(request_id: str, prompt: Sequence[int], max_tokens: int = 4) ->
         sampling_params=params,
         pooling_params=None,
         mm_features=None,
+        cache_salt=cache_salt,
         block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
     )
 

@@ -30,6 +30,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from kvoffload.hashing import BlockHash, hash_block_tokens
 from kvoffload.integrations.vllm.scheduler_groups import GroupedSchedulerSide, tables_of
 from kvoffload.integrations.vllm.worker_groups import GroupedWorkerSide
 
@@ -312,3 +313,37 @@ def test_a_request_that_skips_reading_the_cache_is_stored_but_not_served(
     out = h.step()
     assert out.num_scheduled_tokens["b"] == len(b.prompt_token_ids)  # not served
     assert h.loads == []
+
+
+def test_a_salted_request_is_hashed_with_its_salt_in_every_group(model_dir: Path) -> None:
+    h = GroupHarness(model_dir)
+    tokens = prompt(3, 5, seed=21)
+    b = make_request("b", tokens, max_tokens=1, cache_salt="tenant-z")
+    hashes = h.side._hashes(b, len(tokens))
+    for name, root in h.side._roots.items():
+        want: list[BlockHash] = []
+        parent = root
+        for start in range(0, 3 * BLOCK_SIZE, BLOCK_SIZE):
+            parent = hash_block_tokens(parent, tokens[start : start + BLOCK_SIZE], b"salt:tenant-z")
+            want.append(parent)
+        assert hashes[name] == want, name
+    assert hashes["g0"] != hashes["g1"]  # each group hashes in its own namespace
+
+
+def test_a_prefix_stored_under_one_salt_is_served_only_under_that_salt(model_dir: Path) -> None:
+    h = GroupHarness(model_dir)
+    h.run(make_request("a", prompt(6, 5, seed=1), max_tokens=2, cache_salt="tenant-a"))
+    h.settle()
+    assert h.scheduler.reset_prefix_cache()
+    h.run(make_request("b", prompt(6, 9, seed=2), max_tokens=2, cache_salt="tenant-b"))
+    h.settle()
+    assert h.loads == []
+    assert h.side.loaded_tokens == 0
+    assert h.scheduler.reset_prefix_cache()
+    c = make_request("c", prompt(6, 7, seed=3), max_tokens=2, cache_salt="tenant-a")
+    h.scheduler.add_request(c)
+    h.step()  # c waits for its loads (asynchronous)
+    assert h.side.loaded_tokens == 6 * BLOCK_SIZE
+    out = h.step()
+    assert out.num_scheduled_tokens["c"] == len(c.prompt_token_ids) - 6 * BLOCK_SIZE
+    assert h.wrong_slots(c) == []
