@@ -196,6 +196,18 @@ class Worker:
     held: list[Any] = field(default_factory=list)
 
 
+def real_scheduler(config: VllmConfig, kv_config: KVCacheConfig) -> Scheduler:
+    """vLLM's own v1 `Scheduler` (statistics on) over ``kv_config``, with the connector
+    ``config`` names."""
+    return Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK_SIZE,
+        log_stats=True,
+    )
+
+
 class Stepping:
     """What a harness over vLLM's `Scheduler` does with its `step()` (subclasses provide
     ``scheduler``, ``side``, `step` and `drain_copies`)."""
@@ -241,13 +253,7 @@ class Harness(Stepping):
     def __init__(self, config: VllmConfig, kv_config: KVCacheConfig, world_size: int = 1) -> None:
         self.config = config
         self.kv_config = kv_config
-        self.scheduler = Scheduler(
-            vllm_config=config,
-            kv_cache_config=kv_config,
-            structured_output_manager=StructuredOutputManager(config),
-            block_size=BLOCK_SIZE,
-            log_stats=True,
-        )
+        self.scheduler = real_scheduler(config, kv_config)
         connector = self.scheduler.connector
         assert isinstance(connector, KVOffloadConnector)
         self.connector = connector

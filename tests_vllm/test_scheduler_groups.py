@@ -15,11 +15,17 @@ from typing import Any
 
 import pytest
 import torch
-from harness import BLOCK_SIZE, Stepping, TestConnector, make_request, vllm_config
+from harness import (
+    BLOCK_SIZE,
+    Stepping,
+    TestConnector,
+    make_request,
+    real_scheduler,
+    vllm_config,
+)
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -28,7 +34,6 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
 from kvoffload.hashing import BlockHash, hash_block_tokens
 from kvoffload.integrations.vllm.scheduler_groups import GroupedSchedulerSide, tables_of
@@ -76,13 +81,7 @@ class GroupHarness(Stepping):
         )
         assert not config.scheduler_config.disable_hybrid_kv_cache_manager
         kv = kv_config(gpu_blocks)
-        self.scheduler = Scheduler(
-            vllm_config=config,
-            kv_cache_config=kv,
-            structured_output_manager=StructuredOutputManager(config),
-            block_size=BLOCK_SIZE,
-            log_stats=True,
-        )
+        self.scheduler = real_scheduler(config, kv)
         side = self.scheduler.connector.scheduler_side  # type: ignore[union-attr]
         assert isinstance(side, GroupedSchedulerSide)
         self.side = side
