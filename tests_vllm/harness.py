@@ -140,7 +140,9 @@ def _init_vllm_hashing() -> None:
     init_none_hash(sha256)
 
 
-def make_request(request_id: str, prompt: Sequence[int], max_tokens: int = 4) -> Request:
+def make_request(
+    request_id: str, prompt: Sequence[int], max_tokens: int = 4, *, cache_salt: str | None = None
+) -> Request:
     """A vLLM request with token-id prompt and vLLM's own block hasher."""
     _init_vllm_hashing()
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -151,6 +153,7 @@ def make_request(request_id: str, prompt: Sequence[int], max_tokens: int = 4) ->
         sampling_params=params,
         pooling_params=None,
         mm_features=None,
+        cache_salt=cache_salt,
         block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
     )
 
@@ -193,7 +196,52 @@ class Worker:
     held: list[Any] = field(default_factory=list)
 
 
-class Harness:
+def real_scheduler(config: VllmConfig, kv_config: KVCacheConfig) -> Scheduler:
+    """vLLM's own v1 `Scheduler` (statistics on) over ``kv_config``, with the connector
+    ``config`` names."""
+    return Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK_SIZE,
+        log_stats=True,
+    )
+
+
+class Stepping:
+    """What a harness over vLLM's `Scheduler` does with its `step()` (subclasses provide
+    ``scheduler``, ``side``, `step` and `drain_copies`)."""
+
+    scheduler: Scheduler
+
+    def step(self) -> SchedulerOutput:
+        """Schedule, run the workers (loads, forward, stores), and feed back the output."""
+        raise NotImplementedError
+
+    def drain_copies(self) -> None:
+        """Let every worker's copies end (reports go out with the next step)."""
+        raise NotImplementedError
+
+    def run(self, request: Request, *, max_steps: int = 200) -> None:
+        """Add ``request`` and step until it finished."""
+        self.scheduler.add_request(request)
+        for _ in range(max_steps):
+            self.step()
+            if request.is_finished():
+                return
+        raise AssertionError(f"request {request.request_id} did not finish in {max_steps} steps")
+
+    def settle(self, *, max_steps: int = 20) -> None:
+        """Step (empty steps included) until no copy is in flight anywhere."""
+        for _ in range(max_steps):
+            self.drain_copies()
+            self.step()
+            if not self.side.in_flight_plan_ids():  # type: ignore[attr-defined]
+                return
+        raise AssertionError("copies still in flight")
+
+
+class Harness(Stepping):
     """A real `Scheduler` plus ``world_size`` simulated workers.
 
     Args:
@@ -205,13 +253,7 @@ class Harness:
     def __init__(self, config: VllmConfig, kv_config: KVCacheConfig, world_size: int = 1) -> None:
         self.config = config
         self.kv_config = kv_config
-        self.scheduler = Scheduler(
-            vllm_config=config,
-            kv_cache_config=kv_config,
-            structured_output_manager=StructuredOutputManager(config),
-            block_size=BLOCK_SIZE,
-            log_stats=True,
-        )
+        self.scheduler = real_scheduler(config, kv_config)
         connector = self.scheduler.connector
         assert isinstance(connector, KVOffloadConnector)
         self.connector = connector
@@ -294,24 +336,6 @@ class Harness:
         """Let every worker's copies end (reports go out with the next step)."""
         for worker in self.workers:
             worker.connector.worker_side.wait_idle()  # type: ignore[union-attr]
-
-    def run(self, request: Request, *, max_steps: int = 200) -> None:
-        """Add ``request`` and step until it finished."""
-        self.scheduler.add_request(request)
-        for _ in range(max_steps):
-            self.step()
-            if request.is_finished():
-                return
-        raise AssertionError(f"request {request.request_id} did not finish in {max_steps} steps")
-
-    def settle(self, *, max_steps: int = 20) -> None:
-        """Step (empty steps included) until no copy is in flight anywhere."""
-        for _ in range(max_steps):
-            self.drain_copies()
-            self.step()
-            if not self.side.in_flight_plan_ids():  # type: ignore[union-attr]
-                return
-        raise AssertionError("copies still in flight")
 
     # -- checks ------------------------------------------------------------------------
 

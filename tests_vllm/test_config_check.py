@@ -25,7 +25,7 @@ from kvoffload.integrations.vllm import KVOffloadConnector
         (
             {"cpu_byte": "1GiB"},
             r"unknown key 'cpu_byte' \(did you mean 'cpu_bytes'\?\); valid keys: block_size, "
-            r"cpu_bytes, .*num_cpu_blocks",
+            r"(\w+, )*cpu_bytes, .*num_cpu_blocks",
         ),
         ({"cpu_bytes": "lots"}, r"kv_connector_extra_config: .*cpu_bytes.*'lots'"),
         ({"num_cpu_blocks": 8, "store_mode": "sometimes"}, "store_mode"),

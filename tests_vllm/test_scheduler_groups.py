@@ -15,11 +15,17 @@ from typing import Any
 
 import pytest
 import torch
-from harness import BLOCK_SIZE, TestConnector, make_request, vllm_config
+from harness import (
+    BLOCK_SIZE,
+    Stepping,
+    TestConnector,
+    make_request,
+    real_scheduler,
+    vllm_config,
+)
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -28,8 +34,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
+from kvoffload.hashing import BlockHash, hash_block_tokens
 from kvoffload.integrations.vllm.scheduler_groups import GroupedSchedulerSide, tables_of
 from kvoffload.integrations.vllm.worker_groups import GroupedWorkerSide
 
@@ -59,7 +65,7 @@ def value(token: int, position: int, group: int) -> float:
     return float(token * 4096 + position) + group * 0.5
 
 
-class GroupHarness:
+class GroupHarness(Stepping):
     """vLLM's `Scheduler` with two groups and one simulated worker whose two layers (one
     per group) are views of one tensor."""
 
@@ -75,13 +81,7 @@ class GroupHarness:
         )
         assert not config.scheduler_config.disable_hybrid_kv_cache_manager
         kv = kv_config(gpu_blocks)
-        self.scheduler = Scheduler(
-            vllm_config=config,
-            kv_cache_config=kv,
-            structured_output_manager=StructuredOutputManager(config),
-            block_size=BLOCK_SIZE,
-            log_stats=True,
-        )
+        self.scheduler = real_scheduler(config, kv)
         side = self.scheduler.connector.scheduler_side  # type: ignore[union-attr]
         assert isinstance(side, GroupedSchedulerSide)
         self.side = side
@@ -134,23 +134,10 @@ class GroupHarness:
         self.side.scheduler.check_invariants()
         return out
 
-    def run(self, request: Request, *, max_steps: int = 100) -> None:
-        self.scheduler.add_request(request)
-        for _ in range(max_steps):
-            self.step()
-            if request.is_finished():
-                return
-        raise AssertionError(f"request {request.request_id} did not finish")
-
-    def settle(self) -> None:
-        for _ in range(20):
-            worker = self.worker.worker_side
-            assert isinstance(worker, GroupedWorkerSide)
-            worker.wait_idle()
-            self.step()
-            if not self.side.in_flight_plan_ids():
-                return
-        raise AssertionError("copies still in flight")
+    def drain_copies(self) -> None:
+        worker = self.worker.worker_side
+        assert isinstance(worker, GroupedWorkerSide)
+        worker.wait_idle()
 
     def wrong_slots(self, request: Request) -> list[tuple[int, int]]:
         """``(group, position)`` of every slot a group holds for ``request`` with a wrong
@@ -325,3 +312,37 @@ def test_a_request_that_skips_reading_the_cache_is_stored_but_not_served(
     out = h.step()
     assert out.num_scheduled_tokens["b"] == len(b.prompt_token_ids)  # not served
     assert h.loads == []
+
+
+def test_a_salted_request_is_hashed_with_its_salt_in_every_group(model_dir: Path) -> None:
+    h = GroupHarness(model_dir)
+    tokens = prompt(3, 5, seed=21)
+    b = make_request("b", tokens, max_tokens=1, cache_salt="tenant-z")
+    hashes = h.side._hashes(b, len(tokens))
+    for name, root in h.side._roots.items():
+        want: list[BlockHash] = []
+        parent = root
+        for start in range(0, 3 * BLOCK_SIZE, BLOCK_SIZE):
+            parent = hash_block_tokens(parent, tokens[start : start + BLOCK_SIZE], b"salt:tenant-z")
+            want.append(parent)
+        assert hashes[name] == want, name
+    assert hashes["g0"] != hashes["g1"]  # each group hashes in its own namespace
+
+
+def test_a_prefix_stored_under_one_salt_is_served_only_under_that_salt(model_dir: Path) -> None:
+    h = GroupHarness(model_dir)
+    h.run(make_request("a", prompt(6, 5, seed=1), max_tokens=2, cache_salt="tenant-a"))
+    h.settle()
+    assert h.scheduler.reset_prefix_cache()
+    h.run(make_request("b", prompt(6, 9, seed=2), max_tokens=2, cache_salt="tenant-b"))
+    h.settle()
+    assert h.loads == []
+    assert h.side.loaded_tokens == 0
+    assert h.scheduler.reset_prefix_cache()
+    c = make_request("c", prompt(6, 7, seed=3), max_tokens=2, cache_salt="tenant-a")
+    h.scheduler.add_request(c)
+    h.step()  # c waits for its loads (asynchronous)
+    assert h.side.loaded_tokens == 6 * BLOCK_SIZE
+    out = h.step()
+    assert out.num_scheduled_tokens["c"] == len(c.prompt_token_ids) - 6 * BLOCK_SIZE
+    assert h.wrong_slots(c) == []

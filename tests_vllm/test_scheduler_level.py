@@ -10,19 +10,15 @@ import pytest
 import torch
 from harness import (
     BLOCK_SIZE,
-    EOS,
     Harness,
     TestConnector,
     kv_cache_config,
     make_request,
     vllm_config,
 )
-from vllm import SamplingParams
 from vllm.distributed import kv_events
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.kv_cache_interface import SinkFullAttentionSpec
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import RequestStatus
 
 from kvoffload.errors import ConfigError
 from kvoffload.hashing import BlockHash, hash_block_tokens
@@ -400,21 +396,6 @@ def test_blocks_of_a_preempted_request_stay_referenced_while_stalled_stores_read
     assert h.wrong_slots(d) == []
 
 
-def _salted_request(request_id: str, tokens: list[int], salt: str, max_tokens: int) -> Request:
-    make_request(request_id, [2])  # sets up vLLM's own hashing
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    params.update_from_generation_config({}, EOS)
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=tokens,
-        sampling_params=params,
-        pooling_params=None,
-        mm_features=None,
-        cache_salt=salt,
-        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
-    )
-
-
 def _chain(root: BlockHash, tokens: list[int], extra: bytes) -> list[BlockHash]:
     hashes: list[BlockHash] = []
     parent = root
@@ -429,14 +410,14 @@ def test_a_salted_request_is_hashed_block_by_block_with_its_salt(model_dir: Path
     root = h.side._root
     tokens = prompt(3, 5, seed=21)
     # Hashed in the chunks vLLM asks for, each block's hash mixes in the salt.
-    b = _salted_request("b", tokens, "tenant-z", max_tokens=1)
+    b = make_request("b", tokens, max_tokens=1, cache_salt="tenant-z")
     want = _chain(root, tokens, b"salt:tenant-z")
     assert len(want) == 3
     for upto in (5, BLOCK_SIZE, 2 * BLOCK_SIZE + 3, len(tokens), 2 * BLOCK_SIZE):
         assert list(h.side._hashes(b, upto)) == want[: upto // BLOCK_SIZE]
     assert want != _chain(root, tokens, b"")
 
-    a = _salted_request("a", tokens, "tenant-z", max_tokens=BLOCK_SIZE + 2)
+    a = make_request("a", tokens, max_tokens=BLOCK_SIZE + 2, cache_salt="tenant-z")
     h.run(a)
     h.settle()
     h.check()

@@ -19,27 +19,28 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, final
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, final
 
 from kvoffload._logging import get_logger
 from kvoffload.build import build_grouped_scheduler
 from kvoffload.config import OffloadConfig
-from kvoffload.errors import ConfigError, InvariantError, RequestStateError
+from kvoffload.errors import RequestStateError
 from kvoffload.groups import KVCacheGroup, hit_alignment
 from kvoffload.hashing import BlockHash, BlockHasher
-from kvoffload.integrations.vllm.metadata import (
-    GroupTransfer,
-    KVOffloadConnectorMetadata,
-    KVOffloadWorkerMetadata,
+from kvoffload.integrations.vllm._scheduler_base import (
+    RequestEntry,
+    SchedulerSideBase,
+    Tracked,
+    grow_hashes,
+    hash_extra,
 )
+from kvoffload.integrations.vllm.metadata import GroupTransfer, KVOffloadConnectorMetadata
 from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler
 
 if TYPE_CHECKING:
-    from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["GroupedSchedulerSide"]
@@ -48,20 +49,9 @@ _log = get_logger("integrations.vllm")
 
 
 @dataclass(slots=True, eq=False)
-class _Tracked:
-    """One group's plan sent to the workers and not yet reported by all of them."""
-
-    group: str
-    plan: Any
-    pinned_gpu_blocks: list[Any]
-    reports: dict[int, bool] = field(default_factory=dict)
-
-
-@dataclass(slots=True, eq=False)
-class _Hashes:
+class _Hashes(RequestEntry):
     """One request's block hashes, one hasher per cacheable group."""
 
-    request: Request
     hashers: dict[str, BlockHasher]
 
 
@@ -77,7 +67,7 @@ def tables_of(
 
 
 @final
-class GroupedSchedulerSide:
+class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
     """kvoffload's decisions for one vLLM scheduler of a multi-group model.
 
     Args:
@@ -91,6 +81,8 @@ class GroupedSchedulerSide:
         ConfigError: a group gets no CPU block, or ``world_size`` < 1.
     """
 
+    _report_key: ClassVar[str] = "key"
+
     def __init__(
         self,
         config: OffloadConfig,
@@ -100,11 +92,8 @@ class GroupedSchedulerSide:
         world_size: int,
         num_gpu_blocks: int,
     ) -> None:
-        if world_size < 1:
-            raise ConfigError(f"world_size must be >= 1, got {world_size}")
-        self.config = config
+        super().__init__(config, world_size=world_size)
         self.groups = tuple(groups)
-        self.world_size = world_size
         self.alignment = hit_alignment(self.groups)
         self.checkpoint_tokens = self.alignment
         self.scheduler: GroupedScheduler = build_grouped_scheduler(
@@ -120,58 +109,30 @@ class GroupedSchedulerSide:
             g.name: g.namespace(model_id=model_id, salt=config.hash_salt).root
             for g in self._cacheable
         }
-        self._requests: dict[str, _Hashes] = {}
-        self._tracked: dict[int, _Tracked] = {}
         self._keys = itertools.count()
         self._loads: list[GroupTransfer] = []
         self._stores: list[GroupTransfer] = []
-        self._gpu_pool: BlockPool | None = None
-        self._manager: KVCacheManager | None = None
-        self._restarted: set[str] = set()
-        self.load_failures = 0
         self.loaded_tokens = 0
         """Prompt tokens planned to load from the CPU pool (beyond vLLM's own hits)."""
 
-    # -- binding -----------------------------------------------------------------------
-
-    def bind(self, manager: KVCacheManager) -> None:
-        """Use vLLM's KV cache manager (block tables and GPU block references)."""
-        self._manager = manager
-        self._gpu_pool = manager.block_pool
-
     # -- hashing -----------------------------------------------------------------------
-
-    def _offloadable(self, request: Request) -> bool:
-        return not request.mm_features and request.prompt_embeds is None
 
     def _hashes(self, request: Request, num_tokens: int) -> dict[str, list[BlockHash]]:
         """Per cacheable group, the hashes of the request's full blocks below
         ``num_tokens``."""
         entry = self._requests.get(request.request_id)
         if entry is None or entry.request is not request:
-            parts = []
-            if request.lora_request is not None:
-                parts.append(f"lora:{request.lora_request.lora_name}")
-            if request.cache_salt:
-                parts.append(f"salt:{request.cache_salt}")
-            extra = "\x00".join(parts).encode()
+            extra = hash_extra(request)
             hashers = {
                 g.name: BlockHasher(self._roots[g.name], g.block_size, extra)
                 for g in self._cacheable
             }
             entry = _Hashes(request, hashers)
             self._requests[request.request_id] = entry
-        tokens = request.all_token_ids
-        out: dict[str, list[BlockHash]] = {}
-        for g in self._cacheable:
-            hasher = entry.hashers[g.name]
-            have = hasher.block_hashes
-            bs = g.block_size
-            want = min(num_tokens, request.num_tokens) // bs
-            if len(have) < want:  # whole blocks only
-                hasher.extend(tokens[len(have) * bs : want * bs])
-            out[g.name] = list(hasher.block_hashes[:want])
-        return out
+        return {
+            g.name: list(grow_hashes(entry.hashers[g.name], request, g.block_size, num_tokens))
+            for g in self._cacheable
+        }
 
     def _tables(self, block_ids: Sequence[Sequence[int]]) -> dict[str, list[int | None]]:
         return tables_of(block_ids, self._names)
@@ -228,28 +189,15 @@ class GroupedSchedulerSide:
         for name, sub in plan.plans.items():
             key = next(self._keys)
             self._loads.append(GroupTransfer(key, self._index[name], sub))
-            self._tracked[key] = _Tracked(name, sub, [])
+            self._tracked[key] = Tracked(sub, [], name)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVOffloadConnectorMetadata:
         """Record what vLLM scheduled in every group, plan this step's stores, and hand
         out the plans."""
         sched = self.scheduler
-        restarted, self._restarted = self._restarted, set()
-        for rid in scheduler_output.preempted_req_ids or ():
-            if rid in restarted:
-                continue
-            if sched.has_request(rid):
-                self._preempt(rid)
-        manager = self._manager
-        if manager is None:
-            raise InvariantError("KVOffloadConnector: the KV cache manager was never bound")
-        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-        for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
-            entry = self._requests.get(rid)
-            if entry is None or not self._offloadable(entry.request):
-                continue
-            request = entry.request
-            computed = request.num_computed_tokens + num_scheduled - len(spec_tokens.get(rid, ()))
+        self._take_preempted(scheduler_output)
+        manager = self._bound_manager()
+        for rid, request, computed in self._scheduled(scheduler_output):
             hashes = self._hashes(request, computed)
             sched.update(rid, self._tables(manager.get_block_ids(rid)), hashes, computed)
         self._track_stores(sched.plan_stores())
@@ -263,40 +211,14 @@ class GroupedSchedulerSide:
         for name, sub in plan.plans.items():
             key = next(self._keys)
             self._stores.append(GroupTransfer(key, self._index[name], sub))
-            self._tracked[key] = _Tracked(name, sub, self._pin_gpu_blocks(sub.gpu_block_ids))
+            self._tracked[key] = Tracked(sub, self._pin_gpu_blocks(sub.gpu_block_ids), name)
 
-    def _pin_gpu_blocks(self, block_ids: Sequence[int]) -> list[Any]:
-        """Reference the GPU blocks a store reads in vLLM's block pool until it is done."""
-        pool = self._gpu_pool
-        if pool is None:
-            return []
-        blocks = [pool.blocks[i] for i in block_ids]
-        pool.touch(blocks)
-        return blocks
+    def _preempt_reported(self, rid: str) -> None:
+        if self.scheduler.has_request(rid):
+            self._preempt(rid)
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Complete every group's plan that all workers have now reported."""
-        meta = connector_output.kv_connector_worker_meta
-        if meta is None:
-            return
-        if not isinstance(meta, KVOffloadWorkerMetadata):
-            raise TypeError(f"KVOffloadConnector got worker metadata of type {type(meta).__name__}")
-        for key, ranks in meta.reports.items():
-            tracked = self._tracked.get(key)
-            if tracked is None:
-                _log.debug("late_report_ignored", key=key)
-                continue
-            for rank, ok in ranks.items():
-                tracked.reports[rank] = tracked.reports.get(rank, True) and ok
-            if len(tracked.reports) < self.world_size:
-                continue
-            del self._tracked[key]
-            ok = all(tracked.reports.values())
-            if not ok and tracked.plan.kind == "load":
-                self.load_failures += 1
-            self.scheduler.complete(tracked.group, tracked.plan, ok)
-            if tracked.pinned_gpu_blocks and self._gpu_pool is not None:
-                self._gpu_pool.free_blocks(tracked.pinned_gpu_blocks)
+    def _complete(self, tracked: Tracked, ok: bool) -> None:
+        self.scheduler.complete(tracked.group, tracked.plan, ok)
 
     def request_finished(self, request: Request) -> bool:
         """The request left vLLM, before vLLM frees its blocks: plan its last store point
@@ -318,20 +240,3 @@ class GroupedSchedulerSide:
         """Empty every group's CPU prefix cache (copies in flight publish nothing)."""
         self.scheduler.reset()
         return True
-
-    def has_pending_block_frees(self) -> bool:
-        """Whether a store in flight is the last holder of some GPU block."""
-        held: dict[int, int] = {}
-        for tracked in self._tracked.values():
-            for block in tracked.pinned_gpu_blocks:
-                held[block.block_id] = held.get(block.block_id, 0) + 1
-        pool = self._gpu_pool
-        if pool is None:
-            return False
-        return any(pool.blocks[i].ref_cnt == n for i, n in held.items())
-
-    # -- observation -------------------------------------------------------------------
-
-    def in_flight_plan_ids(self) -> list[int]:
-        """Transfer keys sent to workers and not reported by all of them yet."""
-        return list(self._tracked)

@@ -13,27 +13,30 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, final
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, final
 
 from kvoffload._logging import get_logger
 from kvoffload.build import build_core
 from kvoffload.config import KVLayout, OffloadConfig
-from kvoffload.errors import ConfigError, InvariantError
+from kvoffload.errors import InvariantError
 from kvoffload.hashing import BlockHash, BlockHasher, HashNamespace
-from kvoffload.integrations.vllm.metadata import (
-    KVOffloadConnectorMetadata,
-    KVOffloadWorkerMetadata,
+from kvoffload.integrations.vllm._scheduler_base import (
+    RequestEntry,
+    SchedulerSideBase,
+    Tracked,
+    grow_hashes,
+    hash_extra,
 )
+from kvoffload.integrations.vllm.metadata import KVOffloadConnectorMetadata
 from kvoffload.pool import AllBlocksCleared, BlockRemoved, BlockStored
-from kvoffload.transfer.plan import LoadPlan, StorePlan, TransferPlan
+from kvoffload.transfer.plan import LoadPlan, StorePlan
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["SchedulerSide"]
@@ -42,19 +45,9 @@ _log = get_logger("integrations.vllm")
 
 
 @dataclass(slots=True, eq=False)
-class _Tracked:
-    """A plan sent to the workers and not yet reported by all of them."""
-
-    plan: TransferPlan
-    pinned_gpu_blocks: list[Any]
-    reports: dict[int, bool] = field(default_factory=dict)
-
-
-@dataclass(slots=True, eq=False)
-class _RequestHashes:
+class _RequestHashes(RequestEntry):
     """The kvoffload block hashes of one request's tokens, grown as it runs."""
 
-    request: Request
     hasher: BlockHasher
 
     @property
@@ -81,7 +74,7 @@ class _FreeQueueView:
 
 
 @final
-class SchedulerSide:
+class SchedulerSide(SchedulerSideBase[_RequestHashes]):
     """kvoffload's decisions for one vLLM scheduler.
 
     Args:
@@ -104,62 +97,30 @@ class SchedulerSide:
         *,
         world_size: int,
     ) -> None:
-        if world_size < 1:
-            raise ConfigError(f"world_size must be >= 1, got {world_size}")
-        self.config = config
+        super().__init__(config, world_size=world_size)
         self.layout = layout
-        self.world_size = world_size
         # The pool's bookkeeping lives here; each worker allocates its own host buffer.
         core = build_core(config, layout, world_size=world_size, host_buffer=False)
         self.pool = core.pool
         self.scheduler = core.scheduler
         self._root = namespace.root
         self._block_size = layout.block_size
-        self._requests: dict[str, _RequestHashes] = {}
         self._loads: list[LoadPlan] = []
-        self._tracked: dict[int, _Tracked] = {}
-        self._gpu_pool: BlockPool | None = None
-        self._manager: KVCacheManager | None = None
         # Lazy mode: GPU block id -> (vLLM's hash when we saw it computed, our hash).
         self._gpu_hashes: dict[int, tuple[object, BlockHash]] = {}
         # For KV events: our hash -> (parent hash, token ids) of blocks planned for a store.
         self._block_tokens: dict[BlockHash, tuple[BlockHash, tuple[int, ...]]] = {}
-        self.load_failures = 0
-        # Requests preempted by vLLM and started over in this step, before
-        # build_connector_meta lists them as preempted.
-        self._restarted: set[str] = set()
-
-    # -- binding -----------------------------------------------------------------------
-
-    def bind(self, manager: KVCacheManager) -> None:
-        """Use vLLM's KV cache manager (block tables and GPU block references)."""
-        self._manager = manager
-        self._gpu_pool = manager.block_pool
 
     # -- hashing -----------------------------------------------------------------------
-
-    def _offloadable(self, request: Request) -> bool:
-        return not request.mm_features and request.prompt_embeds is None
 
     def _hashes(self, request: Request, num_tokens: int) -> Sequence[BlockHash]:
         """Hashes of the request's full blocks below ``num_tokens``."""
         entry = self._requests.get(request.request_id)
         if entry is None or entry.request is not request:
-            parts = []
-            if request.lora_request is not None:
-                parts.append(f"lora:{request.lora_request.lora_name}")
-            if request.cache_salt:
-                parts.append(f"salt:{request.cache_salt}")
-            extra = "\x00".join(parts).encode()
-            entry = _RequestHashes(request, BlockHasher(self._root, self._block_size, extra))
+            hasher = BlockHasher(self._root, self._block_size, hash_extra(request))
+            entry = _RequestHashes(request, hasher)
             self._requests[request.request_id] = entry
-        hasher = entry.hasher
-        hashes = hasher.block_hashes
-        bs = self._block_size
-        want = min(num_tokens, request.num_tokens) // bs
-        if len(hashes) < want:  # whole blocks only: the hasher keeps no tail here
-            hasher.extend(request.all_token_ids[len(hashes) * bs : want * bs])
-        return hashes[:want]
+        return grow_hashes(entry.hasher, request, self._block_size, num_tokens)
 
     # -- vLLM scheduler hooks ----------------------------------------------------------
 
@@ -207,28 +168,15 @@ class SchedulerSide:
         plan = self.scheduler.plan_load(rid, block_ids, num_external_tokens)
         if plan is not None:
             self._loads.append(plan)
-            self._tracked[plan.plan_id] = _Tracked(plan, [])
+            self._tracked[plan.plan_id] = Tracked(plan, [])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVOffloadConnectorMetadata:
         """Record what vLLM scheduled, plan this step's stores, and hand out the plans."""
         sched = self.scheduler
-        restarted, self._restarted = self._restarted, set()
-        for rid in scheduler_output.preempted_req_ids or ():
-            if rid in restarted:
-                continue  # started over when it asked again (get_num_new_matched_tokens)
-            if sched.has_request(rid) and not sched.request_state(rid).finished:
-                sched.preempt(rid)
-        manager = self._manager
-        if manager is None:
-            raise InvariantError("KVOffloadConnector: the KV cache manager was never bound")
-        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        self._take_preempted(scheduler_output)
+        manager = self._bound_manager()
         lazy = self.config.store_mode == "lazy"
-        for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
-            entry = self._requests.get(rid)
-            if entry is None or not self._offloadable(entry.request):
-                continue
-            request = entry.request
-            computed = request.num_computed_tokens + num_scheduled - len(spec_tokens.get(rid, ()))
+        for rid, request, computed in self._scheduled(scheduler_output):
             hashes = self._hashes(request, computed)
             block_ids = manager.get_block_ids(rid)[0]
             try:
@@ -250,7 +198,7 @@ class SchedulerSide:
         stores: tuple[StorePlan, ...] = ()
         if plan is not None:
             stores = (plan,)
-            self._tracked[plan.plan_id] = _Tracked(plan, self._pin_gpu_blocks(plan))
+            self._tracked[plan.plan_id] = Tracked(plan, self._pin_gpu_blocks(plan.gpu_block_ids))
             if self.config.enable_events:
                 self._remember_tokens(plan)
         loads, self._loads = tuple(self._loads), []
@@ -279,38 +227,13 @@ class SchedulerSide:
             if not wanted:
                 return
 
-    def _pin_gpu_blocks(self, plan: StorePlan) -> list[Any]:
-        """Reference the GPU blocks a store reads in vLLM's block pool until it is done."""
-        pool = self._gpu_pool
-        if pool is None:
-            return []
-        blocks = [pool.blocks[i] for i in plan.gpu_block_ids]
-        pool.touch(blocks)
-        return blocks
+    def _preempt_reported(self, rid: str) -> None:
+        sched = self.scheduler
+        if sched.has_request(rid) and not sched.request_state(rid).finished:
+            sched.preempt(rid)
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Complete every plan that all workers have now reported."""
-        meta = connector_output.kv_connector_worker_meta
-        if meta is None:
-            return
-        if not isinstance(meta, KVOffloadWorkerMetadata):
-            raise TypeError(f"KVOffloadConnector got worker metadata of type {type(meta).__name__}")
-        for plan_id, ranks in meta.reports.items():
-            tracked = self._tracked.get(plan_id)
-            if tracked is None:
-                _log.debug("late_report_ignored", plan_id=plan_id)
-                continue
-            for rank, ok in ranks.items():
-                tracked.reports[rank] = tracked.reports.get(rank, True) and ok
-            if len(tracked.reports) < self.world_size:
-                continue
-            del self._tracked[plan_id]
-            ok = all(tracked.reports.values())
-            if not ok and tracked.plan.kind == "load":
-                self.load_failures += 1
-            self.scheduler.complete(tracked.plan, ok)
-            if tracked.pinned_gpu_blocks and self._gpu_pool is not None:
-                self._gpu_pool.free_blocks(tracked.pinned_gpu_blocks)
+    def _complete(self, tracked: Tracked, ok: bool) -> None:
+        self.scheduler.complete(tracked.plan, ok)
 
     def request_finished(self, request: Request) -> bool:
         """The request left vLLM. Its store copies keep their GPU blocks referenced on
@@ -361,23 +284,7 @@ class SchedulerSide:
                 out.append(kv_events.AllBlocksCleared())
         return out
 
-    def has_pending_block_frees(self) -> bool:
-        """Whether a store in flight is the last holder of some GPU block, so that its
-        completion gives vLLM a free block (vLLM then waits instead of preempting)."""
-        held: dict[int, int] = {}
-        for tracked in self._tracked.values():
-            for block in tracked.pinned_gpu_blocks:
-                held[block.block_id] = held.get(block.block_id, 0) + 1
-        pool = self._gpu_pool
-        if pool is None:
-            return False
-        return any(pool.blocks[i].ref_cnt == n for i, n in held.items())
-
     # -- observation -------------------------------------------------------------------
-
-    def in_flight_plan_ids(self) -> list[int]:
-        """Plans sent to workers and not reported by all of them yet."""
-        return list(self._tracked)
 
     def pinned_gpu_block_ids(self) -> list[int]:
         """GPU blocks referenced by stores in flight (with repetitions)."""

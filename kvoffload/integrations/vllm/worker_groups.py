@@ -18,31 +18,18 @@ the start in every group.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, final
 
-import anyio
 import torch
 
 from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout, OffloadConfig
-from kvoffload.integrations.vllm.metadata import (
-    GroupTransfer,
-    KVOffloadConnectorMetadata,
-    KVOffloadWorkerMetadata,
-)
+from kvoffload.integrations.vllm._worker_base import WorkerSideBase
+from kvoffload.integrations.vllm.metadata import GroupTransfer
 from kvoffload.integrations.vllm.pages import page_views
-from kvoffload.integrations.vllm.worker_side import worker_rank
 from kvoffload.storage import HostKVBuffer
-from kvoffload.transfer import (
-    CompletionPoller,
-    CopyEngine,
-    CudaCopyEngine,
-    ThreadCopyEngine,
-    TransferStatus,
-    TransferTask,
-)
+from kvoffload.transfer import CopyEngine, TransferStatus, TransferTask
 from kvoffload.transfer.plan import LoadPlan
 
 if TYPE_CHECKING:
@@ -51,7 +38,6 @@ if TYPE_CHECKING:
 __all__ = ["GroupedWorkerSide", "WorkerGroup"]
 
 _log = get_logger("integrations.vllm")
-_LOAD_WAIT_S = 0.0002
 
 
 @final
@@ -81,7 +67,7 @@ class WorkerGroup:
 
 
 @final
-class GroupedWorkerSide:
+class GroupedWorkerSide(WorkerSideBase):
     """One vLLM worker's copies for a multi-group model.
 
     Args:
@@ -101,19 +87,12 @@ class GroupedWorkerSide:
         rank: int | None = None,
         copy_hook: CopyHook | None = None,
     ) -> None:
-        self.config = config
+        super().__init__(config, num_gpu_blocks, rank=rank, copy_hook=copy_hook)
         self.groups = {g.index: g for g in groups}
-        self.num_gpu_blocks = num_gpu_blocks
-        self.rank = worker_rank() if rank is None else rank
-        self._copy_hook = copy_hook
-        self._device: torch.device | None = None
-        self._poller = CompletionPoller(self._on_complete, poll_interval_s=config.poll_interval_s)
         self._running: dict[int, GroupTransfer] = {}  # id(plan) -> its transfer
-        self._reports: dict[int, bool] = {}
         self._receiving: dict[str, int] = {}  # request -> its loads not ended yet
         self._received: set[str] = set()
         self._failed: set[str] = set()
-        self._meta: KVOffloadConnectorMetadata | None = None
         self.bytes_loaded: dict[int, int] = dict.fromkeys(self.groups, 0)
         self.bytes_stored: dict[int, int] = dict.fromkeys(self.groups, 0)
 
@@ -126,27 +105,9 @@ class GroupedWorkerSide:
         """
         for group in self.groups.values():
             views = page_views(kv_caches, group.layer_names, group.layout, self.num_gpu_blocks)
-            host = HostKVBuffer(
-                group.layout,
-                group.num_cpu_blocks,
-                pin_memory=self.config.pin_memory,
-                pin_chunk_bytes=int(self.config.pin_chunk_bytes),
-            )
-            group.host = host
+            group.host = host = self._host_buffer(group.layout, group.num_cpu_blocks)
             group.views = views
-            self._device = views[0].device
-            if self._device.type == "cuda":
-                group.engine = CudaCopyEngine(
-                    group.layout, views, host, poll_interval_s=self.config.poll_interval_s
-                )
-            else:
-                group.engine = ThreadCopyEngine(
-                    group.layout,
-                    views,
-                    host,
-                    copy_hook=self._copy_hook,
-                    poll_interval_s=self.config.poll_interval_s,
-                )
+            group.engine = self._copy_engine(group.layout, views, host)
         _log.info(
             "vllm_worker_ready",
             rank=self.rank,
@@ -158,7 +119,7 @@ class GroupedWorkerSide:
         ok = task.status is TransferStatus.DONE
         plan = task.plan
         transfer = self._running.pop(id(plan))
-        self._reports[transfer.key] = self._reports.get(transfer.key, True) and ok
+        self._report(transfer.key, ok)
         if isinstance(plan, LoadPlan):
             rid = plan.request_id
             if ok:
@@ -184,14 +145,6 @@ class GroupedWorkerSide:
         self._poller.track(task)
         return task
 
-    def bind(self, meta: KVOffloadConnectorMetadata) -> None:
-        """Remember the step's plans."""
-        self._meta = meta
-
-    def clear(self) -> None:
-        """Forget the step's plans."""
-        self._meta = None
-
     def start_load_kv(self) -> None:
         """Run the step's loads of every group; on CPU, return once they ended."""
         meta = self._meta
@@ -201,17 +154,8 @@ class GroupedWorkerSide:
             plan = transfer.plan
             if isinstance(plan, LoadPlan):
                 self._receiving[plan.request_id] = self._receiving.get(plan.request_id, 0) + 1
-        tasks = [self._submit(t) for t in meta.group_loads]
-        if self._device is not None and self._device.type == "cuda":
-            current = torch.cuda.current_stream(self._device)
-            for task in tasks:
-                task.wait_on(current)
-            self._poller.poll()
-            return
-        while not all(task.done() for task in tasks):
-            if not self._poller.poll():
-                time.sleep(_LOAD_WAIT_S)
-        self._poller.poll()
+        if self._wait_for_loads([self._submit(t) for t in meta.group_loads]):
+            self._poller.poll()  # deliver them now, for take_received()
 
     def wait_for_save(self) -> None:
         """Start the step's stores of every group (after the forward wrote them)."""
@@ -234,32 +178,10 @@ class GroupedWorkerSide:
         """Nothing: a multi-group model's load failures go per request (`take_received`)."""
         return set()
 
-    def take_reports(self) -> KVOffloadWorkerMetadata | None:
-        """This rank's finished copies since the last call, keyed by transfer key."""
-        self._poller.poll()
-        if not self._reports:
-            return None
-        reports, self._reports = self._reports, {}
-        return KVOffloadWorkerMetadata({key: {self.rank: ok} for key, ok in reports.items()})
-
-    @property
-    def in_flight(self) -> int:
-        """Copies submitted and not yet delivered."""
-        return self._poller.in_flight
-
-    def wait_idle(self) -> None:
-        """Block until every submitted copy ended."""
-        while self._poller.in_flight:
-            if not self._poller.poll():
-                time.sleep(_LOAD_WAIT_S)
-
     def shutdown(self) -> None:
         """Wait for the copies in flight, then release the engines and host buffers."""
         self.wait_idle()
         for group in self.groups.values():
             engine, group.engine = group.engine, None
-            if engine is not None:
-                anyio.run(engine.aclose)
             host, group.host = group.host, None
-            if host is not None:
-                host.close()
+            self._release(engine, host)

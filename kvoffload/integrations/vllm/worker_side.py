@@ -9,30 +9,18 @@ event loop) and reported back in the worker metadata, keyed by plan and rank.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, final
 
-import anyio
 import torch
 
 from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import LayoutMismatchError
-from kvoffload.integrations.vllm.metadata import (
-    KVOffloadConnectorMetadata,
-    KVOffloadWorkerMetadata,
-)
+from kvoffload.integrations.vllm._worker_base import WorkerSideBase, worker_rank
 from kvoffload.integrations.vllm.pages import page_views
 from kvoffload.storage import HostKVBuffer
-from kvoffload.transfer import (
-    CompletionPoller,
-    CopyEngine,
-    CudaCopyEngine,
-    ThreadCopyEngine,
-    TransferStatus,
-    TransferTask,
-)
+from kvoffload.transfer import CopyEngine, TransferStatus, TransferTask
 
 if TYPE_CHECKING:
     from kvoffload.transfer.thread_engine import CopyHook
@@ -40,7 +28,6 @@ if TYPE_CHECKING:
 __all__ = ["WorkerSide", "layer_views", "worker_rank"]
 
 _log = get_logger("integrations.vllm")
-_LOAD_WAIT_S = 0.0002
 
 
 def layer_views(
@@ -87,18 +74,8 @@ def layer_views(
     return views
 
 
-def worker_rank() -> int:
-    """This worker's rank in vLLM's world group (0 when vLLM's groups are not set up)."""
-    try:
-        from vllm.distributed.parallel_state import get_world_group  # noqa: PLC0415
-
-        return int(get_world_group().rank_in_group)
-    except (AssertionError, ImportError, RuntimeError, AttributeError):
-        return 0
-
-
 @final
-class WorkerSide:
+class WorkerSide(WorkerSideBase):
     """One vLLM worker's copies.
 
     Args:
@@ -123,20 +100,13 @@ class WorkerSide:
         copy_hook: CopyHook | None = None,
         opaque: bool = False,
     ) -> None:
-        self.config = config
+        super().__init__(config, num_gpu_blocks, rank=rank, copy_hook=copy_hook)
         self.opaque = opaque
         self.layout = layout
         self.layer_names = list(layer_names)
-        self.num_gpu_blocks = num_gpu_blocks
-        self.rank = worker_rank() if rank is None else rank
-        self._copy_hook = copy_hook
         self.engine: CopyEngine | None = None
         self.host: HostKVBuffer | None = None
-        self._device: torch.device | None = None
-        self._poller = CompletionPoller(self._on_complete, poll_interval_s=config.poll_interval_s)
-        self._reports: dict[int, bool] = {}
         self._load_errors: set[int] = set()
-        self._meta: KVOffloadConnectorMetadata | None = None
         self.bytes_loaded = 0
         self.bytes_stored = 0
 
@@ -150,25 +120,8 @@ class WorkerSide:
         views_of = page_views if self.opaque else layer_views
         views = views_of(kv_caches, self.layer_names, self.layout, self.num_gpu_blocks)
         num_cpu_blocks = self.config.resolve_num_cpu_blocks(self.layout)
-        self.host = HostKVBuffer(
-            self.layout,
-            num_cpu_blocks,
-            pin_memory=self.config.pin_memory,
-            pin_chunk_bytes=int(self.config.pin_chunk_bytes),
-        )
-        self._device = views[0].device
-        if self._device.type == "cuda":
-            self.engine = CudaCopyEngine(
-                self.layout, views, self.host, poll_interval_s=self.config.poll_interval_s
-            )
-        else:
-            self.engine = ThreadCopyEngine(
-                self.layout,
-                views,
-                self.host,
-                copy_hook=self._copy_hook,
-                poll_interval_s=self.config.poll_interval_s,
-            )
+        self.host = self._host_buffer(self.layout, num_cpu_blocks)
+        self.engine = self._copy_engine(self.layout, views, self.host)
         _log.info(
             "vllm_worker_ready",
             rank=self.rank,
@@ -180,7 +133,7 @@ class WorkerSide:
     def _on_complete(self, task: TransferTask) -> None:
         ok = task.status is TransferStatus.DONE
         plan = task.plan
-        self._reports[plan.plan_id] = self._reports.get(plan.plan_id, True) and ok
+        self._report(plan.plan_id, ok)
         if plan.kind == "load":
             if ok:
                 self.bytes_loaded += task.nbytes
@@ -198,14 +151,6 @@ class WorkerSide:
         self._poller.track(task)
         return task
 
-    def bind(self, meta: KVOffloadConnectorMetadata) -> None:
-        """Remember the step's plans."""
-        self._meta = meta
-
-    def clear(self) -> None:
-        """Forget the step's plans."""
-        self._meta = None
-
     def start_load_kv(self) -> None:
         """Run the step's loads; on CPU, return once they ended (failed blocks are kept
         for `take_load_errors()`); on CUDA, make the compute stream wait for them."""
@@ -213,16 +158,7 @@ class WorkerSide:
         engine = self.engine
         if meta is None or not meta.loads or engine is None:
             return
-        tasks = [self._submit(engine, plan) for plan in meta.loads]
-        if self._device is not None and self._device.type == "cuda":
-            current = torch.cuda.current_stream(self._device)
-            for task in tasks:
-                task.wait_on(current)
-            self._poller.poll()
-            return
-        while not all(task.done() for task in tasks):
-            if not self._poller.poll():
-                time.sleep(_LOAD_WAIT_S)
+        self._wait_for_loads([self._submit(engine, plan) for plan in meta.loads])
 
     def wait_for_save(self) -> None:
         """Start the step's stores (after the forward that wrote their blocks)."""
@@ -239,31 +175,9 @@ class WorkerSide:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def take_reports(self) -> KVOffloadWorkerMetadata | None:
-        """This rank's finished copies since the last call, or ``None``."""
-        self._poller.poll()
-        if not self._reports:
-            return None
-        reports, self._reports = self._reports, {}
-        return KVOffloadWorkerMetadata({pid: {self.rank: ok} for pid, ok in reports.items()})
-
-    @property
-    def in_flight(self) -> int:
-        """Copies submitted and not yet delivered."""
-        return self._poller.in_flight
-
-    def wait_idle(self) -> None:
-        """Block until every submitted copy ended (used on shutdown and in tests)."""
-        while self._poller.in_flight:
-            if not self._poller.poll():
-                time.sleep(_LOAD_WAIT_S)
-
     def shutdown(self) -> None:
         """Wait for the copies in flight, then release the engine and the host buffer."""
         self.wait_idle()
         engine, self.engine = self.engine, None
-        if engine is not None:
-            anyio.run(engine.aclose)
         host, self.host = self.host, None
-        if host is not None:
-            host.close()
+        self._release(engine, host)
