@@ -348,11 +348,8 @@ class KVOffloader:
         *,
         no_read: bool = False,
     ) -> int | None:
-        """`lookup()` that may answer ``None``: "ask again later".
-
-        ``None`` while the block after the CPU hit is being stored or promoted from a tier,
-        or a hit block is being loaded for another request (see
-        `OffloadScheduler.lookup_or_defer()`). Raises as `lookup()` does.
+        """`lookup()` that may answer ``None`` ("ask again later"): when, see
+        `OffloadScheduler.lookup_or_defer()`. Raises as `lookup()` does.
         """
         session = _single(self, "lookup_or_defer")
         session.check("lookup")

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, final
 
-from kvoffload.bench.trace import HASH_ID_MAX, HASH_ID_MIN, read_trace
+from kvoffload.bench.trace import HASH_ID_MAX, HASH_ID_MIN, read_trace, useful_capacity
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.pool.policies import POLICY_NAMES, STATIC_POLICY_NAMES, make_policy
@@ -74,23 +74,6 @@ class Trace:
     def num_unique(self) -> int:
         """Distinct block ids (the capacity that holds everything)."""
         return len({b for r in self.requests for b in r})
-
-
-def useful_capacity(requests: Iterable[Sequence[Any]]) -> int:
-    """The largest pool a replay of ``requests`` can use: a larger one gives the same result.
-
-    A pool of the trace's distinct blocks plus its longest request never evicts (the
-    published blocks are distinct, and one request allocates at most its length more), nor
-    does one of as many blocks as the trace accesses; the smaller of the two is returned,
-    at least 1.
-    """
-    seen: set[Any] = set()
-    accesses = longest = 0
-    for request in requests:
-        accesses += len(request)
-        longest = max(longest, len(request))
-        seen.update(request)
-    return max(1, min(accesses, len(seen) + longest))
 
 
 def load_trace(path: str | Path) -> Trace:

@@ -467,9 +467,7 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         Args:
             num_computed_tokens: tokens the engine's own prefix cache holds (a multiple of
                 the block size; default: the value the handle was made with).
-            allow_defer: return ``None`` when the block after the hit is being stored right
-                now (ask again after ``await off.drain()`` for a longer hit); the same as
-                `lookup_or_defer()`.
+            allow_defer: ``True`` is `lookup_or_defer()`, which may answer ``None``.
 
         Returns:
             The hit in tokens (see `KVOffloader.lookup()`), or ``None`` as above.
@@ -482,12 +480,8 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         return self._lookup("lookup", num_computed_tokens, allow_defer)
 
     def lookup_or_defer(self, *, num_computed_tokens: int | None = None) -> int | None:
-        """`lookup()` that may answer ``None``: "ask again later".
-
-        ``None`` while the block after the hit is being stored or promoted from a tier, or
-        a hit block is being loaded for another request (see
-        `KVOffloader.lookup_or_defer()`); ``lookup(allow_defer=True)`` is the same call.
-        Takes and raises what `lookup()` does.
+        """`lookup()` that may answer ``None`` ("ask again later"): when, see
+        `OffloadScheduler.lookup_or_defer()`. Takes and raises what `lookup()` does.
         """
         return self._lookup("lookup_or_defer", num_computed_tokens, True)
 

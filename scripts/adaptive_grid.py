@@ -9,7 +9,7 @@ the best static policy and below LRU). Exits 1 if any row misses the target.
 
 Usage:
     .venv/bin/python scripts/adaptive_grid.py [--trace ../shared/traces/synthetic_trace.jsonl]
-        [--capacity 500,1000,2000,6000,20000,40000] [--requests 4000] [--tolerance 0.005]
+        [--capacity 500,750,1000,...,40000] [--requests 4000] [--tolerance 0.005]
 """
 
 from __future__ import annotations
@@ -21,11 +21,14 @@ from kvoffload.bench.tracegen import SHAPES, generate
 from kvoffload.pool.policies import STATIC_POLICY_NAMES
 from kvoffload.replay import Trace, load_trace, replay_pool
 
+CAPACITIES = "500,750,1000,1500,2000,3000,4000,6000,8000,10000,15000,20000,30000,40000"
+"""The default capacities: 500 to 40,000 blocks, about 1.5 times apart."""
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", action="append", default=[], help="a Mooncake-format trace")
-    parser.add_argument("--capacity", default="500,1000,2000,6000,20000,40000")
+    parser.add_argument("--capacity", default=CAPACITIES)
     parser.add_argument("--requests", type=int, default=4000, help="requests per shape")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--tolerance", type=float, default=0.005)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -20,7 +21,7 @@ from kvoffload.pool.policies import (
     AdaptivePolicy,
     make_policy,
 )
-from kvoffload.pool.policies.adaptive import DEFAULT_EXPERTS
+from kvoffload.pool.policies.adaptive import DEFAULT_EXPERTS, ShadowPool
 from kvoffload.replay import Trace, load_trace, replay_pool, run_replay
 
 
@@ -75,6 +76,8 @@ def test_registered_and_configurable() -> None:
         ({"margin": -0.1}, r"margin must be in \[0, 1\)"),
         ({"confidence": -1.0}, "confidence must be finite and >= 0"),
         ({"confidence": float("inf")}, "confidence must be finite and >= 0"),
+        ({"temperature": 0.0}, "temperature must be finite and > 0"),
+        ({"temperature": float("inf")}, "temperature must be finite and > 0"),
     ],
 )
 def test_arguments_are_checked(kwargs: dict[str, object], match: str) -> None:
@@ -193,14 +196,77 @@ def test_check_reports_a_broken_bound() -> None:
     pool = CpuBlockPool(8, policy=policy)
     replay(pool, keys_of(generate("chat", 30)))
     pool.check_invariants()
-    policy._orphans.update((i, None) for i in range(10_000))
+    policy._where.update((h(10**6 + i), 0) for i in range(10_000))
     with pytest.raises(InvariantError, match="exceed the bound"):
         policy.check()
 
 
+def test_check_reports_a_block_in_the_wrong_bucket() -> None:
+    policy = AdaptivePolicy()
+    pool = CpuBlockPool(8, policy=policy)
+    replay(pool, keys_of(generate("chat", 30)))
+    pool.check_invariants()
+    m, bucket = next((m, b) for m, b in enumerate(policy._buckets) if b)
+    block_id = next(iter(bucket))
+    policy._mask_of[block_id] = m ^ 1
+    with pytest.raises(InvariantError, match=f"block {block_id} in bucket {m} is recorded"):
+        policy.check()
+
+
+def test_weights_fall_with_the_distance_to_the_best_in_standard_deviations() -> None:
+    policy = AdaptivePolicy(experts=("lru", "s3fifo", "arc"), temperature=2.0)
+    policy._scores = [100.0, 80.0, 100.0]
+    lru, s3fifo, arc = policy.weights()
+    assert lru == arc == 1.0
+    assert s3fifo == pytest.approx(math.exp(-20 / (2.0 * math.sqrt(181.0))))
+    policy._scores = [10_000.0, 8_000.0, 10_000.0]  # the same rates, 100 times the evidence
+    assert policy.weights()[1] < s3fifo**9
+    assert policy.statistics().weights == dict(zip(policy.experts, policy.weights(), strict=True))
+
+
+def _worth(block: CpuBlock, weights: Sequence[float], shadows: Sequence[ShadowPool]) -> float:
+    """The summed weight of the experts whose shadow holds the block's hash (-1: no hash)."""
+    if block.block_hash is None:
+        return -1.0
+    held = [s.is_cached(block.block_hash) for s in shadows]
+    return sum(x for x, yes in zip(weights, held, strict=True) if yes)
+
+
+@pytest.mark.parametrize(("shape", "capacity"), [("chat", 300), ("scan", 400)])
+def test_victims_are_the_free_blocks_the_least_weight_holds(shape: str, capacity: int) -> None:
+    """At every allocation of a replay, each block the pool evicts is worth (the summed
+    weight of the experts whose shadow holds its hash) no more than any free block it
+    keeps; free blocks that hold nothing go first."""
+    requests = keys_of(generate(shape, 300))
+    policy = AdaptivePolicy()
+    pool = CpuBlockPool(capacity, policy=policy)
+    shadows = policy._shadows
+    checked = 0
+    for keys in requests:
+        found = pool.lookup(keys)
+        pool.touch(found)
+        missing = keys[len(found) :]
+        w = policy.weights()
+        free = [b for b in (pool.block(i) for i in range(capacity)) if b.ref_cnt == 0]
+        before = {b.block_id: _worth(b, w, shadows) for b in free}
+        new = pool.allocate(min(len(missing), pool.num_free))
+        taken = {b.block_id for b in new}
+        if taken and len(taken) < len(free):
+            kept = min(v for i, v in before.items() if i not in taken)
+            assert max(before[i] for i in taken) <= kept + 1e-9
+            checked += 1
+        for block, key in zip(new, missing, strict=False):
+            pool.publish(block, key)
+        held = found + new
+        held.reverse()
+        pool.free(held)
+    pool.check_invariants()
+    assert checked > 50
+
+
 @pytest.mark.parametrize(
     ("experts", "per_block", "extra"),
-    [(DEFAULT_EXPERTS, 16, 0), (STATIC_POLICY_NAMES, 24, 64)],
+    [(DEFAULT_EXPERTS, 25, 64), (("lru", "s3fifo", "arc"), 17, 0)],
 )
 def test_metadata_stays_within_its_bound_after_a_long_scan(
     experts: Sequence[str], per_block: int, extra: int
@@ -222,7 +288,7 @@ def test_metadata_stays_within_its_bound_after_a_long_scan(
     # Every shadow is full (C records, C hashes); nothing grew with the 12,000 accesses.
     assert 2 * len(experts) * capacity <= stats.metadata_entries <= policy.metadata_bound
     assert len(policy._where) <= 2 * capacity
-    assert len(policy._orphans) <= capacity
+    assert sum(len(bucket) for bucket in policy._buckets) <= capacity
 
 
 def test_a_run_of_hits_keeps_a_frequency_experts_heap_in_bound() -> None:
@@ -234,30 +300,48 @@ def test_a_run_of_hits_keeps_a_frequency_experts_heap_in_bound() -> None:
     replay(pool, [keys] * 1000)
     pool.check_invariants()
     assert policy.statistics().shadow_hits == {"lru": 999 * 50, "prefix-freq": 999 * 50}
-    assert policy.metadata_entries() <= policy.metadata_bound == (2 + 2 + 6 + 4) * 100 + 64
+    assert policy.metadata_entries() <= policy.metadata_bound == (2 + 2 + 6 + 5) * 100 + 64
 
 
-# The target on every generated shape: within 0.005 of the best static policy, never more
-# than 0.005 below LRU (hit rates only), on the traces `kvoffload synth-trace` writes by
-# default (4,000 requests: the learning phase is part of what is judged).
+# The target (issue 20): within 0.005 of the best static policy and never more than 0.005
+# below LRU, hit rates only. The whole grid (every shape, 14 capacities from 500 to 40,000
+# blocks) takes minutes: `scripts/adaptive_grid.py` runs it and docs/policies.md records it.
+# Here, within CI time, one or two cells of each regime of the grid: where ARC is best
+# (chat at 1,000), where `prefix-freq` is (chat at 15,000, which following a single leader
+# missed), where S3-FIFO is by far (rag at 500 and 6,000, scan at 1,000), where the static
+# policies tie (scan at 20,000), where only S3-FIFO keeps anything (loop at 6,000), on the
+# traces `kvoffload synth-trace` writes by default (4,000 requests: the learning phase is
+# part of what is judged); and the Mooncake synthetic trace at 1,000, 6,000 (the cell
+# following a single leader missed, 0.3199 against ARC's 0.3266) and 20,000 blocks.
 TARGET_CASES = [
-    (shape, capacity, 4000)
-    for shape in ("chat", "rag", "scan", "loop")
-    for capacity in (500, 2000, 6000)
+    ("chat", 1000),
+    ("chat", 15000),
+    ("rag", 500),
+    ("rag", 6000),
+    ("scan", 1000),
+    ("scan", 20000),
+    ("loop", 6000),
 ]
+MOONCAKE_CAPACITIES = [1000, 6000, 20000]
 
 
-@pytest.mark.parametrize(("shape", "capacity", "num_requests"), TARGET_CASES)
-def test_adaptive_meets_its_target_on_the_generated_shapes(
-    shape: str, capacity: int, num_requests: int
-) -> None:
-    trace = Trace("", tuple(tuple(r) for r in generate(shape, num_requests)))
+def _meets_target(trace: Trace, capacity: int) -> None:
     (row,) = run_replay(trace, [capacity], POLICY_NAMES).rows
     rates = {r.policy: r.hit_rate for r in row.results}
     adaptive = rates.pop("adaptive")
     assert row.best_static_hit_rate == max(rates.values())
     assert adaptive >= row.best_static_hit_rate - 0.005, (rates, adaptive)
     assert adaptive >= rates["lru"] - 0.005, (rates, adaptive)
+
+
+@pytest.mark.parametrize(("shape", "capacity"), TARGET_CASES)
+def test_adaptive_meets_its_target_on_the_generated_shapes(shape: str, capacity: int) -> None:
+    _meets_target(Trace("", tuple(tuple(r) for r in generate(shape, 4000))), capacity)
+
+
+@pytest.mark.parametrize("capacity", MOONCAKE_CAPACITIES)
+def test_adaptive_meets_its_target_on_the_mooncake_trace(trace_path: Path, capacity: int) -> None:
+    _meets_target(load_trace(trace_path), capacity)
 
 
 def test_replay_rows_name_the_best_static_policy() -> None:

@@ -30,11 +30,10 @@ from typing import Protocol
 from tqdm import tqdm
 
 from kvoffload.bench._args import CommandError, int_list, output_path, positive_int, write_output
-from kvoffload.bench.trace import read_trace
+from kvoffload.bench.trace import read_trace, useful_capacity
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.pool.policies import POLICY_NAMES
-from kvoffload.replay import useful_capacity
 
 __all__ = [
     "BLOCK_OPS_DEFINITION",

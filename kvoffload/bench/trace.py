@@ -4,19 +4,28 @@ The reader is strict: a line that is not a JSON object with the four fields, a n
 is not finite (``NaN``, ``Infinity``), a count that is not a non-negative integer, or a
 hash id outside the signed 128-bit range that block keys hold, or an optional ``priority``
 that is not an integer in [0, 65536], is refused with a
-`TraceFormatError` naming the file, the line and the field.
+`TraceFormatError` naming the file, the line and the field. `useful_capacity()` says the
+largest pool a replay of a trace can use (`kvoffload.replay` and the pool benchmark both
+cap their pools with it).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-__all__ = ["HASH_ID_MAX", "HASH_ID_MIN", "TraceFormatError", "TraceRequest", "read_trace"]
+__all__ = [
+    "HASH_ID_MAX",
+    "HASH_ID_MIN",
+    "TraceFormatError",
+    "TraceRequest",
+    "read_trace",
+    "useful_capacity",
+]
 
 HASH_ID_MIN = -(1 << 127)
 """The smallest hash id a trace may hold (block keys are 16-byte signed integers)."""
@@ -134,3 +143,20 @@ def read_trace(path: str | Path, *, limit: int | None = None) -> Iterator[TraceR
             except (ValueError, RecursionError) as exc:
                 line.fail(None, f"not JSON: {exc}")
             yield _record(line, rec)
+
+
+def useful_capacity(requests: Iterable[Sequence[Any]]) -> int:
+    """The largest pool a replay of ``requests`` can use: a larger one gives the same result.
+
+    A pool of the trace's distinct blocks plus its longest request never evicts (the
+    published blocks are distinct, and one request allocates at most its length more), nor
+    does one of as many blocks as the trace accesses; the smaller of the two is returned,
+    at least 1.
+    """
+    seen: set[Any] = set()
+    accesses = longest = 0
+    for request in requests:
+        accesses += len(request)
+        longest = max(longest, len(request))
+        seen.update(request)
+    return max(1, min(accesses, len(seen) + longest))

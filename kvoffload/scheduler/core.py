@@ -288,14 +288,12 @@ class OffloadScheduler:
             block_hashes: hashes of the prompt's full blocks.
             num_tokens: prompt length in tokens.
             num_computed_tokens: tokens the engine holds already, block aligned.
-            allow_defer: return ``None`` ("ask again later") when the block after the hit
-                is being stored, or a hit block is being loaded for another request,
-                instead of a shorter hit or a second load (counted in
-                ``concurrent_load_blocks``).
+            allow_defer: ``True`` is `lookup_or_defer()`, which may answer ``None``.
             no_read: the request must not read the cache: returns 0, pins nothing.
 
         Returns:
-            Loadable tokens (a multiple of the block size), or ``None`` as above.
+            Loadable tokens (a multiple of the block size), or ``None`` (only with
+            ``allow_defer``).
 
         Raises:
             RequestStateError: the request is finished.
@@ -320,7 +318,17 @@ class OffloadScheduler:
         *,
         no_read: bool = False,
     ) -> int | None:
-        """`lookup()` with ``allow_defer=True``: ``None`` means "ask again later"."""
+        """`lookup()` that may answer ``None``: "ask again later".
+
+        ``None`` when the block after the hit is being filled (stored, or promoted from a
+        tier), or a hit block is being loaded for another request (its GPU copy will serve
+        this one), instead of a shorter hit or a second load (counted in
+        ``concurrent_load_blocks``); nothing is pinned then. Once the copies in flight
+        have landed (``await off.drain()``), the lookup may find a longer hit.
+        ``lookup(allow_defer=True)`` is the same call. Takes and raises what `lookup()`
+        does. `KVOffloader.lookup_or_defer()` and `OffloadRequest.lookup_or_defer()` are
+        this call through the façade and the handle.
+        """
         return self._loads.lookup(
             request_id,
             block_hashes,

@@ -3,9 +3,10 @@
 Each expert runs in a *shadow pool*: a `CpuBlockPool` of the real pool's size that holds
 hashes only (no data), driven by every request the real pool sees, as if it were the real
 pool under that expert. The shadows' prefix hits, decayed over a window of recent block
-accesses, say which expert is doing best on the current traffic; the real pool then
-evicts as that leader would: first the free blocks that the leader's shadow no longer
-holds, then (when that is not enough) the least recently freed ones.
+accesses, weigh the experts; the real pool then keeps the free blocks that the experts'
+weights most agree on keeping: a free block is worth the weights of the experts whose
+shadow holds its hash, and the least worth goes first. An expert far ahead decides
+alone; experts whose hits are within noise of each other share the pool.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from kvoffload.pool.free_queue import CpuBlock, LruFreeQueue
     from kvoffload.pool.policies.base import EvictionPolicy
 
-__all__ = ["DEFAULT_EXPERTS", "AdaptivePolicy", "AdaptiveStatistics", "ShadowPool"]
+__all__ = ["DEFAULT_EXPERTS", "TEMPERATURE", "AdaptivePolicy", "AdaptiveStatistics", "ShadowPool"]
 
 
 class ShadowPool(Protocol):
@@ -60,8 +61,11 @@ class ShadowPool(Protocol):
 ShadowPoolFactory = Callable[[int, str], ShadowPool]
 """Makes a shadow pool: ``(num_blocks, policy name) -> ShadowPool``."""
 
-DEFAULT_EXPERTS: tuple[str, ...] = ("lru", "s3fifo", "arc")
-"""The experts `AdaptivePolicy` chooses among by default; the first one leads at the start."""
+DEFAULT_EXPERTS: tuple[str, ...] = ("lru", "s3fifo", "arc", "prefix-freq")
+"""The experts `AdaptivePolicy` weighs by default; the first one leads at the start."""
+
+TEMPERATURE = 10.0
+"""`AdaptivePolicy`'s default ``temperature``."""
 
 
 @final
@@ -70,8 +74,10 @@ class AdaptiveStatistics:
     """A snapshot of an `AdaptivePolicy`.
 
     Attributes:
-        leader: the expert the pool currently evicts like.
+        leader: the expert with the most weight (it breaks ties between blocks).
         scores: per expert, its shadow's prefix hits decayed over the window.
+        weights: per expert, the weight its vote to keep a block has now (1 for the best
+            score, less the further behind an expert is, in standard deviations).
         shadow_hits: per expert, its shadow's prefix hits since the start (undecayed).
         switches: how many times the leader changed.
         metadata_entries: block records, hashes and ids the policy keeps, all experts
@@ -81,6 +87,7 @@ class AdaptiveStatistics:
 
     leader: str
     scores: dict[str, float]
+    weights: dict[str, float]
     shadow_hits: dict[str, int]
     switches: int
     metadata_entries: int
@@ -119,7 +126,7 @@ def _expert_bound(name: str, capacity: int) -> int:
 
 @final
 class AdaptivePolicy(PolicyBase):
-    """Evict like the expert whose shadow pool has had the most recent prefix hits.
+    """Keep the blocks that the experts with the most recent prefix hits keep.
 
     Each expert (by default LRU, S3-FIFO, ARC and ``prefix-freq``) runs in a shadow pool
     of the same size that holds hashes only. A lookup is a request's use of its blocks:
@@ -128,40 +135,53 @@ class AdaptivePolicy(PolicyBase):
     the rest as far as blocks are free, free tail first), so under `kvoffload.replay` a
     shadow's hits are exactly those of the expert on its own. A lookup repeated before
     anything was freed (a request asking again) is not a new use. Each expert's score is
-    its shadow's prefix hits, decayed with a time constant of ``window`` times the pool
-    size in block accesses. The leader changes when another expert's score ``s`` beats
-    the leader's ``l`` by more than ``margin * l + confidence * sqrt(s + l)``: the square
-    root is the noise of hit counts, so a lead has to be real before the pool follows it
-    (each change costs hits while the pool's contents move over).
+    its shadow's prefix hits since the start (or decayed with a time constant of ``window``
+    times the pool size in block accesses). An expert whose score ``s`` is behind the best one ``b``
+    weighs ``exp(-(b - s) / (temperature * sqrt(b + s + 1)))``: the square root is the
+    noise of hit counts, so an expert within noise of the best weighs nearly as much,
+    and one clearly behind nearly nothing.
 
-    The shadows replay a request at its lookup, before the pool allocates for it, so the
-    blocks the leader's shadow evicted for it are known when the pool asks for victims:
-    the policy takes free blocks that hold nothing findable, then free blocks whose hash
-    the leader's shadow no longer holds (in the order it dropped them), then the least
-    recently freed blocks. Under one leader the pool's contents are the leader's.
+    The shadows replay a request at its lookup, before the pool allocates for it, so
+    which experts still hold each free block's hash is known when the pool asks for
+    victims. The policy takes free blocks that hold nothing findable first, then free
+    blocks by the summed weight of the experts whose shadow holds their hash, least
+    first (on a tie: one the leader does not hold, then the longest held at that worth).
+    When one expert weighs more than all the others together, the pool's contents are
+    its shadow's; while several are close, the pool keeps what most of that weight
+    keeps, so a change in which expert is best does not leave it holding the blocks of
+    the wrong one (which following a single leader did: each change cost hits while the
+    contents moved over). The leader is the expert with the best score, changed when
+    another one's ``s`` beats the leader's ``l`` by more than ``margin * l + confidence *
+    sqrt(s + l)``; it only breaks ties, and names the front runner in `statistics()`.
 
     Memory is bounded by the pool size ``C``: per expert a shadow pool (``C`` block
     records, at most ``C`` hashes) and the expert's own metadata (none for LRU, at most
     ``4C`` entries for ARC, ``2C`` for S3-FIFO, ``6C + 64`` for ``prefix-freq``), plus at
-    most ``4C`` ids and hashes of the policy's own (`metadata_bound`); the time per
+    most ``5C`` ids, masks and hashes of the policy's own (`metadata_bound`); the time per
     request is that of one replay step per expert.
 
     Args:
         experts: registered policy names to choose among (not ``"adaptive"``); the first
             leads until another one does better, and wins ties.
         window: decay time constant of the scores, in multiples of the pool size (block
-            accesses); ``math.inf`` counts every hit since the start equally.
+            accesses); ``math.inf`` (the default) counts every hit since the start
+            equally, so the weights sharpen as the evidence grows. A finite window lets
+            old traffic fade, for workloads that change shape, and keeps the weights
+            softer (the experts share the pool more).
         margin: the lead (a fraction of the leader's score) another expert needs to take
             over, on top of the ``confidence`` term.
         confidence: the lead, in standard deviations of the hit counts, another expert
-            needs to take over.
+            needs to take over as the leader.
+        temperature: how many standard deviations of the hit counts behind the best an
+            expert's weight falls by a factor ``e``; larger shares the pool more evenly.
 
     Raises:
-        ValueError: no experts, a repeated or unknown expert, or a window, margin or
-            confidence out of range.
+        ValueError: no experts, a repeated or unknown expert, or a window, margin,
+            confidence or temperature out of range.
     """
 
     __slots__ = (
+        "_buckets",
         "_capacity",
         "_confidence",
         "_experts",
@@ -169,11 +189,12 @@ class AdaptivePolicy(PolicyBase):
         "_last",
         "_leader",
         "_margin",
-        "_orphans",
+        "_mask_of",
         "_scores",
         "_shadows",
         "_switches",
         "_tau",
+        "_temperature",
         "_where",
         "_window",
     )
@@ -182,9 +203,10 @@ class AdaptivePolicy(PolicyBase):
         self,
         *,
         experts: Sequence[str] = DEFAULT_EXPERTS,
-        window: float = 16.0,
+        window: float = math.inf,
         margin: float = 0.0,
         confidence: float = 0.5,
+        temperature: float = TEMPERATURE,
     ) -> None:
         names = tuple(name.strip().lower() for name in experts)
         if not names:
@@ -201,11 +223,14 @@ class AdaptivePolicy(PolicyBase):
             raise ValueError(f"margin must be in [0, 1), got {margin}")
         if not 0.0 <= confidence < math.inf:
             raise ValueError(f"confidence must be finite and >= 0, got {confidence}")
+        if not 0.0 < temperature < math.inf:
+            raise ValueError(f"temperature must be finite and > 0, got {temperature}")
         super().__init__()
         self._experts = names
         self._window = float(window)
         self._margin = float(margin)
         self._confidence = float(confidence)
+        self._temperature = float(temperature)
         self._capacity = 0
         self._tau = math.inf
         self._shadows: list[ShadowPool] = []
@@ -213,8 +238,13 @@ class AdaptivePolicy(PolicyBase):
         self._hits = [0] * len(names)
         self._leader = 0
         self._switches = 0
-        # Free blocks whose hash the leader's shadow evicted, oldest first (checked when used).
-        self._orphans: OrderedDict[int, None] = OrderedDict()
+        # Per mask of the experts whose shadow holds its hash (bit i: expert i), the free
+        # published blocks, in the order they came to that mask; a block's mask is checked
+        # again when it is chosen. ``_mask_of[block_id]`` is its bucket, -1 for none.
+        self._buckets: list[OrderedDict[int, None]] = [
+            OrderedDict() for _ in range(1 << len(names))
+        ]
+        self._mask_of: list[int] = []
         # The real block each freed hash was last seen in (checked when used).
         self._where: dict[BlockHash, int] = {}
         # The hashes of the last lookup replayed, until the next free.
@@ -232,7 +262,7 @@ class AdaptivePolicy(PolicyBase):
 
     @property
     def leader(self) -> str:
-        """The expert the pool currently evicts like."""
+        """The expert with the best score (see the class docstring); it breaks ties."""
         return self._experts[self._leader]
 
     @property
@@ -241,13 +271,14 @@ class AdaptivePolicy(PolicyBase):
         c = self._capacity
         if not c:
             return 0
-        return sum(2 * c + _expert_bound(name, c) for name in self._experts) + 4 * c
+        return sum(2 * c + _expert_bound(name, c) for name in self._experts) + 5 * c
 
     def __repr__(self) -> str:
         return f"AdaptivePolicy(experts={list(self._experts)}, leader={self.leader!r})"
 
     def _attached(self, num_blocks: int) -> None:
         self._capacity = num_blocks
+        self._mask_of = [-1] * num_blocks
         self._tau = self._window * num_blocks
 
     def bind_pool_factory(self, make_pool: ShadowPoolFactory) -> None:
@@ -262,19 +293,21 @@ class AdaptivePolicy(PolicyBase):
     # -- what the pool tells the policy -----------------------------------------------------
 
     def on_touch(self, block: CpuBlock) -> None:
-        """A block leaving the free set is no longer an empty block to reuse first."""
+        """A block leaving the free set is no candidate any more."""
         if block.ref_cnt == 0:
             self._empty.pop(block.block_id, None)
+            self._unbucket(block.block_id)
 
     def on_free(self, blocks: Sequence[CpuBlock]) -> None:
-        """Queue empty blocks; remember which block holds each freed hash."""
-        where, empty = self._where, self._empty
+        """Queue empty blocks; bucket the others by the experts that hold their hash."""
+        where, empty, mask = self._where, self._empty, self._mask
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is None:
                 empty[block.block_id] = None
             else:
                 where[block_hash] = block.block_id
+                self._rebucket(block.block_id, mask(block_hash))
         if len(where) > 2 * self._capacity:
             self._where = {
                 b.block_hash: b.block_id for b in self._blocks if b.block_hash is not None
@@ -293,14 +326,14 @@ class AdaptivePolicy(PolicyBase):
         """Replay one request (its hashes in prefix order) in every shadow; rescore."""
         decay = math.exp(-len(keys) / self._tau)
         scores, hits = self._scores, self._hits
-        evicted: list[BlockHash] = []
         for i, shadow in enumerate(self._shadows):
             found = shadow.lookup(keys)
             h = len(found)
             shadow.touch(found)
             missing = keys[h:]
             k = min(len(missing), shadow.num_free)
-            new = shadow.allocate(k, evicted=evicted if i == self._leader else None)
+            evicted: list[BlockHash] = []
+            new = shadow.allocate(k, evicted=evicted)
             for block, key in zip(new, missing, strict=False):
                 shadow.publish(block, key)
             held = found + new
@@ -308,7 +341,8 @@ class AdaptivePolicy(PolicyBase):
             shadow.free(held)
             hits[i] += h
             scores[i] = scores[i] * decay + h
-        self._note_evicted(evicted)
+            if evicted:
+                self._note_evicted(evicted, 1 << i)
         leader = self._leader
         best = max(range(len(scores)), key=scores.__getitem__)
         lead = scores[best] - scores[leader]
@@ -317,23 +351,45 @@ class AdaptivePolicy(PolicyBase):
         ):
             self._leader = best
             self._switches += 1
-            self._rebuild_orphans()
 
-    def _note_evicted(self, evicted: list[BlockHash]) -> None:
-        where, blocks, orphans = self._where, self._blocks, self._orphans
+    def _mask(self, block_hash: BlockHash) -> int:
+        """Which experts' shadows hold ``block_hash`` (bit i: expert i)."""
+        mask = 0
+        for i, shadow in enumerate(self._shadows):
+            if shadow.is_cached(block_hash):
+                mask |= 1 << i
+        return mask
+
+    def _unbucket(self, block_id: int) -> None:
+        old = self._mask_of[block_id]
+        if old >= 0:
+            del self._buckets[old][block_id]
+            self._mask_of[block_id] = -1
+
+    def _rebucket(self, block_id: int, mask: int) -> None:
+        """Move a free block to the end of its mask's bucket (-1: out of every bucket)."""
+        self._unbucket(block_id)
+        if mask >= 0:
+            self._buckets[mask][block_id] = None
+            self._mask_of[block_id] = mask
+
+    def _note_evicted(self, evicted: list[BlockHash], bit: int) -> None:
+        """An expert's shadow dropped these hashes: their free real blocks lose its vote."""
+        where, blocks, mask_of = self._where, self._blocks, self._mask_of
         for block_hash in evicted:
             block_id = where.get(block_hash)
-            if block_id is not None and blocks[block_id].block_hash == block_hash:
-                orphans[block_id] = None
+            if block_id is None:
+                continue
+            old = mask_of[block_id]
+            if old >= 0 and old & bit and blocks[block_id].block_hash == block_hash:
+                self._rebucket(block_id, old & ~bit)
 
-    def _rebuild_orphans(self) -> None:
-        """After a change of leader: the free blocks its shadow does not hold, oldest first."""
-        cached = self._shadows[self._leader].is_cached
-        self._orphans = OrderedDict(
-            (b.block_id, None)
-            for b in self._free_queue()
-            if b.block_hash is not None and not cached(b.block_hash)
-        )
+    def weights(self) -> list[float]:
+        """Per expert (in the order given), the weight of its vote now; the best is 1."""
+        scores = self._scores
+        top = max(scores)
+        t = self._temperature
+        return [math.exp(-(top - s) / (t * math.sqrt(top + s + 1.0))) for s in scores]
 
     def _free_queue(self) -> LruFreeQueue:
         if self._free is None:
@@ -343,11 +399,12 @@ class AdaptivePolicy(PolicyBase):
     # -- choosing victims --------------------------------------------------------------------
 
     def victims(self, n: int, protect: Collection[CpuBlock]) -> list[CpuBlock]:
-        """Empty blocks, then blocks the leader's shadow evicted, then the least recently freed."""
+        """Empty blocks, then free blocks by the weight of the experts that hold them, least
+        first, then blocks every expert holds, least recently freed first."""
         out: list[CpuBlock] = []
         self._take_empty(n, protect, out)
         if len(out) < n:
-            self._take_orphans(n, protect, out)
+            self._take_by_weight(n, protect, out)
         if len(out) < n:
             chosen = {b.block_id for b in out}
             for block in self._free_queue():
@@ -355,49 +412,64 @@ class AdaptivePolicy(PolicyBase):
                     out.append(block)
                     if len(out) == n:
                         break
-        orphans, where, empty = self._orphans, self._where, self._empty
+        where, empty = self._where, self._empty
         for block in out:
-            orphans.pop(block.block_id, None)
             empty.pop(block.block_id, None)
+            self._unbucket(block.block_id)
             if block.block_hash is not None and where.get(block.block_hash) == block.block_id:
                 del where[block.block_hash]
         return out
 
-    def _take_orphans(self, n: int, protect: Collection[CpuBlock], out: list[CpuBlock]) -> None:
-        cached = self._shadows[self._leader].is_cached
-        blocks, orphans = self._blocks, self._orphans
-        chosen = {b.block_id for b in out}
-        stale: list[int] = []
-        for block_id in orphans:
-            block = blocks[block_id]
-            block_hash = block.block_hash
-            if (
-                block.ref_cnt
-                or block_id in chosen
-                or (block_hash is not None and cached(block_hash))
-            ):
-                stale.append(block_id)
-            elif block not in protect:
-                out.append(block)
-                if len(out) == n:
-                    break
-        for block_id in stale:
-            del orphans[block_id]
+    def _take_by_weight(self, n: int, protect: Collection[CpuBlock], out: list[CpuBlock]) -> None:
+        """Move free blocks into ``out``, buckets of least summed weight first."""
+        w = self.weights()
+        lead = 1 << self._leader
+        buckets = self._buckets
+
+        def worth(mask: int) -> tuple[float, bool]:
+            return (sum(x for i, x in enumerate(w) if mask >> i & 1), bool(mask & lead))
+
+        blocks, mask = self._blocks, self._mask
+        chosen: set[int] = {b.block_id for b in out}
+        # Blocks every expert holds are left to the caller: they go in the pool's own order.
+        full = len(buckets) - 1
+        for m in sorted((m for m in range(full) if buckets[m]), key=worth):
+            moves: list[tuple[int, int]] = []
+            for block_id in buckets[m]:
+                block = blocks[block_id]
+                block_hash = block.block_hash
+                if block.ref_cnt or block_id in chosen or block_hash is None:
+                    moves.append((block_id, -1))  # left the free set, or unpublished
+                    continue
+                now = mask(block_hash)
+                if now != m:  # a shadow stored the hash again since: the mask went stale
+                    moves.append((block_id, now))
+                elif block not in protect:
+                    out.append(block)
+                    chosen.add(block_id)
+                    if len(out) == n:
+                        break
+            for block_id, now in moves:
+                self._rebucket(block_id, now)
+            if len(out) == n:
+                return
 
     # -- observation -------------------------------------------------------------------------
 
     def metadata_entries(self) -> int:
-        """Block records, hashes and ids kept now, all experts together (O(1))."""
-        total = len(self._orphans) + len(self._where) + len(self._empty)
+        """Block records, hashes and ids kept now, all experts together (O(experts))."""
+        total = len(self._where) + len(self._empty) + len(self._mask_of)
+        total += sum(len(bucket) for bucket in self._buckets)
         for shadow in self._shadows:
             total += shadow.num_blocks + shadow.num_cached + _expert_entries(shadow.policy)
         return total
 
     def statistics(self) -> AdaptiveStatistics:
-        """A snapshot of the leader, the scores and the memory kept."""
+        """A snapshot of the leader, the scores, the weights and the memory kept."""
         return AdaptiveStatistics(
             leader=self.leader,
             scores=dict(zip(self._experts, self._scores, strict=True)),
+            weights=dict(zip(self._experts, self.weights(), strict=True)),
             shadow_hits=dict(zip(self._experts, self._hits, strict=True)),
             switches=self._switches,
             metadata_entries=self.metadata_entries(),
@@ -405,13 +477,23 @@ class AdaptivePolicy(PolicyBase):
         )
 
     def check(self) -> None:
-        """The empty queue holds free blocks; each shadow is consistent; memory is in bound.
+        """The empty queue and the buckets hold free blocks, each in one bucket; each shadow
+        is consistent; memory is in bound.
 
         Raises:
-            InvariantError: a held block queued as empty, a broken shadow, or metadata
-                beyond `metadata_bound`.
+            InvariantError: a held block queued as empty or bucketed, a block in a bucket
+                other than its recorded one, a broken shadow, or metadata beyond
+                `metadata_bound`.
         """
         self._check_empty()
+        for m, bucket in enumerate(self._buckets):
+            for block_id in bucket:
+                if self._mask_of[block_id] != m or self._blocks[block_id].ref_cnt:
+                    raise InvariantError(
+                        f"AdaptivePolicy: block {block_id} in bucket {m} is recorded in "
+                        f"bucket {self._mask_of[block_id]} and holds "
+                        f"{self._blocks[block_id].ref_cnt} reference(s)"
+                    )
         for shadow in self._shadows:
             shadow.check_invariants()
         if not 0 <= self._leader < len(self._experts):
