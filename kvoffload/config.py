@@ -142,7 +142,7 @@ class OffloadConfig(BaseSettings):
         min_length=1,
         max_length=64,
         description="Which free CPU block is reused first: lru (default, fastest), arc, "
-        "s3fifo, prefix-freq, or adaptive (follows whichever of them fits the traffic; "
+        "s3fifo, prefix-freq, or adaptive (weighs the others by their hits in its shadow pools; "
         "see docs/policies.md).",
     )
     store_admission: str = Field(

@@ -1,4 +1,4 @@
-"""An eviction policy that follows whichever of several expert policies fits the workload.
+"""An eviction policy that weighs several expert policies by the hits each would have had.
 
 Each expert runs in a *shadow pool*: a `CpuBlockPool` of the real pool's size that holds
 hashes only (no data), driven by every request the real pool sees, as if it were the real
