@@ -47,8 +47,9 @@ class OffloaderStatistics:
     """Counters of every part of one `KVOffloader`.
 
     With several KV cache groups, ``pool`` adds up the groups' pools, ``scheduler`` counts
-    for the whole model, and ``groups`` holds each cacheable group's `GroupStatistics`
-    (``None`` for one group).
+    for the whole model, ``groups`` holds each cacheable group's `GroupStatistics`
+    (``None`` for one group), and, with ``OffloadConfig.tiers``, ``group_tiers`` each
+    group's `TierManagerStatistics` (``tiers`` is then ``None``).
     """
 
     pool: PoolStatistics
@@ -56,6 +57,7 @@ class OffloaderStatistics:
     poller: PollerStatistics
     tiers: TierManagerStatistics | None = None
     groups: Mapping[str, GroupStatistics] | None = None
+    group_tiers: Mapping[str, TierManagerStatistics] | None = None
 
 
 @final
@@ -159,9 +161,10 @@ class KVOffloader:
         return self._groups.groups if self._groups is not None else None
 
     def check_invariants(self) -> None:
-        """Check the scheduler's invariants (every group's, and the cross-group rules);
-        raises `InvariantError` naming what does not hold."""
-        (self._groups.scheduler if self._groups else self.scheduler).check_invariants()
+        """Check the scheduler's invariants (every group's, and the cross-group rules,
+        and with tiers every group's tier manager's); raises `InvariantError` naming what
+        does not hold."""
+        (self._groups or self.scheduler).check_invariants()
 
     def has_request(self, request_id: str) -> bool:
         """Whether state is kept for ``request_id`` (a live handle, or copies in flight)."""

@@ -38,7 +38,13 @@ from kvoffload.groups import (
     hit_alignment,
 )
 from kvoffload.pool.block_pool import CpuBlockPool
-from kvoffload.scheduler.group_loads import check_ledgers, check_request, find_hit, load_range
+from kvoffload.scheduler.group_loads import (
+    GroupLookupExtension,
+    check_ledgers,
+    check_request,
+    find_hit,
+    load_range,
+)
 from kvoffload.scheduler.group_state import (
     GroupCounts,
     GroupedPlan,
@@ -117,6 +123,8 @@ class GroupedScheduler:
         self._limits = dict(num_gpu_blocks or {})
         self._requests: dict[str, GroupedRequest] = {}
         self._counts = {g.name: GroupCounts() for g in self._cacheable}
+        self.extension: GroupLookupExtension | None = None
+        """Asked after every lookup (the groups' tiers, `kvoffload.tiers.groups`)."""
         self._planner = GroupStorePlanner(
             self._cacheable,
             self._ledgers,
@@ -262,9 +270,7 @@ class GroupedScheduler:
         n = find_hit(
             self._cacheable, pools, lanes, num_tokens, computed=num_computed_tokens, align=align
         )
-        if n <= num_computed_tokens:
-            return 0
-        for g in self._cacheable:
+        for g in self._cacheable if n > num_computed_tokens else ():
             span = load_range(g, n, num_computed_tokens)
             pool = self._ledgers[g.name].pool
             blocks = [pool.get_cached(lanes[g.name][i]) for i in span]
@@ -274,7 +280,9 @@ class GroupedScheduler:
             self._ledgers[g.name].pin(pinned)
             lane = state.lanes[g.name]
             lane.pin, lane.pin_start = pinned, span.start
-        state.hit, state.hit_from = n, num_computed_tokens
+            state.hit, state.hit_from = n, num_computed_tokens
+        if self.extension is not None:
+            self.extension.extend_grouped_lookup(lanes, n, num_tokens)
         return n - num_computed_tokens
 
     def release(self, request_id: str) -> None:
