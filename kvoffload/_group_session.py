@@ -482,20 +482,18 @@ class GroupSession:
         PoolStatistics,
         SchedulerStatistics,
         PollerStatistics,
-        None,
+        TierManagerStatistics | None,
         dict[str, GroupStatistics],
-        dict[str, TierManagerStatistics] | None,
     ]:
-        """The parts' statistics, for `OffloaderStatistics` (per group: the groups' and
-        their tiers' last)."""
+        """The parts' statistics, for `OffloaderStatistics` (the tiers: every group's,
+        see `GroupTiers.statistics()`; per group last)."""
         tiers = self.group_tiers
         return (
             pool_statistics(self.scheduler),
             self.counters_now(),
             self.poller.statistics(),
-            None,
-            self.scheduler.statistics(),
             tiers.statistics() if tiers is not None else None,
+            self.scheduler.statistics(),
         )
 
     def check_invariants(self) -> None:

@@ -48,8 +48,8 @@ class OffloaderStatistics:
 
     With several KV cache groups, ``pool`` adds up the groups' pools, ``scheduler`` counts
     for the whole model, ``groups`` holds each cacheable group's `GroupStatistics`
-    (``None`` for one group), and, with ``OffloadConfig.tiers``, ``group_tiers`` each
-    group's `TierManagerStatistics` (``tiers`` is then ``None``).
+    (``None`` for one group), and ``tiers`` holds every group's tiers, each named
+    ``<tier>.<group>``, with the promotion counters added up over the groups.
     """
 
     pool: PoolStatistics
@@ -57,7 +57,6 @@ class OffloaderStatistics:
     poller: PollerStatistics
     tiers: TierManagerStatistics | None = None
     groups: Mapping[str, GroupStatistics] | None = None
-    group_tiers: Mapping[str, TierManagerStatistics] | None = None
 
 
 @final

@@ -241,7 +241,8 @@ class GroupedScheduler:
         The hit is ``N - num_computed_tokens`` for the largest ``N`` with ``N % alignment
         == 0``, ``num_computed_tokens <= N <= num_tokens - 1`` and every block of
         ``needed(g, N)`` above the engine's prefix published in every group. Those blocks
-        are pinned, per group, until `plan_load()` or `release()`.
+        are pinned, per group, until `plan_load()` or `release()`. Then ``extension`` (the
+        tiers) may start bringing in a longer hit for a later lookup.
 
         Raises:
             RequestStateError: the request is finished.

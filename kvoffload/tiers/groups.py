@@ -22,6 +22,7 @@ server and ``key_prefix`` (the namespace is part of every key).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, final
@@ -221,9 +222,20 @@ class GroupTiers:
 
     # -- observation -------------------------------------------------------------------------
 
-    def statistics(self) -> dict[str, TierManagerStatistics]:
+    def group_statistics(self) -> dict[str, TierManagerStatistics]:
         """Per cacheable group, its tier manager's statistics."""
         return {n: m.statistics() for n, m in self.managers.items()}
+
+    def statistics(self) -> TierManagerStatistics:
+        """Every group's tiers (each named ``<tier>.<group>``), group by group, and the
+        promotion counters added up over the groups."""
+        parts = list(self.group_statistics().values())
+        sums = {
+            f.name: sum(getattr(p, f.name) for p in parts)
+            for f in dataclasses.fields(TierManagerStatistics)
+            if f.name != "tiers"
+        }
+        return TierManagerStatistics(tiers=tuple(t for p in parts for t in p.tiers), **sums)
 
     def check_invariants(self) -> None:
         """Check every group's manager (see `TierManager.check_invariants()`)."""

@@ -20,7 +20,7 @@ from kvoffload.errors import IntegrityError
 from kvoffload.hashing import BlockHasher
 from kvoffload.tiers import promote
 from kvoffload.tiers.base import BlockWrite
-from kvoffload.tiers.stats import TierManagerStatistics
+from kvoffload.tiers.stats import TierManagerStatistics, TierStatistics
 
 pytestmark = pytest.mark.anyio
 
@@ -31,23 +31,23 @@ def tiered(path: Path, num_cpu: int = 32, **disk: object) -> OffloadConfig:
     return OffloadConfig(num_cpu_blocks=num_cpu, block_size=BS, checkpoint_tokens=8, tiers=[tier])
 
 
-def tier_stats(off: KVOffloader) -> dict[str, TierManagerStatistics]:
-    stats = off.statistics()
-    assert stats.tiers is None
-    assert stats.group_tiers is not None
-    return dict(stats.group_tiers)
+def tiers_of(off: KVOffloader) -> TierManagerStatistics:
+    stats = off.statistics().tiers
+    assert stats is not None
+    return stats
+
+
+def tier_stats(off: KVOffloader) -> dict[str, TierStatistics]:
+    """Per group, its one tier's statistics (every group's tier is named ``<tier>.<group>``)."""
+    return {t.name.split(".", 1)[1]: t for t in tiers_of(off).tiers}
 
 
 async def settle(off: KVOffloader) -> None:
     """Wait for every store, write-down and promotion of every group to end."""
     await off.drain()
-
-    def idle() -> bool:
-        return all(
-            s.refs_held == 0 and s.promotions_in_flight == 0 for s in tier_stats(off).values()
-        )
-
-    await wait_until(idle)
+    await wait_until(
+        lambda: tiers_of(off).refs_held == 0 and not tiers_of(off).promotions_in_flight
+    )
     off.check_invariants()
 
 
@@ -74,13 +74,13 @@ async def test_every_group_is_written_down_and_promoted_back_bytes_exact(
         hit, _ = await serve(off, model, alloc, "a", TURN1)
         assert hit == 0
         await settle(off)
-        written = {n: s.tiers[0].blocks_written for n, s in tier_stats(off).items()}
+        written = {n: s.blocks_written for n, s in tier_stats(off).items()}
         stored = {n: s.stored_blocks for n, s in off.statistics().groups.items()}  # type: ignore[union-attr]
         assert written == stored  # each group's stores, each to its own tier
         assert all(written[n] > 0 for n in names)
         files = await anyio.to_thread.run_sync(lambda: sorted(p.name for p in tmp_path.iterdir()))
         assert files == sorted(f"kv.{n}.bin" for n in names)
-        assert {s.tiers[0].name for s in tier_stats(off).values()} == {f"d.{n}" for n in names}
+        assert [t.name for t in tiers_of(off).tiers] == [f"d.{n}" for n in names]
         assert await off.reset()
         assert all(s.cached_cpu_blocks == 0 for s in off.statistics().groups.values())  # type: ignore[union-attr]
         model.wipe()
@@ -93,9 +93,30 @@ async def test_every_group_is_written_down_and_promoted_back_bytes_exact(
         assert hit == 16
         await settle(off)
         for n, s in tier_stats(off).items():
-            assert s.tiers[0].blocks_promoted > 0, n
-            assert s.tiers[0].failed_checks == 0, n
-            assert s.promotion_errors == 0, n
+            assert s.blocks_promoted > 0, n
+            assert s.failed_checks == 0, n
+        session = off._groups
+        assert session is not None
+        assert session.group_tiers is not None
+        per_group = session.group_tiers.group_statistics()
+        total = tiers_of(off)
+        assert total.promotions == sum(p.promotions for p in per_group.values()) >= 2
+        assert total.promotion_errors == 0
+
+
+async def test_persistent_files_serve_every_group_to_a_new_offloader(tmp_path: Path) -> None:
+    cfg = tiered(tmp_path / "kv.bin", persist=True)
+    model = Model(groups_of("recurrent"))
+    async with KVOffloader(cfg, model.kv, groups=model.groups) as off:
+        await serve(off, model, Tables(model), "a", TURN1)
+        await settle(off)
+    model = Model(groups_of("recurrent"))  # a new process: nothing on GPU or CPU
+    async with KVOffloader(cfg, model.kv, groups=model.groups) as off:
+        assert probe(off, "b", TURN2) == 0
+        await settle(off)
+        hit, _ = await serve(off, model, Tables(model), "c", TURN2)
+        assert hit == 16
+        assert all(s.blocks_promoted > 0 for s in tier_stats(off).values())
 
 
 @pytest.mark.parametrize("kind", ["sliding", "recurrent"])
@@ -111,7 +132,7 @@ async def test_redis_keys_every_group_apart_on_one_server(kind: str, redis_url: 
         async with KVOffloader(cfg, model.kv, groups=model.groups) as off:
             await serve(off, model, alloc, "a", TURN1)
             await settle(off)
-            written = sum(s.tiers[0].blocks_written for s in tier_stats(off).values())
+            written = sum(s.blocks_written for s in tier_stats(off).values())
             keys = [k async for k in client.scan_iter(match=f"{prefix}*")]
             assert len(keys) == written  # one server, one prefix: no key shared by groups
             assert len({k[len(prefix) : len(prefix) + 16] for k in keys}) == 2  # namespaces
@@ -210,15 +231,15 @@ async def test_a_block_of_another_group_is_refused_counted_and_never_served(
         assert hit == 0  # the full group has nothing valid: no hit for any group
         await settle(off)
         stats = tier_stats(off)
-        assert stats["full"].tiers[0].failed_checks >= 1
-        assert stats["full"].tiers[0].blocks_promoted == 0
-        assert stats["swa"].tiers[0].failed_checks == 0
+        assert stats["full"].failed_checks >= 1
+        assert stats["full"].blocks_promoted == 0
+        assert stats["swa"].failed_checks == 0
         # The headers are the full group's own (the file's payload changed: its checksum
         # fails) or the swa group's (its namespace fails): every block is refused.
         assert reasons == ["checksum" if how == "file" else "namespace"] * 4
         # The swa group's own blocks came back, and no hit used them without the full
         # group's.
-        assert stats["swa"].tiers[0].blocks_promoted == 4
+        assert stats["swa"].blocks_promoted == 4
 
 
 async def test_a_failing_tier_of_one_group_gives_no_hit_and_corrupts_nothing(
@@ -245,8 +266,8 @@ async def test_a_failing_tier_of_one_group_gives_no_hit_and_corrupts_nothing(
         assert probe(off, "b", TURN2) == 0
         await settle(off)
         stats = tier_stats(off)
-        assert stats["full"].tiers[0].blocks_promoted > 0  # the full group's blocks are back
-        assert stats["rec"].tiers[0].blocks_promoted == 0
+        assert stats["full"].blocks_promoted > 0  # the full group's blocks are back
+        assert stats["rec"].blocks_promoted == 0
         # ... but a hit needs a snapshot too: none for this prefix, and the engine
         # recomputes it (serve() stores it again).
         hit, _ = await serve(off, model, alloc, "c", TURN2)
@@ -255,8 +276,8 @@ async def test_a_failing_tier_of_one_group_gives_no_hit_and_corrupts_nothing(
         model.wipe()
         hit, _ = await serve(off, model, alloc, "d", [*TURN2, 60])
         assert hit == 20  # served from CPU, bytes exact
-        assert not tier_stats(off)["rec"].tiers[0].healthy
-        assert tier_stats(off)["rec"].tiers[0].errors >= 1
+        assert not tier_stats(off)["rec"].healthy
+        assert tier_stats(off)["rec"].errors >= 1
         monkeypatch.undo()
-        await wait_until(lambda: tier_stats(off)["rec"].tiers[0].healthy)
+        await wait_until(lambda: tier_stats(off)["rec"].healthy)
         off.check_invariants()
