@@ -14,7 +14,9 @@ server and ``key_prefix`` (the namespace is part of every key).
   tiers are asked for the blocks a longer hit needs that its CPU pool lacks
   (`extend_grouped_lookup()`): a full group the run after its CPU blocks, up to the
   prompt; the other kinds the blocks of ``needed(g, P)`` for the store points ``P`` (the
-  multiples of ``checkpoint_tokens``) past the hit. Promotions land asynchronously, each
+  multiples of ``checkpoint_tokens``) past the hit, and, in a promotion of its own, those
+  of ``needed(g, R)`` where ``R`` is where the full groups' CPU blocks end (a request's
+  finish point, once the full groups' blocks are back). Promotions land asynchronously, each
   in its own group's pool; the hit stays the largest ``N`` valid for **every** group with
   CPU-resident blocks only, so a promotion that landed in one group and not (yet) in
   another is never part of a hit.
@@ -24,14 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, final
 
 import anyio.abc
 
 from kvoffload.config import DiskTierSettings, OffloadConfig
 from kvoffload.errors import ConfigError
-from kvoffload.groups import needed
+from kvoffload.groups import KVCacheGroup, needed
 from kvoffload.hashing import BlockHash, HashNamespace
 from kvoffload.tier_config import AnyTierSettings
 from kvoffload.tiers.build import build_tier
@@ -48,6 +50,17 @@ if TYPE_CHECKING:
     from kvoffload.transfer.plan import StorePlan
 
 __all__ = ["GroupTiers", "group_tier_settings"]
+
+
+def _blocks_of(group: KVCacheGroup, points: Iterable[int], limit: int) -> list[int]:
+    """The blocks of ``needed(group, p)`` for every point ``p``, in order, each once."""
+    seen: dict[int, None] = {}
+    for p in points:
+        for i in needed(group, p):
+            if i < limit:
+                seen[i] = None
+    return list(seen)
+
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
@@ -109,7 +122,7 @@ class GroupTiers:
             disk tier is below one slot (naming the tier and the group).
     """
 
-    __slots__ = ("_checkpoint", "_groups", "_ledgers", "managers")
+    __slots__ = ("_align", "_checkpoint", "_groups", "_ledgers", "managers")
 
     def __init__(
         self,
@@ -120,6 +133,7 @@ class GroupTiers:
     ) -> None:
         self._groups = [g for g in scheduler.groups if g.cacheable]
         self._checkpoint = scheduler.checkpoint_tokens
+        self._align = scheduler.hit_alignment
         self._ledgers = {g.name: scheduler.ledger(g.name) for g in self._groups}
         need = {
             n: ledger.pool.num_blocks * hosts[n].layout.bytes_per_block
@@ -191,34 +205,49 @@ class GroupTiers:
             num_tokens: the prompt's length (a hit is at most ``num_tokens - 1``).
         """
         cap = max(0, num_tokens - 1)
-        points = range((hit // self._checkpoint + 1) * self._checkpoint, cap + 1, self._checkpoint)
+        step = self._checkpoint
+        points = range((hit // step + 1) * step, cap + 1, step)
+        reach = self._full_reach(lanes, hit, cap)
         for g in self._groups:
             hashes = lanes[g.name]
-            get = self._ledgers[g.name].pool.get_cached
             if g.kind == "full":
-                want = list(range(hit // g.block_size, min(len(hashes), cap // g.block_size)))
-            else:
-                seen: dict[int, None] = {}
-                for p in points:
-                    for i in needed(g, p):
-                        if i < len(hashes):
-                            seen[i] = None
-                want = list(seen)
-            cached: list[CpuBlock] = []
-            first = None
-            for k, i in enumerate(want):
-                block = get(hashes[i])
-                if block is None:
-                    first = k
-                    break
-                cached.append(block)
-            if first is None:
+                self._promote(g.name, hashes, range(hit // g.block_size, cap // g.block_size))
                 continue
-            wanted = [hashes[i] for i in want]
-            # The run's blocks already on CPU are protected from the promotion's evictions.
-            self.managers[g.name].extend_lookup(
-                wanted, first, len(wanted), cached, allow_defer=False
-            )
+            self._promote(g.name, hashes, _blocks_of(g, points, len(hashes)))
+            if reach > hit and reach % step:
+                # Where the full groups' CPU blocks end (a finish point, likely): its window
+                # or snapshot, in a promotion of its own (its absence stops nothing else).
+                self._promote(g.name, hashes, _blocks_of(g, [reach], len(hashes)))
+
+    def _full_reach(self, lanes: Mapping[str, Sequence[BlockHash]], hit: int, cap: int) -> int:
+        """The longest aligned prefix every full group holds on CPU from ``hit`` on (``hit``
+        when there is no full group)."""
+        reach = None
+        for g in self._groups:
+            if g.kind != "full":
+                continue
+            hashes, get = lanes[g.name], self._ledgers[g.name].pool.get_cached
+            i, end = hit // g.block_size, min(len(hashes), cap // g.block_size)
+            while i < end and get(hashes[i]) is not None:
+                i += 1
+            reach = i * g.block_size if reach is None else min(reach, i * g.block_size)
+        return hit if reach is None else reach // self._align * self._align
+
+    def _promote(self, group: str, hashes: Sequence[BlockHash], want: Iterable[int]) -> None:
+        """Ask ``group``'s tiers for the blocks ``want`` from the first not on CPU on (the
+        run's blocks already on CPU are protected from the promotion's evictions)."""
+        get = self._ledgers[group].pool.get_cached
+        order = [i for i in want if i < len(hashes)]
+        cached: list[CpuBlock] = []
+        for k, i in enumerate(order):
+            block = get(hashes[i])
+            if block is None:
+                wanted = [hashes[j] for j in order]
+                self.managers[group].extend_lookup(
+                    wanted, k, len(wanted), cached, allow_defer=False
+                )
+                return
+            cached.append(block)
 
     # -- observation -------------------------------------------------------------------------
 

@@ -104,6 +104,30 @@ async def test_every_group_is_written_down_and_promoted_back_bytes_exact(
         assert total.promotion_errors == 0
 
 
+@pytest.mark.parametrize("kind", ["sliding", "recurrent"])
+async def test_a_finish_point_between_checkpoints_comes_back_once_the_full_group_did(
+    kind: str, tmp_path: Path
+) -> None:
+    model = Model(groups_of(kind))
+    alloc = Tables(model)
+    turn1 = list(range(1, 23))  # 22 tokens: store points 8, 16 and the finish at 20
+    turn2 = [*turn1, 50, 51, 52]
+    async with KVOffloader(tiered(tmp_path / "kv.bin"), model.kv, groups=model.groups) as off:
+        await serve(off, model, alloc, "a", turn1)
+        await settle(off)
+        assert await off.reset()
+        model.wipe()
+        assert probe(off, "b", turn2) == 0  # promotes the full run and the points 8, 16
+        await settle(off)
+        # The full group reaches 20 on CPU now. The window of 20 lies within those of the
+        # points 16 and 24, so the sliding group has it already; the snapshot at 20 is not
+        # at a store point: it is asked for now.
+        assert probe(off, "c", turn2) == (20 if kind == "sliding" else 16)
+        await settle(off)
+        hit, _ = await serve(off, model, alloc, "d", turn2)
+        assert hit == 20
+
+
 async def test_persistent_files_serve_every_group_to_a_new_offloader(tmp_path: Path) -> None:
     cfg = tiered(tmp_path / "kv.bin", persist=True)
     model = Model(groups_of("recurrent"))
