@@ -45,6 +45,8 @@ from kvoffload.request_groups import GroupLanes
 from kvoffload.scheduler import SchedulerStatistics
 from kvoffload.scheduler.groups import GroupedScheduler, GroupStatistics
 from kvoffload.storage.host_buffer import HostKVBuffer, available_host_memory
+from kvoffload.tiers.groups import GroupTiers
+from kvoffload.tiers.stats import TierManagerStatistics
 from kvoffload.transfer.cuda_engine import CudaCopyEngine
 from kvoffload.transfer.engine import CopyEngine
 from kvoffload.transfer.poller import PollerStatistics
@@ -141,9 +143,10 @@ class GroupSession:
             buffer is made), or ``None``.
 
     Raises:
-        ConfigError: tiers are set (not supported with several groups yet), a tensor
-            mapping that misses a group or names an unknown one, or a pool that does not
-            fit (see `build_grouped_scheduler()`).
+        ConfigError: tiers with copy engines given by the caller, a tensor mapping that
+            misses a group or names an unknown one, or a pool that does not fit (see
+            `build_grouped_scheduler()`); on opening, a group's share of a tier that does
+            not fit (see `GroupTiers`).
         LayoutMismatchError: a group's tensors disagree with it.
         HostMemoryError: the host buffers exceed the memory left.
     """
@@ -156,10 +159,10 @@ class GroupSession:
         pinners: Mapping[str, GpuBlockPinner],
         engines: Mapping[str, CopyEngine] | None,
     ) -> None:
-        if config.tiers:
+        if config.tiers and engines is not None:
             raise ConfigError(
-                "OffloadConfig.tiers cannot be used with several KV cache groups yet "
-                f"(groups {[g.name for g in groups]})"
+                "tiers need the host buffers this offloader makes; they cannot be used with "
+                f"a copy_engine given by the caller (groups {[g.name for g in groups]})"
             )
         self.groups = tuple(groups)
         cacheable = [g for g in self.groups if g.cacheable]
@@ -211,6 +214,9 @@ class GroupSession:
         self._owner_task: int | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self.tiers = None
+        """No single tier manager: one per group (`group_tiers`)."""
+        self.group_tiers: GroupTiers | None = None
+        """Per cacheable group, its tier stack (when ``config.tiers`` is set)."""
         self.host = None
         """No single host buffer: one per group (`hosts`)."""
         self.built = True
@@ -252,6 +258,12 @@ class GroupSession:
             self._task_group = anyio.create_task_group()
             await self._task_group.__aenter__()
             await self._task_group.start(self.poller.run)
+            if self.config.tiers:
+                self.group_tiers = GroupTiers(
+                    self.config, self.scheduler, self.hosts, self.namespaces
+                )
+                self.launcher.on_stored = self.group_tiers.on_stored
+                await self.group_tiers.start(self._task_group)
         except BaseException:
             await self.shutdown()
             raise
@@ -315,6 +327,8 @@ class GroupSession:
                     self.poller.poll()
                     if self.poller.in_flight:
                         await anyio.sleep(self.config.poll_interval_s)
+                if self.group_tiers is not None:
+                    await self.group_tiers.aclose()
         finally:
             try:
                 if self._task_group is not None:
@@ -448,6 +462,8 @@ class GroupSession:
         `KVOffloader.reset()`); whether nothing is cached or in flight on return."""
         self.check("reset")
         self.scheduler.reset()
+        if self.group_tiers is not None:
+            self.group_tiers.reset()
         for task in self.launcher.tasks.values():
             task._abandon()
         await self.poller.drain()
@@ -463,16 +479,28 @@ class GroupSession:
     def statistics(
         self,
     ) -> tuple[
-        PoolStatistics, SchedulerStatistics, PollerStatistics, None, dict[str, GroupStatistics]
+        PoolStatistics,
+        SchedulerStatistics,
+        PollerStatistics,
+        TierManagerStatistics | None,
+        dict[str, GroupStatistics],
     ]:
-        """The parts' statistics, for `OffloaderStatistics` (no tiers; per group last)."""
+        """The parts' statistics, for `OffloaderStatistics` (the tiers: every group's,
+        see `GroupTiers.statistics()`; per group last)."""
+        tiers = self.group_tiers
         return (
             pool_statistics(self.scheduler),
             self.counters_now(),
             self.poller.statistics(),
-            None,
+            tiers.statistics() if tiers is not None else None,
             self.scheduler.statistics(),
         )
+
+    def check_invariants(self) -> None:
+        """Check the scheduler's invariants, then every group's tier manager's."""
+        self.scheduler.check_invariants()
+        if self.group_tiers is not None:
+            self.group_tiers.check_invariants()
 
     def take_events(self) -> list[PoolEvent]:
         """Every group's pool events since the last call, group by group."""

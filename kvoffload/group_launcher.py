@@ -11,7 +11,7 @@ and its GPU blocks are unpinned. A raising ``unpin`` is kept and raised once, as
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import final
 
@@ -23,7 +23,7 @@ from kvoffload.scheduler import SchedulerStatistics
 from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler
 from kvoffload.transfer.engine import CopyEngine
 from kvoffload.transfer.grouped import GroupedTransferPlan, submit_grouped
-from kvoffload.transfer.plan import TransferKind
+from kvoffload.transfer.plan import StorePlan, TransferKind
 from kvoffload.transfer.poller import CompletionPoller
 from kvoffload.transfer.task import TransferStatus, TransferTask
 
@@ -69,6 +69,7 @@ class GroupLauncher:
         "_pinners",
         "_scheduler",
         "counters",
+        "on_stored",
         "pinner_error",
         "poller",
         "tasks",
@@ -94,6 +95,8 @@ class GroupLauncher:
         self._next_id = 0
         self.pinner_error: BaseException | None = None
         """What an ``unpin`` raised since it was last reported."""
+        self.on_stored: Callable[[str, StorePlan], None] | None = None
+        """Told of each group's part of a successful store, once completed (the tiers)."""
 
     def launch(self, plan: GroupedPlan, after: object | None, load_tokens: int = 0) -> TransferTask:
         """Pin each group's GPU blocks, submit every part, track the one task.
@@ -168,6 +171,10 @@ class GroupLauncher:
         try:
             for name, sub in plan.parts.items():
                 self._scheduler.complete(name, sub, ok)
+            if ok and self.on_stored is not None:
+                for name, sub in plan.parts.items():
+                    if isinstance(sub, StorePlan):
+                        self.on_stored(name, sub)
         finally:
             for name, sub in plan.parts.items():
                 self._unpin(name, sub.gpu_block_ids)

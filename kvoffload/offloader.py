@@ -47,8 +47,9 @@ class OffloaderStatistics:
     """Counters of every part of one `KVOffloader`.
 
     With several KV cache groups, ``pool`` adds up the groups' pools, ``scheduler`` counts
-    for the whole model, and ``groups`` holds each cacheable group's `GroupStatistics`
-    (``None`` for one group).
+    for the whole model, ``groups`` holds each cacheable group's `GroupStatistics`
+    (``None`` for one group), and ``tiers`` holds every group's tiers, each named
+    ``<tier>.<group>``, with the promotion counters added up over the groups.
     """
 
     pool: PoolStatistics
@@ -159,9 +160,10 @@ class KVOffloader:
         return self._groups.groups if self._groups is not None else None
 
     def check_invariants(self) -> None:
-        """Check the scheduler's invariants (every group's, and the cross-group rules);
-        raises `InvariantError` naming what does not hold."""
-        (self._groups.scheduler if self._groups else self.scheduler).check_invariants()
+        """Check the scheduler's invariants (every group's, and the cross-group rules,
+        and with tiers every group's tier manager's); raises `InvariantError` naming what
+        does not hold."""
+        (self._groups or self.scheduler).check_invariants()
 
     def has_request(self, request_id: str) -> bool:
         """Whether state is kept for ``request_id`` (a live handle, or copies in flight)."""

@@ -147,6 +147,29 @@ async def test_a_multi_group_offloader_is_scraped_with_a_group_label() -> None:
     assert families["kvoffload_pool_blocks"][1] == [({}, 12.0)]
 
 
+@pytest.mark.anyio
+async def test_a_multi_group_offloader_with_tiers_has_one_tier_sample_per_group(
+    tmp_path: Path,
+) -> None:
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=4, dtype="float32", block_size=BS)
+    groups = (
+        KVCacheGroup.from_layout(layout, name="full"),
+        KVCacheGroup.from_layout(layout, name="swa", kind="sliding_window", window=5),
+    )
+    kv = {g.name: [torch.zeros(layout.tensor_shape(4))] for g in groups}
+    tier = {"kind": "disk", "name": "d", "path": str(tmp_path / "kv.bin"), "capacity_bytes": "2MiB"}
+    config = OffloadConfig(num_cpu_blocks=6, block_size=BS, checkpoint_tokens=BS, tiers=[tier])
+    async with KVOffloader(config, kv, groups=groups) as off:
+        registry = CollectorRegistry()
+        registry.register(OffloaderCollector(off))
+        families = scrape(registry)
+    assert families["kvoffload_tier_healthy"][1] == [
+        ({"tier": "d.full", "kind": "disk"}, 1.0),
+        ({"tier": "d.swa", "kind": "disk"}, 1.0),
+    ]
+    assert families["kvoffload_tiers_promotions_in_flight"][1] == [({}, 0.0)]
+
+
 def test_every_statistics_field_is_exported_exactly_once() -> None:
     parts = {
         **PARTS,

@@ -316,7 +316,7 @@ async def test_one_full_group_is_the_single_group_offloader() -> None:
         assert off.statistics().groups is None
 
 
-async def test_tiers_and_unknown_tensors_are_refused_with_several_groups() -> None:
+async def test_tiers_with_given_engines_and_unknown_tensors_are_refused() -> None:
     model = Model(groups_of("sliding"))
     with pytest.raises(ConfigError, match=r"checkpoint_tokens=6 must be a positive multiple"):
         KVOffloader(config(checkpoint=6), model.kv, groups=model.groups)
@@ -324,11 +324,11 @@ async def test_tiers_and_unknown_tensors_are_refused_with_several_groups() -> No
         config(checkpoint=0)
     tier = {"kind": "disk", "name": "d0", "path": "/nonexistent/t.bin", "capacity_bytes": 1 << 20}
     with_tiers = OffloadConfig(num_cpu_blocks=8, block_size=BS, tiers=[tier])
-    with pytest.raises(ConfigError, match="tiers cannot be used with several KV cache groups"):
-        KVOffloader(with_tiers, model.kv, groups=model.groups)
     with pytest.raises(ConfigError, match=r"gpu_kv must name.*unknown \['x'\]"):
         KVOffloader(config(), {**model.kv, "x": []}, groups=model.groups)
     engines, hosts = engines_for(model, {}, 4)
+    with pytest.raises(ConfigError, match=r"tiers need the host buffers.*\['full', 'swa'\]"):
+        KVOffloader(with_tiers, model.kv, groups=model.groups, copy_engine=engines)
     with pytest.raises(ConfigError, match=r"copy_engine must name.*missing \['swa'\]"):
         KVOffloader(config(), model.kv, groups=model.groups, copy_engine={"full": engines["full"]})
     for host in hosts.values():

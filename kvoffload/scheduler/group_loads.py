@@ -4,6 +4,7 @@ cross-group checks."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
 from kvoffload.errors import InvariantError
 from kvoffload.groups import KVCacheGroup, needed
@@ -12,7 +13,19 @@ from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.scheduler.group_state import GroupedRequest
 from kvoffload.scheduler.ledger import BlockLedger
 
-__all__ = ["check_ledgers", "check_request", "find_hit", "load_range"]
+__all__ = ["GroupLookupExtension", "check_ledgers", "check_request", "find_hit", "load_range"]
+
+
+class GroupLookupExtension(Protocol):
+    """What a grouped lookup asks of the storage below the CPU pools (the groups' tiers)."""
+
+    def extend_grouped_lookup(
+        self, lanes: Mapping[str, Sequence[BlockHash]], hit: int, num_tokens: int
+    ) -> None:
+        """A lookup of ``num_tokens`` found ``hit`` tokens valid for every group (the
+        engine's prefix when none); start what brings in the blocks of a longer hit.
+        Nothing it starts may change this lookup's answer."""
+        ...
 
 
 def load_range(g: KVCacheGroup, n: int, computed: int) -> range:

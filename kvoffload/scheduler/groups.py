@@ -38,7 +38,13 @@ from kvoffload.groups import (
     hit_alignment,
 )
 from kvoffload.pool.block_pool import CpuBlockPool
-from kvoffload.scheduler.group_loads import check_ledgers, check_request, find_hit, load_range
+from kvoffload.scheduler.group_loads import (
+    GroupLookupExtension,
+    check_ledgers,
+    check_request,
+    find_hit,
+    load_range,
+)
 from kvoffload.scheduler.group_state import (
     GroupCounts,
     GroupedPlan,
@@ -117,6 +123,8 @@ class GroupedScheduler:
         self._limits = dict(num_gpu_blocks or {})
         self._requests: dict[str, GroupedRequest] = {}
         self._counts = {g.name: GroupCounts() for g in self._cacheable}
+        self.extension: GroupLookupExtension | None = None
+        """Asked after every lookup (the groups' tiers, `kvoffload.tiers.groups`)."""
         self._planner = GroupStorePlanner(
             self._cacheable,
             self._ledgers,
@@ -233,7 +241,8 @@ class GroupedScheduler:
         The hit is ``N - num_computed_tokens`` for the largest ``N`` with ``N % alignment
         == 0``, ``num_computed_tokens <= N <= num_tokens - 1`` and every block of
         ``needed(g, N)`` above the engine's prefix published in every group. Those blocks
-        are pinned, per group, until `plan_load()` or `release()`.
+        are pinned, per group, until `plan_load()` or `release()`. Then ``extension`` (the
+        tiers) may start bringing in a longer hit for a later lookup.
 
         Raises:
             RequestStateError: the request is finished.
@@ -262,9 +271,7 @@ class GroupedScheduler:
         n = find_hit(
             self._cacheable, pools, lanes, num_tokens, computed=num_computed_tokens, align=align
         )
-        if n <= num_computed_tokens:
-            return 0
-        for g in self._cacheable:
+        for g in self._cacheable if n > num_computed_tokens else ():
             span = load_range(g, n, num_computed_tokens)
             pool = self._ledgers[g.name].pool
             blocks = [pool.get_cached(lanes[g.name][i]) for i in span]
@@ -274,7 +281,9 @@ class GroupedScheduler:
             self._ledgers[g.name].pin(pinned)
             lane = state.lanes[g.name]
             lane.pin, lane.pin_start = pinned, span.start
-        state.hit, state.hit_from = n, num_computed_tokens
+            state.hit, state.hit_from = n, num_computed_tokens
+        if self.extension is not None:
+            self.extension.extend_grouped_lookup(lanes, n, num_tokens)
         return n - num_computed_tokens
 
     def release(self, request_id: str) -> None:

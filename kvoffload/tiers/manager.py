@@ -25,7 +25,7 @@ from __future__ import annotations
 import ctypes
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING, Protocol, final
 
 import anyio
 import anyio.abc
@@ -43,13 +43,34 @@ from kvoffload.tiers.stats import TierManagerStatistics, TierStatistics
 if TYPE_CHECKING:
     from kvoffload.pool.block_pool import CpuBlockPool
     from kvoffload.pool.free_queue import CpuBlock
-    from kvoffload.scheduler import OffloadScheduler
+    from kvoffload.scheduler.ledger import BlockLedger
+    from kvoffload.scheduler.loads import LookupExtension
     from kvoffload.storage.host_buffer import HostKVBuffer
     from kvoffload.transfer.plan import StorePlan
 
-__all__ = ["TierManager"]
+__all__ = ["TierManager", "TierScheduler"]
 
 _log = get_logger("tiers")
+
+
+class TierScheduler(Protocol):
+    """What a `TierManager` needs of the scheduler above it: the ledger and pool of one
+    CPU pool, and the lookup hook (an `OffloadScheduler`, or one group of a
+    `GroupedScheduler`, see `kvoffload.tiers.groups`)."""
+
+    @property
+    def ledger(self) -> BlockLedger:
+        """The one owner of the pool's references."""
+        ...
+
+    @property
+    def pool(self) -> CpuBlockPool:
+        """The CPU block pool the tiers write down from and promote into."""
+        ...
+
+    def set_lookup_extension(self, extension: LookupExtension | None) -> None:
+        """Install the hook its lookups ask after every CPU hit."""
+        ...
 
 
 @final
@@ -61,8 +82,9 @@ class TierManager:
 
     Args:
         tiers: ``(tier, settings)`` pairs, in lookup order (fastest first).
-        scheduler: the offloader's scheduler: CPU blocks are taken and published through
-            its ledger, and its lookups ask `extend_lookup()` (the manager installs itself).
+        scheduler: the offloader's scheduler (or one group's part of it, `TierScheduler`):
+            CPU blocks are taken and published through its ledger, and its lookups ask
+            `extend_lookup()` (the manager installs itself).
         host: the host buffer whose blocks are read and written.
         namespace: the 32-byte namespace digest written into every block header.
 
@@ -74,14 +96,13 @@ class TierManager:
         self,
         tiers: Sequence[tuple[SecondaryTier, AnyTierSettings]],
         *,
-        scheduler: OffloadScheduler,
+        scheduler: TierScheduler,
         host: HostKVBuffer,
         namespace: bytes,
     ) -> None:
         self._scheduler = scheduler
         self._ledger = scheduler.ledger
         self._pool: CpuBlockPool = scheduler.pool
-        self._block_size = scheduler.config.block_size
         self._namespace = namespace
         self._nbytes = host.layout.bytes_per_block
         raw = host.raw

@@ -210,8 +210,10 @@ class Promoter(TierPart):
         the caller closes it if this ends early), read, verify, close it (publish)."""
         sources = await self._probe(job.hashes)
         run = sources[-1][2] if sources else 0
-        if run < len(job.hashes):
-            self._mark_absent(job.hashes[run])  # where the next lookup's run will stop
+        if run < len(job.hashes) and self._pool.get_cached(job.hashes[run]) is None:
+            # Where the next lookup's run will stop; not a block stored while the probe
+            # ran (its write-down may not have reached the tier yet).
+            self._mark_absent(job.hashes[run])
         if run == 0:
             return
         if job.epoch != self._epoch or self._closed:

@@ -101,3 +101,45 @@ async def test_a_promotion_landing_after_the_request_went_on(
         await settle(off)
         assert off.pool.num_free == off.pool.num_blocks
         check(off)
+
+
+async def test_a_probe_that_missed_a_block_stored_meanwhile_does_not_hide_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe answered "absent" before a store of the same block published it: once the
+    block leaves the CPU pool, the next lookup still promotes it from the tier (no stale
+    "absent" mark)."""
+    kv = make_kv()
+    answered = anyio.Event()
+    go_on = anyio.Event()
+    real_probe = Promoter._probe
+
+    async def late_probe(self: Promoter, hashes: Any) -> Any:
+        sources = await real_probe(self, hashes)
+        answered.set()
+        await go_on.wait()  # the answer is delivered after the store published
+        return sources
+
+    monkeypatch.setattr(Promoter, "_probe", late_probe)
+    async with KVOffloader(config([disk(tmp_path / "kv.bin")], num_cpu_blocks=4), kv) as off:
+        assert off.tiers is not None
+        prompt = tokens(7, 3)
+        hashes = off.hash_prompt(prompt)
+        assert off.lookup("a", hashes, len(prompt)) == 0  # starts a probe: nothing anywhere
+        await answered.wait()
+        off.release("a")
+        await compute_and_store(off, kv, "a", prompt, range(3))
+        assert off.pool.get_cached(hashes[0]) is not None
+        go_on.set()
+        monkeypatch.undo()
+        await settle(off)
+        assert tier_stats(off).blocks_written == 3
+        await compute_and_store(off, kv, "o", tokens(8, 4), range(3, 7))  # evicts the prompt
+        await settle(off)
+        assert off.pool.get_cached(hashes[0]) is None
+        assert off.lookup("b", hashes, len(prompt)) == 0
+        assert off.tiers.is_promoting(hashes[0])
+        off.release("b")
+        await settle(off)
+        assert await lookup_load(off, kv, "c", prompt, range(7, 10)) == 3 * BS
+        check(off)

@@ -1,0 +1,272 @@
+"""Tiers for a model with several KV cache groups: `GroupTiers`, one `TierManager` per group.
+
+Each cacheable group gets its own tier stack, built from ``OffloadConfig.tiers`` and keyed
+by that group's namespace (its hash chain root, distinct per group): the namespace is in
+every key and in every verified header, so keys never collide across groups and a block
+of one group read back as another's fails verification (a miss, counted, deleted). A disk
+tier's file is split into one file per group (``<stem>.<group><suffix>``), its
+``capacity_bytes`` shared by the groups' CPU pool sizes in bytes; a Redis tier keeps its
+server and ``key_prefix`` (the namespace is part of every key).
+
+* Write-downs: what a grouped store publishes in a group's CPU pool is queued for that
+  group's tiers (`on_stored()`), as with one group.
+* Promotions: after every grouped lookup (`GroupedScheduler.lookup()`), each group's
+  tiers are asked for the blocks a longer hit needs that its CPU pool lacks
+  (`extend_grouped_lookup()`): a full group the run after its CPU blocks, up to the
+  prompt; the other kinds the blocks of ``needed(g, P)`` for the store points ``P`` (the
+  multiples of ``checkpoint_tokens``) past the hit, and, in a promotion of its own, those
+  of ``needed(g, R)`` where ``R`` is where the full groups' CPU blocks end (a request's
+  finish point, once the full groups' blocks are back). Promotions land asynchronously, each
+  in its own group's pool; the hit stays the largest ``N`` valid for **every** group with
+  CPU-resident blocks only, so a promotion that landed in one group and not (yet) in
+  another is never part of a hit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, final
+
+import anyio.abc
+
+from kvoffload.config import DiskTierSettings, OffloadConfig
+from kvoffload.errors import ConfigError
+from kvoffload.groups import KVCacheGroup, needed
+from kvoffload.hashing import BlockHash, HashNamespace
+from kvoffload.tier_config import AnyTierSettings
+from kvoffload.tiers.build import build_tier
+from kvoffload.tiers.manager import TierManager
+from kvoffload.tiers.stats import TierManagerStatistics
+
+if TYPE_CHECKING:
+    from kvoffload.pool.block_pool import CpuBlockPool
+    from kvoffload.pool.free_queue import CpuBlock
+    from kvoffload.scheduler.groups import GroupedScheduler
+    from kvoffload.scheduler.ledger import BlockLedger
+    from kvoffload.scheduler.loads import LookupExtension
+    from kvoffload.storage.host_buffer import HostKVBuffer
+    from kvoffload.transfer.plan import StorePlan
+
+__all__ = ["GroupTiers", "group_tier_settings"]
+
+
+def _blocks_of(group: KVCacheGroup, points: Iterable[int], limit: int) -> list[int]:
+    """The blocks of ``needed(group, p)`` for every point ``p``, in order, each once."""
+    seen: dict[int, None] = {}
+    for p in points:
+        for i in needed(group, p):
+            if i < limit:
+                seen[i] = None
+    return list(seen)
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+@final
+class _GroupPart:
+    """One group's pool and ledger, as a `TierManager` sees a scheduler (`TierScheduler`).
+
+    The grouped lookup asks `GroupTiers` (which asks each manager), so the lookup hook a
+    manager installs here is not used.
+    """
+
+    __slots__ = ("_ledger",)
+
+    def __init__(self, ledger: BlockLedger) -> None:
+        self._ledger = ledger
+
+    @property
+    def ledger(self) -> BlockLedger:
+        return self._ledger
+
+    @property
+    def pool(self) -> CpuBlockPool:
+        return self._ledger.pool
+
+    def set_lookup_extension(self, extension: LookupExtension | None) -> None:
+        del extension
+
+
+def group_tier_settings(
+    settings: AnyTierSettings, index: int, group: str, share: float
+) -> AnyTierSettings:
+    """The settings of tier ``index`` for ``group``: named ``<tier>.<group>``; a disk
+    tier's file is ``<stem>.<group><suffix>`` with ``share`` of ``capacity_bytes``."""
+    safe = _UNSAFE.sub("_", group)
+    update: dict[str, object] = {"name": f"{settings.name or f'{settings.kind}{index}'}.{safe}"}
+    if isinstance(settings, DiskTierSettings):
+        path = settings.path
+        update["path"] = path.with_name(f"{path.stem}.{safe}{path.suffix}")
+        update["capacity_bytes"] = int(int(settings.capacity_bytes) * share)
+    return settings.model_copy(update=update)
+
+
+@final
+class GroupTiers:
+    """One `TierManager` per cacheable group of a `GroupedScheduler`; installs itself as
+    the scheduler's ``extension`` (its lookups call `extend_grouped_lookup()`).
+
+    Args:
+        config: the settings (``config.tiers`` describes every group's stack).
+        scheduler: the grouped scheduler: each manager takes and publishes CPU blocks
+            through its group's ledger.
+        hosts: per cacheable group, its host buffer.
+        namespaces: per cacheable group, its hash namespace (its root keys that group's
+            tiers and is written into every header).
+
+    Raises:
+        ConfigError: two groups' disk files would share a path, or a group's share of a
+            disk tier is below one slot (naming the tier and the group).
+    """
+
+    __slots__ = ("_align", "_checkpoint", "_groups", "_ledgers", "managers")
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        scheduler: GroupedScheduler,
+        hosts: Mapping[str, HostKVBuffer],
+        namespaces: Mapping[str, HashNamespace],
+    ) -> None:
+        self._groups = [g for g in scheduler.groups if g.cacheable]
+        self._checkpoint = scheduler.checkpoint_tokens
+        self._align = scheduler.hit_alignment
+        self._ledgers = {g.name: scheduler.ledger(g.name) for g in self._groups}
+        need = {
+            n: ledger.pool.num_blocks * hosts[n].layout.bytes_per_block
+            for n, ledger in self._ledgers.items()
+        }
+        total = sum(need.values()) or 1
+        names = [_UNSAFE.sub("_", g.name) for g in self._groups]
+        if len(set(names)) != len(names):
+            raise ConfigError(
+                f"the groups {[g.name for g in self._groups]} give their tiers the names "
+                f"{names}, which must be unique"
+            )
+        self.managers: dict[str, TierManager] = {}
+        """Per cacheable group, its tier manager."""
+        for g in self._groups:
+            root = namespaces[g.name].root
+            nbytes = hosts[g.name].layout.bytes_per_block
+            stack = []
+            for i, s in enumerate(config.tiers):
+                mine = group_tier_settings(s, i, g.name, need[g.name] / total)
+                try:
+                    tier = build_tier(mine, i, namespace=root, block_nbytes=nbytes)
+                except ConfigError as exc:
+                    raise ConfigError(f"group {g.name!r}: {exc}") from exc
+                stack.append((tier, mine))
+            self.managers[g.name] = TierManager(
+                stack,
+                scheduler=_GroupPart(self._ledgers[g.name]),
+                host=hosts[g.name],
+                namespace=root,
+            )
+        scheduler.extension = self
+
+    def __repr__(self) -> str:
+        return f"GroupTiers({', '.join(f'{n}={m!r}' for n, m in self.managers.items())})"
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, task_group: anyio.abc.TaskGroup) -> None:
+        """Start every group's manager in ``task_group`` (see `TierManager.run()`)."""
+        for manager in self.managers.values():
+            await task_group.start(manager.run)
+
+    async def aclose(self) -> None:
+        """Close every group's manager (shielded; references released on return)."""
+        for manager in self.managers.values():
+            await manager.aclose()
+
+    def reset(self) -> None:
+        """Every group's CPU cache was reset: promotions in flight publish nothing."""
+        for manager in self.managers.values():
+            manager.reset()
+
+    # -- write-downs and promotions ----------------------------------------------------------
+
+    def on_stored(self, group: str, plan: StorePlan) -> None:
+        """``group``'s part of a grouped store completed: queue what it published."""
+        self.managers[group].on_stored(plan)
+
+    def extend_grouped_lookup(
+        self, lanes: Mapping[str, Sequence[BlockHash]], hit: int, num_tokens: int
+    ) -> None:
+        """A grouped lookup found ``hit`` tokens (pinned): ask each group's tiers for the
+        blocks a longer hit needs that its CPU pool lacks (see the module docstring).
+
+        Args:
+            lanes: per cacheable group, the lookup's block hashes.
+            hit: the lookup's ``N`` (the engine's prefix when nothing was found).
+            num_tokens: the prompt's length (a hit is at most ``num_tokens - 1``).
+        """
+        cap = max(0, num_tokens - 1)
+        step = self._checkpoint
+        points = range((hit // step + 1) * step, cap + 1, step)
+        reach = self._full_reach(lanes, hit, cap)
+        for g in self._groups:
+            hashes = lanes[g.name]
+            if g.kind == "full":
+                self._promote(g.name, hashes, range(hit // g.block_size, cap // g.block_size))
+                continue
+            self._promote(g.name, hashes, _blocks_of(g, points, len(hashes)))
+            if reach > hit and reach % step:
+                # Where the full groups' CPU blocks end (a finish point, likely): its window
+                # or snapshot, in a promotion of its own (its absence stops nothing else).
+                self._promote(g.name, hashes, _blocks_of(g, [reach], len(hashes)))
+
+    def _full_reach(self, lanes: Mapping[str, Sequence[BlockHash]], hit: int, cap: int) -> int:
+        """The longest aligned prefix every full group holds on CPU from ``hit`` on (``hit``
+        when there is no full group)."""
+        reach = None
+        for g in self._groups:
+            if g.kind != "full":
+                continue
+            hashes, get = lanes[g.name], self._ledgers[g.name].pool.get_cached
+            i, end = hit // g.block_size, min(len(hashes), cap // g.block_size)
+            while i < end and get(hashes[i]) is not None:
+                i += 1
+            reach = i * g.block_size if reach is None else min(reach, i * g.block_size)
+        return hit if reach is None else reach // self._align * self._align
+
+    def _promote(self, group: str, hashes: Sequence[BlockHash], want: Iterable[int]) -> None:
+        """Ask ``group``'s tiers for the blocks ``want`` from the first not on CPU on (the
+        run's blocks already on CPU are protected from the promotion's evictions)."""
+        get = self._ledgers[group].pool.get_cached
+        order = [i for i in want if i < len(hashes)]
+        cached: list[CpuBlock] = []
+        for k, i in enumerate(order):
+            block = get(hashes[i])
+            if block is None:
+                wanted = [hashes[j] for j in order]
+                self.managers[group].extend_lookup(
+                    wanted, k, len(wanted), cached, allow_defer=False
+                )
+                return
+            cached.append(block)
+
+    # -- observation -------------------------------------------------------------------------
+
+    def group_statistics(self) -> dict[str, TierManagerStatistics]:
+        """Per cacheable group, its tier manager's statistics."""
+        return {n: m.statistics() for n, m in self.managers.items()}
+
+    def statistics(self) -> TierManagerStatistics:
+        """Every group's tiers (each named ``<tier>.<group>``), group by group, and the
+        promotion counters added up over the groups."""
+        parts = list(self.group_statistics().values())
+        sums = {
+            f.name: sum(getattr(p, f.name) for p in parts)
+            for f in dataclasses.fields(TierManagerStatistics)
+            if f.name != "tiers"
+        }
+        return TierManagerStatistics(tiers=tuple(t for p in parts for t in p.tiers), **sums)
+
+    def check_invariants(self) -> None:
+        """Check every group's manager (see `TierManager.check_invariants()`)."""
+        for manager in self.managers.values():
+            manager.check_invariants()

@@ -1,0 +1,307 @@
+"""A multi-group `KVOffloader` with a disk tier: one tier stack per group, keyed by that
+group's namespace; write-downs of every group's stores, promotions that bring back every
+group's blocks (bytes exact on load), a block served under another group's namespace
+refused, and a group whose tier fails giving no hit for that prefix."""
+
+from __future__ import annotations
+
+import errno
+import uuid
+from pathlib import Path
+from typing import NoReturn
+
+import anyio.to_thread
+import pytest
+from test_offloader_groups import BS, Model, Tables, groups_of, serve
+from tier_helpers import wait_until
+
+from kvoffload import KVOffloader, OffloadConfig
+from kvoffload.errors import IntegrityError
+from kvoffload.hashing import BlockHasher
+from kvoffload.tiers import promote
+from kvoffload.tiers.base import BlockWrite
+from kvoffload.tiers.stats import TierManagerStatistics, TierStatistics
+
+pytestmark = pytest.mark.anyio
+
+
+def tiered(path: Path, num_cpu: int = 32, **disk: object) -> OffloadConfig:
+    tier: dict[str, object] = {"kind": "disk", "name": "d", "path": str(path)}
+    tier.update({"capacity_bytes": "4MiB", **disk})
+    return OffloadConfig(num_cpu_blocks=num_cpu, block_size=BS, checkpoint_tokens=8, tiers=[tier])
+
+
+def tiers_of(off: KVOffloader) -> TierManagerStatistics:
+    stats = off.statistics().tiers
+    assert stats is not None
+    return stats
+
+
+def tier_stats(off: KVOffloader) -> dict[str, TierStatistics]:
+    """Per group, its one tier's statistics (every group's tier is named ``<tier>.<group>``)."""
+    return {t.name.split(".", 1)[1]: t for t in tiers_of(off).tiers}
+
+
+async def settle(off: KVOffloader) -> None:
+    """Wait for every store, write-down and promotion of every group to end."""
+    await off.drain()
+    await wait_until(
+        lambda: tiers_of(off).refs_held == 0 and not tiers_of(off).promotions_in_flight
+    )
+    off.check_invariants()
+
+
+def probe(off: KVOffloader, rid: str, tokens: list[int]) -> int:
+    """A lookup that answers from CPU and starts the promotions; its pins released."""
+    with off.request(rid, tokens) as req:
+        hit = req.lookup()
+        off.check_invariants()
+    return hit
+
+
+TURN1 = list(range(1, 19))  # 18 tokens: store points 8, 16 and the finish at 16
+TURN2 = [*TURN1, 50, 51, 52]
+
+
+@pytest.mark.parametrize("kind", ["sliding", "recurrent"])
+async def test_every_group_is_written_down_and_promoted_back_bytes_exact(
+    kind: str, tmp_path: Path
+) -> None:
+    model = Model(groups_of(kind))
+    alloc = Tables(model)
+    names = [g.name for g in model.groups]
+    async with KVOffloader(tiered(tmp_path / "kv.bin"), model.kv, groups=model.groups) as off:
+        hit, _ = await serve(off, model, alloc, "a", TURN1)
+        assert hit == 0
+        await settle(off)
+        written = {n: s.blocks_written for n, s in tier_stats(off).items()}
+        stored = {n: s.stored_blocks for n, s in off.statistics().groups.items()}  # type: ignore[union-attr]
+        assert written == stored  # each group's stores, each to its own tier
+        assert all(written[n] > 0 for n in names)
+        files = await anyio.to_thread.run_sync(lambda: sorted(p.name for p in tmp_path.iterdir()))
+        assert files == sorted(f"kv.{n}.bin" for n in names)
+        assert [t.name for t in tiers_of(off).tiers] == [f"d.{n}" for n in names]
+        assert await off.reset()
+        assert all(s.cached_cpu_blocks == 0 for s in off.statistics().groups.values())  # type: ignore[union-attr]
+        model.wipe()
+        # Nothing on CPU: this lookup misses and asks every group's tier.
+        assert probe(off, "b", TURN2) == 0
+        await settle(off)
+        # The promotions landed in every group: the hit is back, loaded bytes exact
+        # (serve() checks every block of every group the hit needs).
+        hit, _ = await serve(off, model, alloc, "c", TURN2)
+        assert hit == 16
+        await settle(off)
+        for n, s in tier_stats(off).items():
+            assert s.blocks_promoted > 0, n
+            assert s.failed_checks == 0, n
+        session = off._groups
+        assert session is not None
+        assert session.group_tiers is not None
+        per_group = session.group_tiers.group_statistics()
+        total = tiers_of(off)
+        assert total.promotions == sum(p.promotions for p in per_group.values()) >= 2
+        assert total.promotion_errors == 0
+
+
+@pytest.mark.parametrize("kind", ["sliding", "recurrent"])
+async def test_a_finish_point_between_checkpoints_comes_back_once_the_full_group_did(
+    kind: str, tmp_path: Path
+) -> None:
+    model = Model(groups_of(kind))
+    alloc = Tables(model)
+    turn1 = list(range(1, 23))  # 22 tokens: store points 8, 16 and the finish at 20
+    turn2 = [*turn1, 50, 51, 52]
+    async with KVOffloader(tiered(tmp_path / "kv.bin"), model.kv, groups=model.groups) as off:
+        await serve(off, model, alloc, "a", turn1)
+        await settle(off)
+        assert await off.reset()
+        model.wipe()
+        assert probe(off, "b", turn2) == 0  # promotes the full run and the points 8, 16
+        await settle(off)
+        # The full group reaches 20 on CPU now. The window of 20 lies within those of the
+        # points 16 and 24, so the sliding group has it already; the snapshot at 20 is not
+        # at a store point: it is asked for now.
+        assert probe(off, "c", turn2) == (20 if kind == "sliding" else 16)
+        await settle(off)
+        hit, _ = await serve(off, model, alloc, "d", turn2)
+        assert hit == 20
+
+
+async def test_persistent_files_serve_every_group_to_a_new_offloader(tmp_path: Path) -> None:
+    cfg = tiered(tmp_path / "kv.bin", persist=True)
+    model = Model(groups_of("recurrent"))
+    async with KVOffloader(cfg, model.kv, groups=model.groups) as off:
+        await serve(off, model, Tables(model), "a", TURN1)
+        await settle(off)
+    model = Model(groups_of("recurrent"))  # a new process: nothing on GPU or CPU
+    async with KVOffloader(cfg, model.kv, groups=model.groups) as off:
+        assert probe(off, "b", TURN2) == 0
+        await settle(off)
+        hit, _ = await serve(off, model, Tables(model), "c", TURN2)
+        assert hit == 16
+        assert all(s.blocks_promoted > 0 for s in tier_stats(off).values())
+
+
+@pytest.mark.parametrize("kind", ["sliding", "recurrent"])
+async def test_redis_keys_every_group_apart_on_one_server(kind: str, redis_url: str) -> None:
+    aioredis = pytest.importorskip("redis.asyncio")
+    prefix = f"kvo-groups-{uuid.uuid4().hex[:12]}:"
+    tier = {"kind": "redis", "name": "r", "url": redis_url, "key_prefix": prefix}
+    cfg = OffloadConfig(num_cpu_blocks=32, block_size=BS, checkpoint_tokens=8, tiers=[tier])
+    model = Model(groups_of(kind))
+    alloc = Tables(model)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        async with KVOffloader(cfg, model.kv, groups=model.groups) as off:
+            await serve(off, model, alloc, "a", TURN1)
+            await settle(off)
+            written = sum(s.blocks_written for s in tier_stats(off).values())
+            keys = [k async for k in client.scan_iter(match=f"{prefix}*")]
+            assert len(keys) == written  # one server, one prefix: no key shared by groups
+            assert len({k[len(prefix) : len(prefix) + 16] for k in keys}) == 2  # namespaces
+            assert await off.reset()
+            model.wipe()
+            assert probe(off, "b", TURN2) == 0
+            await settle(off)
+            hit, _ = await serve(off, model, alloc, "c", TURN2)
+            assert hit == 16  # bytes exact in every group (serve() checks them)
+            await settle(off)
+    finally:
+        async for k in client.scan_iter(match=f"{prefix}*"):
+            await client.delete(k)
+        await client.aclose()
+
+
+async def test_a_small_pool_evicted_by_other_prompts_is_served_from_the_tiers(
+    tmp_path: Path,
+) -> None:
+    model = Model(groups_of("recurrent"))
+    async with KVOffloader(
+        tiered(tmp_path / "kv.bin", num_cpu=6), model.kv, groups=model.groups
+    ) as off:
+        await serve(off, model, Tables(model), "a", TURN1)
+        await settle(off)
+        for i in range(3):  # other conversations push TURN1 out of both CPU pools
+            await serve(off, model, Tables(model), f"o{i}", list(range(200 + 20 * i, 218 + 20 * i)))
+            await settle(off)
+        assert probe(off, "b", TURN2) == 0
+        await settle(off)
+        model.wipe()
+        hit, _ = await serve(off, model, Tables(model), "c", TURN2)
+        assert hit == 16, (off.statistics().groups, tier_stats(off))
+        await settle(off)
+
+
+def copy_over(source: Path, target: Path) -> None:
+    """Write ``source``'s bytes over ``target``'s, in place (the same file, new bytes)."""
+    assert target.stat().st_size == source.stat().st_size
+    with open(target, "r+b") as f:
+        f.write(source.read_bytes())
+
+
+async def swap_in_other_group_blocks(off: KVOffloader, how: str, tmp_path: Path) -> None:
+    """Make the full group's tier hold the swa group's blocks of TURN1: its file's bytes
+    replaced by the swa group's file (``file``), or each block of the swa group put, with
+    its header, under the full group's key (``header``)."""
+    full, swa = tmp_path / "kv.full.bin", tmp_path / "kv.swa.bin"
+    if how == "file":
+        await anyio.to_thread.run_sync(copy_over, swa, full)
+        return
+    session = off._groups
+    assert session is not None
+    assert session.group_tiers is not None
+    tiers = {n: m.tiers[0] for n, m in session.group_tiers.managers.items()}
+    keys = {}
+    for n, ns in session.namespaces.items():
+        hasher = BlockHasher(ns.root, BS)
+        hasher.extend(TURN1)
+        keys[n] = list(hasher.block_hashes)
+    nbytes = session.hosts["swa"].layout.bytes_per_block
+    await tiers["full"].delete(keys["full"])
+    for mine, theirs in zip(keys["full"], keys["swa"], strict=True):
+        buf = memoryview(bytearray(nbytes))
+        (read,) = await tiers["swa"].get([theirs], [buf])
+        assert read is not None
+        assert await tiers["full"].put([BlockWrite(mine, read.header, buf)]) == 1
+
+
+@pytest.mark.parametrize("how", ["file", "header"])
+async def test_a_block_of_another_group_is_refused_counted_and_never_served(
+    how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reasons: list[str] = []
+    real = promote.verify_block
+
+    def spy(*args: object, **kw: object) -> None:
+        try:
+            real(*args, **kw)  # type: ignore[arg-type]
+        except IntegrityError as exc:
+            reasons.append(exc.reason)
+            raise
+
+    monkeypatch.setattr(promote, "verify_block", spy)
+    model = Model(groups_of("sliding"))  # both groups: the same bytes per block
+    alloc = Tables(model)
+    async with KVOffloader(tiered(tmp_path / "kv.bin"), model.kv, groups=model.groups) as off:
+        await serve(off, model, alloc, "a", TURN1)
+        await settle(off)
+        await swap_in_other_group_blocks(off, how, tmp_path)
+        assert await off.reset()
+        model.wipe()
+        assert probe(off, "b", TURN2) == 0
+        await settle(off)
+        hit, _ = await serve(off, model, alloc, "c", TURN2)
+        assert hit == 0  # the full group has nothing valid: no hit for any group
+        await settle(off)
+        stats = tier_stats(off)
+        assert stats["full"].failed_checks >= 1
+        assert stats["full"].blocks_promoted == 0
+        assert stats["swa"].failed_checks == 0
+        # The headers are the full group's own (the file's payload changed: its checksum
+        # fails) or the swa group's (its namespace fails): every block is refused.
+        assert reasons == ["checksum" if how == "file" else "namespace"] * 4
+        # The swa group's own blocks came back, and no hit used them without the full
+        # group's.
+        assert stats["swa"].blocks_promoted == 4
+
+
+async def test_a_failing_tier_of_one_group_gives_no_hit_and_corrupts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = Model(groups_of("recurrent"))
+    alloc = Tables(model)
+    cfg = tiered(tmp_path / "kv.bin", retry_initial_s=0.02, retry_max_s=0.05)
+    async with KVOffloader(cfg, model.kv, groups=model.groups) as off:
+        await serve(off, model, alloc, "a", TURN1)
+        await settle(off)
+        session = off._groups
+        assert session is not None
+        assert session.group_tiers is not None
+        rec = session.group_tiers.managers["rec"].tiers[0]
+
+        async def broken(*args: object) -> NoReturn:
+            raise OSError(errno.EIO, "Input/output error")
+
+        for op in ("exists", "get", "ping"):  # the rec group's disk fails every read
+            monkeypatch.setattr(rec, op, broken)
+        assert await off.reset()
+        model.wipe()
+        assert probe(off, "b", TURN2) == 0
+        await settle(off)
+        stats = tier_stats(off)
+        assert stats["full"].blocks_promoted > 0  # the full group's blocks are back
+        assert stats["rec"].blocks_promoted == 0
+        # ... but a hit needs a snapshot too: none for this prefix, and the engine
+        # recomputes it (serve() stores it again).
+        hit, _ = await serve(off, model, alloc, "c", TURN2)
+        assert hit == 0
+        await settle(off)
+        model.wipe()
+        hit, _ = await serve(off, model, alloc, "d", [*TURN2, 60])
+        assert hit == 20  # served from CPU, bytes exact
+        assert not tier_stats(off)["rec"].healthy
+        assert tier_stats(off)["rec"].errors >= 1
+        monkeypatch.undo()
+        await wait_until(lambda: tier_stats(off)["rec"].healthy)
+        off.check_invariants()
