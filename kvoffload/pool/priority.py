@@ -65,7 +65,6 @@ def default_max_retained(num_blocks: int, fraction: float = DEFAULT_RETAINED_FRA
     return min(int(num_blocks * fraction), num_blocks - 1)
 
 
-@final
 def attach_policy(
     policy: EvictionPolicy | str | None,
     blocks: tuple[CpuBlock, ...],
@@ -94,6 +93,7 @@ def attach_policy(
     return made, hooked, levels, on_lookup if callable(on_lookup) else None
 
 
+@final
 class LevelGuard(Collection["CpuBlock"]):
     """``protect`` for one level: holds the caller's protected blocks and every block of
     another priority (membership is tested, never enumerated for the latter)."""
@@ -237,7 +237,7 @@ class FreeLevels:
             self._hooked.on_free(zeroed)
 
     def refuse_free(
-        self, blocks: Sequence[CpuBlock], done: int, last: QueueNode, linked: int
+        self, blocks: Sequence[CpuBlock], done: int, last: QueueNode | None, linked: int
     ) -> NoReturn:
         """`CpuBlockPool.free()` met ``blocks[done]`` at ``ref_cnt`` 0 or of another pool,
         after freeing the ones before it on its fast path (``linked`` of them appended to
@@ -249,7 +249,7 @@ class FreeLevels:
         """
         free = self._free
         tail = free._tail
-        last._next = tail
+        last._next = tail  # type: ignore[union-attr]
         tail._prev = last
         free._len += linked
         block = blocks[done]
