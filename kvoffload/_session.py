@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import final
 
 import anyio
@@ -26,17 +26,18 @@ from kvoffload._logging import get_logger
 from kvoffload.build import CorePlan, build_tiers
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import ClosedError, ForkedProcessError, WrongContextError
-from kvoffload.hashing import HashNamespace
+from kvoffload.hashing import BlockHash, HashNamespace
 from kvoffload.launcher import TransferLauncher
 from kvoffload.pinner import GpuBlockPinner
 from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
-from kvoffload.scheduler import OffloadScheduler, SchedulerStatistics
+from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.tiers.manager import TierManager
 from kvoffload.tiers.stats import TierManagerStatistics
 from kvoffload.transfer.cuda_engine import CudaCopyEngine
 from kvoffload.transfer.engine import CopyEngine
 from kvoffload.transfer.poller import PollerStatistics
+from kvoffload.transfer.task import TransferTask
 from kvoffload.transfer.thread_engine import ThreadCopyEngine
 
 __all__ = ["Session"]
@@ -241,6 +242,68 @@ class Session:
         """`KVOffloader.preempt()`."""
         self.check("preempt")
         self.scheduler.preempt(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        """`KVOffloader.has_request()`."""
+        return self.scheduler.has_request(request_id)
+
+    def release(self, request_id: str) -> None:
+        """`KVOffloader.release()`."""
+        self.check("release")
+        self.scheduler.release(request_id)
+
+    async def drain(self) -> None:
+        """`KVOffloader.drain()`: wait for every transfer in flight."""
+        self.check("drain")
+        await self.launcher.poller.drain()
+
+    def load(
+        self, request_id: str, gpu_block_ids: Sequence[int], num_tokens: int
+    ) -> TransferTask | None:
+        """`KVOffloader.load()`: plan the load, then launch it (``None`` for 0 tokens)."""
+        engine = self.check("load")
+        plan = self.scheduler.plan_load(request_id, gpu_block_ids, num_tokens)
+        if plan is None:
+            return None
+        return self.launcher.launch(engine, plan, None)
+
+    def abandon_load(self, request_id: str) -> tuple[int, ...]:
+        """`KVOffloader.abandon_load()`: the GPU blocks the abandoned copies still write."""
+        self.check("abandon_load", pinner_error=False)
+        return self.launcher.abandon_loads(self.scheduler.abandon_load(request_id))
+
+    def update(
+        self,
+        request_id: str,
+        gpu_block_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        num_computed_tokens: int,
+    ) -> None:
+        """`KVOffloader.update()`."""
+        self.check("update")
+        self.scheduler.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
+
+    def store(self, after: object | None, gpu_cache: GpuCacheView | None) -> list[TransferTask]:
+        """`KVOffloader.store()`: plan this step's stores and launch them as one transfer;
+        the holds that ended are unpinned whatever happens."""
+        engine = self.check("store")
+        plan = self.scheduler.plan_stores(gpu_cache)
+        try:
+            if plan is None:
+                return []
+            return [self.launcher.launch(engine, plan, after)]
+        finally:
+            self.launcher.unpin_released_holds()
+
+    def retain(self, block_hashes: Sequence[BlockHash], owner: Hashable) -> int:
+        """`KVOffloader.retain_prefix()` of a hashed prompt: how many blocks are retained."""
+        self.check("retain_prefix")
+        return len(self.scheduler.ledger.retain(block_hashes, owner))
+
+    def release_retained(self, owner: Hashable) -> int:
+        """`KVOffloader.release_retained()`."""
+        self.check("release_retained")
+        return self.scheduler.ledger.release_retained(owner)
 
     def take_events(self) -> list[PoolEvent]:
         """`KVOffloader.take_events()`: the pool's events since the last call."""

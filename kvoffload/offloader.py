@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal, final, overload
 
 import torch
 
+from kvoffload._handles import open_handle
 from kvoffload._session import Session
 from kvoffload._setup import make_session
 from kvoffload.build import POOL_BOOKKEEPING_BYTES_PER_BLOCK
@@ -26,7 +27,6 @@ from kvoffload.pinner import GpuBlockPinner
 from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
 from kvoffload.request import OffloadRequest
 from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
-from kvoffload.scheduler.requests import check_request_priority
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.tiers.manager import TierManager
 from kvoffload.tiers.stats import TierManagerStatistics
@@ -167,7 +167,7 @@ class KVOffloader:
 
     def has_request(self, request_id: str) -> bool:
         """Whether state is kept for ``request_id`` (a live handle, or copies in flight)."""
-        return (self._groups or self._session.scheduler).has_request(request_id)
+        return self._life.has_request(request_id)
 
     @property
     def config(self) -> OffloadConfig:
@@ -237,31 +237,9 @@ class KVOffloader:
                 or a bad ``priority``.
             InputTypeError: a token is not a 64-bit int.
         """
-        self._life.check("request")
-        check_request_priority(request_id, priority)
-        g = self._groups
-        if g is not None and priority:
-            raise InvalidInputError(
-                f"request {request_id!r}: priority={priority!r} with several KV cache groups "
-                f"{[x.name for x in g.groups]}: retention priorities are single-group for now"
-            )
-        lanes = None if g is None else g.lanes_for(request_id)
-        handle: OffloadRequest = OffloadRequest._create(
-            self,
-            request_id,
-            prompt_token_ids,
-            num_computed_tokens,
-            block_size=self._config.block_size if g is None else g.alignment,
-            root=self._namespace.root,
-            lanes=lanes,
+        return open_handle(
+            self, self._life, request_id, prompt_token_ids, num_computed_tokens, priority
         )
-        # Last, once nothing can be refused any more: the id is the handle's until it
-        # finishes, so a second handle for it (a client's retry) is refused here, before
-        # either makes a call.
-        (g or self._session.scheduler).reserve(request_id)
-        if priority:
-            self._session.scheduler.set_priority(request_id, priority)
-        return handle
 
     def retain_prefix(self, token_ids: Sequence[int], *, owner: Hashable) -> int:
         """Keep the leading run of a prompt's full blocks that is stored in the CPU pool
@@ -272,16 +250,12 @@ class KVOffloader:
         Raises:
             InvalidInputError: over ``max_retained_fraction`` (nothing is retained).
         """
-        session = _single(self, "retain_prefix")
-        session.check("retain_prefix")
-        return len(session.scheduler.ledger.retain(self.hash_prompt(token_ids), owner))
+        return _single(self, "retain_prefix").retain(self.hash_prompt(token_ids), owner)
 
     def release_retained(self, owner: Hashable) -> int:
         """Let the blocks `retain_prefix()` kept for ``owner`` be evicted again; return
         how many. Raises `InvalidInputError` if ``owner`` retains nothing."""
-        session = _single(self, "release_retained")
-        session.check("release_retained")
-        return session.scheduler.ledger.release_retained(owner)
+        return _single(self, "release_retained").release_retained(owner)
 
     # -- the engine's step loop ----------------------------------------------------------------
 
@@ -382,12 +356,7 @@ class KVOffloader:
             PinnerError: the pinner's ``pin`` raised; the load was not started and the
                 hit stays pinned.
         """
-        session = _single(self, "load")
-        engine = session.check("load")
-        plan = session.scheduler.plan_load(request_id, gpu_block_ids, num_tokens)
-        if plan is None:
-            return None
-        return session.launcher.launch(engine, plan, None)
+        return _single(self, "load").load(request_id, gpu_block_ids, num_tokens)
 
     def abandon_load(self, request_id: str) -> tuple[int, ...]:
         """Stop waiting for the request's loads in flight; see `OffloadRequest.abandon_load()`.
@@ -395,9 +364,7 @@ class KVOffloader:
         Returns the GPU blocks their copies still write (pinned until each ends); raises
         `UnknownRequestError` for an unknown id, `ClosedError` when not open.
         """
-        session = _single(self, "abandon_load")
-        session.check("abandon_load", pinner_error=False)
-        return session.launcher.abandon_loads(session.scheduler.abandon_load(request_id))
+        return _single(self, "abandon_load").abandon_load(request_id)
 
     def update(
         self,
@@ -410,9 +377,7 @@ class KVOffloader:
 
         See `OffloadScheduler.update()`.
         """
-        session = _single(self, "update")
-        session.check("update")
-        session.scheduler.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
+        _single(self, "update").update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
 
     def store(
         self, *, after: object | None = None, gpu_cache: GpuCacheView | None = None
@@ -436,15 +401,7 @@ class KVOffloader:
         """
         if self._groups is not None:
             return self._groups.store(after)
-        session = self._session
-        engine = session.check("store")
-        plan = session.scheduler.plan_stores(gpu_cache)
-        try:
-            if plan is None:
-                return []
-            return [session.launcher.launch(engine, plan, after)]
-        finally:
-            session.launcher.unpin_released_holds()
+        return self._session.store(after, gpu_cache)
 
     def finish(self, request_id: str) -> None:
         """The engine finished a request. See `OffloadScheduler.finish()`.
@@ -470,14 +427,12 @@ class KVOffloader:
 
     def release(self, request_id: str) -> None:
         """Drop a lookup pin the engine will not load. See `OffloadScheduler.release()`."""
-        (self._groups or self._session).check("release")
-        (self._groups or self._session.scheduler).release(request_id)
+        self._life.release(request_id)
 
     async def drain(self) -> None:
         """Wait until every transfer in flight has completed and been processed;
         cancellation cancels only the wait."""
-        (self._groups or self._session).check("drain")
-        await (self._groups.poller if self._groups else self._session.launcher.poller).drain()
+        await self._life.drain()
 
     async def reset(self) -> bool:
         """Empty the CPU prefix cache and wait for the transfers in flight to end.

@@ -14,7 +14,8 @@ low-level calls (`KVOffloader.lookup`, `load`, `update`, `finish`, `preempt`,
 - the end of the request: leaving ``with off.request(...) as req:`` finishes it, also on
   an exception or a cancellation, so no lookup pin or request state outlives it.
 
-Block-table arithmetic lives here too: `blocks_for()`, `blocks_needed()`, `table_slice()`.
+Block-table arithmetic lives here too: `blocks_for()`, `blocks_needed()`, `table_slice()`
+(written in ``request_tables.py``); the handle's input checks are ``request_checks.py``'s.
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, final, overload
 
 from kvoffload.errors import (
-    BlockTableError,
     ClosedError,
     InvalidInputError,
     PinnerError,
     RequestStateError,
 )
 from kvoffload.hashing import BlockHash, BlockHasher
+from kvoffload.request_checks import check_prefix, computed_past_tokens
+from kvoffload.request_tables import BlockTableArithmetic, blocks_for, table_slice
 from kvoffload.transfer.task import _NoPublicConstructor
 
 if TYPE_CHECKING:
@@ -83,25 +85,6 @@ class _StepCalls(Protocol):
     def finish(self, request_id: str) -> None: ...
 
 
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """How many blocks hold ``num_tokens`` tokens (a partial last block counts).
-
-    Raises:
-        InvalidInputError: a negative ``num_tokens`` or a ``block_size`` below 1 (also a
-            ``ValueError``).
-    """
-    return _blocks_for(num_tokens, block_size, "")
-
-
-def _blocks_for(num_tokens: int, block_size: int, who: str) -> int:
-    if num_tokens < 0 or block_size < 1:
-        raise InvalidInputError(
-            f"{who}need num_tokens >= 0 and block_size >= 1, got num_tokens={num_tokens} "
-            f"and block_size={block_size}"
-        )
-    return -(-num_tokens // block_size)
-
-
 def hash_new_blocks(
     block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, root: BlockHash
 ) -> None:
@@ -122,39 +105,6 @@ def hash_new_blocks(
     hasher = BlockHasher(block_hashes[-1] if block_hashes else root, block_size)
     hasher.extend(token_ids[done : len(token_ids) // block_size * block_size])
     block_hashes.extend(hasher.block_hashes)
-
-
-def table_slice(
-    block_table: Sequence[int], start_token: int, end_token: int, block_size: int
-) -> Sequence[int]:
-    """The entries of ``block_table`` that hold tokens ``[start_token, end_token)``.
-
-    Returns:
-        A slice of the table (empty when the range is).
-
-    Raises:
-        InvalidInputError: a bad range (also a ``ValueError``).
-        BlockTableError: a table too short for the range (the message names both).
-    """
-    return _table_slice(block_table, start_token, end_token, block_size, "")
-
-
-def _table_slice(
-    block_table: Sequence[int], start_token: int, end_token: int, block_size: int, who: str
-) -> Sequence[int]:
-    if not 0 <= start_token <= end_token:
-        raise InvalidInputError(
-            f"{who}need 0 <= start_token ({start_token}) <= end_token ({end_token})"
-        )
-    if start_token == end_token:
-        return block_table[0:0]
-    first, last = start_token // block_size, _blocks_for(end_token, block_size, who)
-    if last > len(block_table):
-        raise BlockTableError(
-            f"{who}tokens [{start_token}, {end_token}) need {last} blocks; "
-            f"the block table has {len(block_table)}"
-        )
-    return block_table[first:last]
 
 
 class HandleState(enum.Enum):
@@ -231,7 +181,7 @@ class ReadOnlyList(Sequence[Any]):
 
 
 @final
-class OffloadRequest(metaclass=_NoPublicConstructor):
+class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
     """One request's handle on a `KVOffloader`; made by `KVOffloader.request()`.
 
     Use it as a context manager: leaving the ``with`` block finishes the request (releasing
@@ -284,16 +234,7 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         lanes: GroupLanes | None = None,
     ) -> None:
         who = f"request {request_id!r}: "
-        if num_computed_tokens < 0 or num_computed_tokens % block_size:
-            raise InvalidInputError(
-                f"{who}num_computed_tokens={num_computed_tokens} must be "
-                f">= 0 and a multiple of block_size={block_size}"
-            )
-        if num_computed_tokens > len(prompt_token_ids):
-            raise InvalidInputError(
-                f"{who}num_computed_tokens={num_computed_tokens} exceeds "
-                f"the prompt's {len(prompt_token_ids)} tokens"
-            )
+        check_prefix(num_computed_tokens, len(prompt_token_ids), block_size, who)
         self._off = offloader
         self._request_id = request_id
         self._who = who
@@ -301,9 +242,7 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         self._tokens: list[int] = []
         # With several groups (``lanes``), the first group's hasher is this one.
         self._lanes = lanes
-        self._hasher = (
-            next(iter(lanes.hashers.values())) if lanes else BlockHasher(root, block_size)
-        )
+        self._hasher = lanes.first_hasher if lanes else BlockHasher(root, block_size)
         self._hashes = self._hasher.block_hashes  # the hasher's own list, bound once
         self._engine_prefix = num_computed_tokens
         self._num_computed = num_computed_tokens
@@ -406,47 +345,6 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         """The handle's lifecycle state."""
         return self._state
 
-    # -- block-table arithmetic --------------------------------------------------------------
-
-    def blocks_for(self, num_tokens: int, *, group: str | None = None) -> int:
-        """How many blocks hold ``num_tokens`` tokens (of ``group``, with several KV cache
-        groups; default the handle's block size). See `blocks_for()`.
-
-        Raises:
-            InvalidInputError: a negative ``num_tokens``, or a group the offloader does
-                not have (the message names the request).
-        """
-        bs = self._block_size
-        if group is not None:
-            if self._lanes is None:
-                raise InvalidInputError(f"{self._who}group={group!r}: the offloader has one group")
-            bs = self._lanes.block_size(group)
-        return _blocks_for(num_tokens, bs, self._who)
-
-    def blocks_needed(self, num_tokens: int | None = None, *, have: int = 0) -> int:
-        """How many blocks a table of ``have`` blocks must gain to hold ``num_tokens``.
-
-        Args:
-            num_tokens: tokens the table must hold (default: `num_tokens`).
-            have: blocks the table has.
-
-        Raises:
-            InvalidInputError: a negative ``num_tokens`` (the message names the request).
-        """
-        n = len(self._tokens) if num_tokens is None else num_tokens
-        return max(0, _blocks_for(n, self._block_size, self._who) - have)
-
-    def table_slice(
-        self, block_table: Sequence[int], start_token: int, end_token: int
-    ) -> Sequence[int]:
-        """The blocks of ``block_table`` holding tokens ``[start_token, end_token)``.
-
-        Raises:
-            InvalidInputError: a bad range. BlockTableError: a table too short for it
-                (both name the request and the values).
-        """
-        return _table_slice(block_table, start_token, end_token, self._block_size, self._who)
-
     # -- the step loop ------------------------------------------------------------------------
 
     @overload
@@ -525,10 +423,8 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         """
         self._state.check("load", self._request_id)
         n = self._hit if num_tokens is None else num_tokens
-        if self._lanes is not None:
-            task = self._lanes.off.load(self._request_id, self._lanes.tables(block_table), n)
-        else:
-            task = self._off.load(self._request_id, block_table, n)  # type: ignore[arg-type]
+        # With several groups, GroupLanes.load() checks the per-group tables first.
+        task = (self._lanes or self._off).load(self._request_id, block_table, n)  # type: ignore[arg-type]
         self._hit = n
         return task
 
@@ -552,10 +448,7 @@ class OffloadRequest(metaclass=_NoPublicConstructor):
         """
         self._state.check("advance", self._request_id)
         if num_computed_tokens > len(self._tokens):
-            raise InvalidInputError(
-                f"{self._who}num_computed_tokens={num_computed_tokens} "
-                f"exceeds its {len(self._tokens)} tokens"
-            )
+            raise computed_past_tokens(num_computed_tokens, len(self._tokens), self._who)
         if self._lanes is not None:
             self._lanes.advance(self._request_id, block_table, num_computed_tokens)
             self._num_computed = num_computed_tokens

@@ -75,6 +75,15 @@ class GroupLanes:
         self._reported = dict.fromkeys(self.hashers, 0)
         self._who = who
 
+    @property
+    def first_hasher(self) -> BlockHasher:
+        """The first cacheable group's hasher (the handle's own `block_hashes`)."""
+        return next(iter(self.hashers.values()))
+
+    def load(self, request_id: str, tables: object, num_tokens: int) -> TransferTask | None:
+        """The offloader's load of ``tables`` (checked by `tables()`)."""
+        return self.off.load(request_id, self.tables(tables), num_tokens)
+
     def extend(self, token_ids: Sequence[int]) -> None:
         """Hash the blocks ``token_ids`` fill, in every group (the first group's hasher
         checks every token first, so a bad one changes nothing)."""

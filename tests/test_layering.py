@@ -1,4 +1,5 @@
-"""The import graph of kvoffload/ has no circle and no import from a lower layer to a higher one.
+"""The import graph of kvoffload/ has no circle and no import from a lower layer to a higher one;
+no class of kvoffload/ spans more than 400 lines.
 
 The layers are the table under ``## Layers`` in ``docs/design.md``. The graph is read with
 `ast` from every module under ``kvoffload/``, nothing is imported:
@@ -344,3 +345,48 @@ def test_the_top_level_modules_and_packages_have_no_circle() -> None:
     assert circle is None, "a circle between top-level modules and packages:\n" + "\n".join(
         f"{edge.importer} imports {edge.target}" for edge in circle
     )
+
+
+# -- no class over 400 lines ------------------------------------------------------------
+
+MAX_CLASS_LINES = 400
+"""The most lines a class of ``kvoffload/`` may span (STYLE.md: "no class over ~400")."""
+
+
+def classes_over(limit: int, modules: Mapping[str, Path] = MODULES) -> list[tuple[str, int]]:
+    """``("module:line Class", lines)`` of every class (nested ones too) spanning more than
+    ``limit`` lines, from its ``class`` line to its last line, largest first."""
+    found = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                size = (node.end_lineno or node.lineno) - node.lineno + 1
+                if size > limit:
+                    found.append((f"{module}:{node.lineno} {node.name}", size))
+    return sorted(found, key=lambda item: -item[1])
+
+
+def test_no_class_is_over_400_lines() -> None:
+    """Every class stays one concept: a class that grows past the limit is split along its
+    seams into collaborators (docs/design.md names who owns what), never squashed."""
+    over = classes_over(MAX_CLASS_LINES)
+    assert not over, f"classes over {MAX_CLASS_LINES} lines: " + ", ".join(
+        f"{name} ({size} lines)" for name, size in over
+    )
+
+
+def test_a_class_over_the_limit_is_named_with_its_size(tmp_path: Path) -> None:
+    body = "".join(f"    def m{i}(self) -> int:\n        return {i}\n\n" for i in range(3))
+    modules = _fake_package(
+        tmp_path,
+        {
+            "kvoffload/__init__.py": "",
+            "kvoffload/big.py": f"class Small:\n    pass\n\n\nclass Big:\n{body}",
+            "kvoffload/nested.py": "def f() -> None:\n    class Inner:\n"
+            + "".join(f"    {line}\n" for line in body.splitlines()),
+        },
+    )
+    # Each class: its ``class`` line and three methods of three lines, the last blank.
+    assert classes_over(5, modules) == [("kvoffload.big:5 Big", 9), ("kvoffload.nested:2 Inner", 9)]
+    assert classes_over(9, modules) == []

@@ -20,7 +20,7 @@ counters `PrefixMap` (``prefix_map.py``), and the records ``events.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from typing import final
 
 from kvoffload.errors import BlockStateError, InvariantError
@@ -34,9 +34,9 @@ from kvoffload.pool.events import (
     PoolStatistics,
 )
 from kvoffload.pool.free_queue import LruFreeQueue
-from kvoffload.pool.policies import EvictionPolicy, LruPolicy, make_policy
+from kvoffload.pool.policies import EvictionPolicy
 from kvoffload.pool.prefix_map import PrefixMap, publish_refused
-from kvoffload.pool.priority import FreeLevels, check_priority
+from kvoffload.pool.priority import attach_policy, check_priority
 from kvoffload.pool.retention import RetainedBlocks
 
 __all__ = [
@@ -47,8 +47,6 @@ __all__ = [
     "PoolEvent",
     "PoolStatistics",
 ]
-
-_LookupHook = Callable[[Sequence[BlockHash], int], None]
 
 
 @final
@@ -110,21 +108,14 @@ class CpuBlockPool:
         self._cached = self._map.cached
         self._enable_events = enable_events
         self._events = self._map.events
-        self._policy = make_policy(policy)
-        self._policy.attach(self._blocks, self._free)
-        # A policy that simulates pools of its own (the adaptive one) gets this class to
-        # make them with, so the policies never import the pool.
-        bind = getattr(self._policy, "bind_pool_factory", None)
-        if callable(bind):
-            bind(lambda n, name: CpuBlockPool(n, policy=name))
+        # The policy, its levels and its lookup hook (see `attach_policy`); a policy that
+        # simulates pools of its own gets this class to make them with.
+        self._policy, self._hooked, self._levels, self._on_lookup = attach_policy(
+            policy, self._blocks, self._free, token, lambda n, name: CpuBlockPool(n, policy=name)
+        )
         # LRU is the free queue itself, served by the inlined paths while no block has a
         # raised priority (the pool is _plain); the rest goes through the levels.
-        self._hooked = None if isinstance(self._policy, LruPolicy) else self._policy
-        self._levels = FreeLevels(self._blocks, self._free, self._policy, self._hooked, token)
         self._plain = self._hooked is None
-        # The adaptive policy's lookup hook (see `EvictionPolicy`): one test per lookup.
-        on_lookup = getattr(self._hooked, "on_lookup", None)
-        self._on_lookup: _LookupHook | None = on_lookup if callable(on_lookup) else None
 
     def __repr__(self) -> str:
         return (
@@ -210,13 +201,8 @@ class CpuBlockPool:
         """
         free = self._free
         if not (self._plain and not protect and 0 < n <= free._len):
-            if n < 0:
-                raise ValueError(f"cannot allocate a negative number of blocks: {n}")
-            levels = self._levels
-            blocks = levels.victims(n, protect)
-            self._map.evict(blocks, evicted)
-            levels.take(blocks)
-            self._plain = self._hooked is None and not levels.raised
+            blocks = self._levels.allocate(n, protect, self._map, evicted)
+            self._plain = self._hooked is None and not self._levels.raised
             return blocks
         # The hot path (LRU, no priority, nothing protected): `LruFreeQueue.popleft_n()`
         # and each block's eviction inlined in one pass (the pool owns its queue). A
@@ -313,10 +299,7 @@ class CpuBlockPool:
         for done, block in enumerate(blocks):
             ref_cnt = block.ref_cnt
             if ref_cnt <= 0 or block._owner is not token:
-                last._next = tail  # type: ignore[union-attr]
-                tail._prev = last
-                free._len += linked
-                self._levels.refuse_free(blocks, done)
+                self._levels.refuse_free(blocks, done, last, linked)
             block.ref_cnt = ref_cnt - 1
             if ref_cnt == 1:
                 last._next = block  # type: ignore[union-attr]
@@ -336,11 +319,7 @@ class CpuBlockPool:
         reference (a free block moves to the most recently used end of its new level
         under LRU; another policy keeps its place). Raises `BlockStateError` for another
         pool's block, `InvalidInputError` for a bad ``priority``."""
-        check_priority(priority)
-        if block._owner is not self._token:
-            raise BlockStateError(f"block {block.block_id} belongs to another pool")
-        if priority > block.priority:
-            self._levels.raise_to(block, priority)
+        if self._levels.raise_priority(block, priority):
             self._plain = False
 
     # -- the prefix-cache map ---------------------------------------------------------------
@@ -445,10 +424,7 @@ class CpuBlockPool:
     def reset_prefix_cache(self) -> bool:
         """Unpublish every block; ``False`` (and nothing changed) while any block holds a
         reference (a retained block does: release it first)."""
-        if self.num_free != self._num_blocks:
-            return False
-        self._map.unpublish_all(cleared=True)
-        return True
+        return self._map.clear_if(self.num_free == self._num_blocks)
 
     # -- observation -------------------------------------------------------------------------
 
@@ -468,9 +444,7 @@ class CpuBlockPool:
             InvariantError: conservation, free-queue membership, the hash map or the
                 policy's bookkeeping is broken.
         """
-        self._levels.check()
-        if self._plain != (self._hooked is None and not self._levels.raised):
-            raise InvariantError(f"fast path flag {self._plain} with priorities in use")
+        self._levels.check(self._plain)
         self._retained.check(self._blocks)
         self._map.check(self._blocks)
         self._policy.check()

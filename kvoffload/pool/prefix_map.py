@@ -116,6 +116,14 @@ class PrefixMap:
         cached.clear()
         return count
 
+    def clear_if(self, all_free: bool) -> bool:
+        """`CpuBlockPool.reset_prefix_cache()`: unpublish every block (one `AllBlocksCleared`
+        event) when ``all_free`` (no block holds a reference); return whether it did."""
+        if not all_free:
+            return False
+        self.unpublish_all(cleared=True)
+        return True
+
     def lookup_observed(
         self,
         block_hashes: Iterable[BlockHash],

@@ -14,20 +14,27 @@ the `FreeLevels` it composes.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, NoReturn, final
 
 from kvoffload.errors import BlockStateError, InvalidInputError, InvariantError, OutOfBlocksError
+from kvoffload.hashing import BlockHash
 from kvoffload.pool.free_queue import LruFreeQueue
+from kvoffload.pool.policies import EvictionPolicy, LruPolicy, make_policy
 
 if TYPE_CHECKING:
-    from kvoffload.pool.block import CpuBlock
-    from kvoffload.pool.policies import EvictionPolicy
+    from kvoffload.pool.block import CpuBlock, QueueNode
+    from kvoffload.pool.prefix_map import PrefixMap
+
+LookupHook = Callable[[Sequence[BlockHash], int], None]
+"""A policy's ``on_lookup`` hook: the hashes looked up, and how many hit."""
 
 __all__ = [
     "MAX_PRIORITY",
     "FreeLevels",
     "LevelGuard",
+    "LookupHook",
+    "attach_policy",
     "check_priority",
     "default_max_retained",
 ]
@@ -56,6 +63,34 @@ def default_max_retained(num_blocks: int, fraction: float = DEFAULT_RETAINED_FRA
     """The retention bound of a pool of ``num_blocks`` that may retain ``fraction`` of
     itself (at most ``num_blocks - 1``: one block is always left to store into)."""
     return min(int(num_blocks * fraction), num_blocks - 1)
+
+
+def attach_policy(
+    policy: EvictionPolicy | str | None,
+    blocks: tuple[CpuBlock, ...],
+    free: LruFreeQueue,
+    token: object,
+    pool_factory: Callable[[int, str], object],
+) -> tuple[EvictionPolicy, EvictionPolicy | None, FreeLevels, LookupHook | None]:
+    """A `CpuBlockPool`'s eviction policy made from ``policy`` (`make_policy`) and attached
+    to its ``blocks`` and ``free`` queue; return it, the policy the pool's slow paths call
+    (``None`` for LRU: the free queue is the policy), the `FreeLevels` over them and the
+    policy's lookup hook.
+
+    A policy that simulates pools of its own (the adaptive one) gets ``pool_factory``
+    (``(num_blocks, policy name) -> pool``) to make them with, so the policies never
+    import the pool. The adaptive policy's lookup hook (see `EvictionPolicy`) costs the
+    pool one test per lookup.
+    """
+    made = make_policy(policy)
+    made.attach(blocks, free)
+    bind = getattr(made, "bind_pool_factory", None)
+    if callable(bind):
+        bind(pool_factory)
+    hooked = None if isinstance(made, LruPolicy) else made
+    levels = FreeLevels(blocks, free, made, hooked, token)
+    on_lookup = getattr(hooked, "on_lookup", None)
+    return made, hooked, levels, on_lookup if callable(on_lookup) else None
 
 
 @final
@@ -150,6 +185,20 @@ class FreeLevels:
                 block.priority = priority
         self.raised = raised
 
+    def raise_priority(self, block: CpuBlock, priority: int) -> bool:
+        """`CpuBlockPool.raise_priority()`: return whether ``block``'s priority rose.
+
+        Raises:
+            BlockStateError: a block of another pool. InvalidInputError: a bad ``priority``.
+        """
+        check_priority(priority)
+        if block._owner is not self._token:
+            raise BlockStateError(f"block {block.block_id} belongs to another pool")
+        if priority > block.priority:
+            self.raise_to(block, priority)
+            return True
+        return False
+
     def raise_to(self, block: CpuBlock, priority: int) -> None:
         """Raise a block's priority to ``priority`` (above its own), wherever it is."""
         if block.ref_cnt:  # in no free queue
@@ -187,13 +236,22 @@ class FreeLevels:
         if zeroed and self._hooked is not None:
             self._hooked.on_free(zeroed)
 
-    def refuse_free(self, blocks: Sequence[CpuBlock], done: int) -> NoReturn:
+    def refuse_free(
+        self, blocks: Sequence[CpuBlock], done: int, last: QueueNode | None, linked: int
+    ) -> NoReturn:
         """`CpuBlockPool.free()` met ``blocks[done]`` at ``ref_cnt`` 0 or of another pool,
-        after freeing the ones before it on its fast path: restore those, then raise.
+        after freeing the ones before it on its fast path (``linked`` of them appended to
+        the free queue after its node ``last``, not yet linked to the tail): close the
+        queue, restore those, then raise.
 
         Raises:
             BlockStateError: always, naming the block.
         """
+        free = self._free
+        tail = free._tail
+        last._next = tail  # type: ignore[union-attr]
+        tail._prev = last
+        free._len += linked
         block = blocks[done]
         ref_cnt = block.ref_cnt
         remove = self._free.remove
@@ -262,6 +320,27 @@ class FreeLevels:
             self.upper_free += 1
 
     # -- victims ----------------------------------------------------------------------------
+
+    def allocate(
+        self,
+        n: int,
+        protect: Collection[CpuBlock],
+        prefix_map: PrefixMap,
+        evicted: list[BlockHash] | None,
+    ) -> list[CpuBlock]:
+        """`CpuBlockPool.allocate()` off its fast path: take the victims, unpublish those
+        still published (in ``prefix_map``, appending their hashes to ``evicted``), give
+        each one reference.
+
+        Raises:
+            ValueError: ``n`` is negative. OutOfBlocksError, InvariantError: see `victims()`.
+        """
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks: {n}")
+        blocks = self.victims(n, protect)
+        prefix_map.evict(blocks, evicted)
+        self.take(blocks)
+        return blocks
 
     def victims(self, n: int, protect: Collection[CpuBlock]) -> list[CpuBlock]:
         """The ``n`` free blocks `CpuBlockPool.allocate()` takes off its fast path, out of
@@ -380,13 +459,16 @@ class FreeLevels:
 
     # -- checks -----------------------------------------------------------------------------
 
-    def check(self) -> None:
+    def check(self, plain: bool) -> None:
         """Check DESIGN invariant 1 (conservation; a block is in a free queue iff its
-        ``ref_cnt`` is 0) and every block's priority against its queue and the counts.
+        ``ref_cnt`` is 0), every block's priority against its queue and the counts, and
+        the pool's fast path flag ``plain`` (set only under LRU with no raised priority).
 
         Raises:
             InvariantError: naming the breach.
         """
+        if plain != (self._hooked is None and not self.raised):
+            raise InvariantError(f"fast path flag {plain} with priorities in use")
         queued = self._free.check()
         level_of = dict.fromkeys((id(b) for b in queued), 0)
         upper = 0

@@ -4,23 +4,25 @@
 `BlockLedger` (``ledger.py``: every CPU-block reference, plans in flight, pending
 hashes), the `RequestTable` (``requests.py``), the `StorePlanner` (``stores.py``: scans,
 deferral, cursors), the `LoadPlanner` (``loads.py``: lookups, pins), the `FinishHolds`
-(``holds.py``) and the `Counters` (``stats.py``). It never awaits and never touches a
-tensor: it returns plans for a copy engine and hears each outcome through `complete()`.
+(``holds.py``), the `PlanOutcomes` (``outcomes.py``: how each plan ends) and the
+`Counters` (``stats.py``); ``checks.py`` compares their records. It never awaits and
+never touches a tensor: it returns plans for a copy engine and hears each outcome through
+`complete()`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal, Protocol, final, overload
+from typing import Literal, final, overload
 
-from kvoffload._logging import get_logger
 from kvoffload.config import OffloadConfig
-from kvoffload.errors import InvalidInputError, InvariantError
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
+from kvoffload.scheduler.checks import check_parts
 from kvoffload.scheduler.holds import FinishHolds
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import LoadPlanner, LookupExtension
+from kvoffload.scheduler.outcomes import PlanOutcomes, TransferLike
 from kvoffload.scheduler.requests import FINISHED_IDS_REMEMBERED, RequestTable
 from kvoffload.scheduler.state import RequestOffloadState
 from kvoffload.scheduler.stats import Counters, SchedulerStatistics
@@ -34,16 +36,6 @@ __all__ = [
     "SchedulerStatistics",
     "TransferLike",
 ]
-
-_log = get_logger("scheduler")
-
-
-class TransferLike(Protocol):
-    """Anything that carries the plan it executes (a `TransferTask`)."""
-
-    @property
-    def plan(self) -> TransferPlan:
-        """The plan the transfer executes."""
 
 
 @final
@@ -81,8 +73,9 @@ class OffloadScheduler:
         )
         self._requests = table.requests
         stores = self._stores = StorePlanner(config, ledger, table, counters)
-        self._loads = LoadPlanner(config.block_size, ledger, table, counters)
-        self._holds = FinishHolds(config, table, stores, counters)
+        loads = self._loads = LoadPlanner(config.block_size, ledger, table, counters)
+        holds = self._holds = FinishHolds(config, table, stores, counters)
+        self._outcomes = PlanOutcomes(ledger, table, stores, loads, holds, counters)
 
     def __repr__(self) -> str:
         return (
@@ -139,12 +132,7 @@ class OffloadScheduler:
 
     def set_priority(self, request_id: str, priority: int) -> None:
         """Give ``request_id`` (registered on first use) a retention priority, 0 by
-        default: see `RequestTable.set_priority()`.
-
-        Raises:
-            InvalidInputError: not an int in [0, `MAX_PRIORITY`]; RequestStateError: the
-                request is finished.
-        """
+        default; what it does and raises: `RequestTable.set_priority()`."""
         self._table.set_priority(request_id, priority)
 
     def reserve(self, request_id: str) -> None:
@@ -388,18 +376,7 @@ class OffloadScheduler:
         Raises:
             InvalidInputError: lazy mode without ``gpu_cache``.
         """
-        if self._config.store_mode == "lazy" and gpu_cache is None:
-            raise InvalidInputError("store_mode='lazy' needs the engine's gpu_cache view")
-        stores = self._stores
-        hold_done: list[RequestOffloadState] = []
-        batch = stores.scan(gpu_cache, hold_done)
-        plan: StorePlan | None = None
-        try:
-            plan = stores.make_plan(batch)
-            return plan
-        finally:
-            if hold_done:
-                self._holds.end_planned(hold_done, plan, self._stores.undo)
+        return self._stores.plan(gpu_cache, self._holds.end_planned)
 
     # -- completion ------------------------------------------------------------------------
 
@@ -417,29 +394,7 @@ class OffloadScheduler:
         Returns:
             ``False`` when the plan is unknown or already completed (the call is ignored).
         """
-        plan = transfer if isinstance(transfer, TransferPlan) else transfer.plan
-        ledger = self._ledger
-        rec = ledger.close(plan.plan_id, ok)
-        counters = self._counters
-        if rec is None:
-            counters.ignored_completions += 1
-            _log.debug("completion_ignored", plan_id=plan.plan_id, kind=plan.kind)
-            return False
-        current = rec.epoch == ledger.epoch
-        records = self._stores.undo if plan.kind == "store" else self._loads.starts
-        del records[plan.plan_id]
-        counters.completed(rec, ok=ok, current=current)
-        if current and not ok:
-            # The poller already warned with the cause; this records what was released.
-            _log.debug(
-                "failed_transfer_released",
-                kind=plan.kind,
-                plan_id=plan.plan_id,
-                blocks=len(rec.blocks),
-                request_ids=",".join(plan.request_ids),
-            )
-        self._table.detach(plan)
-        return True
+        return self._outcomes.complete(transfer, ok)
 
     def cancel(self, transfer: TransferLike | TransferPlan) -> bool:
         """Undo a plan whose copy never started, as if it had not been planned: a store's
@@ -449,22 +404,7 @@ class OffloadScheduler:
         Returns:
             ``False`` when the plan is unknown or already completed (the call is ignored).
         """
-        plan = transfer if isinstance(transfer, TransferPlan) else transfer.plan
-        ledger = self._ledger
-        rec = ledger.cancel(plan.plan_id)
-        counters = self._counters
-        if rec is None:
-            counters.ignored_completions += 1
-            return False
-        counters.cancelled_plans += 1
-        current = rec.epoch == ledger.epoch
-        if plan.kind == "store":
-            self._stores.cancel_plan(rec, current, self._holds.restore)
-        else:
-            self._loads.cancel_plan(rec, current)
-        _log.debug("plan_cancelled", plan_id=plan.plan_id, kind=plan.kind)
-        self._table.detach(plan)
-        return True
+        return self._outcomes.cancel(transfer)
 
     def reset(self) -> bool:
         """Empty the CPU prefix cache: unpublish every block, abandon transfers in flight
@@ -475,11 +415,7 @@ class OffloadScheduler:
             ``True`` when no transfer is in flight any more (the cache stays empty until
             new stores complete); ``False`` while abandoned transfers are still running.
         """
-        self._holds.reset_requests(self._loads.release_pin)
-        self._stores.reset()
-        self._ledger.reset()
-        _log.info("cache_reset", in_flight=self._ledger.num_plans)
-        return not self._ledger.num_plans
+        return self._outcomes.reset()
 
     def in_flight_plans(self) -> list[TransferPlan]:
         """Plans not yet completed, oldest first."""
@@ -501,16 +437,4 @@ class OffloadScheduler:
         Raises:
             InvariantError: naming the breach.
         """
-        ledger = self._ledger
-        ledger.check_invariants()
-        live_refs, held = self._table.check_invariants(
-            {id(p) for p in ledger.pins()}, ledger.has_plan
-        )
-        if live_refs != self._stores.live_refs:
-            raise InvariantError("live-request block counts disagree with the cursors")
-        if held != self._holds.total:
-            raise InvariantError(f"held GPU blocks: {held} counted {self._holds.total}")
-        plans = {rec.plan.plan_id: rec.plan.kind for rec in ledger.plans()}
-        stores = {p for p, kind in plans.items() if kind == "store"}
-        if stores != set(self._stores.undo) or plans.keys() - stores != set(self._loads.starts):
-            raise InvariantError("the planners' records disagree with the ledger's plans")
+        check_parts(self._ledger, self._table, self._stores, self._holds, self._outcomes)

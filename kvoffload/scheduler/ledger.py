@@ -24,6 +24,7 @@ from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.pool.free_queue import CpuBlock
 from kvoffload.scheduler._counts import count_down, count_up
+from kvoffload.scheduler.audit import check_references
 from kvoffload.transfer.plan import LoadPlan, StorePlan, TransferPlan
 
 __all__ = ["BlockLedger", "PlanEntry", "Promotion"]
@@ -432,57 +433,17 @@ class BlockLedger:
         Raises:
             InvariantError: naming the breach.
         """
-        pool = self._pool
-        pool.check_invariants()
-        expected: dict[int, int] = {}
-        loading: dict[int, int] = {}
-        for rec in self._plans.values():
-            is_load = rec.plan.kind == "load" and not rec.abandoned
-            for block in rec.blocks:
-                if block.ref_cnt < 1:
-                    raise InvariantError(
-                        f"block {block.block_id} of in-flight plan {rec.plan.plan_id} has "
-                        f"ref_cnt {block.ref_cnt}"
-                    )
-                count_up(expected, block.block_id)
-                if is_load:
-                    count_up(loading, block.block_id)
-        for blocks in self._pins.values():
-            for block in blocks:
-                count_up(expected, block.block_id)
-        promoted: dict[int, int] = {}
-        for promotion in self._promotions.values():
-            for block in promotion.blocks:
-                count_up(promoted, block.block_id)
-        for block_id, n in promoted.items():
-            if self._tier_refs.get(block_id, 0) < n:
-                raise InvariantError(f"promoted block {block_id} holds fewer refs than taken")
-        tier_refs = dict(self._tier_refs)
-        for holder in self._holders:
-            for block_id, n in holder().items():
-                tier_refs[block_id] = tier_refs.get(block_id, 0) + n
-        for block_id, n in tier_refs.items():
-            expected[block_id] = expected.get(block_id, 0) + n
-        for block_id, n in pool.retained_refs().items():
-            expected[block_id] = expected.get(block_id, 0) + n
-        if not self.priorities.keys() <= self.pending.keys():
-            raise InvariantError("a priority is kept for a hash that is not being filled")
-        if loading != self.loading:
-            raise InvariantError("blocks marked as loading disagree with the load plans")
-        for block_id in range(pool.num_blocks):
-            block = pool.block(block_id)
-            if block.ref_cnt != expected.get(block_id, 0):
-                raise InvariantError(
-                    f"block {block_id}: ref_cnt {block.ref_cnt} but plans, pins, tiers and retains "
-                    f"hold {expected.get(block_id, 0)}"
-                )
-        for block_hash, block in self.pending.items():
-            if pool.is_cached(block_hash):
-                raise InvariantError(
-                    f"hash of in-flight block {block.block_id} is already published"
-                )
-            if block.ref_cnt < 1:
-                raise InvariantError(f"in-flight block {block.block_id} has no reference")
+        check_references(
+            self._pool,
+            self._plans.values(),
+            self._pins.values(),
+            self._promotions.values(),
+            self._tier_refs,
+            self._holders,
+            self.pending,
+            self.priorities,
+            self.loading,
+        )
 
 
 def _publish_prioritized(

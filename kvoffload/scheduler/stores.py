@@ -11,12 +11,13 @@ is *deferred*: cursors stay, nothing referenced is evicted.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, final
 
 from kvoffload._logging import get_logger
 from kvoffload.config import OffloadConfig
+from kvoffload.errors import InvalidInputError
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.free_queue import CpuBlock
 from kvoffload.pool.policies.admission import AlwaysAdmit, make_admission
@@ -178,6 +179,28 @@ class StorePlanner:
         state.num_stored_blocks = old
 
     # -- planning --------------------------------------------------------------------------
+
+    def plan(
+        self,
+        gpu_cache: GpuCacheView | None,
+        end_holds: Callable[
+            [list[RequestOffloadState], StorePlan | None, Mapping[int, StoreUndo]], None
+        ],
+    ) -> StorePlan | None:
+        """`OffloadScheduler.plan_stores()`: scan, then make the batch's plan; the holds
+        the scan finished are handed to ``end_holds`` (`FinishHolds.end_planned()`) with
+        the plan, also when making it raised (then with ``None``)."""
+        if self._lazy and gpu_cache is None:
+            raise InvalidInputError("store_mode='lazy' needs the engine's gpu_cache view")
+        hold_done: list[RequestOffloadState] = []
+        batch = self.scan(gpu_cache, hold_done)
+        plan: StorePlan | None = None
+        try:
+            plan = self.make_plan(batch)
+            return plan
+        finally:
+            if hold_done:
+                end_holds(hold_done, plan, self.undo)
 
     def scan(
         self, gpu_cache: GpuCacheView | None, hold_done: list[RequestOffloadState]
