@@ -377,7 +377,8 @@ class KVOffloader:
 
         See `OffloadScheduler.update()`.
         """
-        _single(self, "update").update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
+        session = self._session if self._groups is None else _single(self, "update")  # hot
+        session.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
 
     def store(
         self, *, after: object | None = None, gpu_cache: GpuCacheView | None = None
