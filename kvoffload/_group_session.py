@@ -12,7 +12,6 @@ publishes nothing, its references are released).
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import final
@@ -22,19 +21,16 @@ import anyio.abc
 import torch
 
 from kvoffload._logging import get_logger
-from kvoffload._session import _State
+from kvoffload._session import Lifecycle, _State
 from kvoffload.build import POOL_BOOKKEEPING_BYTES_PER_BLOCK, build_grouped_scheduler
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import (
-    ClosedError,
     ConfigError,
-    ForkedProcessError,
     HostMemoryError,
     InvalidInputError,
     LayoutMismatchError,
     PinnerError,
     RequestStateError,
-    WrongContextError,
 )
 from kvoffload.group_launcher import GroupLauncher, pool_statistics
 from kvoffload.groups import KVCacheGroup, hit_alignment
@@ -130,7 +126,7 @@ def _check_host_memory(
 
 
 @final
-class GroupSession:
+class GroupSession(Lifecycle):
     """The parts, the lifecycle and the step calls of a multi-group `KVOffloader`.
 
     Args:
@@ -208,11 +204,7 @@ class GroupSession:
         self.poller = self.launcher.poller
         self.counters = self.launcher.counters
         self._live: set[str] = set()
-        self._state = _State.CREATED
-        self._pid = os.getpid()
-        self._loop_thread: int | None = None
-        self._owner_task: int | None = None
-        self._task_group: anyio.abc.TaskGroup | None = None
+        self._init_lifecycle()
         self.tiers = None
         """No single tier manager: one per group (`group_tiers`)."""
         self.group_tiers: GroupTiers | None = None
@@ -273,10 +265,7 @@ class GroupSession:
         """Refuse a step-loop call named ``what`` unless open, in this process, on the
         loop's thread, with a healthy poller (and, with ``pinner_error``, raise an earlier
         ``unpin`` failure once). Raises as `Session.check()`."""
-        self._check_process()
-        if self._state is not _State.OPEN:
-            raise ClosedError(f"KVOffloader is {self._state.value}; use it inside 'async with'")
-        self._check_thread(what)
+        self._check_open(what)
         self.poller.check_health()
         launcher = self.launcher
         if pinner_error and launcher.pinner_error is not None:
@@ -284,36 +273,6 @@ class GroupSession:
             raise PinnerError(
                 f"the GpuBlockPinner's unpin raised after a transfer completed: {error!r}"
             ) from error
-
-    def _check_process(self) -> None:
-        if os.getpid() != self._pid:
-            raise ForkedProcessError(
-                f"KVOffloader was created in process {self._pid} and used in forked process "
-                f"{os.getpid()}; create a new one in the child"
-            )
-
-    def _check_thread(self, what: str) -> None:
-        if self._loop_thread is not None and threading.get_ident() != self._loop_thread:
-            raise WrongContextError(
-                f"KVOffloader.{what}() called from thread {threading.current_thread().name!r}; "
-                "the step loop runs on the event loop's thread"
-            )
-
-    def begin_close(self) -> bool:
-        """Whether `shutdown` must run now (see `Session.begin_close()`)."""
-        if self._state in {_State.CLOSING, _State.CLOSED}:
-            return False
-        if self._state is _State.CREATED:
-            self._state = self._state.to(_State.CLOSED)
-            return False
-        self._check_process()
-        self._check_thread("aclose")
-        if anyio.get_current_task().id != self._owner_task:
-            raise WrongContextError(
-                "KVOffloader.aclose() must be called from the task that entered it"
-            )
-        self._state = self._state.to(_State.CLOSING)
-        return True
 
     async def shutdown(self) -> None:
         """Close the engines, process the last completions, stop the poller, free the
@@ -331,10 +290,7 @@ class GroupSession:
                     await self.group_tiers.aclose()
         finally:
             try:
-                if self._task_group is not None:
-                    task_group, self._task_group = self._task_group, None
-                    task_group.cancel_scope.cancel()
-                    await task_group.__aexit__(None, None, None)
+                await self._close_task_group()
             finally:
                 for host in self.hosts.values():
                     host.close()

@@ -40,7 +40,7 @@ from kvoffload.transfer.poller import PollerStatistics
 from kvoffload.transfer.task import TransferTask
 from kvoffload.transfer.thread_engine import ThreadCopyEngine
 
-__all__ = ["Session"]
+__all__ = ["Lifecycle", "Session"]
 
 _log = get_logger("offloader")
 
@@ -66,8 +66,87 @@ class _State(enum.Enum):
         return target
 
 
+class Lifecycle:
+    """The lifecycle and owner checks that `Session` and `GroupSession` share: the
+    state (created, open, closing, closed), the process that made it, the event loop's
+    thread and the task that entered it, and the task group that runs while open."""
+
+    __slots__ = ("_loop_thread", "_owner_task", "_pid", "_state", "_task_group")
+
+    _state: _State
+    _pid: int
+    _loop_thread: int | None
+    _owner_task: int | None
+    _task_group: anyio.abc.TaskGroup | None
+
+    def _init_lifecycle(self) -> None:
+        self._state = _State.CREATED
+        self._pid = os.getpid()
+        self._loop_thread = None
+        self._owner_task = None
+        self._task_group = None
+
+    def _check_open(self, what: str) -> None:
+        """Refuse a step-loop call named ``what`` unless open, in this process, on the
+        loop's thread."""
+        self._check_process()
+        if self._state is not _State.OPEN:
+            raise self._closed()
+        self._check_thread(what)
+
+    def _closed(self) -> ClosedError:
+        return ClosedError(f"KVOffloader is {self._state.value}; use it inside 'async with'")
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise ForkedProcessError(
+                f"KVOffloader was created in process {self._pid} and used in forked process "
+                f"{os.getpid()}; create a new one in the child"
+            )
+
+    def _check_thread(self, what: str) -> None:
+        if self._loop_thread is not None and threading.get_ident() != self._loop_thread:
+            raise WrongContextError(
+                f"KVOffloader.{what}() called from thread {threading.current_thread().name!r}; "
+                "the step loop runs on the event loop's thread (from a worker thread, use "
+                "anyio.from_thread.run_sync)"
+            )
+
+    def begin_close(self) -> bool:
+        """Whether `shutdown` must run now: ``False`` when closing or closed already, or
+        never entered (then it is closed at once).
+
+        Raises:
+            ForkedProcessError: called in a forked child.
+            WrongContextError: called from another thread, or from a task other than the
+                one that entered; nothing changed.
+        """
+        if self._state in {_State.CLOSING, _State.CLOSED}:
+            return False
+        if self._state is _State.CREATED:
+            self._state = self._state.to(_State.CLOSED)
+            return False
+        self._check_process()
+        self._check_thread("aclose")
+        if anyio.get_current_task().id != self._owner_task:
+            raise WrongContextError(
+                "KVOffloader.aclose() must be called from the task that entered it "
+                "(a task group's exit needs its own task); close it there, e.g. by leaving "
+                "'async with'"
+            )
+        self._state = self._state.to(_State.CLOSING)
+        return True
+
+    async def _close_task_group(self) -> None:
+        """Cancel and leave the task group the session runs while open (if any)."""
+        if self._task_group is not None:
+            task_group, self._task_group = self._task_group, None
+            task_group.cancel_scope.cancel()
+            await task_group.__aexit__(None, None, None)
+
+
 @final
-class Session:
+class Session(Lifecycle):
     """The parts, the lifecycle and the owner checks of one `KVOffloader`.
 
     Args:
@@ -85,14 +164,9 @@ class Session:
         "_config",
         "_gpu_kv",
         "_layout",
-        "_loop_thread",
         "_namespace",
-        "_owner_task",
-        "_pid",
         "_pinner",
         "_plan",
-        "_state",
-        "_task_group",
         "built",
         "engine",
         "host",
@@ -117,11 +191,7 @@ class Session:
         self._gpu_kv = tuple(gpu_kv)
         self._namespace = namespace
         self._pinner = pinner
-        self._state = _State.CREATED
-        self._pid = os.getpid()
-        self._loop_thread: int | None = None
-        self._owner_task: int | None = None
-        self._task_group: anyio.abc.TaskGroup | None = None
+        self._init_lifecycle()
         self.engine = engine
         """The copy engine (made on `start` unless the caller gave one)."""
         self.host: HostKVBuffer | None = None
@@ -335,57 +405,15 @@ class Session:
             TransferError: the completion poller failed (see `CompletionPoller`).
             PinnerError: with ``pinner_error``, an earlier ``unpin`` raised (once).
         """
-        self._check_process()
-        if self._state is not _State.OPEN or self.engine is None:
-            raise ClosedError(f"KVOffloader is {self._state.value}; use it inside 'async with'")
-        self._check_thread(what)
+        self._check_open(what)
+        engine = self.engine
+        if engine is None:  # a session is open only with its engine; this keeps it so
+            raise self._closed()
         launcher = self.launcher
         launcher.poller.check_health()
         if pinner_error:
             launcher.raise_pinner_error()
-        return self.engine
-
-    def _check_process(self) -> None:
-        if os.getpid() != self._pid:
-            raise ForkedProcessError(
-                f"KVOffloader was created in process {self._pid} and used in forked process "
-                f"{os.getpid()}; create a new one in the child"
-            )
-
-    def _check_thread(self, what: str) -> None:
-        if self._loop_thread is not None and threading.get_ident() != self._loop_thread:
-            raise WrongContextError(
-                f"KVOffloader.{what}() called from thread {threading.current_thread().name!r}; "
-                "the step loop runs on the event loop's thread (from a worker thread, use "
-                "anyio.from_thread.run_sync)"
-            )
-
-    # -- closing -----------------------------------------------------------------------
-
-    def begin_close(self) -> bool:
-        """Whether `shutdown` must run now: ``False`` when closing or closed already, or
-        never entered (then it is closed at once).
-
-        Raises:
-            ForkedProcessError: called in a forked child.
-            WrongContextError: called from another thread, or from a task other than the
-                one that entered; nothing changed.
-        """
-        if self._state in {_State.CLOSING, _State.CLOSED}:
-            return False
-        if self._state is _State.CREATED:
-            self._state = self._state.to(_State.CLOSED)
-            return False
-        self._check_process()
-        self._check_thread("aclose")
-        if anyio.get_current_task().id != self._owner_task:
-            raise WrongContextError(
-                "KVOffloader.aclose() must be called from the task that entered it "
-                "(a task group's exit needs its own task); close it there, e.g. by leaving "
-                "'async with'"
-            )
-        self._state = self._state.to(_State.CLOSING)
-        return True
+        return engine
 
     async def shutdown(self) -> None:
         """Close the copy engine, process the last completions, release every hold, close
@@ -405,10 +433,7 @@ class Session:
                     await self.tiers.aclose()
         finally:
             try:
-                if self._task_group is not None:
-                    task_group, self._task_group = self._task_group, None
-                    task_group.cancel_scope.cancel()
-                    await task_group.__aexit__(None, None, None)
+                await self._close_task_group()
             finally:
                 if self.host is not None:
                     self.host.close()
