@@ -82,7 +82,8 @@ class AdaptiveStatistics:
         leader: the expert with the most weight (it breaks ties between blocks).
         scores: per expert, its shadow's prefix hits decayed over the window.
         weights: per expert, the weight its vote to keep a block has now (1 for the best
-            score, less the further behind an expert is, in standard deviations).
+            score, less the further behind an expert is, in standard deviations; while
+            every score is the same, 1 for the leader and 0 for the others).
         shadow_hits: per expert, its shadow's prefix hits since the start (undecayed).
         switches: how many times the leader changed.
         metadata_entries: block records, hashes and ids the policy keeps, all experts
