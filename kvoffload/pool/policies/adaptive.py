@@ -61,8 +61,13 @@ class ShadowPool(Protocol):
 ShadowPoolFactory = Callable[[int, str], ShadowPool]
 """Makes a shadow pool: ``(num_blocks, policy name) -> ShadowPool``."""
 
-DEFAULT_EXPERTS: tuple[str, ...] = ("lru", "s3fifo", "arc", "prefix-freq")
-"""The experts `AdaptivePolicy` weighs by default; the first one leads at the start."""
+DEFAULT_EXPERTS: tuple[str, ...] = ("s3fifo", "lru", "arc", "prefix-freq")
+"""The experts `AdaptivePolicy` weighs by default; the first one leads at the start.
+
+S3-FIFO leads: with no evidence yet the pool keeps what it keeps (scan resistant, and
+the best static policy in most cells of the grid in docs/policies.md); LRU and the
+others take over as soon as their shadows hit more.
+"""
 
 TEMPERATURE = 10.0
 """`AdaptivePolicy`'s default ``temperature``."""
@@ -77,7 +82,8 @@ class AdaptiveStatistics:
         leader: the expert with the most weight (it breaks ties between blocks).
         scores: per expert, its shadow's prefix hits decayed over the window.
         weights: per expert, the weight its vote to keep a block has now (1 for the best
-            score, less the further behind an expert is, in standard deviations).
+            score, less the further behind an expert is, in standard deviations; while
+            every score is the same, 1 for the leader and 0 for the others).
         shadow_hits: per expert, its shadow's prefix hits since the start (undecayed).
         switches: how many times the leader changed.
         metadata_entries: block records, hashes and ids the policy keeps, all experts
@@ -128,7 +134,7 @@ def _expert_bound(name: str, capacity: int) -> int:
 class AdaptivePolicy(PolicyBase):
     """Keep the blocks that the experts with the most recent prefix hits keep.
 
-    Each expert (by default LRU, S3-FIFO, ARC and ``prefix-freq``) runs in a shadow pool
+    Each expert (by default S3-FIFO, LRU, ARC and ``prefix-freq``) runs in a shadow pool
     of the same size that holds hashes only. A lookup is a request's use of its blocks:
     the pool passes the looked-up hashes to `on_lookup`, and every shadow replays the
     request the way the replay tools drive a pool (look up, pin the leading hits, store
@@ -146,6 +152,11 @@ class AdaptivePolicy(PolicyBase):
     victims. The policy takes free blocks that hold nothing findable first, then free
     blocks by the summed weight of the experts whose shadow holds their hash, least
     first (on a tie: one the leader does not hold, then the longest held at that worth).
+    While every expert's score is the same (no expert has hit anything the others did
+    not, as at the start), the leader's weight alone counts: experts that agree are no
+    evidence, and a majority of them would evict what the leader keeps (on a cycle
+    larger than the pool, LRU, ARC and ``prefix-freq`` hold the same recent blocks and
+    never hit, and the blocks S3-FIFO would hit were gone by its first hit).
     When one expert weighs more than all the others together, the pool's contents are
     its shadow's; while several are close, the pool keeps what most of that weight
     keeps, so a change in which expert is best does not leave it holding the blocks of
@@ -385,9 +396,16 @@ class AdaptivePolicy(PolicyBase):
                 self._rebucket(block_id, old & ~bit)
 
     def weights(self) -> list[float]:
-        """Per expert (in the order given), the weight of its vote now; the best is 1."""
+        """Per expert (in the order given), the weight of its vote now; the best is 1.
+
+        While every score is the same (no evidence yet), the leader's vote is 1 and the
+        others' 0: experts that agree are no evidence, and their majority would evict what
+        the leader keeps.
+        """
         scores = self._scores
         top = max(scores)
+        if top == min(scores):
+            return [float(i == self._leader) for i in range(len(scores))]
         t = self._temperature
         return [math.exp(-(top - s) / (t * math.sqrt(top + s + 1.0))) for s in scores]
 
