@@ -28,13 +28,10 @@ Needs valgrind (``apt-get install valgrind``).
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from _callgrind import count_after_ready, have_callgrind
 
 STAGES = ("update", "steps", "lookups")
 
@@ -106,47 +103,16 @@ os._exit(0)
 
 def count(checkout: Path, stage: str, args: argparse.Namespace) -> int:
     """Instructions of one stage, run from ``checkout``."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [
-            "valgrind",
-            "--tool=callgrind",
-            "--instr-atstart=no",
-            f"--callgrind-out-file={tmp}/cg.out",
-            sys.executable,
-            "-c",
-            _CHILD,
+    return count_after_ready(
+        _CHILD,
+        [
             str(checkout),
             stage,
             str(args.requests),
             str(args.blocks),
             str(args.chunk),
-        ]
-        env = {**os.environ, "PYTHONHASHSEED": "0"}
-        with subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=tmp,
-        ) as proc:
-            assert proc.stdin is not None
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            if line.strip() != "ready":
-                _, err = proc.communicate()
-                raise RuntimeError(f"the stage did not start: {line!r}\n{err[-2000:]}")
-            subprocess.run(
-                ["callgrind_control", "-i", "on", str(proc.pid)], check=True, capture_output=True
-            )
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            _, err = proc.communicate()
-    found = re.search(r"Collected : (\d+)", err)
-    if proc.returncode != 0 or found is None:
-        raise RuntimeError(f"no instruction count in valgrind's output:\n{err[-2000:]}")
-    return int(found.group(1))
+        ],
+    )
 
 
 def main() -> int:
@@ -157,7 +123,7 @@ def main() -> int:
     parser.add_argument("--chunk", type=int, default=4)
     parser.add_argument("--stages", default=",".join(STAGES))
     args = parser.parse_args()
-    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+    if not have_callgrind():
         print("valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
         return 2
     here = Path(__file__).resolve().parent.parent
