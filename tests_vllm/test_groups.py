@@ -145,6 +145,23 @@ def test_gpt_oss_alternates_a_window_group_and_a_full_group() -> None:
     assert [(g.kind, g.sliding_window) for g in groups] == [("sliding_window", 64), ("full", None)]
 
 
+def test_tokens_retained_below_the_window_widen_the_window() -> None:
+    # vLLM keeps them for multi-token drafts: a hit must bring them back too, so the
+    # group stores and loads a window that covers them (never fewer blocks than vLLM reads).
+    spec = SlidingWindowSpec(
+        block_size=32,
+        num_kv_heads=1,
+        head_size=32,
+        dtype=F32,
+        sliding_window=64,
+        extra_retained_tokens=32,
+    )
+    (group,) = describe_groups(config(([attn("0")], spec)))
+    assert (group.kind, group.sliding_window) == ("sliding_window", 96)
+    (plain,) = describe_groups(config(([attn("0")], sliding(64))))
+    assert plain.sliding_window == 64
+
+
 def test_without_the_hybrid_manager_windows_arrive_on_one_full_group() -> None:
     (gemma,) = describe_groups(GEMMA3_NO_HMA)
     assert (gemma.kind, gemma.sliding_window, gemma.attention_chunk_size) == ("full", 64, None)

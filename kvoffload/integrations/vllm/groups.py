@@ -161,7 +161,10 @@ def _kind_of(spec: KVCacheSpec) -> tuple[GroupKind, int | None, int | None]:
         # as full attention (every block kept) and carry their window here.
         return "full", spec.sliding_window, spec.attention_chunk_size
     if isinstance(spec, SlidingWindowSpec):
-        return "sliding_window", spec.sliding_window, None
+        # vLLM keeps ``extra_retained_tokens`` below the window for multi-token drafts:
+        # they are part of what a hit must restore, so they widen the stored window.
+        extra = getattr(spec, "extra_retained_tokens", 0) or 0
+        return "sliding_window", spec.sliding_window + extra, None
     if isinstance(spec, ChunkedLocalAttentionSpec):
         return "chunked", None, spec.attention_chunk_size
     # Encoder-only, cross-attention, ring buffers, HiSparse, unknown specs.
