@@ -5,8 +5,10 @@ hashes only (no data), driven by every request the real pool sees, as if it were
 pool under that expert. The shadows' prefix hits, decayed over a window of recent block
 accesses, weigh the experts; the real pool then keeps the free blocks that the experts'
 weights most agree on keeping: a free block is worth the weights of the experts whose
-shadow holds its hash, and the least worth goes first. An expert far ahead decides
-alone; experts whose hits are within noise of each other share the pool.
+shadow holds its hash, and the least worth goes first. An expert's weight is the chance,
+under the noise of the hit counts (measured: hits come in runs of a request's blocks),
+that it is really as good as the best one: an expert far ahead decides alone; experts
+whose hits are within noise of each other share the pool.
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ the best static policy in most cells of the grid in docs/policies.md); LRU and t
 others take over as soon as their shadows hit more.
 """
 
-TEMPERATURE = 10.0
-"""`AdaptivePolicy`'s default ``temperature``."""
+TEMPERATURE = 1.0
+"""`AdaptivePolicy`'s default ``temperature`` (the measured standard deviation, unscaled)."""
 
 
 @final
@@ -82,8 +84,9 @@ class AdaptiveStatistics:
         leader: the expert with the most weight (it breaks ties between blocks).
         scores: per expert, its shadow's prefix hits decayed over the window.
         weights: per expert, the weight its vote to keep a block has now (1 for the best
-            score, less the further behind an expert is, in standard deviations; while
-            every score is the same, 1 for the leader and 0 for the others).
+            score, less the further behind an expert is, in standard deviations of the
+            hit counts; while every score is the same, 1 for the leader and 0 for the
+            others).
         shadow_hits: per expert, its shadow's prefix hits since the start (undecayed).
         switches: how many times the leader changed.
         metadata_entries: block records, hashes and ids the policy keeps, all experts
@@ -142,10 +145,17 @@ class AdaptivePolicy(PolicyBase):
     shadow's hits are exactly those of the expert on its own. A lookup repeated before
     anything was freed (a request asking again) is not a new use. Each expert's score is
     its shadow's prefix hits since the start (or decayed with a time constant of ``window``
-    times the pool size in block accesses). An expert whose score ``s`` is behind the best one ``b``
-    weighs ``exp(-(b - s) / (temperature * sqrt(b + s + 1)))``: the square root is the
-    noise of hit counts, so an expert within noise of the best weighs nearly as much,
-    and one clearly behind nearly nothing.
+    times the pool size in block accesses). A request's hits come as one run of its
+    leading blocks, so the noise of an expert's score is not that of independent hits
+    (``sqrt(s)``): it is ``sqrt(q)``, where ``q`` sums the squares of the expert's
+    per-request hits (decayed alike; the variance of a sum of random runs). An expert
+    whose score ``s`` (squares ``q``) is behind the best one ``b`` (squares ``p``) is
+    ``z = (b - s) / sqrt(p + q + 1)`` standard deviations behind and weighs
+    ``erfc(z / (temperature * sqrt(2)))``, the chance that a normal variable falls at
+    least ``z / temperature`` standard deviations from its mean: how plausibly the
+    expert is really as good as the best. An expert within noise of the best
+    weighs nearly as much (1), one 1, 2 or 3 standard deviations behind 0.32, 0.046 or
+    0.003.
 
     The shadows replay a request at its lookup, before the pool allocates for it, so
     which experts still hold each free block's hash is known when the pool asks for
@@ -183,8 +193,9 @@ class AdaptivePolicy(PolicyBase):
             over, on top of the ``confidence`` term.
         confidence: the lead, in standard deviations of the hit counts, another expert
             needs to take over as the leader.
-        temperature: how many standard deviations of the hit counts behind the best an
-            expert's weight falls by a factor ``e``; larger shares the pool more evenly.
+        temperature: a scale on the measured standard deviation of the hit counts (1:
+            as measured); larger shares the pool more evenly, smaller follows the best
+            expert sooner.
 
     Raises:
         ValueError: no experts, a repeated or unknown expert, or a window, margin,
@@ -203,6 +214,7 @@ class AdaptivePolicy(PolicyBase):
         "_mask_of",
         "_scores",
         "_shadows",
+        "_squares",
         "_switches",
         "_tau",
         "_temperature",
@@ -246,6 +258,7 @@ class AdaptivePolicy(PolicyBase):
         self._tau = math.inf
         self._shadows: list[ShadowPool] = []
         self._scores = [0.0] * len(names)
+        self._squares = [0.0] * len(names)
         self._hits = [0] * len(names)
         self._leader = 0
         self._switches = 0
@@ -336,7 +349,7 @@ class AdaptivePolicy(PolicyBase):
     def _observe(self, keys: tuple[BlockHash, ...]) -> None:
         """Replay one request (its hashes in prefix order) in every shadow; rescore."""
         decay = math.exp(-len(keys) / self._tau)
-        scores, hits = self._scores, self._hits
+        scores, squares, hits = self._scores, self._squares, self._hits
         for i, shadow in enumerate(self._shadows):
             found = shadow.lookup(keys)
             h = len(found)
@@ -352,6 +365,7 @@ class AdaptivePolicy(PolicyBase):
             shadow.free(held)
             hits[i] += h
             scores[i] = scores[i] * decay + h
+            squares[i] = squares[i] * decay * decay + h * h
             if evicted:
                 self._note_evicted(evicted, 1 << i)
         leader = self._leader
@@ -398,16 +412,21 @@ class AdaptivePolicy(PolicyBase):
     def weights(self) -> list[float]:
         """Per expert (in the order given), the weight of its vote now; the best is 1.
 
-        While every score is the same (no evidence yet), the leader's vote is 1 and the
-        others' 0: experts that agree are no evidence, and their majority would evict what
-        the leader keeps.
+        An expert ``z`` standard deviations of the hit counts behind the best weighs
+        ``erfc(z / (temperature * sqrt(2)))`` (see the class docstring). While every score
+        is the same (no evidence yet), the leader's vote is 1 and the others' 0: experts
+        that agree are no evidence, and their majority would evict what the leader keeps.
         """
-        scores = self._scores
+        scores, squares = self._scores, self._squares
         top = max(scores)
         if top == min(scores):
             return [float(i == self._leader) for i in range(len(scores))]
-        t = self._temperature
-        return [math.exp(-(top - s) / (t * math.sqrt(top + s + 1.0))) for s in scores]
+        p = squares[scores.index(top)]
+        scale = self._temperature * math.sqrt(2.0)
+        return [
+            math.erfc((top - s) / (scale * math.sqrt(p + q + 1.0)))
+            for s, q in zip(scores, squares, strict=True)
+        ]
 
     def _free_queue(self) -> LruFreeQueue:
         if self._free is None:
@@ -518,6 +537,10 @@ class AdaptivePolicy(PolicyBase):
             raise InvariantError(f"AdaptivePolicy: leader index {self._leader} out of range")
         if any(not s >= 0.0 for s in self._scores):
             raise InvariantError(f"AdaptivePolicy: a score is negative or NaN: {self._scores}")
+        if any(not q >= 0.0 for q in self._squares):
+            raise InvariantError(
+                f"AdaptivePolicy: a sum of squares is negative or NaN: {self._squares}"
+            )
         if self._shadows and self.metadata_entries() > self.metadata_bound:
             raise InvariantError(
                 f"AdaptivePolicy: {self.metadata_entries()} metadata entries exceed the "
