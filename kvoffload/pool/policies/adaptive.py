@@ -31,7 +31,14 @@ if TYPE_CHECKING:
     from kvoffload.pool.free_queue import CpuBlock, LruFreeQueue
     from kvoffload.pool.policies.base import EvictionPolicy
 
-__all__ = ["DEFAULT_EXPERTS", "TEMPERATURE", "AdaptivePolicy", "AdaptiveStatistics", "ShadowPool"]
+__all__ = [
+    "DEFAULT_EXPERTS",
+    "TEMPERATURE",
+    "AdaptivePolicy",
+    "AdaptiveStatistics",
+    "ShadowPool",
+    "expert_weights",
+]
 
 
 class ShadowPool(Protocol):
@@ -410,23 +417,9 @@ class AdaptivePolicy(PolicyBase):
                 self._rebucket(block_id, old & ~bit)
 
     def weights(self) -> list[float]:
-        """Per expert (in the order given), the weight of its vote now; the best is 1.
-
-        An expert ``z`` standard deviations of the hit counts behind the best weighs
-        ``erfc(z / (temperature * sqrt(2)))`` (see the class docstring). While every score
-        is the same (no evidence yet), the leader's vote is 1 and the others' 0: experts
-        that agree are no evidence, and their majority would evict what the leader keeps.
-        """
-        scores, squares = self._scores, self._squares
-        top = max(scores)
-        if top == min(scores):
-            return [float(i == self._leader) for i in range(len(scores))]
-        p = squares[scores.index(top)]
-        scale = self._temperature * math.sqrt(2.0)
-        return [
-            math.erfc((top - s) / (scale * math.sqrt(p + q + 1.0)))
-            for s, q in zip(scores, squares, strict=True)
-        ]
+        """Per expert (in the order given), the weight of its vote now; the best is 1
+        (see `expert_weights()`)."""
+        return expert_weights(self._scores, self._squares, self._leader, self._temperature)
 
     def _free_queue(self) -> LruFreeQueue:
         if self._free is None:
@@ -533,16 +526,45 @@ class AdaptivePolicy(PolicyBase):
                     )
         for shadow in self._shadows:
             shadow.check_invariants()
-        if not 0 <= self._leader < len(self._experts):
-            raise InvariantError(f"AdaptivePolicy: leader index {self._leader} out of range")
-        if any(not s >= 0.0 for s in self._scores):
-            raise InvariantError(f"AdaptivePolicy: a score is negative or NaN: {self._scores}")
-        if any(not q >= 0.0 for q in self._squares):
-            raise InvariantError(
-                f"AdaptivePolicy: a sum of squares is negative or NaN: {self._squares}"
-            )
+        _check_scores(self._scores, self._squares, self._leader)
         if self._shadows and self.metadata_entries() > self.metadata_bound:
             raise InvariantError(
                 f"AdaptivePolicy: {self.metadata_entries()} metadata entries exceed the "
                 f"bound {self.metadata_bound}"
             )
+
+
+def expert_weights(
+    scores: Sequence[float], squares: Sequence[float], leader: int, temperature: float
+) -> list[float]:
+    """The weight of each expert's vote, the best's 1.
+
+    An expert ``z`` standard deviations of the hit counts behind the best weighs
+    ``erfc(z / (temperature * sqrt(2)))``, the deviation measured from the sums of the
+    squares of the experts' per-request hits (``squares``; see `AdaptivePolicy`). While
+    every score is the same (no evidence yet), the leader's vote is 1 and the others' 0:
+    experts that agree are no evidence, and their majority would evict what the leader
+    keeps.
+    """
+    top = max(scores)
+    if top == min(scores):
+        return [float(i == leader) for i in range(len(scores))]
+    p = squares[list(scores).index(top)]
+    scale = temperature * math.sqrt(2.0)
+    return [
+        math.erfc((top - s) / (scale * math.sqrt(p + q + 1.0)))
+        for s, q in zip(scores, squares, strict=True)
+    ]
+
+
+def _check_scores(scores: Sequence[float], squares: Sequence[float], leader: int) -> None:
+    """Raise `InvariantError` for a leader out of range, or a score or sum of squares that
+    is negative or NaN."""
+    if not 0 <= leader < len(scores):
+        raise InvariantError(f"AdaptivePolicy: leader index {leader} out of range")
+    if any(not s >= 0.0 for s in scores):
+        raise InvariantError(f"AdaptivePolicy: a score is negative or NaN: {list(scores)}")
+    if any(not q >= 0.0 for q in squares):
+        raise InvariantError(
+            f"AdaptivePolicy: a sum of squares is negative or NaN: {list(squares)}"
+        )
