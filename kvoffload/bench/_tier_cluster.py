@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import uuid
 from collections.abc import Sequence
 
-from kvoffload.bench._tier_common import NS, check_copies, pipelined_ops, side_by_side, tier_ops
+from kvoffload.bench._tier_common import NS, against_bare_redis
 from kvoffload.hashing import BlockHash
 
 __all__ = ["redis_cluster"]
@@ -56,18 +55,17 @@ async def redis_cluster(
         await tier.delete(hashes)
 
     try:
-        rows = await side_by_side(
+        rows = await against_bare_redis(
             args,
             n,
             nbytes,
-            ours=(
-                pipelined_ops(bare, keys2, src, nbytes)
-                if args.calibrate
-                else tier_ops(tier, args, nbytes=nbytes, hashes=hashes, src=src, dst=dst)
-            ),
-            base=pipelined_ops(bare, keys, src, nbytes),
+            tier=tier,
+            bare=bare,
+            keys=(keys, keys2),
+            hashes=hashes,
+            src=src,
+            dst=dst,
             reset=reset,
-            check=(lambda: None) if args.calibrate else functools.partial(check_copies, src, dst),
         )
         stats = tier.statistics()
         print(

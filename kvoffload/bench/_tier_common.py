@@ -20,6 +20,7 @@ from kvoffload.tiers.format import encode_header, verify_block
 __all__ = [
     "NS",
     "Batch",
+    "against_bare_redis",
     "check_copies",
     "concurrently",
     "gbps",
@@ -182,3 +183,35 @@ def pipelined_ops(
             raise RuntimeError("bare GET missed")
 
     return {"store": bare_set, "load": bare_get}
+
+
+async def against_bare_redis(
+    args: argparse.Namespace,
+    n: int,
+    nbytes: int,
+    *,
+    tier: SecondaryTier,
+    bare: Any,
+    keys: tuple[Sequence[bytes], Sequence[bytes]],
+    hashes: Sequence[BlockHash],
+    src: Sequence[memoryview],
+    dst: Sequence[memoryview],
+    reset: Callable[[], Awaitable[None]],
+) -> list[tuple[str, float, float, float]]:
+    """`side_by_side()` of a Redis or Redis Cluster tier against pipelined ``SET``/``GET``
+    on the bare client ``bare`` (``keys[0]``); with ``--calibrate``, the bare client against
+    itself on ``keys[1]``, for the noise floor. A bare ``GET`` copies nothing into the host
+    blocks: only the tier's copies are checked."""
+    return await side_by_side(
+        args,
+        n,
+        nbytes,
+        ours=(
+            pipelined_ops(bare, keys[1], src, nbytes)
+            if args.calibrate
+            else tier_ops(tier, args, nbytes=nbytes, hashes=hashes, src=src, dst=dst)
+        ),
+        base=pipelined_ops(bare, keys[0], src, nbytes),
+        reset=reset,
+        check=(lambda: None) if args.calibrate else functools.partial(check_copies, src, dst),
+    )

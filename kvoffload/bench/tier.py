@@ -45,8 +45,8 @@ from kvoffload.bench._args import int_list, positive_int
 from kvoffload.bench._tier_common import (
     NS,
     Batch,
+    against_bare_redis,
     check_copies,
-    pipelined_ops,
     side_by_side,
     tier_ops,
 )
@@ -267,19 +267,17 @@ async def _redis(
         await tier.delete(hashes)
 
     try:
-        rows = await side_by_side(
+        rows = await against_bare_redis(
             args,
             n,
             nbytes,
-            ours=(
-                pipelined_ops(bare, keys2, src, nbytes)
-                if args.calibrate
-                else tier_ops(tier, args, nbytes=nbytes, hashes=hashes, src=src, dst=dst)
-            ),
-            base=pipelined_ops(bare, keys, src, nbytes),
+            tier=tier,
+            bare=bare,
+            keys=(keys, keys2),
+            hashes=hashes,
+            src=src,
+            dst=dst,
             reset=reset,
-            # A bare GET copies nothing into the host blocks: only the tier's can be checked.
-            check=(lambda: None) if args.calibrate else functools.partial(check_copies, src, dst),
         )
     finally:
         await reset()
