@@ -390,12 +390,11 @@ class GroupSession(Lifecycle):
         self.scheduler.release(request_id)
 
     def preempt(self, request_id: str) -> None:
-        """Store the request's last point now, then reset its tables and cursors."""
+        """The engine freed the request's GPU blocks: store nothing from them, reset its
+        tables and cursors (see `GroupedScheduler.preempt()`)."""
         self.check("preempt")
         if self.scheduler.has_request(request_id):
-            plan = self.scheduler.preempt(request_id)
-            if plan is not None:
-                self.launcher.launch(plan, None)
+            self.scheduler.preempt(request_id)
 
     def finish(self, request_id: str) -> None:
         """Store the request's last point now (its GPU blocks stay pinned through each

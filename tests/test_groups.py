@@ -310,18 +310,25 @@ def test_reset_abandons_stores_in_flight_in_every_group() -> None:
     rig.sched.check_invariants()
 
 
-def test_preempt_stores_the_last_point_and_rescans() -> None:
+def test_preempt_stores_nothing_and_rescans() -> None:
     sw = group("win", "sliding_window", 4, window=9)
     rig = Rig([FULL4, sw], checkpoint_tokens=16)
     tabs = Tables(rig, 24)
     h = rig.hashes(tokens(24))
     rig.sched.update("a", tabs.t, h, 24)
     rig.run(rig.sched.plan_stores())  # point 16
-    rig.run(rig.sched.preempt("a"))  # point 24 (the computed length)
+    rig.sched.preempt("a")  # not point 24: the engine freed the blocks
+    assert rig.sched.num_in_flight == 0
     rig.sched.check_invariants()
-    assert rig.sched.lookup("b", rig.hashes(tokens(25)), 25) == 24
+    assert rig.sched.lookup("b", rig.hashes(tokens(25)), 25) == 16
     rig.sched.release("b")
     assert rig.sched.plan_stores() is None  # "a" holds nothing until its next update
+    rig.sched.update("a", Tables(rig, 24).t, h, 24)  # re-admitted: it rescans
+    rig.run(rig.sched.plan_stores())
+    assert rig.sched.lookup("c", rig.hashes(tokens(25)), 25) == 16
+    rig.run(rig.sched.finish("a"))  # the last point, 24
+    assert rig.sched.lookup("d", rig.hashes(tokens(25)), 25) == 24
+    rig.sched.check_invariants()
 
 
 def test_finish_drops_the_request_and_refuses_more() -> None:

@@ -13,7 +13,17 @@ from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.scheduler.group_state import GroupedRequest
 from kvoffload.scheduler.ledger import BlockLedger
 
-__all__ = ["GroupLookupExtension", "check_ledgers", "check_request", "find_hit", "load_range"]
+__all__ = [
+    "GroupLookupExtension",
+    "check_ledgers",
+    "check_request",
+    "find_hit",
+    "load_range",
+    "note_load",
+    "note_prefix",
+    "pin_hit",
+    "valid_from",
+]
 
 
 class GroupLookupExtension(Protocol):
@@ -33,6 +43,66 @@ def load_range(g: KVCacheGroup, n: int, computed: int) -> range:
     (the engine holds the rest: ``needed(g, n)`` below it lies in ``needed(g, computed)``)."""
     span = needed(g, n)
     return range(max(span.start, computed // g.block_size), span.stop)
+
+
+def valid_from(g: KVCacheGroup, n: int, computed: int) -> int:
+    """The first table entry of ``g`` known to hold a request's KV once it holds ``n``
+    tokens: the engine's prefix of ``computed`` tokens holds ``needed(g, computed)``, a
+    load of a hit at ``n > computed`` writes `load_range()`, and the engine computes from
+    ``n`` on. Entries between the prefix and the first loaded block (below a window,
+    chunk or state a hit needs), and below the prefix's needed blocks, were written by
+    nobody: a store must never read them, whatever the engine's table names there."""
+    if n > computed:
+        first = load_range(g, n, computed).start
+        if first > computed // g.block_size:
+            return first
+    return needed(g, computed).start
+
+
+def note_prefix(cacheable: Sequence[KVCacheGroup], state: GroupedRequest, computed: int) -> None:
+    """A lookup over the engine's prefix of ``computed`` tokens: a lane with no table yet
+    (a new or preempted request) holds only the prefix's needed blocks (`valid_from()`)."""
+    for g in cacheable:
+        lane = state.lanes[g.name]
+        if not lane.table:
+            lane.valid_from = valid_from(g, computed, computed)
+
+
+def note_load(cacheable: Sequence[KVCacheGroup], state: GroupedRequest) -> None:
+    """A load of ``state``'s hit is planned: no lane's entries below what it lands (and
+    above the prefix) were ever written (`valid_from()`); they are never stored."""
+    n = state.hit or 0
+    for g in cacheable:
+        lane = state.lanes[g.name]
+        lane.valid_from = max(lane.valid_from, valid_from(g, n, state.hit_from))
+
+
+def pin_hit(
+    cacheable: Sequence[KVCacheGroup],
+    ledgers: Mapping[str, BlockLedger],
+    state: GroupedRequest,
+    lanes: Mapping[str, Sequence[BlockHash]],
+    n: int,
+    *,
+    computed: int,
+) -> None:
+    """Pin, in every group, the blocks of `load_range()` of the hit ``n`` `find_hit()`
+    just found over the engine's prefix of ``computed`` tokens, for ``state``.
+
+    Raises:
+        InvariantError: a block `find_hit()` checked is not cached any more.
+    """
+    for g in cacheable:
+        span = load_range(g, n, computed)
+        ledger = ledgers[g.name]
+        blocks = [ledger.pool.get_cached(lanes[g.name][i]) for i in span]
+        pinned = [b for b in blocks if b is not None]
+        if len(pinned) != len(blocks):  # _valid() just checked every one
+            raise InvariantError(f"group {g.name!r}: a checked block vanished")
+        ledger.pin(pinned)
+        lane = state.lanes[g.name]
+        lane.pin, lane.pin_start = pinned, span.start
+    state.hit, state.hit_from = n, computed
 
 
 def _valid(

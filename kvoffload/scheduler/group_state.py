@@ -12,6 +12,7 @@ from kvoffload.groups import KVCacheGroup
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.free_queue import CpuBlock
 from kvoffload.scheduler.ledger import BlockLedger
+from kvoffload.scheduler.requests import check_distinct
 from kvoffload.transfer.plan import TransferPlan
 
 __all__ = [
@@ -63,7 +64,8 @@ class GroupStatistics:
         stored_blocks: blocks whose store completed and published.
         loaded_blocks: blocks whose load completed.
         skipped_null_blocks: blocks of a store point not stored: the table entry was
-            ``None`` when planned (out of window, freed or reused).
+            ``None`` when planned (out of window, freed or reused), or lay below what the
+            request's load or prefix wrote (never known to hold its KV).
         deferred_stores: store plans cut short because the group's pool had no free block.
         pinned_blocks: blocks pinned by lookups now.
         in_flight_plans: the group's plans in flight.
@@ -93,6 +95,10 @@ class Lane:
     cursor: int = 0
     pin: list[CpuBlock] | None = None
     pin_start: int = 0
+    # table entries below this index are not known to hold this request's KV (below the
+    # engine's prefix's needed blocks, or below a window, chunk or state a load landed
+    # above them): never stored, whatever the engine's table names there
+    valid_from: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -139,7 +145,8 @@ class StoreRecord:
 def check_tables(
     cacheable: Sequence[KVCacheGroup], limits: Mapping[str, int], rid: str, tables: GroupTables
 ) -> dict[str, list[int | None]]:
-    """Check one table per cacheable group (ints in range or ``None``); copies of them."""
+    """Check one table per cacheable group (ints in range or ``None``, no GPU block named
+    twice: `check_distinct()`, the one-group rule); copies of them."""
     out: dict[str, list[int | None]] = {}
     for g in cacheable:
         table = tables.get(g.name)
@@ -164,6 +171,7 @@ def check_tables(
                     f"position {pos} is out of range"
                 )
         out[g.name] = list(table)
+        check_distinct(out[g.name], rid, group=g.name)
     return out
 
 

@@ -60,7 +60,8 @@ class GroupStorePlanner:
         self, state: GroupedRequest, name: str, g: KVCacheGroup, final: bool
     ) -> list[tuple[int, int]]:
         """(block index, store point) of the blocks to store for one request and group,
-        up to the last point planned; skips null entries, cached and pending blocks."""
+        up to the last point planned; skips null entries and those below the lane's
+        ``valid_from`` (not known to hold its KV), cached and pending blocks."""
         lane = state.lanes[name]
         ledger = self._ledgers[name]
         is_cached, pending = ledger.pool.is_cached, ledger.pending
@@ -68,9 +69,10 @@ class GroupStorePlanner:
         limit = min(len(lane.table), len(lane.hashes))
         out: list[tuple[int, int]] = []
         computed = state.num_computed_tokens
+        valid = lane.valid_from  # an entry below it is treated as None
         if g.kind == "full":
             for i in range(lane.cursor, min(limit, computed // g.block_size)):
-                if lane.table[i] is None:
+                if lane.table[i] is None or i < valid:
                     counts.skipped_null += 1
                 elif not is_cached(lane.hashes[i]) and lane.hashes[i] not in pending:
                     out.append((i, (i + 1) * g.block_size))
@@ -85,7 +87,7 @@ class GroupStorePlanner:
                 if i in seen:
                     continue
                 seen.add(i)
-                if i >= limit or lane.table[i] is None:
+                if i >= limit or i < valid or lane.table[i] is None:
                     counts.skipped_null += 1
                 elif not is_cached(lane.hashes[i]) and lane.hashes[i] not in pending:
                     out.append((i, point))
@@ -123,7 +125,7 @@ class GroupStorePlanner:
                     new = self.advance(g, state, final)
                 for i, point in wanted:
                     entry = lane.table[i]
-                    if entry is None:  # _scan() skipped these
+                    if entry is None or i < lane.valid_from:  # scan() skipped these
                         raise InvariantError(f"group {name!r}: a null entry was planned")
                     hashes.append(lane.hashes[i])
                     batch.add(lane.hashes[i])

@@ -11,11 +11,14 @@ group, and applies the rules of `kvoffload.groups`:
   only once every group stored its part: atomic commit by rule);
 * stores: a full group stores every full block (the eager cursor); the other kinds store
   only at *store points* (every multiple of ``checkpoint_tokens``, and the request's
-  computed length at `finish()` / `preempt()`), only the blocks of ``needed(g, point)``
-  and only those whose table entry is not ``None`` (``None``: the engine no longer holds
-  the block). A deferred store point is planned again from the table as it is then: an
-  entry that became ``None`` is not stored;
-* loads: exactly the blocks of ``needed(g, N)`` above the engine's own prefix.
+  computed length at `finish()`), only the blocks of ``needed(g, point)`` and only those
+  whose table entry is not ``None`` (``None``: the engine no longer holds the block) and
+  is known to hold the request's KV (an entry below the blocks a load wrote or the
+  engine's prefix holds is never stored, whatever the table names there). A deferred
+  store point is planned again from the table as it is then: an entry that became
+  ``None`` is not stored. `preempt()` stores nothing (the engine freed the blocks);
+* loads: exactly the blocks of ``needed(g, N)`` above the engine's own prefix;
+* a table naming one GPU block twice is refused, as with one group (`check_distinct()`).
 
 A single full-attention model never uses this class: it keeps `OffloadScheduler`.
 """
@@ -28,7 +31,6 @@ from typing import final
 from kvoffload.errors import (
     ConfigError,
     InvalidInputError,
-    InvariantError,
     RequestStateError,
     UnknownRequestError,
 )
@@ -43,7 +45,9 @@ from kvoffload.scheduler.group_loads import (
     check_ledgers,
     check_request,
     find_hit,
-    load_range,
+    note_load,
+    note_prefix,
+    pin_hit,
 )
 from kvoffload.scheduler.group_state import (
     GroupCounts,
@@ -200,14 +204,16 @@ class GroupedScheduler:
             request_id: the engine's id (registered on first use).
             tables: per group, the request's whole GPU block table; ``None`` entries are
                 blocks the engine does not hold (out of window, padding, freed). An entry
-                that became ``None`` is never stored afterwards.
+                that became ``None`` is never stored afterwards, nor one below what the
+                request's load or prefix wrote (`note_load()`: it is ignored).
             block_hashes: per group, the hashes of the request's full blocks so far (the
                 group's namespace; `KVCacheGroup.namespace()`).
             num_computed_tokens: tokens whose KV is computed.
 
         Raises:
             RequestStateError: the request is finished.
-            BlockTableError: a missing table or an id out of range.
+            BlockTableError: a missing table, an id out of range, or one GPU block
+                named twice in a group's table.
             InvalidInputError: a negative count, missing or changed hashes.
             InputTypeError: an entry that is not an int or ``None``.
         """
@@ -266,22 +272,14 @@ class GroupedScheduler:
         check_hashes(self._cacheable, request_id, probe, block_hashes)
         state = self._state(request_id)
         self.release(request_id)
+        note_prefix(self._cacheable, state, num_computed_tokens)
         lanes = {g.name: block_hashes[g.name] for g in self._cacheable}
         pools = {name: ledger.pool for name, ledger in self._ledgers.items()}
         n = find_hit(
             self._cacheable, pools, lanes, num_tokens, computed=num_computed_tokens, align=align
         )
-        for g in self._cacheable if n > num_computed_tokens else ():
-            span = load_range(g, n, num_computed_tokens)
-            pool = self._ledgers[g.name].pool
-            blocks = [pool.get_cached(lanes[g.name][i]) for i in span]
-            pinned = [b for b in blocks if b is not None]
-            if len(pinned) != len(blocks):  # _valid() just checked every one
-                raise InvariantError(f"group {g.name!r}: a checked block vanished")
-            self._ledgers[g.name].pin(pinned)
-            lane = state.lanes[g.name]
-            lane.pin, lane.pin_start = pinned, span.start
-            state.hit, state.hit_from = n, num_computed_tokens
+        if n > num_computed_tokens:
+            pin_hit(self._cacheable, self._ledgers, state, lanes, n, computed=num_computed_tokens)
         if self.extension is not None:
             self.extension.extend_grouped_lookup(lanes, n, num_tokens)
         return n - num_computed_tokens
@@ -316,7 +314,8 @@ class GroupedScheduler:
         Raises:
             UnknownRequestError: no state for that id.
             InvalidInputError: ``num_tokens`` is neither 0 nor the hit.
-            BlockTableError: a destination entry missing or ``None``.
+            BlockTableError: a destination entry missing or ``None``, or a table as
+                `update()` refuses it.
         """
         state = self._live(request_id)
         hit = 0 if state.hit is None else state.hit - state.hit_from
@@ -331,6 +330,7 @@ class GroupedScheduler:
         checked = check_tables(self._cacheable, self._limits, request_id, tables)
         dests = load_destinations(request_id, state, checked)
         plans: dict[str, TransferPlan] = {}
+        note_load(self._cacheable, state)
         for name, lane in state.lanes.items():
             pinned = lane.pin
             lane.pin = None
@@ -380,16 +380,20 @@ class GroupedScheduler:
         self._drop_if_done(state)
         return plan
 
-    def preempt(self, request_id: str) -> GroupedPlan | None:
-        """The engine preempted ``request_id``: plan its last store point now (as in
-        `finish()`), then reset its tables and cursors (a re-admitted request rescans)."""
+    def preempt(self, request_id: str) -> None:
+        """The engine preempted ``request_id`` and freed its GPU blocks (it may reuse them
+        at once), so nothing is stored from them: pins released, tables and cursors reset
+        (a re-admitted request rescans), hashes kept; stores in flight run on (pinned).
+
+        Raises:
+            UnknownRequestError: no state for that id.
+            RequestStateError: it is finished.
+        """
         state = self._live(request_id)
         self.release(request_id)
-        plan = self._planner.plan([state], final=True)
         for lane in state.lanes.values():
-            lane.table, lane.cursor = [], 0
+            lane.table, lane.cursor, lane.valid_from = [], 0, 0
         state.num_computed_tokens = 0
-        return plan
 
     def reset(self) -> bool:
         """Empty every group's CPU prefix cache (plans in flight publish nothing); pins are

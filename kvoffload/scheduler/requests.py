@@ -27,7 +27,14 @@ from kvoffload.pool.priority import MAX_PRIORITY
 from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
 from kvoffload.transfer.plan import TransferPlan
 
-__all__ = ["FINISHED_IDS_REMEMBERED", "RequestTable", "as_int", "check_hash", "length"]
+__all__ = [
+    "FINISHED_IDS_REMEMBERED",
+    "RequestTable",
+    "as_int",
+    "check_distinct",
+    "check_hash",
+    "length",
+]
 
 _log = get_logger("scheduler")
 
@@ -97,11 +104,43 @@ def _out_of_range(g: int, j: int, rid: str, limit: int | None) -> NoReturn:
     )
 
 
-def _twice(g: int, first: int, j: int, rid: str) -> NoReturn:
-    raise BlockTableError(
-        f"request {rid!r}: GPU block {g} appears twice in gpu_block_ids, at positions "
-        f"{first} and {j}"
-    )
+def check_distinct(
+    entries: Sequence[int | None],
+    rid: str,
+    *,
+    earlier: Sequence[int | None] = (),
+    earlier_set: Collection[int] | None = None,
+    group: str | None = None,
+) -> None:
+    """Refuse a block table that names one GPU block twice: the rule of every path (one
+    group's `update()` and `plan_load()`, each group's table of a `GroupedScheduler`).
+
+    ``None`` entries name no block and may repeat.
+
+    Args:
+        entries: the entries to check, at positions ``len(earlier)`` on.
+        rid: the request id, for the message.
+        earlier: the table's entries before them (known distinct already).
+        earlier_set: the int entries of ``earlier`` as a set, when the caller keeps one.
+        group: the group whose table this is (several KV cache groups), for the message.
+
+    Raises:
+        BlockTableError: naming the request, the group, the GPU block and both positions.
+    """
+    seen = earlier_set if earlier_set is not None else {e for e in earlier if e is not None}
+    offset = len(earlier)
+    first_at: dict[int, int] = {}
+    for k, g in enumerate(entries):
+        if g is None:
+            continue
+        if g in seen or g in first_at:
+            first = earlier.index(g) if g in seen else first_at[g]
+            where = "gpu_block_ids" if group is None else f"the block table of group {group!r}"
+            raise BlockTableError(
+                f"request {rid!r}: GPU block {g} appears twice in {where}, at positions "
+                f"{first} and {offset + k}"
+            )
+        first_at[g] = offset + k
 
 
 @final
@@ -436,15 +475,12 @@ class RequestTable:
             ):
                 return new
         new = []
-        fresh = set()
         for j in range(n_old, n):
             g = as_int(table[j], f"gpu_block_ids[{j}]", rid)
             if g < 0 or (limit is not None and g >= limit):
                 _out_of_range(g, j, rid, limit)
-            if g in seen or g in fresh:
-                _twice(g, old.index(g) if g in seen else n_old + new.index(g), j, rid)
-            fresh.add(g)
             new.append(g)
+        check_distinct(new, rid, earlier=old, earlier_set=seen)
         return new
 
     @staticmethod
@@ -487,11 +523,7 @@ class RequestTable:
         limit = self._num_gpu_blocks
         ids = [as_int(table[j], f"gpu_block_ids[{j}]", rid) for j in range(table_len)]
         if len(set(ids)) != table_len:
-            first_at: dict[int, int] = {}
-            for j, g in enumerate(ids):
-                if g in first_at:
-                    _twice(g, first_at[g], j, rid)
-                first_at[g] = j
+            check_distinct(ids, rid)
         known = state.gpu_block_ids if state.phase is not _PREEMPTED else []
         for j in range(start, start + n):
             g = ids[j]

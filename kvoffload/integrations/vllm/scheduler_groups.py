@@ -152,9 +152,9 @@ class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
         sched = self.scheduler
         if sched.has_request(rid) and rid not in self._restarted:
             # Asked again with state kept: vLLM preempted it and freed its blocks (it tells
-            # the connector only in build_connector_meta). Start it over; the final store
-            # point preempt() plans would read those freed blocks, so it is cancelled.
-            self._preempt(rid)
+            # the connector only in build_connector_meta). Start it over (preempt() stores
+            # nothing from the freed blocks).
+            sched.preempt(rid)
             self._restarted.add(rid)
         hashes = self._hashes(request, request.num_tokens)  # its blocks are stored too
         if num_computed_tokens % self.alignment or getattr(
@@ -163,12 +163,6 @@ class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
             return 0, False
         hit = sched.lookup(rid, hashes, request.num_tokens, num_computed_tokens)
         return hit, bool(hit)
-
-    def _preempt(self, rid: str) -> None:
-        plan = self.scheduler.preempt(rid)
-        if plan is not None:
-            for name, sub in plan.plans.items():
-                self.scheduler.cancel(name, sub)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -215,7 +209,7 @@ class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
 
     def _preempt_reported(self, rid: str) -> None:
         if self.scheduler.has_request(rid):
-            self._preempt(rid)
+            self.scheduler.preempt(rid)
 
     def _complete(self, tracked: Tracked, ok: bool) -> None:
         self.scheduler.complete(tracked.group, tracked.plan, ok)
