@@ -60,10 +60,14 @@ def conversation_turns(
 
 
 def new_llm(
-    model_dir: Path, kv_transfer_config: dict[str, Any] | None, gpu_blocks: int = GPU_BLOCKS
+    model_dir: Path,
+    kv_transfer_config: dict[str, Any] | None,
+    gpu_blocks: int = GPU_BLOCKS,
+    **overrides: Any,
 ) -> LLM:
-    """A tiny Llama with random weights, a small KV cache, eager mode, token-id prompts."""
-    kwargs: dict[str, Any] = {}
+    """A tiny Llama with random weights, a small KV cache, eager mode, token-id prompts
+    (``overrides``: further `vllm.LLM` arguments)."""
+    kwargs: dict[str, Any] = dict(overrides)
     if kv_transfer_config is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config
     return LLM(
@@ -123,7 +127,10 @@ def run_conversations(
 
 @contextmanager
 def engine(
-    model_dir: Path, kv_transfer_config: dict[str, Any] | None, gpu_blocks: int = GPU_BLOCKS
+    model_dir: Path,
+    kv_transfer_config: dict[str, Any] | None,
+    gpu_blocks: int = GPU_BLOCKS,
+    **overrides: Any,
 ) -> Iterator[LLM]:
     """An engine that is shut down, with vLLM's process-wide state, on exit."""
     from vllm.distributed.kv_transfer.kv_transfer_state import (  # noqa: PLC0415
@@ -131,7 +138,7 @@ def engine(
     )
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # noqa: PLC0415
 
-    llm = new_llm(model_dir, kv_transfer_config, gpu_blocks)
+    llm = new_llm(model_dir, kv_transfer_config, gpu_blocks, **overrides)
     try:
         yield llm
     finally:

@@ -2,16 +2,44 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import importlib.util
+import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 
 import faulty_connector
+import prometheus_client
 import pytest
-from engine_runs import RunResult, conversation_turns, engine, kvoffload_config, run_conversations
+from engine_runs import (
+    ENGINE_BLOCK_SIZE,
+    RunResult,
+    connector_of,
+    conversation_turns,
+    engine,
+    kvoffload_config,
+    run_conversations,
+)
+from vllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.engine
 
 FIRST_ROUND = len(conversation_turns()) // 3
+
+
+def _load_workload() -> ModuleType:
+    """``scripts/vllm_workload.py``, the workload of ``scripts/vllm_cpu_serve.sh``."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "vllm_workload.py"
+    spec = importlib.util.spec_from_file_location("kvoffload_vllm_workload", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+workload = _load_workload()
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +102,41 @@ def test_injected_copy_failures_give_identical_tokens(model_dir: Path, baseline:
     assert stats.failed_stores == faulty_connector.failures["store"]
     assert stats.failed_loads == faulty_connector.failures["load"]
     assert stats.loaded_blocks > 0
+
+
+class InProcessServer:
+    """What ``scripts/vllm_workload.py`` asks of a vLLM server, from an in-process engine:
+    its Prometheus metrics (the registry vLLM's ``/metrics`` serves) and completions."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+
+    def metrics(self) -> str:
+        return prometheus_client.generate_latest().decode()
+
+    def complete(self, prompt: Sequence[int], max_tokens: int) -> int:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        self.llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)
+        return len(prompt)
+
+
+def test_vllms_metrics_count_the_prompt_tokens_kvoffload_served(model_dir: Path) -> None:
+    """The recipe's workload (scripts/vllm_cpu_serve.sh) with 32-token blocks: 8 prompts of
+    5 full blocks outgrow vLLM's 16 blocks, and the 3 sent again are served by kvoffload,
+    as vLLM's own counters say."""
+    prompt_tokens = 5 * ENGINE_BLOCK_SIZE + 10
+    config = kvoffload_config({"num_cpu_blocks": 64})
+    with engine(model_dir, config, 16, disable_log_stats=False) as llm:
+        server = InProcessServer(llm)
+        before = workload.parse_counters(server.metrics())
+        status = workload.run(
+            server, prompts=8, prompt_tokens=prompt_tokens, repeat=3, max_tokens=4
+        )
+        served = workload.parse_counters(server.metrics()) - before
+        stats = connector_of(llm).scheduler_side.scheduler.statistics()
+    assert status == 0
+    assert served.prompt_tokens == 11 * prompt_tokens
+    assert served.external_kv_transfer == 3 * 5 * ENGINE_BLOCK_SIZE
+    assert served.external_kv_transfer == stats.loaded_tokens
+    assert served.external_hits == served.external_kv_transfer
+    assert served.local_cache_hit == 0
