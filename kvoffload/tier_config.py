@@ -237,7 +237,8 @@ class RedisClusterTierSettings(_TierSettingsBase):
         refresh_interval_ms: the slot map is refreshed at most once per interval.
         max_reads_per_node: read pipelines in flight to one node at once.
         max_writes_per_node: write pipelines in flight to one node; a write-down finding
-            them all busy skips that node's blocks (counted).
+            them all busy waits for one, within ``write_budget_ms`` (the other nodes'
+            blocks are written meanwhile).
     """
 
     # A rejected value never shows in an error message: it may hold the password.
@@ -292,7 +293,7 @@ class RedisClusterTierSettings(_TierSettingsBase):
         default=2,
         ge=1,
         le=256,
-        description="Write pipelines in flight to one node; beyond, its blocks are skipped.",
+        description="Write pipelines in flight to one node; beyond, its blocks wait for one.",
     )
     max_in_flight: int = Field(
         default=8, ge=1, le=1024, description="Most tier operations running at once."

@@ -77,3 +77,56 @@ async def test_the_handle_defers_while_the_next_block_is_being_stored() -> None:
             RequestStateError, match=r"'b' is already finished: lookup_or_defer\(\)"
         ):
             b.lookup_or_defer()
+
+
+async def test_a_store_that_never_lands_stops_the_deferral_after_the_bound() -> None:
+    from kvoffload.scheduler.loads import MAX_LOOKUP_DEFERRALS  # noqa: PLC0415
+
+    engine = ControllableCopyEngine()
+    async with KVOffloader(config(), make_kv(), copy_engine=engine) as off:
+        off.scheduler._loads.clock = lambda: 0.0  # the deadline never passes: the count
+        prompt = list(range(13))
+        hashes = off.hash_prompt(prompt)
+        off.update("a", [0, 1, 2, 3], hashes, 13)
+        [store] = off.store()  # never completed: the next block stays "being filled"
+        for _ in range(MAX_LOOKUP_DEFERRALS):
+            assert off.lookup_or_defer("b", hashes, 13) is None
+        assert off.statistics().scheduler.deferrals_bounded == 0
+        # Then it answers with what is on CPU (nothing), counted; a new run may follow.
+        assert off.lookup_or_defer("b", hashes, 13) == 0
+        stats = off.statistics().scheduler
+        assert stats.deferrals_bounded == 1
+        assert stats.deferred_lookups == MAX_LOOKUP_DEFERRALS
+        assert off.lookup_or_defer("b", hashes, 13) is None
+        off.scheduler.check_invariants()
+        engine.complete(store)
+        await store
+        assert off.lookup_or_defer("b", hashes, 13) == 12
+        off.release("b")
+        for rid in ("a", "b"):
+            off.finish(rid)
+
+
+async def test_the_deferral_ends_at_its_deadline_on_the_scheduler_clock() -> None:
+    from kvoffload.scheduler.loads import DEFER_DEADLINE_S  # noqa: PLC0415
+
+    engine = ControllableCopyEngine()
+    now = [100.0]
+    async with KVOffloader(config(), make_kv(), copy_engine=engine) as off:
+        off.scheduler._loads.clock = lambda: now[0]
+        prompt = list(range(13))
+        hashes = off.hash_prompt(prompt)
+        off.update("a", [0, 1, 2, 3], hashes, 13)
+        [store] = off.store()
+        assert off.lookup_or_defer("b", hashes, 13) is None
+        now[0] += DEFER_DEADLINE_S / 2
+        assert off.lookup_or_defer("b", hashes, 13) is None
+        now[0] += DEFER_DEADLINE_S / 2  # the deadline, from the first "ask again"
+        assert off.lookup_or_defer("b", hashes, 13) == 0
+        assert off.statistics().scheduler.deferrals_bounded == 1
+        # Another request's run starts on its own.
+        assert off.lookup_or_defer("c", hashes, 13) is None
+        engine.complete(store)
+        await store
+        for rid in ("a", "b", "c"):
+            off.finish(rid)

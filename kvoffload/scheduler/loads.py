@@ -4,12 +4,21 @@ A lookup returns the longest run of published blocks after the engine's own pref
 pins it (a ledger lease) until `plan_load()` or a release. What lies below the CPU pool
 (the tiers) is asked through `LookupExtension` after every lookup: whether to start a
 promotion of what follows the hit, and whether the caller should ask again later.
+
+"Ask again" (``None``, with ``allow_defer``) is decided here, for both of its causes (a
+block being filled, a promotion in flight), and it is bounded: once a request has been
+answered "ask again" `MAX_LOOKUP_DEFERRALS` times in a row, or for longer than the
+deferral deadline (`DEFER_DEADLINE_S`, or the tiers' `LookupExtension.defer_deadline_s`
+when longer), its lookup answers with what is on CPU (counted in ``deferrals_bounded``).
+A promotion that never ends, or one that ends without the block every time, costs a
+shorter hit, never a request that waits forever.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Protocol, final
 
 from kvoffload._logging import get_logger
@@ -22,9 +31,16 @@ from kvoffload.scheduler.state import RequestOffloadState
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import LoadPlan
 
-__all__ = ["LoadPlanner", "LookupExtension"]
+__all__ = ["DEFER_DEADLINE_S", "MAX_LOOKUP_DEFERRALS", "LoadPlanner", "LookupExtension"]
 
 _log = get_logger("scheduler")
+
+MAX_LOOKUP_DEFERRALS = 1024
+"""The most "ask again" answers in a row one request's lookups give."""
+
+DEFER_DEADLINE_S = 1.0
+"""The longest one request's lookups answer "ask again" in a row (without tiers, or when
+the tiers' own deadline is shorter): a store or load copy lands well within it."""
 
 
 class LookupExtension(Protocol):
@@ -47,6 +63,12 @@ class LookupExtension(Protocol):
             ``True`` when the caller should ask again later (``allow_defer`` only): the
             scheduler releases the pin and answers ``None``.
         """
+        ...
+
+    @property
+    def defer_deadline_s(self) -> float:
+        """The longest a request's lookups may answer "ask again" in a row while this
+        storage brings its blocks in (the time its promotions may take)."""
         ...
 
 
@@ -72,6 +94,8 @@ class LoadPlanner:
         """Asked after every lookup that could extend its hit (the tier manager)."""
         self.starts: dict[int, int] = {}
         """Load plan id → the request block its first CPU block holds."""
+        self.clock: Callable[[], float] = time.monotonic
+        """The clock of the deferral deadline (a test may drive its own)."""
 
     def release_pin(self, state: RequestOffloadState) -> None:
         """Drop a request's lookup pin, if any."""
@@ -115,6 +139,12 @@ class LoadPlanner:
             state = table.register(rid)
         self.release_pin(state)
         counters = self._counters
+        # Any answer but "ask again" ends the request's run of them (see _defer()).
+        deferrals, state.deferrals = state.deferrals, 0
+        if allow_defer and deferrals and self._defer_spent(state, deferrals):
+            allow_defer = False
+            counters.deferrals_bounded += 1
+            _log.debug("lookup_deferral_bounded", request_id=rid, deferrals=deferrals)
         counters.lookups += 1
         if not state.admitted:
             state.admitted = True
@@ -135,6 +165,7 @@ class LoadPlanner:
                 # ask again later.
                 counters.deferred_lookups += 1
                 _log.debug("lookup_deferred", request_id=rid, block=end)
+                self._defer(state, deferrals)
                 return None
         if hits:
             ledger.pin(hits, state.priority)
@@ -148,8 +179,25 @@ class LoadPlanner:
             block_hashes, end, limit, hits, allow_defer=allow_defer
         ):
             self.release_pin(state)
+            self._defer(state, deferrals)
             return None
         return hit_tokens
+
+    def _defer(self, state: RequestOffloadState, deferrals: int) -> None:
+        """Answer "ask again": one more in the request's run of them."""
+        state.deferrals = deferrals + 1
+        if not deferrals:
+            state.deferred_since = self.clock()
+
+    def _defer_spent(self, state: RequestOffloadState, deferrals: int) -> bool:
+        """Whether the request's run of "ask again" answers reached its bound: their
+        number, or the deadline (the tiers' when longer than `DEFER_DEADLINE_S`)."""
+        if deferrals >= MAX_LOOKUP_DEFERRALS:
+            return True
+        deadline = DEFER_DEADLINE_S
+        if self.extension is not None:
+            deadline = max(deadline, self.extension.defer_deadline_s)
+        return self.clock() - state.deferred_since >= deadline
 
     def plan_load(self, rid: str, gpu_block_ids: Sequence[int], num_tokens: int) -> LoadPlan | None:
         """See `OffloadScheduler.plan_load()`."""

@@ -78,6 +78,9 @@ class RequestOffloadState:
         priority: the retention priority its stored blocks are published with and its
             lookup hits are touched with (0: the default; see
             `OffloadScheduler.set_priority()`).
+        deferrals: "ask again" answers its lookups gave in a row (0 after any other
+            answer); bounded, see `LoadPlanner`.
+        deferred_since: the scheduler clock's time of the first of those answers.
     """
 
     request_id: str
@@ -95,6 +98,8 @@ class RequestOffloadState:
     hold_deadline: int = 0
     admitted: bool = False
     priority: int = 0
+    deferrals: int = 0
+    deferred_since: float = 0.0
 
     @property
     def finished(self) -> bool:

@@ -51,6 +51,10 @@ class SchedulerStatistics:
             the engine's own prefix included.
         abandoned_loads: loads their request abandoned while the copy was in flight
             (``abandon_load``); the engine recomputed those tokens.
+        deferrals_bounded: lookups that answered with the CPU hit instead of "ask
+            again" because their request had been answered "ask again"
+            ``MAX_LOOKUP_DEFERRALS`` times in a row, or for longer than the deferral
+            deadline (a promotion or store that does not end in time).
     """
 
     lookups: int
@@ -80,6 +84,7 @@ class SchedulerStatistics:
     loaded_tokens: int = 0
     prompt_tokens: int = 0
     abandoned_loads: int = 0
+    deferrals_bounded: int = 0
 
 
 class Counters:
@@ -98,6 +103,7 @@ class Counters:
         "bytes_stored",
         "cancelled_plans",
         "concurrent_load_blocks",
+        "deferrals_bounded",
         "deferred_blocks",
         "deferred_lookups",
         "deferred_steps",
@@ -145,6 +151,7 @@ class Counters:
         self.loaded_tokens = 0
         self.prompt_tokens = 0
         self.abandoned_loads = 0
+        self.deferrals_bounded = 0
 
     def completed(self, rec: PlanEntry, *, ok: bool, current: bool) -> None:
         """Count a plan the ledger closed (``current``: opened since the last reset)."""
@@ -195,6 +202,7 @@ class Counters:
             loaded_tokens=self.loaded_tokens,
             prompt_tokens=self.prompt_tokens,
             abandoned_loads=self.abandoned_loads,
+            deferrals_bounded=self.deferrals_bounded,
             live_requests=live_requests,
             in_flight_transfers=in_flight_transfers,
             held_blocks=held_blocks,

@@ -49,7 +49,7 @@ class NodeState:
     backoff_initial_s: float
     backoff_max_s: float
     reads: anyio.Semaphore
-    max_writes: int
+    writes: anyio.Semaphore
     tier: str = ""
     state: BreakerState = BreakerState.CLOSED
     consecutive_failures: int = 0
@@ -65,7 +65,7 @@ class NodeState:
     breaker_trips: int = 0
     redirections: int = 0
     skipped_open: int = 0
-    writes_skipped_busy: int = 0
+    write_waits: int = 0
     blocks_written: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
@@ -162,7 +162,7 @@ class NodeState:
             "cluster_down": self.cluster_down,
             "redirections": self.redirections,
             "skipped_open": self.skipped_open,
-            "writes_skipped_busy": self.writes_skipped_busy,
+            "write_waits": self.write_waits,
             "blocks_written": self.blocks_written,
             "bytes_read": self.bytes_read,
             "bytes_written": self.bytes_written,

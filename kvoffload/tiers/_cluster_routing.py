@@ -45,6 +45,7 @@ class Batch:
     positions: list[int] = field(default_factory=list)
     commands: list[tuple[Any, ...]] = field(default_factory=list)
     asking: bool = False
+    write: bool = False  # a write-down's: its pipeline takes one of the node's write slots
     holds_write_slot: bool = False
 
 
@@ -119,7 +120,7 @@ class ClusterRouter:
                 backoff_initial_s=backoff,
                 backoff_max_s=max(backoff_max, backoff),
                 reads=anyio.Semaphore(self._max_reads),
-                max_writes=self._max_writes,
+                writes=anyio.Semaphore(self._max_writes),
                 tier=self._name,
             )
             self.nodes[name] = state
@@ -271,14 +272,17 @@ class ClusterRouter:
             if got is None:
                 return
             for position, command, reply in zip(batch.positions, batch.commands, got, strict=True):
-                if isinstance(reply, AskError) and not last:  # MovedError is an AskError
-                    await self._redirect(reply, batch, position, command, redirected)
+                if isinstance(reply, AskError):  # MovedError is an AskError
+                    if not last:  # redirected once at most: then a miss
+                        await self._redirect(reply, batch, position, command, redirected)
                 elif isinstance(reply, (ClusterDownError, TryAgainError)):
                     batch.state.cluster_down += 1
                     self._refresh_wanted = True
-                elif isinstance(reply, ResponseError):
-                    batch.state.last_error = str(reply)
                 else:
+                    # An error reply (WRONGTYPE: a key of another type) is the key's own
+                    # answer: the tier decides what it means (see `sort_replies()`).
+                    if isinstance(reply, ResponseError):
+                        batch.state.last_error = str(reply)
                     replies[position] = reply
                     served[position] = batch.state
 
@@ -333,6 +337,15 @@ class ClusterRouter:
             commands.append(command)
         if read:
             await state.reads.acquire()
+        elif batch.write:
+            # A write waits for one of the node's write slots (within the operation's
+            # budget: still waiting when it ends, its blocks are not written, and the
+            # node is not blamed for it).
+            if state.writes.value == 0:
+                state.write_waits += 1
+            await state.writes.acquire()
+            state.writes_in_flight += 1
+            batch.holds_write_slot = True
         token = id(batch)
         began = time.perf_counter()
         running[token] = (state, began)
@@ -379,6 +392,7 @@ class ClusterRouter:
         if batch.holds_write_slot:
             batch.holds_write_slot = False
             batch.state.writes_in_flight -= 1
+            batch.state.writes.release()
 
     def refresh_due(self) -> str | None:
         """Whether to refresh the slot map now (a node failed or a breaker is open, and the

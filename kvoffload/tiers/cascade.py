@@ -124,8 +124,10 @@ class Cascade(TierPart):
             else:
                 self._health.fault(t, exc, "put")
         else:
+            stored = max(0, min(stored, len(hashes)))
             t.blocks_written += stored
             t.bytes_written += stored * self._nbytes
+            t.writes_dropped += len(hashes) - stored
         finally:
             t.write_seconds += time.perf_counter() - start
             t.gate.release()

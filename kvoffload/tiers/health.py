@@ -113,6 +113,7 @@ class TierState:
     skipped_full: int = 0
     skipped_unhealthy: int = 0
     writes_failed: int = 0
+    writes_dropped: int = 0
     blocks_read: int = 0
     bytes_read: int = 0
     promoted: int = 0

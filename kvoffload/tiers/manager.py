@@ -33,11 +33,11 @@ import anyio.abc
 from kvoffload._logging import get_logger
 from kvoffload.errors import InvariantError
 from kvoffload.hashing import BlockHash
-from kvoffload.tier_config import AnyTierSettings
+from kvoffload.tier_config import AnyTierSettings, RedisClusterTierSettings
 from kvoffload.tiers.base import SecondaryTier
 from kvoffload.tiers.cascade import Cascade
 from kvoffload.tiers.health import PriorityGate, TierHealth, TierState
-from kvoffload.tiers.promote import Promoter
+from kvoffload.tiers.promote import Promoter, promotion_deadline_s
 from kvoffload.tiers.stats import TierManagerStatistics, TierStatistics
 
 if TYPE_CHECKING:
@@ -122,6 +122,21 @@ class TierManager:
             )
             for tier, s in tiers
         ]
+        # A lookup may wait for a promotion as long as one may take: a probe and its
+        # reads, each within the tier's own bound (a cluster tier's lookup_budget_ms,
+        # any other tier's op_timeout_s).
+        self._defer_deadline = max(
+            (
+                promotion_deadline_s(
+                    s.lookup_budget_ms / 1000
+                    if isinstance(s, RedisClusterTierSettings)
+                    else s.op_timeout_s,
+                    s.max_batch_blocks,
+                )
+                for _, s in tiers
+            ),
+            default=0.0,
+        )
         self._health = TierHealth(self._ledger)
         self._cascade = Cascade(
             self._tiers,
@@ -268,6 +283,15 @@ class TierManager:
             block_hashes, end, limit, pinned, allow_defer=allow_defer, task_group=tg
         )
 
+    @property
+    def defer_deadline_s(self) -> float:
+        """The longest a request's lookups answer "ask again" in a row while a promotion
+        runs: the longest a promotion from one of the tiers may take (its probe and its
+        reads of ``max_batch_blocks``, each within the tier's lookup budget: a cluster
+        tier's ``lookup_budget_ms``, another tier's ``op_timeout_s``); the scheduler
+        bounds every run of deferrals by it (see `LookupExtension`)."""
+        return self._defer_deadline
+
     def is_promoting(self, block_hash: BlockHash) -> bool:
         """Whether a promotion covering ``block_hash`` is in flight."""
         return self._promoter.is_promoting(block_hash)
@@ -289,6 +313,7 @@ class TierManager:
                     writes_skipped_full=t.skipped_full,
                     writes_skipped_unhealthy=t.skipped_unhealthy,
                     writes_failed=t.writes_failed,
+                    writes_dropped=t.writes_dropped,
                     writes_held=t.held,
                     max_writes_held=t.max_held,
                     blocks_read=t.blocks_read,

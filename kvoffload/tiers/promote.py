@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from kvoffload.scheduler.ledger import BlockLedger, Promotion
     from kvoffload.tiers.health import TierHealth, TierState
 
-__all__ = ["Promoter"]
+__all__ = ["Promoter", "promotion_deadline_s"]
 
 _log = get_logger("tiers")
 
@@ -45,6 +45,12 @@ _ABSENT_TTL_S = 1.0
 """How long a probe that found nothing keeps lookups from probing the same block again."""
 _ABSENT_MAX = 4096
 _PROMOTION_MAX_BLOCKS = 256
+
+
+def promotion_deadline_s(operation_s: float, max_batch: int) -> float:
+    """The longest one promotion from a tier may take: its probe and its reads (one per
+    ``max_batch`` of at most 256 blocks), each within ``operation_s``."""
+    return operation_s * (1 + -(-_PROMOTION_MAX_BLOCKS // max_batch))
 
 
 @dataclass(slots=True, eq=False)

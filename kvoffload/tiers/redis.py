@@ -28,7 +28,12 @@ from kvoffload._logging import get_logger
 from kvoffload.config import redact_url
 from kvoffload.errors import TierError
 from kvoffload.hashing import BlockHash
-from kvoffload.tiers._redis_values import make_key_prefix, pack_values, unpack_values
+from kvoffload.tiers._redis_values import (
+    make_key_prefix,
+    pack_values,
+    sort_replies,
+    unpack_values,
+)
 from kvoffload.tiers._threads import IoThreads
 from kvoffload.tiers.base import BlockRead, BlockWrite
 from kvoffload.tiers.format import HEADER_SIZE
@@ -250,32 +255,19 @@ class RedisTier:
         if not block_hashes:
             return []
         client = self._get_client()
+        keys = [self.key(h) for h in block_hashes]
         async with client.pipeline(transaction=False) as pipe:
-            for block_hash in block_hashes:
-                pipe.get(self.key(block_hash))
+            for key in keys:
+                pipe.get(key)
             # An error reply (a key of another type: WRONGTYPE) is that key's miss alone.
             replies: list[Any] = await pipe.execute(raise_on_error=False)
-        values: list[bytes | None] = []
-        bad: list[bytes] = []
-        for block_hash, reply in zip(block_hashes, replies, strict=True):
-            if reply is None or isinstance(reply, bytes):
-                values.append(reply)
-                continue
-            values.append(None)
-            bad.append(self.key(block_hash))
-            _log.warning(
-                "redis_bad_reply",
-                tier=self._name,
-                key=self.key(block_hash).decode(),
-                error=f"{type(reply).__name__}: {reply}",
-            )
+        values, bad = sort_replies(self._name, keys, replies)
         if bad:
             self._bad_replies += len(bad)
             try:
-                await client.delete(*bad)
+                await client.delete(*(keys[p] for p in bad))
             except aioredis.RedisError as exc:  # the next read finds it again
                 _log.warning("redis_bad_key_not_deleted", tier=self._name, error=repr(exc))
-
         return await self._threads.run(unpack_values, values, into)
 
     async def delete(self, block_hashes: Sequence[BlockHash]) -> None:

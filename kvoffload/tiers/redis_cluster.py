@@ -18,9 +18,14 @@ cost for a sick node:
   misses. The whole slot map is refreshed at most once per ``refresh_interval_ms``, when
   a node failed or a breaker is open, inside the operation's budget. The client itself
   never retries.
-* Writes to one node hold at most ``max_writes_per_node`` pipelines; a write-down that
-  finds them busy skips that node's blocks (counted), so a slow node cannot hold the
-  others' writes.
+* Writes to one node hold at most ``max_writes_per_node`` pipelines; a write-down whose
+  node has none free waits for one (``write_waits``), node by node and within the write
+  budget, so a burst is written as the pipelines free up and a slow node holds only its
+  own blocks, never the other nodes' writes. What bounds the writes is the manager's
+  write-down queue (``max_queued_writes``): a write-down is skipped only when it is full.
+* A ``GET`` reply that is an error (a key of another type: ``WRONGTYPE``) is a miss for
+  that key alone; the key is deleted and counted (``bad_replies``), the single-node
+  tier's rule (`sort_replies()`).
 
 A missing or unreadable block is a miss; `TierError` is raised only when no node of the
 cluster can be used. Runs on asyncio (``redis.asyncio`` with the hiredis parser).
@@ -52,8 +57,13 @@ from kvoffload.errors import TierError
 from kvoffload.hashing import BlockHash
 from kvoffload.tier_config import redact_url as redact
 from kvoffload.tiers._cluster_nodes import BreakerState, NodeState
-from kvoffload.tiers._cluster_routing import Batch, ClusterRouter
-from kvoffload.tiers._redis_values import make_key_prefix, pack_values, unpack_values
+from kvoffload.tiers._cluster_routing import ClusterRouter
+from kvoffload.tiers._redis_values import (
+    make_key_prefix,
+    pack_values,
+    sort_replies,
+    unpack_values,
+)
 from kvoffload.tiers._threads import IoThreads
 from kvoffload.tiers.base import BlockRead, BlockWrite
 
@@ -82,7 +92,7 @@ class RedisClusterTier:
         breaker_backoff_max_s: longest wait between probes.
         refresh_interval_s: shortest time between slot map refreshes.
         max_reads_per_node: read pipelines in flight to one node.
-        max_writes_per_node: write pipelines in flight to one node (beyond: skipped).
+        max_writes_per_node: write pipelines in flight to one node (beyond: they wait).
         threads: worker threads that build and unpack values.
         name: the name in statistics and logs.
     """
@@ -133,6 +143,7 @@ class RedisClusterTier:
         self._threads = IoThreads(threads, f"kvoffload-redis-cluster-{name}")
         self._closed = False
         self._writes_lost = 0
+        self._bad_replies = 0
 
     def __repr__(self) -> str:
         nodes = ",".join(redact(u) for u in self._urls)
@@ -281,8 +292,8 @@ class RedisClusterTier:
         found, _ = await self._read([self.key(h) for h in block_hashes], b"EXISTS")
         n = 0
         for present in found:
-            if not present:
-                break
+            if present is not True and not (type(present) is int and present > 0):
+                break  # 0, a miss (a node that did not answer) or an error reply
             n += 1
         return n
 
@@ -300,7 +311,14 @@ class RedisClusterTier:
             return []
         keys = [self.key(h) for h in block_hashes]
         replies, served = await self._read(keys, b"GET")
-        values: list[bytes | None] = [r if isinstance(r, bytes) else None for r in replies]
+        values, bad = sort_replies(self._name, keys, replies)
+        if bad:
+            # The single-node tier's rule: each such key is a miss, deleted and counted.
+            self._bad_replies += len(bad)
+            try:
+                await self.delete([block_hashes[p] for p in bad])
+            except (RedisError, OSError, TierError) as exc:  # the next read finds it again
+                _log.warning("redis_bad_key_not_deleted", tier=self._name, error=repr(exc))
         for value, state in zip(values, served, strict=True):
             if state is None:
                 continue  # not answered: counted as the node's timeout, error or skip
@@ -314,9 +332,11 @@ class RedisClusterTier:
     async def put(self, blocks: Sequence[BlockWrite]) -> int:
         """``SET`` each block (header and payload as one value), one pipeline per primary.
 
-        Blocks of a node whose breaker is open, or whose write pipelines are all busy,
-        are skipped; writes still running when the write budget ends are lost (each is
-        one ``SET``: present whole or absent).
+        Blocks of a node whose breaker is open are skipped; a node whose write pipelines
+        are all busy is waited for (the other nodes' blocks go meanwhile); writes not
+        done when the write budget ends, waiting or running, are lost (each is one
+        ``SET``: present whole or absent). The manager counts the blocks not stored
+        (``writes_dropped``).
 
         Returns:
             Blocks the nodes acknowledged.
@@ -326,34 +346,24 @@ class RedisClusterTier:
         keys = [self.key(b.block_hash) for b in blocks]
         batches, _ = self._router.route(keys, read=False)
         self._router.check_any_node(batches, len(keys))
-        taken: dict[str, Batch] = {}
-        for name, batch in batches.items():
-            state = batch.state
-            if state.writes_in_flight >= state.max_writes:
-                state.writes_skipped_busy += len(batch.positions)
-                if state.state is BreakerState.HALF_OPEN:
-                    state.probing = False
-                continue
-            state.writes_in_flight += 1
-            batch.holds_write_slot = True
-            taken[name] = batch
+        if not batches:
+            return 0
+        order = [p for batch in batches.values() for p in batch.positions]
+        values = await self._threads.run(pack_values, [blocks[p] for p in order])
+        value_of = dict(zip(order, values, strict=True))
+        ex: tuple[Any, ...] = (b"EX", self._ttl) if self._ttl else ()
+        for batch in batches.values():
+            batch.write = True
+            batch.commands = [(b"SET", keys[p], value_of[p], *ex) for p in batch.positions]
         try:
-            if not taken:
-                return 0
-            order = [p for batch in taken.values() for p in batch.positions]
-            values = await self._threads.run(pack_values, [blocks[p] for p in order])
-            value_of = dict(zip(order, values, strict=True))
-            ex: tuple[Any, ...] = (b"EX", self._ttl) if self._ttl else ()
-            for batch in taken.values():
-                batch.commands = [(b"SET", keys[p], value_of[p], *ex) for p in batch.positions]
             replies, _ = await self._router.execute(
-                taken, self._write_budget, read=False, n=len(keys)
+                batches, self._write_budget, read=False, n=len(keys)
             )
         finally:
-            for batch in taken.values():
+            for batch in batches.values():
                 self._router.release_write_slot(batch)
         stored = 0
-        for batch in taken.values():
+        for batch in batches.values():
             for p in batch.positions:
                 if replies[p] in (b"OK", "OK", True):
                     stored += 1
@@ -376,8 +386,9 @@ class RedisClusterTier:
     # -- observation -----------------------------------------------------------------------
 
     def statistics(self) -> Mapping[str, int | float | str | bool]:
-        """Tier-wide figures, then ``node.<host:port>.<figure>`` for every node seen
-        (hits, misses, timeouts, breaker trips and state, redirections, bytes, latency)."""
+        """Tier-wide figures (``bad_replies``: keys of another type, each a miss and
+        deleted), then ``node.<host:port>.<figure>`` for every node seen (hits, misses,
+        timeouts, breaker trips and state, redirections, write waits, bytes, latency)."""
         states = list(self._router.nodes.values())
         out: dict[str, int | float | str | bool] = {
             "startup_nodes": ",".join(redact(u) for u in self._urls),
@@ -393,6 +404,7 @@ class RedisClusterTier:
             "slot_map_refreshes": self._router.refreshes,
             "slot_map_refresh_failures": self._router.refresh_failures,
             "writes_lost": self._writes_lost,
+            "bad_replies": self._bad_replies,
             "operations": self._router.ops,
             "operation_seconds": self._router.op_seconds,
             "operation_max_seconds": self._router.op_max_seconds,
@@ -406,7 +418,7 @@ class RedisClusterTier:
             "breaker_trips",
             "redirections",
             "skipped_open",
-            "writes_skipped_busy",
+            "write_waits",
             "bytes_read",
             "bytes_written",
         ):

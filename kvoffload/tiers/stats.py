@@ -28,6 +28,10 @@ class TierStatistics:
         writes_skipped_unhealthy: write-downs skipped (or dropped from the queue) because
             the tier was unhealthy or could not write.
         writes_failed: blocks of write operations that failed.
+        writes_dropped: blocks a write operation returned without storing, though it did
+            not fail: a Redis Cluster node whose breaker was open or that was still busy
+            when the write budget ran out, a disk tier with every slot being read. Each
+            such block is absent from the tier, never half there.
         writes_held: write-downs queued or running now (each holds a CPU block).
         max_writes_held: the most write-downs ever held at once (never above
             ``max_queued_writes``).
@@ -58,6 +62,7 @@ class TierStatistics:
     writes_skipped_full: int
     writes_skipped_unhealthy: int
     writes_failed: int
+    writes_dropped: int
     writes_held: int
     max_writes_held: int
     blocks_read: int

@@ -214,6 +214,69 @@ async def test_two_offloaders_share_the_cluster_and_namespaces_stay_apart(
         assert tier_stats(c).blocks_read == 0
 
 
+@pytest.mark.parametrize("n", [48, 112])
+async def test_a_burst_that_fits_the_queue_is_written_whole_for_a_second_offloader(
+    redis_cluster_urls: list[str], prefix: str, n: int
+) -> None:
+    # The defaults, except a queue that holds the larger burst: 16-block batches, seven
+    # writers, two write pipelines per node. Three batches at once used to find a node's
+    # two pipelines busy and skip a third of the blocks.
+    tiers = [cluster_tier(redis_cluster_urls, prefix, max_queued_writes=max(64, n))]
+    prompt = tokens(70 + n, n)
+    kv_a = make_kv(num_blocks=n)
+    async with KVOffloader(config(tiers, num_cpu_blocks=n + 8), kv_a) as a:
+        await compute_and_store(a, kv_a, "w", prompt, range(n))
+        await settle(a)
+        stats = tier_stats(a)
+        assert stats.blocks_written == n
+        assert stats.writes_skipped_full == 0
+        assert stats.writes_dropped == 0
+        assert stats.writes_failed == 0
+        assert stats.details["writes_lost"] == 0
+        assert len(node_figures(stats.details, "blocks_written")) == 3
+        check(a)
+    # A second offloader, state of its own (pool, tier client, GPU KV), the same cluster.
+    kv_b = make_kv(num_blocks=n)
+    async with KVOffloader(config(tiers, num_cpu_blocks=n + 8), kv_b) as b:
+        hashes = b.hash_prompt(prompt)
+        assert b.lookup_or_defer("t", hashes, len(prompt)) is None  # promoting
+        await settle(b)
+        b.finish("t")
+        assert await lookup_load(b, kv_b, "r", prompt, range(n)) == n * BS  # bit-exact
+        stats = tier_stats(b)
+        assert stats.blocks_promoted == n
+        assert stats.failed_checks == 0
+        check(b)
+
+
+async def test_a_full_write_queue_skips_and_counts_in_the_statistics_and_metrics(
+    redis_cluster_urls: list[str], prefix: str
+) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest  # noqa: PLC0415
+
+    from kvoffload.metrics import OffloaderCollector  # noqa: PLC0415
+
+    n = 48
+    tiers = [cluster_tier(redis_cluster_urls, prefix, max_queued_writes=8)]
+    kv = make_kv(num_blocks=n)
+    async with KVOffloader(config(tiers, num_cpu_blocks=n + 8), kv) as off:
+        await compute_and_store(off, kv, "w", tokens(80, n), range(n))
+        await settle(off)
+        stats = tier_stats(off)
+        # One store of 48 blocks meets a queue of 8: 40 skipped, counted, 8 written.
+        assert stats.writes_skipped_full == n - 8
+        assert stats.blocks_written == 8
+        assert stats.writes_dropped == 0
+        assert stats.max_writes_held == 8
+        registry = CollectorRegistry()
+        registry.register(OffloaderCollector(off.statistics))
+        text = generate_latest(registry).decode()
+        labels = 'kind="redis-cluster",tier="redis-cluster0"'
+        assert f"kvoffload_tier_writes_skipped_full_total{{{labels}}} 40.0" in text, text
+        assert f"kvoffload_tier_writes_dropped_total{{{labels}}} 0.0" in text
+        check(off)
+
+
 async def test_per_node_figures_reach_the_prometheus_collector(
     redis_cluster_urls: list[str], prefix: str
 ) -> None:
@@ -263,6 +326,82 @@ async def test_a_corrupted_value_on_one_node_is_never_served_and_is_deleted(
         finally:
             await client.aclose()
         assert off.pool.get_cached(hashes[2]) is None
+        check(off)
+
+
+async def test_a_key_of_another_type_is_a_miss_deleted_and_counted_on_the_tier(
+    redis_cluster_urls: list[str], prefix: str
+) -> None:
+    from redis.asyncio.cluster import RedisCluster  # noqa: PLC0415
+
+    ns = b"\6" * 32
+    hashes = [BlockHash(bytes([i + 90]) * 32) for i in range(3)]
+    data = [bytes([i + 1]) * 1024 for i in range(3)]
+    tier = cluster_tier_class()(
+        redis_cluster_urls, block_nbytes=1024, namespace=ns, key_prefix=prefix
+    )
+    await tier.open()
+    client = RedisCluster.from_url(redis_cluster_urls[0])
+    try:
+        writes = [
+            BlockWrite(h, encode_header(ns, h, d), memoryview(bytearray(d)))
+            for h, d in zip(hashes, data, strict=True)
+        ]
+        assert await tier.put([writes[0], writes[2]]) == 2
+        await client.rpush(tier.key(hashes[1]), b"not a block")  # a list, not a string
+        bufs = [memoryview(bytearray(1024)) for _ in range(3)]
+        reads = await tier.get(hashes, bufs)
+        assert reads[1] is None
+        assert reads[0] is not None
+        assert bytes(bufs[0]) == data[0]
+        assert reads[2] is not None
+        assert bytes(bufs[2]) == data[2]
+        assert await client.exists(tier.key(hashes[1])) == 0  # deleted
+        assert tier.statistics()["bad_replies"] == 1
+        assert await tier.get([hashes[1]], bufs[1:2]) == [None]  # a plain miss now
+        assert tier.statistics()["bad_replies"] == 1
+    finally:
+        await client.aclose()
+        await tier.close()
+
+
+async def test_a_key_of_another_type_ends_the_deferral_and_the_hit_stops_at_it(
+    redis_cluster_urls: list[str], prefix: str
+) -> None:
+    from redis.asyncio.cluster import RedisCluster  # noqa: PLC0415
+
+    kv = make_kv()
+    async with KVOffloader(config([cluster_tier(redis_cluster_urls, prefix)]), kv) as off:
+        prompt = tokens(4, 4)
+        hashes = await compute_and_store(off, kv, "a", prompt, range(4))
+        await settle(off)
+        key = the_tier(off).key(hashes[2])
+        client = RedisCluster.from_url(redis_cluster_urls[0])
+        try:
+            await client.delete(key)
+            await client.rpush(key, b"x")  # a list under block 2's key
+            await off.reset()
+            answers = []
+            for _ in range(20):
+                answers.append(off.lookup_or_defer("b", hashes, len(prompt)))
+                if answers[-1] is not None:
+                    break
+                await settle(off)
+            # Block 2 is a miss: the first lookup waits for the promotion of 0..1 (and
+            # finds 2 bad), the next one answers the promoted run; it never asks again
+            # forever.
+            assert answers[-1] == 2 * BS, answers
+            assert await client.exists(key) == 0
+        finally:
+            await client.aclose()
+        off.release("b")
+        stats = tier_stats(off)
+        assert stats.details["bad_replies"] == 1
+        assert stats.blocks_promoted == 3  # the blocks before and after the foreign key
+        assert stats.healthy
+        assert stats.errors == 0
+        assert off.statistics().scheduler.deferrals_bounded == 0  # ended by the fix itself
+        off.finish("b")
         check(off)
 
 
@@ -333,6 +472,8 @@ async def test_a_paused_primary_costs_its_breaker_failures_then_misses_at_once(
             assert details[node + "timeouts"] == 2  # breaker_failures, then no request
             assert details[node + "skipped_open"] >= 3
             assert details["budget_exceeded"] >= 2
+            # The sick node's blocks of the second store were not written: counted.
+            assert tier_stats(off).writes_dropped >= 1
             healthy = [name for name in node_figures(details, "hits") if name != sick]
             assert healthy
             stats = tier_stats(off)
@@ -655,6 +796,12 @@ async def test_reads_from_replicas_and_from_a_replica_while_its_primary_is_pause
             cluster.resume(port_of(sick))
 
 
+def stored_on_owner(off: KVOffloader, block_hash: BlockHash) -> bool:
+    """Whether a block's key exists on its primary (asked directly, not through the tier)."""
+    key = the_tier(off).key(block_hash).decode()
+    return command(port_of(owner(off, block_hash)), "EXISTS", key) == b":1\r\n"
+
+
 async def test_a_slow_node_does_not_hold_the_other_nodes_writes(
     own_cluster_factory: Factory, prefix: str
 ) -> None:
@@ -693,20 +840,26 @@ async def test_a_slow_node_does_not_hold_the_other_nodes_writes(
                     and all(tier.node_state(owner(off, h)).writes_in_flight == 0 for h in healthy)
                 )
             )
-            # The next write-down skips the busy node and writes the others' blocks now.
+            # The next write-down writes the others' blocks now; the busy node's wait
+            # for its write slot.
             hashes = await compute_and_store(off, kv, "b", tokens(61, n), range(n))
             await off.drain()
             mine = [h for h in hashes if owner(off, h) == sick]
             others = [h for h in hashes if owner(off, h) != sick]
             assert mine
             assert others
-            await wait_until(lambda: tier.node_state(sick).writes_skipped_busy == len(mine))
-            await wait_until(lambda: tier_stats(off).blocks_written >= len(others))
+            await wait_until(lambda: tier.node_state(sick).write_waits >= 1)
+            # On their nodes while the first write still holds the sick node's slot.
+            await wait_until(lambda: all(stored_on_owner(off, h) for h in others))
             assert tier.node_state(sick).writes_in_flight == 1  # still stuck
         finally:
             cluster.resume(port_of(sick))
         await settle(off)
         stats = tier_stats(off)
+        # Once the node answers, its waiting blocks are written too: nothing skipped.
+        assert stats.blocks_written == 2 * n
+        assert stats.writes_dropped == 0
+        assert stats.writes_skipped_full == 0
         assert stats.errors == 0
         check(off)
 

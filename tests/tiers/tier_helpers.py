@@ -36,10 +36,10 @@ def layout(head_size: int = 8) -> KVLayout:
     )
 
 
-def make_kv(head_size: int = 8) -> list[torch.Tensor]:
+def make_kv(head_size: int = 8, num_blocks: int = NUM_GPU_BLOCKS) -> list[torch.Tensor]:
     """Zeroed GPU-side KV tensors (on CPU)."""
     lay = layout(head_size)
-    return [torch.zeros(lay.tensor_shape(NUM_GPU_BLOCKS)) for _ in range(lay.num_layers)]
+    return [torch.zeros(lay.tensor_shape(num_blocks)) for _ in range(lay.num_layers)]
 
 
 def expected_block(block_hash: BlockHash, kv: Sequence[torch.Tensor]) -> torch.Tensor:
