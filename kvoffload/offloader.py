@@ -248,17 +248,14 @@ class KVOffloader:
         is not retained (store, then call again); docs/policies.md, "Retention priorities".
 
         Raises:
-            InvalidInputError: over ``max_retained_fraction`` (nothing is retained), or
-                several KV cache groups.
-            InputTypeError: ``token_ids`` is not a sequence of ints (``None``, a float
-                tensor), or ``owner`` is not hashable (a list, a dict); nothing is retained.
+            InvalidInputError: over ``max_retained_fraction`` (nothing is retained).
+            InputTypeError: ``token_ids`` not a sequence of ints, ``owner`` not hashable.
         """
         return _single(self, "retain_prefix").retain(self.hash_prompt(token_ids), owner)
 
     def release_retained(self, owner: Hashable) -> int:
         """Let the blocks `retain_prefix()` kept for ``owner`` be evicted again; return
-        how many. Raises `InvalidInputError` if ``owner`` retains nothing,
-        `InputTypeError` if it is not hashable."""
+        how many. Raises `InvalidInputError` if ``owner`` retains nothing."""
         return _single(self, "release_retained").release_retained(owner)
 
     # -- the engine's step loop ----------------------------------------------------------------

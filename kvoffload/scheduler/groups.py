@@ -71,10 +71,9 @@ def _check_setup(
     pools: Mapping[str, CpuBlockPool],
     checkpoint_tokens: int | None,
     num_gpu_blocks: Mapping[str, int],
-    max_model_len: int | None,
 ) -> int:
     """Check the groups, pools, GPU block counts and store-point spacing; the spacing."""
-    align = check_groups(groups, max_model_len=max_model_len)
+    align = check_groups(groups)
     cacheable = [g.name for g in groups if g.cacheable]
     missing = [name for name in cacheable if name not in pools]
     if missing:
@@ -117,19 +116,14 @@ class GroupedScheduler:
         checkpoint_tokens: spacing of store points, a multiple of the hit alignment
             (``None``: `default_checkpoint_tokens()`).
         num_gpu_blocks: per group name, the engine's GPU block count, a positive int
-            (table entries must lie in ``[0, n)``); a group not named accepts any
-            non-negative id.
-        max_model_len: the model's context length in tokens, when known (the hit
-            alignment must be below it; see `check_groups()`).
+            (table entries must lie in ``[0, n)``; a group not named accepts any id >= 0).
 
     Call it from one thread; every method is synchronous. A refused call changes nothing.
 
     Raises:
-        ConfigError: the groups are refused by `check_groups()` (duplicate names, no
-            cacheable group, an alignment that allows no hit), a cacheable group without
-            a pool of its own (a pool shared by two groups), a block count that is not a
-            positive int or names no group, or a ``checkpoint_tokens`` that is
-            not a positive int multiple of the alignment.
+        ConfigError: groups `check_groups()` refuses, a cacheable group without a pool of
+            its own, a GPU block count not a positive int or for no group, or a
+            ``checkpoint_tokens`` not a positive int multiple of the alignment.
     """
 
     def __init__(
@@ -139,14 +133,11 @@ class GroupedScheduler:
         *,
         checkpoint_tokens: int | None = None,
         num_gpu_blocks: Mapping[str, int] | None = None,
-        max_model_len: int | None = None,
     ) -> None:
         self._groups = tuple(groups)
         self._cacheable = tuple(g for g in groups if g.cacheable)
         self._limits = dict(num_gpu_blocks or {})
-        checkpoint_tokens = _check_setup(
-            groups, pools, checkpoint_tokens, self._limits, max_model_len
-        )
+        checkpoint_tokens = _check_setup(groups, pools, checkpoint_tokens, self._limits)
         self._align = hit_alignment(groups)
         self._checkpoint = checkpoint_tokens
         self._ledgers = {g.name: BlockLedger(pools[g.name]) for g in self._cacheable}
@@ -238,8 +229,7 @@ class GroupedScheduler:
             RequestStateError: the request is finished.
             BlockTableError: a missing table or an id out of range.
             InvalidInputError: a negative count, missing or changed hashes.
-            InputTypeError: an entry that is not an int or ``None``, or a
-                ``num_computed_tokens`` that is not an int (a float, a bool).
+            InputTypeError: an entry not an int or ``None``; a float or bool count.
         """
         num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", request_id)
         if num_computed_tokens < 0:
@@ -278,8 +268,8 @@ class GroupedScheduler:
         Raises:
             RequestStateError: the request is finished.
             InvalidInputError: counts out of range or ``num_computed_tokens`` not a
-                multiple of the alignment; hashes missing for a group.
-            InputTypeError: a count that is not an int (a float, a bool).
+                multiple of the alignment; hashes missing for a group (InputTypeError:
+                a float or bool count).
         """
         align = self._align
         num_tokens = as_int(num_tokens, "num_tokens", request_id)
@@ -347,8 +337,7 @@ class GroupedScheduler:
 
         Raises:
             UnknownRequestError: no state for that id.
-            InvalidInputError: ``num_tokens`` is neither 0 nor the hit.
-            InputTypeError: ``num_tokens`` is not an int (a float, a bool).
+            InvalidInputError: ``num_tokens`` is neither 0 nor the hit (InputTypeError: a float).
             BlockTableError: a destination entry missing or ``None``.
         """
         num_tokens = as_int(num_tokens, "num_tokens", request_id)
