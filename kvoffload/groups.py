@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import (
@@ -34,6 +34,9 @@ from kvoffload._validation import describe, frozen_setattr, not_bool
 from kvoffload.errors import ConfigError, LayoutMismatchError
 from kvoffload.hashing import HashNamespace
 from kvoffload.layout import KVLayout
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 __all__ = [
     "DEFAULT_CHECKPOINT_TOKENS",
