@@ -28,12 +28,11 @@ from kvoffload.errors import (
     ConfigError,
     HostMemoryError,
     InvalidInputError,
-    LayoutMismatchError,
     PinnerError,
     RequestStateError,
 )
 from kvoffload.group_launcher import GroupLauncher, pool_statistics
-from kvoffload.groups import KVCacheGroup, hit_alignment
+from kvoffload.groups import KVCacheGroup, check_groups, hit_alignment, page_layout
 from kvoffload.hashing import BlockHash, HashNamespace
 from kvoffload.pinner import GpuBlockPinner
 from kvoffload.pool.block_pool import PoolEvent, PoolStatistics
@@ -52,55 +51,6 @@ from kvoffload.transfer.thread_engine import ThreadCopyEngine
 __all__ = ["GroupSession", "page_layout"]
 
 _log = get_logger("offloader")
-_MAX_DIM = 65536
-
-
-def page_layout(
-    group: KVCacheGroup, tensors: Sequence[torch.Tensor]
-) -> tuple[KVLayout, list[torch.Tensor]]:
-    """The copy geometry of ``group`` and its tensors as the copy engines see them.
-
-    A group whose ``layout`` matches its tensors keeps them; any other page (an MLA
-    latent, a state snapshot, a quantized page) is copied as opaque bytes: each layer's
-    tensor, contiguous with the GPU block in its first dimension, is viewed as ``uint8``
-    ``[blocks, 2, rows, 1, cols]`` holding ``bytes_per_layer_block`` bytes per block.
-
-    Raises:
-        LayoutMismatchError: the tensors disagree with the group (layer count, bytes per
-            block, contiguity), naming the group and the values.
-    """
-    where = f"group {group.name!r} (kind {group.kind!r})"
-    if len(tensors) != group.num_layers:
-        raise LayoutMismatchError(
-            f"{where}: {len(tensors)} layer tensors given, the group has {group.num_layers}"
-        )
-    lay = group.layout
-    if lay is not None and all(t.dim() == 5 for t in tensors):
-        lay.num_gpu_blocks(tensors)
-        return lay, list(tensors)
-    page = group.bytes_per_layer_block
-    half, rows = page // 2, 1
-    while half // rows > _MAX_DIM or half % rows:
-        rows += 1
-    if page % 2 or rows > _MAX_DIM:
-        raise LayoutMismatchError(f"{where}: a page of {page} bytes cannot be copied as K/V halves")
-    views = []
-    for i, t in enumerate(tensors):
-        nbytes = t[0].numel() * t.element_size() if t.dim() and t.shape[0] else 0
-        if not t.is_contiguous() or nbytes != page:
-            raise LayoutMismatchError(
-                f"{where}: layer {i} tensor of shape {tuple(t.shape)} ({t.dtype}) must be "
-                f"contiguous with {page} bytes per block in its first dimension, has {nbytes}"
-            )
-        views.append(t.view(torch.uint8).view(t.shape[0], 2, rows, 1, half // rows))
-    layout = KVLayout(
-        num_layers=group.num_layers,
-        num_kv_heads=1,
-        head_size=half // rows,
-        dtype="uint8",
-        block_size=rows,
-    )
-    return layout, views
 
 
 def _check_host_memory(
@@ -139,7 +89,9 @@ class GroupSession(Lifecycle):
             buffer is made), or ``None``.
 
     Raises:
-        ConfigError: tiers with copy engines given by the caller, a tensor mapping that
+        ConfigError: groups refused by `check_groups()` (no cacheable group, names not
+            unique, an alignment that allows no hit), tiers with copy engines given by
+            the caller, a tensor mapping that
             misses a group or names an unknown one, or a pool that does not fit (see
             `build_grouped_scheduler()`); on opening, a group's share of a tier that does
             not fit (see `GroupTiers`).
@@ -160,6 +112,7 @@ class GroupSession(Lifecycle):
                 "tiers need the host buffers this offloader makes; they cannot be used with "
                 f"a copy_engine given by the caller (groups {[g.name for g in groups]})"
             )
+        check_groups(groups)  # first: a model with no cacheable group has nothing to name
         self.groups = tuple(groups)
         cacheable = [g for g in self.groups if g.cacheable]
         names = {g.name for g in cacheable}

@@ -60,7 +60,9 @@ def make_session(  # noqa: PLR0917 - the constructor's arguments, in its order
     """The session of a `KVOffloader`, its (first group's) layout, namespace and pool size.
 
     Several groups, or one that is not ``full``, make a `GroupSession`; one ``full``
-    group is today's single-group offloader (its layout, or the one inferred).
+    group is today's single-group offloader: its layout (given, the group's, or inferred
+    from 5-d K/V tensors), or, for a page with no K/V layout (an MLA latent), the page
+    as opaque bytes (`page_layout()` with the group's block size).
     """
     if groups is not None and (len(groups) != 1 or groups[0].kind != "full"):
         from kvoffload._group_session import GroupSession  # noqa: PLC0415 - groups only
@@ -78,6 +80,11 @@ def make_session(  # noqa: PLR0917 - the constructor's arguments, in its order
     if groups is not None:  # one full-attention group: the single-group offloader
         kv, engine, pin = _one(gpu_kv), _one(copy_engine), _one(pinner)
         layout = layout or groups[0].layout
+        if layout is None and kv is not None and not isinstance(kv, Mapping):
+            from kvoffload.groups import page_layout  # noqa: PLC0415 - groups only
+
+            # opaque pages (an MLA latent): uint8 views, block_size tokens per block
+            layout, kv = page_layout(groups[0], kv, block_size=groups[0].block_size)
     if (
         kv is None
         or isinstance(kv, Mapping)

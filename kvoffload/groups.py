@@ -8,6 +8,7 @@ inside (K/V heads, an MLA latent, a quantized page with its scales, a state snap
 
 This module holds the pure rules, with no state: `needed()` (the blocks a hit at ``N``
 tokens needs from a group), `hit_alignment()` (the LCM of the block sizes),
+`check_groups()` (what a model's groups must be together),
 `store_points()`, `bytes_per_cached_token()` and `split_capacity()` (the host memory
 split). `kvoffload.scheduler.groups.GroupedScheduler` applies them. See docs/groups.md.
 """
@@ -16,22 +17,38 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
+import torch
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from kvoffload.errors import ConfigError
+from kvoffload._validation import describe, frozen_setattr, not_bool
+from kvoffload.errors import ConfigError, LayoutMismatchError
 from kvoffload.hashing import HashNamespace
 from kvoffload.layout import KVLayout
 
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
+
 __all__ = [
     "DEFAULT_CHECKPOINT_TOKENS",
+    "MAX_HIT_ALIGNMENT_TOKENS",
     "GroupKind",
     "KVCacheGroup",
     "bytes_per_cached_token",
+    "check_groups",
     "default_checkpoint_tokens",
     "hit_alignment",
     "needed",
+    "page_layout",
     "split_capacity",
     "store_points",
 ]
@@ -42,6 +59,16 @@ GroupKind = Literal["full", "sliding_window", "chunked", "recurrent", "none"]
 DEFAULT_CHECKPOINT_TOKENS = 1024
 """The default spacing of store points: the smallest multiple of the hit alignment that
 is at least this many tokens (`default_checkpoint_tokens()`)."""
+
+
+MAX_HIT_ALIGNMENT_TOKENS = 1 << 24
+"""The largest hit alignment (LCM of the cacheable groups' block sizes) `check_groups()`
+takes when the model's context length is not given: 16,777,216 tokens, the bound of
+``OffloadConfig.checkpoint_tokens`` (a store point is a multiple of the alignment), longer
+than any model's context. A hit needs a prompt longer than the alignment."""
+
+
+_MAX_DIM = 65536  # KVLayout's bound on head_size and block_size
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -65,23 +92,60 @@ class KVCacheGroup(BaseModel):
         layout: the K/V geometry when the page is K/V heads, else ``None``.
         cpu_bytes: host bytes for this group, instead of its share by need.
         cpu_share: fraction of the host capacity for this group, instead of its share.
+
+    The counts are strict: ``True``, ``"4"`` or ``4.0`` is refused where an int is
+    expected, and ``cpu_share`` takes a number, not a bool or a string.
+
+    Raises:
+        ConfigError: a field has a bad value or type, or the fields disagree (the message
+            names the field and the value).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str = Field(min_length=1, description="Unique group name, part of every key.")
-    kind: GroupKind = Field(description="What a prefix hit needs from the group.")
-    block_size: int = Field(ge=1, description="Tokens per block.")
-    window: int | None = Field(default=None, ge=1, description="Sliding window W, tokens.")
-    chunk: int | None = Field(default=None, ge=1, description="Local-attention chunk C, tokens.")
-    num_layers: int = Field(ge=1, description="Layers in the group.")
-    bytes_per_layer_block: int = Field(ge=1, description="Bytes of one block of one layer.")
-    dtype: str = Field(default="uint8", min_length=1, description="Engine tensor dtype name.")
-    layout: KVLayout | None = Field(default=None, description="K/V geometry, if any.")
-    cpu_bytes: ByteSize | None = Field(default=None, description="Host bytes override.")
-    cpu_share: float | None = Field(
-        default=None, gt=0.0, le=1.0, description="Host capacity share override."
+    name: str = Field(
+        min_length=1, strict=True, description="Unique group name, part of every key."
     )
+    kind: GroupKind = Field(description="What a prefix hit needs from the group.")
+    block_size: int = Field(ge=1, strict=True, description="Tokens per block.")
+    window: int | None = Field(
+        default=None, ge=1, strict=True, description="Sliding window W, tokens."
+    )
+    chunk: int | None = Field(
+        default=None, ge=1, strict=True, description="Local-attention chunk C, tokens."
+    )
+    num_layers: int = Field(ge=1, strict=True, description="Layers in the group.")
+    bytes_per_layer_block: int = Field(
+        ge=1, strict=True, description="Bytes of one block of one layer."
+    )
+    dtype: str = Field(
+        default="uint8", min_length=1, strict=True, description="Engine tensor dtype name."
+    )
+    layout: KVLayout | None = Field(default=None, description="K/V geometry, if any.")
+    cpu_bytes: ByteSize | None = Field(default=None, ge=1, description="Host bytes override.")
+    cpu_share: float | None = Field(
+        default=None, gt=0.0, le=1.0, strict=True, description="Host capacity share override."
+    )
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise _refused(exc) from exc
+
+    @classmethod
+    def model_validate(cls, *args: Any, **kwargs: Any) -> Self:
+        """`pydantic.BaseModel.model_validate`, refusing with a `ConfigError` as the
+        constructor does."""
+        try:
+            return super().model_validate(*args, **kwargs)
+        except ValidationError as exc:
+            raise _refused(exc) from exc
+
+    _no_bool = field_validator("cpu_bytes", mode="before")(not_bool)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        frozen_setattr(self, name, value)
 
     @model_validator(mode="after")
     def _check_kind(self) -> KVCacheGroup:
@@ -109,18 +173,17 @@ class KVCacheGroup(BaseModel):
         cls, layout: KVLayout, *, name: str = "g0", kind: GroupKind = "full", **fields: object
     ) -> KVCacheGroup:
         """The group whose page is ``layout``'s K/V block (one way to describe a page)."""
-        return cls.model_validate(
-            {
-                "name": name,
-                "kind": kind,
-                "block_size": layout.block_size,
-                "num_layers": layout.num_layers,
-                "bytes_per_layer_block": layout.bytes_per_layer_block,
-                "dtype": layout.dtype,
-                "layout": layout,
-                **fields,
-            }
-        )
+        values: dict[str, Any] = {
+            "name": name,
+            "kind": kind,
+            "block_size": layout.block_size,
+            "num_layers": layout.num_layers,
+            "bytes_per_layer_block": layout.bytes_per_layer_block,
+            "dtype": layout.dtype,
+            "layout": layout,
+            **fields,
+        }
+        return cls(**values)
 
     @property
     def bytes_per_block(self) -> int:
@@ -141,6 +204,11 @@ class KVCacheGroup(BaseModel):
             f"L{self.num_layers}:P{self.bytes_per_layer_block}:B{self.block_size}"
         )
         return HashNamespace(model_id=model_id, dtype=self.dtype, layout=page, salt=salt)
+
+
+def _refused(exc: ValidationError) -> ConfigError:
+    """The `ConfigError` of a refused `KVCacheGroup`: each field, the problem, the value."""
+    return ConfigError(f"invalid KVCacheGroup: {describe(exc, KVCacheGroup.model_fields, None)}")
 
 
 def _span(group: KVCacheGroup) -> int:
@@ -183,6 +251,46 @@ def hit_alignment(groups: Sequence[KVCacheGroup]) -> int:
     """The granularity of hits: the LCM of the cacheable groups' block sizes."""
     sizes = [g.block_size for g in groups if g.cacheable]
     return math.lcm(*sizes) if sizes else 1
+
+
+def check_groups(groups: Sequence[KVCacheGroup], *, max_model_len: int | None = None) -> int:
+    """Check a model's groups as a whole; return their hit alignment (`hit_alignment()`).
+
+    Args:
+        groups: the model's groups, in order.
+        max_model_len: the model's context length in tokens, when known; otherwise the
+            alignment is bounded by `MAX_HIT_ALIGNMENT_TOKENS`.
+
+    Raises:
+        ConfigError: no group, two groups of one name, no cacheable group (every group
+            of kind ``"none"``: nothing to offload), or an alignment so large that no hit
+            is possible (at least ``max_model_len``, or above `MAX_HIT_ALIGNMENT_TOKENS`);
+            the message gives the names, or the alignment and the block sizes.
+    """
+    names = [g.name for g in groups]
+    if len(set(names)) != len(names) or not names:
+        raise ConfigError(f"group names must be unique and non-empty, got {names}")
+    if not any(g.cacheable for g in groups):
+        raise ConfigError(
+            f"no group is cacheable: the groups {names} are all of kind 'none' (never "
+            "stored or loaded), so there is nothing to offload"
+        )
+    align = hit_alignment(groups)
+    sizes = {g.name: g.block_size for g in groups if g.cacheable}
+    if max_model_len is not None and align >= max_model_len:
+        raise ConfigError(
+            f"the hit alignment {align} tokens (the LCM of the block sizes {sizes}) is not "
+            f"below the model's context of max_model_len={max_model_len} tokens: a hit is a "
+            "multiple of it and shorter than the prompt, so no hit is possible"
+        )
+    if align > MAX_HIT_ALIGNMENT_TOKENS:
+        raise ConfigError(
+            f"the hit alignment {align} tokens (the LCM of the block sizes {sizes}) "
+            f"exceeds {MAX_HIT_ALIGNMENT_TOKENS} tokens (MAX_HIT_ALIGNMENT_TOKENS): a hit "
+            "is a multiple of it and shorter than the prompt, so no hit would ever be "
+            "possible; choose block sizes with a smaller least common multiple"
+        )
+    return align
 
 
 def default_checkpoint_tokens(groups: Sequence[KVCacheGroup]) -> int:
@@ -257,3 +365,72 @@ def split_capacity(
             )
         out[g.name] = blocks
     return out
+
+
+def page_layout(
+    group: KVCacheGroup, tensors: Sequence[torch.Tensor], *, block_size: int | None = None
+) -> tuple[KVLayout, list[torch.Tensor]]:
+    """The copy geometry of ``group`` and its tensors as the copy engines see them.
+
+    A group whose ``layout`` matches its tensors keeps them; any other page (an MLA
+    latent, a state snapshot, a quantized page) is copied as opaque bytes: each layer's
+    tensor, contiguous with the GPU block in its first dimension, is viewed as ``uint8``
+    ``[blocks, 2, rows, 1, cols]`` holding ``bytes_per_layer_block`` bytes per block.
+
+    Args:
+        group: the group.
+        tensors: its layer tensors.
+        block_size: the ``rows`` of an opaque page, when the layout's ``block_size`` must
+            be the group's (the one-group offloader: its pool counts tokens by it);
+            otherwise the fewest rows that keep a row within bounds.
+
+    Raises:
+        LayoutMismatchError: the tensors disagree with the group (layer count, bytes per
+            block, contiguity), or the page cannot be split so (an odd page; with
+            ``block_size``, a page that is not a multiple of ``2 * block_size`` bytes),
+            naming the group and the values.
+    """
+    where = f"group {group.name!r} (kind {group.kind!r})"
+    if len(tensors) != group.num_layers:
+        raise LayoutMismatchError(
+            f"{where}: {len(tensors)} layer tensors given, the group has {group.num_layers}"
+        )
+    lay = group.layout
+    if lay is not None and all(t.dim() == 5 for t in tensors):
+        lay.num_gpu_blocks(tensors)
+        return lay, list(tensors)
+    page = group.bytes_per_layer_block
+    half = page // 2
+    if block_size is not None:
+        rows = block_size
+        if page % (2 * rows) or half // rows > _MAX_DIM:
+            raise LayoutMismatchError(
+                f"{where}: a page of {page} bytes per layer is copied as 2 x block_size="
+                f"{rows} rows of opaque bytes, so it must be a multiple of {2 * rows} bytes "
+                f"and at most {2 * rows * _MAX_DIM}"
+            )
+    else:
+        rows = 1
+        while half // rows > _MAX_DIM or half % rows:
+            rows += 1
+        if page % 2 or rows > _MAX_DIM:
+            raise LayoutMismatchError(
+                f"{where}: a page of {page} bytes cannot be copied as K/V halves"
+            )
+    views = []
+    for i, t in enumerate(tensors):
+        nbytes = t[0].numel() * t.element_size() if t.dim() and t.shape[0] else 0
+        if not t.is_contiguous() or nbytes != page:
+            raise LayoutMismatchError(
+                f"{where}: layer {i} tensor of shape {tuple(t.shape)} ({t.dtype}) must be "
+                f"contiguous with {page} bytes per block in its first dimension, has {nbytes}"
+            )
+        views.append(t.view(torch.uint8).view(t.shape[0], 2, rows, 1, half // rows))
+    layout = KVLayout(
+        num_layers=group.num_layers,
+        num_kv_heads=1,
+        head_size=half // rows,
+        dtype="uint8",
+        block_size=rows,
+    )
+    return layout, views

@@ -13,7 +13,7 @@ import hashlib
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NewType, final
 
@@ -123,8 +123,18 @@ def hash_prompt(
 
     Raises:
         InvalidInputError: ``block_size`` is below 1.
-        InputTypeError: a token of a full block is not a 64-bit int.
+        InputTypeError: ``token_ids`` is not a sequence (``None``, a string, a mapping,
+            an iterator), or a token of a full block is not a 64-bit int.
     """
+    if (
+        isinstance(token_ids, str | bytes | Mapping)
+        or not hasattr(token_ids, "__len__")
+        or not hasattr(token_ids, "__getitem__")
+    ):
+        raise InputTypeError(
+            f"token_ids={token_ids!r} must be a sequence of token ids (a list, a tuple, "
+            f"an array), got {type(token_ids).__name__}"
+        )
     hasher = BlockHasher(namespace.root, block_size)
     hasher.extend(token_ids[: len(token_ids) // block_size * block_size])
     return list(hasher.block_hashes)
@@ -200,7 +210,7 @@ class BlockHasher:
         try:
             # Tokens are checked (and encoded) before anything changes.
             data = _encode_tokens([*tail, *token_ids[:take]] if have else token_ids[:take])
-            if rest:
+            if len(rest):  # not `if rest`: an array or tensor has no truth value
                 _encode_tokens(rest)
         except InputTypeError:
             _encode_tokens(token_ids)  # the same error, indexed within token_ids

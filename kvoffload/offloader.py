@@ -249,6 +249,7 @@ class KVOffloader:
 
         Raises:
             InvalidInputError: over ``max_retained_fraction`` (nothing is retained).
+            InputTypeError: ``token_ids`` not a sequence of ints, ``owner`` not hashable.
         """
         return _single(self, "retain_prefix").retain(self.hash_prompt(token_ids), owner)
 

@@ -33,7 +33,7 @@ from kvoffload.errors import (
     RequestStateError,
 )
 from kvoffload.hashing import BlockHash, BlockHasher
-from kvoffload.request_checks import check_prefix, computed_past_tokens
+from kvoffload.request_checks import as_int, check_prefix, computed_past_tokens
 from kvoffload.request_tables import BlockTableArithmetic, blocks_for, table_slice
 from kvoffload.transfer.task import _NoPublicConstructor
 
@@ -234,7 +234,9 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         lanes: GroupLanes | None = None,
     ) -> None:
         who = f"request {request_id!r}: "
-        check_prefix(num_computed_tokens, len(prompt_token_ids), block_size, who)
+        num_computed_tokens = check_prefix(
+            num_computed_tokens, len(prompt_token_ids), block_size, request_id
+        )
         self._off = offloader
         self._request_id = request_id
         self._who = who
@@ -374,6 +376,7 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
             RequestStateError: the request is finished.
             InvalidInputError: ``num_computed_tokens`` out of range or not block aligned;
                 the handle keeps the prefix it had (a refused call changes nothing).
+            InputTypeError: ``num_computed_tokens`` is not an int (a float, a bool).
         """
         return self._lookup("lookup", num_computed_tokens, allow_defer)
 
@@ -384,8 +387,13 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         return self._lookup("lookup_or_defer", num_computed_tokens, True)
 
     def _lookup(self, what: str, num_computed_tokens: int | None, allow_defer: bool) -> int | None:
-        self._state.check(what, self._request_id)
-        prefix = self._engine_prefix if num_computed_tokens is None else num_computed_tokens
+        rid = self._request_id
+        self._state.check(what, rid)
+        prefix = (
+            self._engine_prefix
+            if num_computed_tokens is None
+            else as_int(num_computed_tokens, "num_computed_tokens", rid)
+        )
         if self._lanes is not None:
             hit: int | None = self._lanes.lookup(self._request_id, len(self._tokens), prefix)
         else:
@@ -419,10 +427,11 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         Raises:
             RequestStateError: the request is finished.
             InvalidInputError: ``num_tokens`` above the hit or not whole blocks.
+            InputTypeError: ``num_tokens`` is not an int (a float, a bool).
             BlockTableError: a table too short or malformed.
         """
         self._state.check("load", self._request_id)
-        n = self._hit if num_tokens is None else num_tokens
+        n = self._hit if num_tokens is None else as_int(num_tokens, "num_tokens", self._request_id)
         # With several groups, GroupLanes.load() checks the per-group tables first.
         task = (self._lanes or self._off).load(self._request_id, block_table, n)  # type: ignore[arg-type]
         self._hit = n
@@ -444,9 +453,11 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         Raises:
             RequestStateError: the request is finished.
             InvalidInputError: ``num_computed_tokens`` above `num_tokens`.
+            InputTypeError: ``num_computed_tokens`` is not an int (a float, a bool).
             BlockTableError: a table that shrank or changed.
         """
         self._state.check("advance", self._request_id)
+        num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", self._request_id)
         if num_computed_tokens > len(self._tokens):
             raise computed_past_tokens(num_computed_tokens, len(self._tokens), self._who)
         if self._lanes is not None:

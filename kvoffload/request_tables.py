@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvoffload.errors import BlockTableError, InvalidInputError
-from kvoffload.request_checks import group_block_size
+from kvoffload.request_checks import as_int, group_block_size
 
 if TYPE_CHECKING:
     from kvoffload.request_groups import GroupLanes
@@ -25,12 +25,20 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     Raises:
         InvalidInputError: a negative ``num_tokens`` or a ``block_size`` below 1 (also a
             ``ValueError``).
+        InputTypeError: either is not an int (a float, a bool).
     """
-    return _blocks_for(num_tokens, block_size, "")
+    return _blocks_for(num_tokens, block_size, None)
 
 
-def _blocks_for(num_tokens: int, block_size: int, who: str) -> int:
+def _who(rid: str | None) -> str:
+    return "" if rid is None else f"request {rid!r}: "
+
+
+def _blocks_for(num_tokens: int, block_size: int, rid: str | None) -> int:
+    num_tokens = as_int(num_tokens, "num_tokens", rid)
+    block_size = as_int(block_size, "block_size", rid)
     if num_tokens < 0 or block_size < 1:
+        who = _who(rid)
         raise InvalidInputError(
             f"{who}need num_tokens >= 0 and block_size >= 1, got num_tokens={num_tokens} "
             f"and block_size={block_size}"
@@ -48,21 +56,25 @@ def table_slice(
 
     Raises:
         InvalidInputError: a bad range (also a ``ValueError``).
+        InputTypeError: a token position or ``block_size`` that is not an int.
         BlockTableError: a table too short for the range (the message names both).
     """
-    return _table_slice(block_table, start_token, end_token, block_size, "")
+    return _table_slice(block_table, start_token, end_token, block_size, None)
 
 
 def _table_slice(
-    block_table: Sequence[int], start_token: int, end_token: int, block_size: int, who: str
+    block_table: Sequence[int], start_token: int, end_token: int, block_size: int, rid: str | None
 ) -> Sequence[int]:
+    start_token = as_int(start_token, "start_token", rid)
+    end_token = as_int(end_token, "end_token", rid)
+    who = _who(rid)
     if not 0 <= start_token <= end_token:
         raise InvalidInputError(
             f"{who}need 0 <= start_token ({start_token}) <= end_token ({end_token})"
         )
     if start_token == end_token:
         return block_table[0:0]
-    first, last = start_token // block_size, _blocks_for(end_token, block_size, who)
+    first, last = start_token // block_size, _blocks_for(end_token, block_size, rid)
     if last > len(block_table):
         raise BlockTableError(
             f"{who}tokens [{start_token}, {end_token}) need {last} blocks; "
@@ -79,6 +91,7 @@ class BlockTableArithmetic:
 
     _block_size: int
     _lanes: GroupLanes | None
+    _request_id: str
     _tokens: list[int]
     _who: str
 
@@ -89,10 +102,11 @@ class BlockTableArithmetic:
         Raises:
             InvalidInputError: a negative ``num_tokens``, or a group the offloader does
                 not have (the message names the request).
+            InputTypeError: ``num_tokens`` is not an int (a float, a bool).
         """
         who = self._who
         bs = self._block_size if group is None else group_block_size(self._lanes, group, who)
-        return _blocks_for(num_tokens, bs, who)
+        return _blocks_for(num_tokens, bs, self._request_id)
 
     def blocks_needed(self, num_tokens: int | None = None, *, have: int = 0) -> int:
         """How many blocks a table of ``have`` blocks must gain to hold ``num_tokens``.
@@ -103,9 +117,12 @@ class BlockTableArithmetic:
 
         Raises:
             InvalidInputError: a negative ``num_tokens`` (the message names the request).
+            InputTypeError: ``num_tokens`` or ``have`` is not an int (a float, a bool).
         """
+        rid = self._request_id
         n = len(self._tokens) if num_tokens is None else num_tokens
-        return max(0, _blocks_for(n, self._block_size, self._who) - have)
+        have = as_int(have, "have", rid)
+        return max(0, _blocks_for(n, self._block_size, rid) - have)
 
     def table_slice(
         self, block_table: Sequence[int], start_token: int, end_token: int
@@ -114,6 +131,7 @@ class BlockTableArithmetic:
 
         Raises:
             InvalidInputError: a bad range. BlockTableError: a table too short for it
-                (both name the request and the values).
+                (both name the request and the values). InputTypeError: a token position
+                that is not an int.
         """
-        return _table_slice(block_table, start_token, end_token, self._block_size, self._who)
+        return _table_slice(block_table, start_token, end_token, self._block_size, self._request_id)

@@ -6,16 +6,20 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from pydantic import ValidationError
 
-from kvoffload.errors import ConfigError, InvalidInputError, RequestStateError
+from kvoffload.errors import ConfigError, InputTypeError, InvalidInputError, RequestStateError
 from kvoffload.groups import (
+    MAX_HIT_ALIGNMENT_TOKENS,
+    KVCacheGroup,
     bytes_per_cached_token,
+    check_groups,
     hit_alignment,
     needed,
     split_capacity,
     store_points,
 )
+from kvoffload.pool.block_pool import CpuBlockPool
+from kvoffload.scheduler.groups import GroupedScheduler
 from tests.groups_helpers import Rig, group
 
 FULL4 = group("attn", "full", 4)
@@ -59,12 +63,76 @@ def test_needed_per_kind() -> None:
 
 
 def test_group_model_refuses_incomplete_kinds() -> None:
-    with pytest.raises(ValidationError, match="window is required"):
+    with pytest.raises(ConfigError, match="window is required"):
         group("s", "sliding_window", 4)
-    with pytest.raises(ValidationError, match="chunk=6 must be a multiple"):
+    with pytest.raises(ConfigError, match="chunk=6 must be a multiple"):
         group("c", "chunked", 4, chunk=6)
-    with pytest.raises(ValidationError, match="cpu_bytes or cpu_share"):
+    with pytest.raises(ConfigError, match="cpu_bytes or cpu_share"):
         group("f", "full", 4, cpu_bytes=100, cpu_share=0.5)
+
+
+@pytest.mark.parametrize("value", [True, "4", 4.0])
+@pytest.mark.parametrize("field", ["block_size", "num_layers", "bytes_per_layer_block", "window"])
+def test_group_counts_are_strict_and_refused_with_a_config_error(field: str, value: object) -> None:
+    """``True``, ``"4"`` and ``4.0`` were taken as counts (a block size of 1, 4, 4), and a
+    refused group raised pydantic's ValidationError: now a ConfigError (also a
+    ValueError) naming the field and the value."""
+    fields: dict[str, object] = {"window": 9, field: value}
+    with pytest.raises(ConfigError, match=rf"invalid KVCacheGroup: {field}: .* \(got {value!r}\)"):
+        group("s", "sliding_window", 4, **fields)
+
+
+def test_group_overrides_and_names_are_strict() -> None:
+    with pytest.raises(ConfigError, match=r"cpu_share: .* \(got True\)"):
+        group("f", "full", 4, cpu_share=True)
+    with pytest.raises(ConfigError, match=r"cpu_bytes: .* \(got True\)"):
+        group("f", "full", 4, cpu_bytes=True)
+    with pytest.raises(ConfigError, match=r"name: .* \(got 7\)"):
+        group(7, "full", 4)  # type: ignore[arg-type]
+    assert group("f", "full", 4, cpu_bytes="1KiB").cpu_bytes == 1024  # sizes keep units
+    with pytest.raises(ConfigError, match=r"block_size: .* \(got 0\)"):
+        KVCacheGroup(name="f", kind="full", block_size=0, num_layers=1, bytes_per_layer_block=8)
+    with pytest.raises(ConfigError, match=r"KVCacheGroup is frozen: cannot set block_size=8"):
+        FULL4.block_size = 8  # type: ignore[misc]
+
+
+def test_check_groups_refuses_what_allows_no_hit() -> None:
+    with pytest.raises(ConfigError, match=r"no group is cacheable.*\['n'\]"):
+        check_groups([group("n", "none", 4)])
+    with pytest.raises(ConfigError, match="unique and non-empty"):
+        check_groups([])
+    odd = [group("a", "full", 31607), group("b", "full", 30727)]
+    with pytest.raises(ConfigError, match=r"alignment 971188289 tokens .*'a': 31607"):
+        check_groups(odd)
+    with pytest.raises(ConfigError, match=r"alignment 971188289 tokens .*'b': 30727"):
+        GroupedScheduler(odd, {"a": CpuBlockPool(4), "b": CpuBlockPool(4)})
+    sizes = [FULL4, group("s", "sliding_window", 6, window=13)]
+    assert check_groups(sizes) == 12
+    assert check_groups(sizes, max_model_len=13) == 12
+    with pytest.raises(ConfigError, match=r"alignment 12 tokens .* max_model_len=12"):
+        check_groups(sizes, max_model_len=12)
+    assert check_groups([group("a", "full", MAX_HIT_ALIGNMENT_TOKENS)]) == 1 << 24
+
+
+def test_grouped_scheduler_refuses_bad_setup_naming_the_field() -> None:
+    """A float checkpoint_tokens (crashed later), one pool for two groups and a negative
+    GPU block count were accepted."""
+    win = group("win", "sliding_window", 4, window=9)
+    pools = {"attn": CpuBlockPool(8), "win": CpuBlockPool(8)}
+    with pytest.raises(ConfigError, match=r"checkpoint_tokens=16.0 must be .* \(got float\)"):
+        GroupedScheduler([FULL4, win], pools, checkpoint_tokens=16.0)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"checkpoint_tokens=True"):
+        GroupedScheduler([FULL4, win], pools, checkpoint_tokens=True)
+    shared = CpuBlockPool(8)
+    with pytest.raises(ConfigError, match=r"groups 'attn' and 'win' are given one CpuBlockPool"):
+        GroupedScheduler([FULL4, win], {"attn": shared, "win": shared})
+    for bad in (-1, 0, 2.0, True):
+        with pytest.raises(ConfigError, match=rf"num_gpu_blocks\['win'\]={bad!r} must be"):
+            GroupedScheduler([FULL4, win], pools, num_gpu_blocks={"attn": 8, "win": bad})  # type: ignore[dict-item]
+    with pytest.raises(ConfigError, match=r"num_gpu_blocks names 'wim', not a group"):
+        GroupedScheduler([FULL4, win], pools, num_gpu_blocks={"wim": 8})
+    sched = GroupedScheduler([FULL4, win], pools, num_gpu_blocks={"attn": 8, "win": 8})
+    assert sched.checkpoint_tokens == 1024
 
 
 def test_alignment_and_store_points() -> None:
@@ -352,6 +420,30 @@ def test_bad_input_is_refused_naming_it() -> None:
         rig.sched.plan_load("a2", {"attn": [], "win": []}, 17) if rig.sched.lookup(
             "a2", rig.hashes(tokens(8)), 8
         ) == 0 else None
+
+
+def test_a_float_count_is_refused_with_an_input_type_error() -> None:
+    """``type(n) is not int`` gave a plain InvalidInputError, and plan_load compared a
+    float hit equal to the int one (16.0 == 16) and planned the load."""
+    rig = Rig([FULL4, group("win", "sliding_window", 4, window=9)], checkpoint_tokens=16)
+    tabs = Tables(rig, 16)
+    with pytest.raises(InputTypeError, match=r"request 'a': num_computed_tokens=16.0 is not"):
+        rig.sched.update("a", tabs.t, rig.hashes(tokens(16)), 16.0)  # type: ignore[arg-type]
+    rig.sched.update("a", tabs.t, rig.hashes(tokens(16)), 16)
+    plan = rig.sched.plan_stores()
+    assert plan is not None
+    rig.run(plan)
+    h = rig.hashes(tokens(17))
+    with pytest.raises(InputTypeError, match=r"request 'b': num_tokens=17.0 is not an int"):
+        rig.sched.lookup("b", h, 17.0)  # type: ignore[arg-type]
+    with pytest.raises(InputTypeError, match=r"request 'b': num_computed_tokens=True is not"):
+        rig.sched.lookup("b", h, 17, True)
+    assert rig.sched.lookup("b", h, 17) == 16
+    with pytest.raises(InputTypeError, match=r"request 'b': num_tokens=16.0 is not an int"):
+        rig.sched.plan_load("b", Tables(rig, 16).t, 16.0)  # type: ignore[arg-type]
+    assert rig.sched.statistics()["attn"].loaded_blocks == 0
+    assert rig.sched.plan_load("b", Tables(rig, 16).t, 16) is not None  # the pin was kept
+    rig.sched.check_invariants()
 
 
 def test_a_none_group_is_never_stored_and_does_not_limit_hits() -> None:

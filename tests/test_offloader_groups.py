@@ -22,7 +22,9 @@ from kvoffload.errors import (
     ClosedError,
     ConfigError,
     HostMemoryError,
+    InputTypeError,
     InvalidInputError,
+    LayoutMismatchError,
     RequestStateError,
     TransferError,
     WrongContextError,
@@ -314,6 +316,107 @@ async def test_one_full_group_is_the_single_group_offloader() -> None:
         assert isinstance(off.scheduler, OffloadScheduler)
         assert off.layout == ATTN
         assert off.statistics().groups is None
+
+
+async def test_a_float_hit_never_reaches_the_statistics() -> None:
+    """A load of ``float(hit)`` passed the grouped scheduler (16.0 == 16) and its token count
+    reached the statistics as a float; now it is refused like any count."""
+    model = Model(groups_of("sliding"))
+    alloc = Tables(model)
+    async with KVOffloader(config(), model.kv, groups=model.groups) as off:
+        turn1 = list(range(1, 19))
+        await serve(off, model, alloc, "a", turn1)
+        with off.request("b", [*turn1, 50]) as req:
+            hit = req.lookup()
+            assert hit == 16
+            tables = alloc.new(req.blocks_for(req.num_tokens))
+            with pytest.raises(InputTypeError, match=r"request 'b': num_tokens=16.0 is not an int"):
+                req.load(tables, float(hit))  # type: ignore[arg-type]
+            task = req.load(tables)  # the pin was kept: the int load goes through
+            assert task is not None
+            await task
+            model.check(tables, [*turn1, 50], hit)
+        stats = off.statistics().scheduler
+        assert type(stats.loaded_tokens) is int
+        assert stats.loaded_tokens == 16
+        assert stats.load_plans == 1
+
+
+def test_groups_of_kind_none_only_are_refused_naming_them() -> None:
+    """Every group of kind ``none`` raised a bare IndexError."""
+    none = [
+        KVCacheGroup(name=n, kind="none", block_size=BS, num_layers=1, bytes_per_layer_block=8)
+        for n in ("enc", "cross")
+    ]
+    for kv in ({}, {"enc": [torch.zeros(4, 8)]}):
+        with pytest.raises(ConfigError, match=r"no group is cacheable.*\['enc', 'cross'\]"):
+            KVOffloader(config(), kv, groups=none)
+
+
+def test_block_sizes_whose_lcm_allows_no_hit_are_refused() -> None:
+    """Block sizes 31607 and 30727 (LCM 971,188,289 tokens) were accepted: no hit could
+    ever happen."""
+    big = [
+        KVCacheGroup(name=n, kind="full", block_size=bs, num_layers=1, bytes_per_layer_block=8)
+        for n, bs in (("a", 31607), ("b", 30727))
+    ]
+    kv = {n: [torch.zeros(4, 8, dtype=torch.uint8)] for n in ("a", "b")}
+    with pytest.raises(
+        ConfigError, match=r"hit alignment 971188289 tokens .*\{'a': 31607, 'b': 30727\}"
+    ):
+        KVOffloader(OffloadConfig(num_cpu_blocks=4, block_size=BS), kv, groups=big)
+
+
+MLA_LATENT = 6  # a latent of 6 bfloat16 per token (DeepSeek's is 576)
+
+
+def mla_group(**fields: object) -> KVCacheGroup:
+    return KVCacheGroup.model_validate(
+        {
+            "name": "mla",
+            "kind": "full",
+            "block_size": BS,
+            "num_layers": 2,
+            "bytes_per_layer_block": BS * MLA_LATENT * 2,
+            "dtype": "bfloat16",
+            **fields,
+        }
+    )
+
+
+async def test_one_group_of_opaque_pages_is_offloaded_bytes_exact() -> None:
+    """One full group of MLA latent pages (no K/V layout) was refused with "expected a 5-d
+    tensor"; it is the single-group offloader over the pages as bytes."""
+    gen = torch.Generator().manual_seed(0)
+    kv = [torch.randn(NUM_GPU, BS, MLA_LATENT, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    written = [t.clone() for t in kv]
+    prompt = list(range(1, 14))  # 3 full blocks and one token
+    async with KVOffloader(config(), kv, groups=(mla_group(),)) as off:
+        assert isinstance(off.scheduler, OffloadScheduler)
+        assert off.layout.block_size == BS
+        with off.request("a", prompt) as req:
+            assert req.lookup() == 0
+            req.advance([0, 1, 2, 3], len(prompt))
+            off.store()
+        await off.drain()
+        for t in kv:
+            t.zero_()
+        with off.request("b", prompt) as req:
+            assert req.lookup() == 12
+            task = req.load([7, 9, 11, 13])
+            assert task is not None
+            await task
+        for t, w in zip(kv, written, strict=True):
+            assert torch.equal(t[[7, 9, 11]], w[[0, 1, 2]])
+            assert not t[13].any()  # the last block was not loaded
+        off.check_invariants()
+
+
+def test_one_group_of_opaque_pages_that_cannot_be_split_names_the_page() -> None:
+    group = mla_group(bytes_per_layer_block=BS * MLA_LATENT * 2 + 2)
+    kv = [torch.zeros(NUM_GPU, BS * MLA_LATENT * 2 + 2, dtype=torch.uint8) for _ in range(2)]
+    with pytest.raises(LayoutMismatchError, match=r"page of 50 bytes .* multiple of 8 bytes"):
+        KVOffloader(config(), kv, groups=(group,))
 
 
 async def test_tiers_with_given_engines_and_unknown_tensors_are_refused() -> None:

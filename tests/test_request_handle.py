@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 import kvoffload.hashing as hashing_module
 from kvoffload import (
     HashNamespace,
+    InputTypeError,
     InvalidInputError,
+    KVCacheGroup,
     KVLayout,
     KVOffloader,
     KvOffloadError,
@@ -526,6 +528,94 @@ async def test_a_bad_argument_raises_in_the_error_tree(case: str) -> None:
         for rid in ("t", "u"):
             assert not off.scheduler.has_request(rid)  # a refused request() reserved nothing
         assert off.pool.num_free == off.pool.num_blocks
+
+
+# -- a count that is not an int: one check for one group and several -----------------------
+
+
+def grouped_offloader() -> KVOffloader:
+    """A full-attention and a sliding-window group, tensors of the handle tests' layout."""
+    groups = (
+        KVCacheGroup.from_layout(LAYOUT, name="full"),
+        KVCacheGroup.from_layout(LAYOUT, name="swa", kind="sliding_window", window=9),
+    )
+    kv = {g.name: make_kv() for g in groups}
+    config = OffloadConfig(block_size=BS, num_cpu_blocks=32, model_id="m", checkpoint_tokens=8)
+    return KVOffloader(config, kv, groups=groups)
+
+
+def _table(off: KVOffloader) -> object:
+    table = [0, 1, 2]
+    return table if off.groups is None else {g.name: table for g in off.groups}
+
+
+COUNT_CALLS: dict[str, tuple[Callable[[OffloadRequest, object], object], str]] = {
+    "lookup": (lambda r, v: r.lookup(num_computed_tokens=v), "num_computed_tokens"),  # type: ignore[arg-type]
+    "lookup_or_defer": (
+        lambda r, v: r.lookup_or_defer(num_computed_tokens=v),  # type: ignore[arg-type]
+        "num_computed_tokens",
+    ),
+    "advance": (lambda r, v: r.advance(_table(r._off), v), "num_computed_tokens"),  # type: ignore[arg-type]
+    "load": (lambda r, v: r.load(_table(r._off), v), "num_tokens"),  # type: ignore[arg-type]
+    "blocks_for": (lambda r, v: r.blocks_for(v), "num_tokens"),  # type: ignore[arg-type]
+    "blocks_for(group=)": (
+        lambda r, v: r.blocks_for(v, group="full" if r._lanes else None),  # type: ignore[arg-type]
+        "num_tokens",
+    ),
+    "blocks_needed": (lambda r, v: r.blocks_needed(v), "num_tokens"),  # type: ignore[arg-type]
+    "blocks_needed(have=)": (lambda r, v: r.blocks_needed(4, have=v), "have"),  # type: ignore[arg-type]
+    "table_slice": (lambda r, v: r.table_slice([0, 1, 2], v, 4), "start_token"),  # type: ignore[arg-type]
+}
+
+
+@pytest.mark.parametrize("value", [4.0, True])
+@pytest.mark.parametrize("call", sorted(COUNT_CALLS))
+@pytest.mark.parametrize("groups", [False, True], ids=["one group", "several groups"])
+async def test_a_count_that_is_not_an_int_is_refused_naming_it(
+    groups: bool, call: str, value: object
+) -> None:
+    """Every count argument of the handle, with one group and with several, is checked by
+    one function (`as_int`): a float or a bool raises InputTypeError naming the argument,
+    the value and the request, and changes nothing. With several groups a float used to
+    reach the statistics, and blocks_for(4.0) answered 1.0."""
+    async with grouped_offloader() if groups else offloader(make_kv()) as off:
+        with off.request("r", list(range(9))) as req:
+            f, arg = COUNT_CALLS[call]
+            with pytest.raises(
+                InputTypeError, match=rf"request 'r': {arg}={value!r} is not an int"
+            ):
+                f(req, value)
+            assert req.num_computed_tokens == 0
+            assert req.hit_tokens == 0
+            assert req.blocks_for(5) == 2
+        stats = off.statistics().scheduler
+        assert all(type(v) is int for v in vars_of(stats).values())
+
+
+def vars_of(stats: object) -> dict[str, object]:
+    return {k: getattr(stats, k) for k in stats.__dataclass_fields__}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("groups", [False, True], ids=["one group", "several groups"])
+async def test_a_float_engine_prefix_or_priority_is_refused_and_reserves_nothing(
+    groups: bool,
+) -> None:
+    async with grouped_offloader() if groups else offloader(make_kv()) as off:
+        with pytest.raises(InputTypeError, match=r"request 'a': num_computed_tokens=4.0 is not"):
+            off.request("a", list(range(9)), num_computed_tokens=4.0)  # type: ignore[arg-type]
+        with pytest.raises(InputTypeError, match=r"request 'a': priority=1.0 is not an int"):
+            off.request("a", list(range(9)), priority=1.0)  # type: ignore[arg-type]
+        with off.request("a", list(range(9))) as req:  # the id was not taken
+            assert req.num_computed_tokens == 0
+
+
+def test_the_block_table_functions_refuse_a_float() -> None:
+    with pytest.raises(InputTypeError, match=r"num_tokens=4.0 is not an int"):
+        blocks_for(4.0, 4)  # type: ignore[arg-type]
+    with pytest.raises(InputTypeError, match=r"block_size=True is not an int"):
+        blocks_for(4, True)
+    with pytest.raises(InputTypeError, match=r"end_token=4.5 is not an int"):
+        table_slice([0, 1], 0, 4.5, 4)  # type: ignore[arg-type]
 
 
 async def test_a_refused_lookup_keeps_nothing_of_its_argument() -> None:

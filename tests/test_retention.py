@@ -17,6 +17,7 @@ from scheduler_helpers import BS, hashes, make, run_request, tokens
 
 from kvoffload import (
     ConfigError,
+    InputTypeError,
     InvalidInputError,
     KVLayout,
     KVOffloader,
@@ -123,6 +124,53 @@ async def test_the_retention_bound_is_enforced() -> None:
         off.release_retained("two")
 
 
+BAD_RETAIN = {
+    "owner=[1]": (lambda t: {"token_ids": t, "owner": [1]}, r"owner=\[1\] must be hashable"),
+    "owner={}": (lambda t: {"token_ids": t, "owner": {}}, r"owner=\{\} must be hashable"),
+    "token_ids=None": (
+        lambda t: {"token_ids": None, "owner": "o"},
+        r"token_ids=None must be a sequence of token ids",
+    ),
+    "a float tensor": (
+        lambda t: {"token_ids": torch.empty(len(t)), "owner": "o"},
+        r"token_ids\[0\]=tensor\(.*\) is not a 64-bit int",
+    ),
+    "a string": (lambda t: {"token_ids": "abcd" * 3, "owner": "o"}, r"token_ids='abcd"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RETAIN))
+async def test_a_bad_retain_argument_names_it_and_retains_nothing(case: str) -> None:
+    """Each raised a bare TypeError or RuntimeError ("Boolean value of Tensor with no
+    values is ambiguous"); now an InputTypeError naming the argument and the value."""
+    async with offloader(max_retained_fraction=0.5) as off:
+        await compute_and_store(off, "a", [*tokens(1, 3), 7])
+        assert off.retain_prefix(tokens(1, 3), owner="sys") == 3  # an owner to hash against
+        kwargs, message = BAD_RETAIN[case]
+        with pytest.raises(InputTypeError, match=message):
+            off.retain_prefix(**kwargs(tokens(1, 3)))
+        assert off.pool.num_retained == 3
+        assert off.pool.retained_owners == ("sys",)
+        if case.startswith("owner"):
+            with pytest.raises(InputTypeError, match="must be hashable"):
+                off.release_retained(kwargs([])["owner"])
+        assert off.release_retained("sys") == 3
+        off.scheduler.check_invariants()
+
+
+async def test_a_prompt_as_an_int_tensor_or_array_retains_as_a_list_does() -> None:
+    """A tensor of token ids whose length is whole blocks raised RuntimeError in the
+    hasher (``if rest:`` on an empty tensor)."""
+    async with offloader(max_retained_fraction=0.5) as off:
+        await compute_and_store(off, "a", [*tokens(1, 3), 7])
+        assert off.retain_prefix(torch.tensor(tokens(1, 3)), owner="t") == 3
+        assert off.retain_prefix(torch.tensor(tokens(1, 2, extra=1)), owner="u") == 2
+        assert off.retain_prefix(torch.empty(0, dtype=torch.int64), owner="v") == 0
+        assert off.release_retained("t") == 3
+        assert off.release_retained("u") == 2
+        off.scheduler.check_invariants()
+
+
 async def test_reset_releases_every_retained_block() -> None:
     async with offloader(max_retained_fraction=0.5) as off:
         await compute_and_store(off, "a", [*tokens(1, 3), 7])
@@ -161,12 +209,12 @@ async def test_a_handle_stores_its_blocks_with_its_priority() -> None:
 @pytest.mark.parametrize("priority", [-3, 1 << 17, "high", 1.5, True, None])
 async def test_a_bad_priority_names_the_request_and_the_value(priority: object) -> None:
     async with offloader() as off:
-        with pytest.raises(InvalidInputError, match=rf"request 'r7': priority .*{priority!r}"):
+        with pytest.raises(InvalidInputError, match=rf"request 'r7': priority.*{priority!r}"):
             off.request("r7", tokens(1, 2), priority=priority)  # type: ignore[arg-type]
         with off.request("r7", tokens(1, 2)):  # the id was not taken
             pass
     sched = make()
-    with pytest.raises(InvalidInputError, match=rf"request 'q': priority .*{priority!r}"):
+    with pytest.raises(InvalidInputError, match=rf"request 'q': priority.*{priority!r}"):
         sched.set_priority("q", priority)  # type: ignore[arg-type]
     assert not sched.has_request("q")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, final
 
-from kvoffload.errors import InvalidInputError, InvariantError
+from kvoffload.errors import InputTypeError, InvalidInputError, InvariantError
 from kvoffload.pool.priority import default_max_retained
 
 if TYPE_CHECKING:
@@ -20,6 +20,16 @@ if TYPE_CHECKING:
     from kvoffload.pool.block import CpuBlock
 
 __all__ = ["RetainedBlocks"]
+
+
+def _check_owner(owner: object) -> None:
+    """Refuse an owner that cannot key the records (a list, a dict)."""
+    try:
+        hash(owner)
+    except TypeError:
+        raise InputTypeError(
+            f"owner={owner!r} must be hashable (a str, an int, a tuple), got {type(owner).__name__}"
+        ) from None
 
 
 @final
@@ -88,7 +98,9 @@ class RetainedBlocks:
 
         Raises:
             InvalidInputError: holding the run would exceed the bound; nothing changed.
+            InputTypeError: ``owner`` is not hashable; nothing changed.
         """
+        _check_owner(owner)
         run: list[CpuBlock] = []
         for block_hash in block_hashes:
             block = get(block_hash)
@@ -129,7 +141,9 @@ class RetainedBlocks:
 
         Raises:
             InvalidInputError: ``owner`` retains nothing (released twice, or never).
+            InputTypeError: ``owner`` is not hashable.
         """
+        _check_owner(owner)
         held = self._by_owner.pop(owner, None)
         if held is None:
             raise InvalidInputError(f"owner {owner!r} retains no block in this pool")

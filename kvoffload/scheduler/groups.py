@@ -36,6 +36,7 @@ from kvoffload.errors import (
 )
 from kvoffload.groups import (
     KVCacheGroup,
+    check_groups,
     default_checkpoint_tokens,
     hit_alignment,
 )
@@ -63,6 +64,7 @@ from kvoffload.scheduler.group_state import (
 )
 from kvoffload.scheduler.group_stores import GroupStorePlanner
 from kvoffload.scheduler.ledger import BlockLedger
+from kvoffload.scheduler.requests import as_int
 from kvoffload.transfer.plan import TransferPlan
 
 __all__ = ["GroupStatistics", "GroupedPlan", "GroupedScheduler"]
@@ -72,21 +74,38 @@ def _check_setup(
     groups: Sequence[KVCacheGroup],
     pools: Mapping[str, CpuBlockPool],
     checkpoint_tokens: int | None,
-    align: int,
+    num_gpu_blocks: Mapping[str, int],
 ) -> int:
-    """Check the groups, pools and store-point spacing; the spacing to use."""
-    names = [g.name for g in groups]
-    if len(set(names)) != len(names) or not names:
-        raise ConfigError(f"group names must be unique and non-empty, got {names}")
-    missing = [g.name for g in groups if g.cacheable and g.name not in pools]
+    """Check the groups, pools, GPU block counts and store-point spacing; the spacing."""
+    align = check_groups(groups)
+    cacheable = [g.name for g in groups if g.cacheable]
+    missing = [name for name in cacheable if name not in pools]
     if missing:
         raise ConfigError(f"no CPU block pool for the cacheable groups {missing}")
+    owner: dict[int, str] = {}
+    for name in cacheable:
+        first = owner.setdefault(id(pools[name]), name)
+        if first != name:
+            raise ConfigError(
+                f"pools: groups {first!r} and {name!r} are given one CpuBlockPool; each "
+                "cacheable group needs a pool of its own (their blocks and keys differ)"
+            )
+    names = [g.name for g in groups]
+    for name, n in num_gpu_blocks.items():
+        if name not in names:
+            raise ConfigError(f"num_gpu_blocks names {name!r}, not a group (groups {names})")
+        if type(n) is not int or n < 1:
+            raise ConfigError(
+                f"num_gpu_blocks[{name!r}]={n!r} must be a positive int (the group's GPU "
+                "block count)"
+            )
     if checkpoint_tokens is None:
         checkpoint_tokens = default_checkpoint_tokens(groups)
-    if checkpoint_tokens < 1 or checkpoint_tokens % align:
+    if type(checkpoint_tokens) is not int or checkpoint_tokens < 1 or checkpoint_tokens % align:
         raise ConfigError(
-            f"checkpoint_tokens={checkpoint_tokens} must be a positive multiple of the "
-            f"hit alignment {align} (the LCM of the groups' block sizes)"
+            f"checkpoint_tokens={checkpoint_tokens!r} must be a positive multiple of the "
+            f"hit alignment {align} (the LCM of the groups' block sizes), an int (got "
+            f"{type(checkpoint_tokens).__name__})"
         )
     return checkpoint_tokens
 
@@ -100,14 +119,15 @@ class GroupedScheduler:
         pools: one CPU block pool per cacheable group name.
         checkpoint_tokens: spacing of store points, a multiple of the hit alignment
             (``None``: `default_checkpoint_tokens()`).
-        num_gpu_blocks: per group name, the engine's GPU block count (table entries must
-            lie in ``[0, n)``); a group not named accepts any non-negative id.
+        num_gpu_blocks: per group name, the engine's GPU block count, a positive int
+            (table entries must lie in ``[0, n)``; a group not named accepts any id >= 0).
 
     Call it from one thread; every method is synchronous. A refused call changes nothing.
 
     Raises:
-        ConfigError: duplicate names, a cacheable group without a pool, or a
-            ``checkpoint_tokens`` that is not a multiple of the alignment.
+        ConfigError: groups `check_groups()` refuses, a cacheable group without a pool of
+            its own, a GPU block count not a positive int or for no group, or a
+            ``checkpoint_tokens`` not a positive int multiple of the alignment.
     """
 
     def __init__(
@@ -120,11 +140,11 @@ class GroupedScheduler:
     ) -> None:
         self._groups = tuple(groups)
         self._cacheable = tuple(g for g in groups if g.cacheable)
+        self._limits = dict(num_gpu_blocks or {})
+        checkpoint_tokens = _check_setup(groups, pools, checkpoint_tokens, self._limits)
         self._align = hit_alignment(groups)
-        checkpoint_tokens = _check_setup(groups, pools, checkpoint_tokens, self._align)
         self._checkpoint = checkpoint_tokens
         self._ledgers = {g.name: BlockLedger(pools[g.name]) for g in self._cacheable}
-        self._limits = dict(num_gpu_blocks or {})
         self._requests: dict[str, GroupedRequest] = {}
         self._counts = {g.name: GroupCounts() for g in self._cacheable}
         self.extension: GroupLookupExtension | None = None
@@ -215,9 +235,10 @@ class GroupedScheduler:
             BlockTableError: a missing table, an id out of range, or one GPU block
                 named twice in a group's table.
             InvalidInputError: a negative count, missing or changed hashes.
-            InputTypeError: an entry that is not an int or ``None``.
+            InputTypeError: an entry not an int or ``None``; a float or bool count.
         """
-        if type(num_computed_tokens) is not int or num_computed_tokens < 0:
+        num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", request_id)
+        if num_computed_tokens < 0:
             raise InvalidInputError(
                 f"request {request_id!r}: num_computed_tokens={num_computed_tokens!r}"
             )
@@ -253,13 +274,14 @@ class GroupedScheduler:
         Raises:
             RequestStateError: the request is finished.
             InvalidInputError: counts out of range or ``num_computed_tokens`` not a
-                multiple of the alignment; hashes missing for a group.
+                multiple of the alignment; hashes missing for a group (InputTypeError:
+                a float or bool count).
         """
         align = self._align
+        num_tokens = as_int(num_tokens, "num_tokens", request_id)
+        num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", request_id)
         if (
-            type(num_tokens) is not int
-            or type(num_computed_tokens) is not int
-            or num_computed_tokens < 0
+            num_computed_tokens < 0
             or num_computed_tokens % align
             or num_tokens < num_computed_tokens
         ):
@@ -313,10 +335,11 @@ class GroupedScheduler:
 
         Raises:
             UnknownRequestError: no state for that id.
-            InvalidInputError: ``num_tokens`` is neither 0 nor the hit.
+            InvalidInputError: ``num_tokens`` is neither 0 nor the hit (InputTypeError: a float).
             BlockTableError: a destination entry missing or ``None``, or a table as
                 `update()` refuses it.
         """
+        num_tokens = as_int(num_tokens, "num_tokens", request_id)
         state = self._live(request_id)
         hit = 0 if state.hit is None else state.hit - state.hit_from
         if num_tokens == 0:

@@ -46,8 +46,15 @@ FINISHED_IDS_REMEMBERED = 65536
 """How many finished request ids a scheduler remembers to refuse their reuse."""
 
 
-def as_int(value: object, what: str, rid: str) -> int:
-    """``value`` as an int (numpy and torch integers too); floats and bools are refused."""
+def as_int(value: object, what: str, rid: str | None) -> int:
+    """``value`` as an int (numpy and torch integers too); floats and bools are refused.
+
+    The one check of a count argument: both schedulers' and the request handle's
+    (`kvoffload.request_checks`).
+
+    Raises:
+        InputTypeError: naming ``what``, the value and the request ``rid`` (if any).
+    """
     if type(value) is int:
         return value
     if not isinstance(value, bool):
@@ -55,9 +62,8 @@ def as_int(value: object, what: str, rid: str) -> int:
             return operator.index(value)  # type: ignore[arg-type]
         except TypeError:
             pass
-    raise InputTypeError(
-        f"request {rid!r}: {what}={value!r} is not an int (got {type(value).__name__})"
-    )
+    who = "" if rid is None else f"request {rid!r}: "
+    raise InputTypeError(f"{who}{what}={value!r} is not an int (got {type(value).__name__})")
 
 
 def length(value: object, what: str, rid: str) -> int:
@@ -87,9 +93,11 @@ def check_request_priority(request_id: str, priority: object) -> int:
     """``priority`` if it is an int in [0, `MAX_PRIORITY`].
 
     Raises:
-        InvalidInputError: anything else; the message names the request and the value.
+        InputTypeError: not an int (a float, a bool).
+        InvalidInputError: out of range; the message names the request and the value.
     """
-    if type(priority) is not int or not 0 <= priority <= MAX_PRIORITY:
+    priority = as_int(priority, "priority", request_id)
+    if not 0 <= priority <= MAX_PRIORITY:
         raise InvalidInputError(
             f"request {request_id!r}: priority must be an integer in [0, {MAX_PRIORITY}], "
             f"got {priority!r}"
