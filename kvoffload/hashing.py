@@ -22,7 +22,14 @@ from kvoffload.errors import InputTypeError, InvalidInputError
 if TYPE_CHECKING:
     from kvoffload.layout import KVLayout
 
-__all__ = ["BlockHash", "BlockHasher", "HashNamespace", "hash_block_tokens", "hash_prompt"]
+__all__ = [
+    "BlockHash",
+    "BlockHasher",
+    "HashNamespace",
+    "check_token_sequence",
+    "hash_block_tokens",
+    "hash_prompt",
+]
 
 BlockHash = NewType("BlockHash", bytes)
 """A block's 32-byte sha256 key."""
@@ -109,6 +116,25 @@ def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int], extra: bytes 
     return BlockHash(h.digest())
 
 
+def check_token_sequence(token_ids: object, name: str, request_id: str | None = None) -> None:
+    """Refuse what is not a sequence of token ids (``None``, an int, a string, a mapping,
+    an iterator); the one check every entry point that takes a prompt calls.
+
+    Raises:
+        InputTypeError: naming ``name``, the value and the request (when given).
+    """
+    if (
+        isinstance(token_ids, str | bytes | Mapping)
+        or not hasattr(token_ids, "__len__")
+        or not hasattr(token_ids, "__getitem__")
+    ):
+        who = "" if request_id is None else f"request {request_id!r}: "
+        raise InputTypeError(
+            f"{who}{name}={token_ids!r} must be a sequence of token ids (a list, a tuple, "
+            f"an array, a tensor), got {type(token_ids).__name__}"
+        )
+
+
 def hash_prompt(
     token_ids: Sequence[int], block_size: int, namespace: HashNamespace
 ) -> list[BlockHash]:
@@ -126,15 +152,7 @@ def hash_prompt(
         InputTypeError: ``token_ids`` is not a sequence (``None``, a string, a mapping,
             an iterator), or a token of a full block is not a 64-bit int.
     """
-    if (
-        isinstance(token_ids, str | bytes | Mapping)
-        or not hasattr(token_ids, "__len__")
-        or not hasattr(token_ids, "__getitem__")
-    ):
-        raise InputTypeError(
-            f"token_ids={token_ids!r} must be a sequence of token ids (a list, a tuple, "
-            f"an array), got {type(token_ids).__name__}"
-        )
+    check_token_sequence(token_ids, "token_ids")
     hasher = BlockHasher(namespace.root, block_size)
     hasher.extend(token_ids[: len(token_ids) // block_size * block_size])
     return list(hasher.block_hashes)

@@ -37,16 +37,19 @@ class KVLayout(BaseModel):
     A CPU block holds all layers of one GPU block: ``bytes_per_block`` bytes.
 
     Raises:
-        ConfigError: a field is out of bounds (the message names it and the value).
+        ConfigError: a field is out of bounds or not an int (``True``, ``"4"`` and ``4.0``
+            are refused, not coerced); the message names it and the value.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    num_layers: int = Field(ge=1, le=4096, description="Number of attention layers.")
-    num_kv_heads: int = Field(ge=1, le=4096, description="KV heads per layer (after TP split).")
-    head_size: int = Field(ge=1, le=65536, description="Elements per head.")
+    num_layers: int = Field(ge=1, strict=True, le=4096, description="Number of attention layers.")
+    num_kv_heads: int = Field(
+        ge=1, strict=True, le=4096, description="KV heads per layer (after TP split)."
+    )
+    head_size: int = Field(ge=1, strict=True, le=65536, description="Elements per head.")
     dtype: DTypeName = Field(description="Element type of the KV tensors (torch name).")
-    block_size: int = Field(ge=1, le=65536, description="Tokens per block.")
+    block_size: int = Field(ge=1, strict=True, le=65536, description="Tokens per block.")
     kind: LayoutKind = Field(default="blocks_first", description="Per-layer tensor layout.")
 
     def __init__(self, **values: Any) -> None:

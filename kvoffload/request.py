@@ -32,7 +32,7 @@ from kvoffload.errors import (
     PinnerError,
     RequestStateError,
 )
-from kvoffload.hashing import BlockHash, BlockHasher
+from kvoffload.hashing import BlockHash, BlockHasher, check_token_sequence
 from kvoffload.request_checks import as_int, check_prefix, computed_past_tokens
 from kvoffload.request_tables import BlockTableArithmetic, blocks_for, table_slice
 from kvoffload.transfer.task import _NoPublicConstructor
@@ -234,6 +234,7 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         lanes: GroupLanes | None = None,
     ) -> None:
         who = f"request {request_id!r}: "
+        check_token_sequence(prompt_token_ids, "prompt_token_ids", request_id)
         num_computed_tokens = check_prefix(
             num_computed_tokens, len(prompt_token_ids), block_size, request_id
         )

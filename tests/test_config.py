@@ -248,6 +248,14 @@ def test_layout_is_frozen_and_strict() -> None:
         layout(num_heads=3)
 
 
+@pytest.mark.parametrize("field", ["num_layers", "num_kv_heads", "head_size", "block_size"])
+@pytest.mark.parametrize("value", [True, "4", 4.0])
+def test_layout_counts_are_not_coerced(field: str, value: object) -> None:
+    """As `KVCacheGroup`: a bool, a string or a float is refused where an int is meant."""
+    with pytest.raises(ConfigError, match=rf"invalid KVLayout: {field}: .*\(got {value!r}\)"):
+        layout(**{field: value})
+
+
 @pytest.mark.parametrize(
     ("dtype", "size"),
     [

@@ -663,3 +663,15 @@ async def test_a_handle_finished_behind_its_back_becomes_finished() -> None:
             req.finish()
         assert req.finished
         req.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("groups", [False, True], ids=["one group", "several groups"])
+@pytest.mark.parametrize("prompt", [None, 5, "abc", b"ab", {1: 2}, iter([1, 2])])
+async def test_a_prompt_that_is_not_a_sequence_is_refused_naming_it_and_reserves_nothing(
+    groups: bool, prompt: object
+) -> None:
+    async with grouped_offloader() if groups else offloader(make_kv()) as off:
+        with pytest.raises(InputTypeError, match=r"request 'a': prompt_token_ids=.* must be a"):
+            off.request("a", prompt)  # type: ignore[arg-type]
+        with off.request("a", list(range(9))) as req:  # the id was not taken
+            assert req.num_tokens == 9
