@@ -27,7 +27,7 @@ from kvoffload.errors import InputTypeError
 from kvoffload.layout import KVLayout
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.transfer.engine import _EngineBase, _InFlight, check_open
-from kvoffload.transfer.gather import BlockMover
+from kvoffload.transfer.gather import BlockMover, host_order
 from kvoffload.transfer.plan import TransferPlan
 from kvoffload.transfer.task import TransferTask
 
@@ -140,7 +140,9 @@ class CudaCopyEngine(_EngineBase):
     A copy of ``n`` blocks gathers (store) or scatters (load) each layer with one index
     kernel through a device staging buffer and moves host data with one copy per run of
     consecutive CPU block ids, in chunks of ``staging_bytes``: ``layers + runs`` launches
-    per chunk instead of ``n * layers`` small copies.
+    per chunk instead of ``n * layers`` small copies. Blocks go in host order
+    (`host_order()`, as on the CPU path), so a plan whose CPU ids are consecutive in any
+    order costs one host copy per chunk.
 
     Args:
         layout: the KV layout.
@@ -262,15 +264,16 @@ class CudaCopyEngine(_EngineBase):
         keep.append(staging)
         move = mover.store_staged if plan.kind == "store" else mover.load_staged
         on_cuda = device.type == "cuda"
+        all_gpu, all_cpu = host_order(plan)
         for i in range(0, plan.num_blocks, cap):
-            gpu_ids = plan.gpu_block_ids[i : i + cap]
+            gpu_ids = all_gpu[i : i + cap]
             host_index = torch.tensor(gpu_ids, dtype=torch.int64)
             if on_cuda:
                 host_index = host_index.pin_memory()
             index = host_index.to(device, non_blocking=True)
             keep.append(host_index)
             keep.append(index)
-            move(gpu_ids, plan.cpu_block_ids[i : i + cap], index, staging, non_blocking=True)
+            move(gpu_ids, all_cpu[i : i + cap], index, staging, non_blocking=True)
 
     async def aclose(self) -> None:
         """Wait (shielded) until every copy's event fired, then drop streams and staging.

@@ -23,7 +23,7 @@ from kvoffload.errors import InputTypeError, LayoutMismatchError
 from kvoffload.layout import KVLayout
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.transfer.engine import _EngineBase, _InFlight, check_open
-from kvoffload.transfer.gather import BlockMover
+from kvoffload.transfer.gather import BlockMover, copy_segments, host_order, split_segments
 from kvoffload.transfer.plan import TransferPlan
 from kvoffload.transfer.task import TransferTask
 
@@ -72,15 +72,16 @@ class ThreadCopyEngine(_EngineBase):
         layout: the KV layout.
         gpu_kv: the engine's per-layer KV tensors (CPU tensors).
         host: the host buffer.
-        strategy: ``"segments"`` (default; direct ``memmove`` per block and layer, fastest
-            on CPU) or ``"staged"`` (the CUDA engine's gather/scatter through a staging
-            buffer).
+        strategy: ``"segments"`` (default; direct ``memmove`` per block and layer in host
+            order, fastest on CPU) or ``"staged"`` (the CUDA engine's gather/scatter
+            through a staging buffer).
         staging_blocks: staging capacity in blocks for ``"staged"``.
         copy_hook: run in the worker before each copy; an exception fails the copy.
         poll_interval_s: how often `aclose()` checks for in-flight copies.
         copy_threads: threads that share one ``"segments"`` copy of at least
-            ``_PARALLEL_MIN_BYTES`` (default: torch's intra-op thread count, at most 8);
-            one core rarely saturates memory bandwidth.
+            ``_PARALLEL_MIN_BYTES``, each copying one consecutive host range of equal
+            bytes (default: torch's intra-op thread count, at most 8); one core rarely
+            saturates memory bandwidth.
 
     Raises:
         LayoutMismatchError: tensors or host buffer disagree with ``layout``, or the KV
@@ -195,34 +196,30 @@ class ThreadCopyEngine(_EngineBase):
                 staging = self._staging[plan.kind] = mover.new_staging(self._staging_blocks)
             cap = self._staging_blocks
             move = mover.store_staged if plan.kind == "store" else mover.load_staged
+            all_gpu, all_cpu = host_order(plan)
             for i in range(0, plan.num_blocks, cap):
-                gpu_ids = plan.gpu_block_ids[i : i + cap]
+                gpu_ids = all_gpu[i : i + cap]
                 index = torch.tensor(gpu_ids, dtype=torch.int64)
-                move(gpu_ids, plan.cpu_block_ids[i : i + cap], index, staging)
+                move(gpu_ids, all_cpu[i : i + cap], index, staging)
         return time.perf_counter()
 
     def _copy_segments(self, plan: TransferPlan) -> None:
-        """Copy on this worker; a large copy is split by layers over the helper threads,
-        each building and copying its own segments (building holds the GIL, copying
-        does not, so the parts overlap)."""
+        """Copy on this worker; a large copy is cut by bytes into consecutive host ranges
+        (`split_segments()`), one per thread, the worker copying the first itself."""
         mover = self._mover
-        num_layers = mover.layout.num_layers
+        segments = mover.segments(plan)
         helpers = self._helpers
-        if helpers is None or mover.nbytes(plan) < _PARALLEL_MIN_BYTES or num_layers < 2:
-            mover.copy_segments(mover.segments(plan))
+        if helpers is None or mover.nbytes(plan) < _PARALLEL_MIN_BYTES:
+            copy_segments(segments)
             return
-        parts = min(num_layers, self._copy_threads)
-        bounds = [num_layers * k // parts for k in range(parts + 1)]
-
-        def run(k: int) -> None:
-            mover.copy_segments(mover.segments(plan, range(bounds[k], bounds[k + 1])))
-
-        futures = [helpers.submit(run, k) for k in range(1, parts)]
+        shares = split_segments(segments, self._copy_threads)
+        futures = [helpers.submit(copy_segments, share) for share in shares[1:]]
         try:
-            run(0)
+            if shares:
+                copy_segments(shares[0])
         finally:
             for future in futures:
-                future.result()  # waits for every part; re-raises a helper's failure
+                future.result()  # waits for every share; re-raises a helper's failure
 
     async def aclose(self) -> None:
         """Wait (shielded) for in-flight copies, then stop the workers. Idempotent.
