@@ -24,6 +24,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised without the extra
     raise ImportError(needs_extra("the kvoffload command line", "cli")) from exc
 
+from kvoffload.bench._args import parse_int_list
+
 # Start-up stays light: ``--version`` and ``--help`` import only what the option help
 # needs (none of it imports torch); each command imports its machinery when it runs.
 from kvoffload.bench.tracegen import PRIORITY_SHAPES, SHAPES
@@ -53,12 +55,9 @@ _GIB = 1 << 30
 
 def _int_list(_ctx: click.Context | None, param: click.Parameter, value: str) -> list[int]:
     try:
-        values = [int(v.strip().replace("_", "")) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"not a comma-separated list of integers: {value!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise click.BadParameter(f"every capacity must be an integer >= 1, got {value!r}")
-    return values
+        return parse_int_list(value)
+    except ValueError as exc:  # click names the option: "Invalid value for '--capacity'"
+        raise click.BadParameter(str(exc)) from None
 
 
 def _policies(_ctx: click.Context | None, param: click.Parameter, value: str) -> list[str]:

@@ -126,6 +126,30 @@ def test_bad_options_exit_2(tiny: Path, option: str, value: str, needle: str) ->
     assert needle in out
 
 
+@pytest.mark.parametrize("value", ["1,,2", "1,2,", ",", "", " ", "0", "4,-3", "1.5", "2,x"])
+def test_a_bad_capacity_list_is_refused_naming_the_option_and_value(tiny: Path, value: str) -> None:
+    """An empty item is refused, not skipped (``1,,2`` replayed capacities 1 and 2)."""
+    code, out = invoke("replay", str(tiny), "--capacity", value, "--no-progress")
+    assert code == 2, out
+    assert "Invalid value for '--capacity'" in out
+    assert repr(value) in out
+    assert "prefix hit rate" not in out  # refused before any replay
+
+
+@pytest.mark.parametrize("value", ["1,,2", "16,", "0,4", "2.5"])
+def test_bench_int_lists_refuse_empty_and_bad_items(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvoffload.bench.__main__ import main as bench_main  # noqa: PLC0415
+
+    with pytest.raises(SystemExit) as exited:
+        bench_main(["scheduler", "--chunk-blocks", value])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--chunk-blocks" in err
+    assert repr(value) in err
+
+
 def test_size_reports_blocks_and_gib(tiny: Path) -> None:
     code, out = invoke(
         "size",
