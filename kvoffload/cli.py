@@ -168,6 +168,23 @@ def _write_json(target: str, payload: dict[str, Any]) -> None:
         _write_text(target, text)
 
 
+_UNCUT_WIDTH = 100_000
+"""Columns of a console that is not a terminal: wide enough that no cell is ever cut."""
+
+
+def _stdout() -> Console:
+    """The console tables print to: standard output.
+
+    On a terminal, rich fits a table to its width (a cell may end in ``…``). In a pipe or
+    a log there is no width to fit, and rich's default of 80 columns would cut cells
+    (``0.04…``), so every cell is printed whole and no line is padded.
+    """
+    console = Console()
+    if console.is_terminal:
+        return console
+    return Console(width=_UNCUT_WIDTH)
+
+
 @contextmanager
 def _progress(enabled: bool, total: int, what: str) -> Iterator[Callable[[int], None]]:
     from rich.progress import (  # noqa: PLC0415 (keep start-up light)
@@ -275,11 +292,12 @@ def replay(
     if json_out is not None:
         _write_json(json_out, report.to_json())
     if json_out != "-":
-        Console().print(_replay_table(report))
+        console = _stdout()
+        console.print(_replay_table(report))
         if report.rows and any(
             len(r.by_priority) > 1 or r.by_priority[0].priority for r in report.rows[0].results
         ):
-            Console().print(_priority_table(report))
+            console.print(_priority_table(report))
         capped = [row.capacity for row in report.rows if row.pool_blocks < row.capacity]
         if capped:
             click.echo(
@@ -507,7 +525,7 @@ def size(
             f"{ceiling:.4f}",
             f"{kv.bytes_per_block:,}",
         )
-        Console().print(table)
+        _stdout().print(table)
 
 
 @cli.command("synth-trace")

@@ -71,6 +71,24 @@ def test_replay_prints_the_table_and_writes_json(tiny: Path, tmp_path: Path) -> 
     assert data["ceiling_hit_rate"] == pytest.approx(8 / 15)
 
 
+def test_tables_are_not_cut_when_output_is_not_a_terminal(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a pipe or a log, every cell is printed whole (rich cut them at 80 columns)."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    code, out = invoke("replay", str(tiny), "--capacity", "2,50", "--no-progress")
+    assert code == 0, out
+    assert "…" not in out
+    header = next(line for line in out.splitlines() if "capacity" in line)
+    for column in ("lru", "arc", "s3fifo", "prefix-freq", "adaptive", "best static", "optimal"):
+        assert f" {column} " in header, header
+    assert re.search(r"\d\.\d{4} \((lru|arc|s3fifo|prefix-freq|adaptive)\)", out), out
+    code, out = invoke("size", "--trace", str(tiny), "--layout", "llama3-70b", "--no-progress")
+    assert code == 0, out
+    assert "…" not in out
+    assert "bytes/block" in out
+
+
 def test_replay_json_to_stdout_is_only_json(tiny: Path) -> None:
     code, out = invoke("replay", str(tiny), "--capacity", "4", "--json", "-", "--no-progress")
     assert code == 0
