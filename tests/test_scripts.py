@@ -9,11 +9,19 @@ on ``PATH`` records any call).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,3 +82,59 @@ def test_install_valkey_refuses_without_the_flag(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert "valkey-server is not installed" in done.stderr
     assert not calls.exists(), calls.read_text()
+
+
+def _pyproject() -> dict[str, Any]:
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        return tomllib.load(f)
+
+
+def _extra_requirements(extra: str, extras: dict[str, list[str]]) -> set[str]:
+    """The requirement names of an extra, through ``kvoffload[...]`` references."""
+    names: set[str] = set()
+    for requirement in extras[extra]:
+        name = re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower()
+        if name == "kvoffload":
+            for inner in re.findall(r"\[(.*)\]", requirement)[0].split(","):
+                names |= _extra_requirements(inner.strip(), extras)
+        else:
+            names.add(name)
+    return names
+
+
+def test_the_demo_environment_has_numpy() -> None:
+    """Without numpy, the demo's first line was torch's "Failed to initialize NumPy"."""
+    script = (ROOT / "scripts" / "demo.sh").read_text(encoding="utf-8")
+    found = re.search(r'^source ".*/_env\.sh" (\S+)$', script, re.M)
+    assert found, "demo.sh does not source _env.sh with an extras argument"
+    extras = found.group(1).strip('"').split(",")
+    assert extras != [""]
+    table = _pyproject()["project"]["optional-dependencies"]
+    assert "numpy" in set().union(*(_extra_requirements(e, table) for e in extras))
+
+
+def test_the_package_metadata_builds_without_a_deprecation_warning() -> None:
+    """``project.license`` is an SPDX string (a TOML table is deprecated by setuptools 77),
+    and the build asks for a setuptools that reads it."""
+    project = _pyproject()
+    assert project["project"]["license"] == "Apache-2.0"
+    assert not [c for c in project["project"]["classifiers"] if c.startswith("License ::")]
+    assert "setuptools>=77" in project["build-system"]["requires"]
+    pytest.importorskip("setuptools")
+    code = (
+        "from setuptools.config.pyprojecttoml import apply_configuration\n"
+        "from setuptools.dist import Distribution\n"
+        "dist = apply_configuration(Distribution(), 'pyproject.toml')\n"
+        "print(dist.metadata.license_expression)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "Apache-2.0"
+    assert "Deprecat" not in done.stderr
