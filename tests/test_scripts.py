@@ -26,7 +26,9 @@ else:  # pragma: no cover - Python 3.10
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+def _run(
+    script: str, tmp_path: Path, *args: str, **env: str
+) -> tuple[subprocess.CompletedProcess[str], Path]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "apt-calls"
@@ -46,7 +48,7 @@ def _run(script: str, tmp_path: Path, **env: str) -> tuple[subprocess.CompletedP
     done = subprocess.run(
         [bash, str(ROOT / "scripts" / script), "true"]
         if script == "with_redis.sh"
-        else [bash, str(ROOT / "scripts" / script)],
+        else [bash, str(ROOT / "scripts" / script), *args],
         check=False,
         env={**base, "PATH": str(bin_dir), **env},
         capture_output=True,
@@ -73,8 +75,55 @@ def test_test_sh_names_every_missing_server_before_running_anything(tmp_path: Pa
     assert done.returncode == 1
     assert "redis-server is not installed" in done.stderr
     assert "valkey-server is not installed" in done.stderr
-    assert "==> pytest" not in done.stdout  # stopped before the first check
+    assert "==> stage" not in done.stdout  # stopped before the first check
     assert not calls.exists(), calls.read_text()
+
+
+STAGES = [
+    "pytest (next to a throwaway redis-server)",
+    "pytest: the Redis tier against Valkey",
+    "pytest: the Redis Cluster tier",
+    "ruff check",
+    "ruff format --check",
+    "mypy --strict",
+    "mkdocs build --strict",
+    "examples",
+    "vLLM integration tests",
+]
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_test_sh_numbers_its_stages_and_fast_skips_only_vllm(tmp_path: Path, fast: bool) -> None:
+    """``--list`` prints the stages a run announces ("stage N of M") and runs nothing (no
+    redis-server on PATH, no environment set up); ``--fast`` drops the vLLM stage alone and
+    says that it is skipped."""
+    done, calls = _run("test.sh", tmp_path, "--list", *(["--fast"] if fast else []), CI="false")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    expected = STAGES[:-1] if fast else STAGES
+    for n, (line, stage) in enumerate(zip(lines, expected, strict=False), start=1):
+        assert line.startswith(f"stage {n} of {len(expected)}: {stage}"), line
+    if fast:
+        assert len(lines) == len(expected) + 1
+        assert lines[-1].startswith("skipped (--fast): vLLM integration tests")
+    else:
+        assert len(lines) == len(expected)
+    assert not calls.exists()
+
+
+def test_test_sh_says_how_long_it_takes_and_how_to_run_the_fast_part(tmp_path: Path) -> None:
+    script = (ROOT / "scripts" / "test.sh").read_text(encoding="utf-8")
+    # Every stage announces itself with its number and the time elapsed, from one list.
+    assert "==> stage %d of %d (%s): %s" in script
+    assert "${stages[i]%%|*}" in script
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    for text in (script, readme):
+        flat = " ".join(text.replace("#", " ").split())
+        assert "about 8 minutes on a quiet 2-core machine" in flat
+        assert "40 minutes or more on a loaded one" in flat
+        assert "--fast" in flat
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "exec bash scripts/test.sh </dev/null" in ci  # CI runs every stage
 
 
 def test_install_valkey_refuses_without_the_flag(tmp_path: Path) -> None:
