@@ -24,6 +24,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised without the extra
     raise ImportError(needs_extra("the kvoffload command line", "cli")) from exc
 
+from kvoffload.bench._args import parse_int_list
+
 # Start-up stays light: ``--version`` and ``--help`` import only what the option help
 # needs (none of it imports torch); each command imports its machinery when it runs.
 from kvoffload.bench.tracegen import PRIORITY_SHAPES, SHAPES
@@ -53,12 +55,9 @@ _GIB = 1 << 30
 
 def _int_list(_ctx: click.Context | None, param: click.Parameter, value: str) -> list[int]:
     try:
-        values = [int(v.strip().replace("_", "")) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"not a comma-separated list of integers: {value!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise click.BadParameter(f"every capacity must be an integer >= 1, got {value!r}")
-    return values
+        return parse_int_list(value)
+    except ValueError as exc:  # click names the option: "Invalid value for '--capacity'"
+        raise click.BadParameter(str(exc)) from None
 
 
 def _policies(_ctx: click.Context | None, param: click.Parameter, value: str) -> list[str]:
@@ -169,6 +168,23 @@ def _write_json(target: str, payload: dict[str, Any]) -> None:
         _write_text(target, text)
 
 
+_UNCUT_WIDTH = 100_000
+"""Columns of a console that is not a terminal: wide enough that no cell is ever cut."""
+
+
+def _stdout() -> Console:
+    """The console tables print to: standard output.
+
+    On a terminal, rich fits a table to its width (a cell may end in ``…``). In a pipe or
+    a log there is no width to fit, and rich's default of 80 columns would cut cells
+    (``0.04…``), so every cell is printed whole and no line is padded.
+    """
+    console = Console()
+    if console.is_terminal:
+        return console
+    return Console(width=_UNCUT_WIDTH)
+
+
 @contextmanager
 def _progress(enabled: bool, total: int, what: str) -> Iterator[Callable[[int], None]]:
     from rich.progress import (  # noqa: PLC0415 (keep start-up light)
@@ -276,11 +292,12 @@ def replay(
     if json_out is not None:
         _write_json(json_out, report.to_json())
     if json_out != "-":
-        Console().print(_replay_table(report))
+        console = _stdout()
+        console.print(_replay_table(report))
         if report.rows and any(
             len(r.by_priority) > 1 or r.by_priority[0].priority for r in report.rows[0].results
         ):
-            Console().print(_priority_table(report))
+            console.print(_priority_table(report))
         capped = [row.capacity for row in report.rows if row.pool_blocks < row.capacity]
         if capped:
             click.echo(
@@ -508,7 +525,7 @@ def size(
             f"{ceiling:.4f}",
             f"{kv.bytes_per_block:,}",
         )
-        Console().print(table)
+        _stdout().print(table)
 
 
 @cli.command("synth-trace")

@@ -71,6 +71,24 @@ def test_replay_prints_the_table_and_writes_json(tiny: Path, tmp_path: Path) -> 
     assert data["ceiling_hit_rate"] == pytest.approx(8 / 15)
 
 
+def test_tables_are_not_cut_when_output_is_not_a_terminal(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a pipe or a log, every cell is printed whole (rich cut them at 80 columns)."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    code, out = invoke("replay", str(tiny), "--capacity", "2,50", "--no-progress")
+    assert code == 0, out
+    assert "…" not in out
+    header = next(line for line in out.splitlines() if "capacity" in line)
+    for column in ("lru", "arc", "s3fifo", "prefix-freq", "adaptive", "best static", "optimal"):
+        assert f" {column} " in header, header
+    assert re.search(r"\d\.\d{4} \((lru|arc|s3fifo|prefix-freq|adaptive)\)", out), out
+    code, out = invoke("size", "--trace", str(tiny), "--layout", "llama3-70b", "--no-progress")
+    assert code == 0, out
+    assert "…" not in out
+    assert "bytes/block" in out
+
+
 def test_replay_json_to_stdout_is_only_json(tiny: Path) -> None:
     code, out = invoke("replay", str(tiny), "--capacity", "4", "--json", "-", "--no-progress")
     assert code == 0
@@ -124,6 +142,30 @@ def test_bad_options_exit_2(tiny: Path, option: str, value: str, needle: str) ->
     code, out = invoke("replay", str(tiny), option, value)
     assert code == 2
     assert needle in out
+
+
+@pytest.mark.parametrize("value", ["1,,2", "1,2,", ",", "", " ", "0", "4,-3", "1.5", "2,x"])
+def test_a_bad_capacity_list_is_refused_naming_the_option_and_value(tiny: Path, value: str) -> None:
+    """An empty item is refused, not skipped (``1,,2`` replayed capacities 1 and 2)."""
+    code, out = invoke("replay", str(tiny), "--capacity", value, "--no-progress")
+    assert code == 2, out
+    assert "Invalid value for '--capacity'" in out
+    assert repr(value) in out
+    assert "prefix hit rate" not in out  # refused before any replay
+
+
+@pytest.mark.parametrize("value", ["1,,2", "16,", "0,4", "2.5"])
+def test_bench_int_lists_refuse_empty_and_bad_items(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvoffload.bench.__main__ import main as bench_main  # noqa: PLC0415
+
+    with pytest.raises(SystemExit) as exited:
+        bench_main(["scheduler", "--chunk-blocks", value])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--chunk-blocks" in err
+    assert repr(value) in err
 
 
 def test_size_reports_blocks_and_gib(tiny: Path) -> None:

@@ -162,3 +162,13 @@ def test_test_reference_check_can_fail() -> None:
     assert _defines(source, "TestMachine")
     assert not _defines(source, "test_b")
     assert not _defines(source, "test")
+
+
+def test_the_server_figures_follow_the_command_that_produces_them() -> None:
+    """docs/server.md's "What you will see" figures are those of ``--gpu-blocks 128``: the
+    last server command before them must be that one (it was the plain default)."""
+    text = _read("server.md")
+    before = text[: text.index("**What you will see**")]
+    commands = re.findall(r"^python examples/server/app\.py .*$", before, re.MULTILINE)
+    assert commands, "no server command before the figures"
+    assert "--gpu-blocks 128" in commands[-1]

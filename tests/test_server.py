@@ -435,6 +435,83 @@ def test_the_command_line_serves_replays_and_shuts_down(
     assert "requests: 4 completed, 0 aborted, 0 failed" in out
 
 
+def _start_server(*extra: str) -> tuple[subprocess.Popen[str], str]:
+    """``python examples/server/app.py`` on a free port, once it answers."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, str(SERVER / "app.py"), "--port", str(port), *extra]
+    env = {**os.environ, "KVOFFLOAD_EXAMPLE_QUICK": "1"}
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    while True:  # a server that hangs is the per-test timeout's
+        assert proc.poll() is None, proc.communicate()[0]
+        try:
+            if httpx.get(f"{url}/stats", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signals", [1, 2], ids=["ctrl-c", "ctrl-c-twice"])
+def test_ctrl_c_with_requests_open_shuts_down_quietly(signals: int) -> None:
+    """Ctrl-C while requests run past the grace period (or a second Ctrl-C, at once):
+    the server ends them itself (a 503, a stream's error event), logs one line, prints no
+    traceback and exits 0 with a whole offloader. uvicorn cancelled them and logged each
+    with a traceback."""
+    # 8,000 tokens to generate: no CPU computes them within the 5 s grace period.
+    proc, url = _start_server("--block-size", "4", "--gpu-blocks", "2048", "--cpu-blocks", "64")
+    body = {"prompt": "hello", "max_tokens": 8000}
+    answers: dict[str, Any] = {}
+
+    def plain() -> None:
+        answers["plain"] = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+    waiter = threading.Thread(target=plain)
+    sent = 0
+    try:
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line)
+            assert '"token_ids"' in first  # running: its first token came
+            waiter.start()
+            while "plain" not in answers and _live(url) < 2:
+                time.sleep(0.05)
+            for _ in range(signals):
+                proc.send_signal(signal.SIGINT)
+                sent += 1
+                time.sleep(0.3)
+            rest = [line for line in lines if line]
+    finally:
+        if not sent:
+            proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+        if waiter.is_alive():
+            waiter.join(timeout=60)
+    assert "Traceback" not in out, out
+    assert "Exception in ASGI application" not in out, out
+    assert proc.returncode == 0, out
+    assert "Shutting down" in out
+    assert re.search(r"shutting down: ending 2 open request\(s\), ", out), out
+    assert "shutdown: engine and offloader whole" in out
+    assert "requests: 0 completed, 2 aborted, 0 failed" in out
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2].removeprefix("data: "))["error"]["message"]
+    assert answers["plain"].status_code == 503
+    assert answers["plain"].json()["error"]["type"] == "server_error"
+
+
+def _live(url: str) -> int:
+    """Requests the server is working on."""
+    return int(httpx.get(f"{url}/stats", timeout=5).json()["server"]["live"])
+
+
 async def test_without_offload_the_same_answers_come_back() -> None:
     """``create_app(engine, None)`` serves without kvoffload (``--no-offload``)."""
     prompt = {"prompt": list(range(30)), "max_tokens": 5}

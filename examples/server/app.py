@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -189,6 +190,67 @@ def bind_server(app: Starlette, server: uvicorn.Server) -> None:
     """Let ``app`` stop ``server`` when its step loop fails."""
     state: ServerState = app.state.server
     state.stop = lambda: setattr(server, "should_exit", True)
+
+
+class QuietServer(uvicorn.Server):
+    """uvicorn's server, which ends the requests still open at shutdown itself.
+
+    On Ctrl-C uvicorn stops accepting connections and waits for the open requests. When
+    ``grace_s`` is over (at once on a second Ctrl-C), the server ends those left through
+    `EngineLoop.close`: their handlers answer 503, or end their event stream with an error
+    event, and return. Left to uvicorn, they would be cancelled and each logged with a
+    traceback. uvicorn's own cancellation stays as a backstop, 5 s later, for a handler
+    that cannot end (a client that stopped reading).
+
+    Args:
+        config: uvicorn's configuration of ``app``; its ``timeout_graceful_shutdown`` is
+            replaced.
+        app: the application `create_app` made.
+        grace_s: how long open requests may run on after Ctrl-C.
+    """
+
+    def __init__(self, config: uvicorn.Config, app: Starlette, grace_s: float = 5.0) -> None:
+        config.timeout_graceful_shutdown = math.ceil(grace_s) + 5
+        super().__init__(config)
+        self._state: ServerState = app.state.server
+        self._grace_s = grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown, ending the open requests when the grace period is over."""
+        async with anyio.create_task_group() as tg:
+
+            async def end_after_grace() -> None:
+                with anyio.move_on_after(self._grace_s):
+                    while not self.force_exit:  # noqa: ASYNC110 (a flag uvicorn's signal handler sets)
+                        await anyio.sleep(0.05)
+                self._end_requests()
+
+            tg.start_soon(end_after_grace)
+            await super().shutdown(sockets)
+            tg.cancel_scope.cancel()
+        if self.force_exit:
+            # A second Ctrl-C: uvicorn waited for nothing and skips the application's
+            # shutdown. End what is open, let the handlers answer, and shut the
+            # application down (offloader closed and checked) all the same.
+            self._end_requests()
+            with anyio.move_on_after(self._grace_s):
+                while self.server_state.tasks:  # noqa: ASYNC110 (uvicorn's set of handler tasks)
+                    await anyio.sleep(0.01)
+            await self.lifespan.shutdown()
+
+    def _end_requests(self) -> None:
+        loop = self._state.loop
+        if loop is None:
+            return
+        live = loop.statistics().live
+        if live:
+            why = (
+                "a second Ctrl-C"
+                if self.force_exit
+                else f"the grace period of {self._grace_s:g} s is over"
+            )
+            log.info("shutting down: ending %d open request(s), %s", live, why)
+        loop.close()
 
 
 class _ServerCollector(Collector):
@@ -347,7 +409,9 @@ async def _stream(
     state: ServerState, cid: str, events: MemoryObjectReceiveStream[Event]
 ) -> AsyncIterator[str]:
     decoder = state.tokenizer.decoder()
+    ended = False
     async for event in events:
+        ended = not isinstance(event, int)
         if isinstance(event, int):
             text = state.tokenizer.decode_one(decoder, event)
             yield _sse(_chunk(state, cid, text, [event], None))
@@ -361,6 +425,9 @@ async def _stream(
             final["usage"] = _usage(event)
             final["kvoffload"] = _timings(event)
             yield _sse(final)
+    if not ended:  # ended by the server during a step: the engine had no result yet
+        message = "the server shut down before the request ended"
+        yield _sse({"error": {"message": message, "type": "server_error"}})
     yield "data: [DONE]\n\n"
 
 
@@ -586,18 +653,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         "recompute those tokens (default: wait for every load)",
     )
     parser.add_argument(
+        "--grace-s",
+        type=float,
+        default=5.0,
+        help="at shutdown (Ctrl-C), how long open requests may run on before the server "
+        "ends them (default 5)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         help="torch's intra-op threads (default: torch's choice, one per core); 1 on a CPU "
         "that other work shares",
     )
     args = parser.parse_args(argv)
-    if args.threads is not None:
-        if args.threads < 1:
-            parser.error(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.load_deadline_s is not None and not args.load_deadline_s >= 0:
         parser.error(f"--load-deadline-s must be >= 0, got {args.load_deadline_s}")
+    if not args.grace_s >= 0:
+        parser.error(f"--grace-s must be >= 0, got {args.grace_s}")
+    try:
+        return _serve(args)
+    except KeyboardInterrupt:  # Ctrl-C while the model loads, before uvicorn handles it
+        print("interrupted before the server started", file=sys.stderr)
+        return 130
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Build the model, the engine and the app; serve until Ctrl-C; report the shutdown."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     model = build_model(args.model, device=args.device)
     engine = PagedEngine(
         model,
@@ -615,9 +700,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model_id=args.model or "random-llama",
         )
     app = create_app(engine, config, model_name=args.model or "random-llama")
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5)
-    )
+    server = QuietServer(uvicorn.Config(app, host=args.host, port=args.port), app, args.grace_s)
     bind_server(app, server)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises Ctrl-C after shutdown
         server.run()

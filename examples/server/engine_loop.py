@@ -13,6 +13,7 @@ submitted it:
 * `EngineLoop.run` steps while there is work and sleeps while there is none. Cancelling it
   (shutdown) lets a forward pass in progress finish in its thread, then aborts every
   request left; the offloader, closed after it, waits for the copies in flight.
+  `EngineLoop.close` ends every open request at once (the server's grace period is over).
 
 Nothing here knows how the engine computes; an engine with ``add_request``, ``abort``,
 ``step``, ``has_work`` and ``statistics`` fits.
@@ -115,14 +116,26 @@ class EngineLoop:
                 if self.engine.statistics().steps == steps:
                     await anyio.sleep(0.001)  # waiting for blocks: do not spin
         finally:
-            self._closed = True
-            for rid, send in list(self._streams.items()):
-                result = self.engine.abort(rid)
-                self._aborted += 1
-                if result is not None:
-                    send.send_nowait(result)  # finish_reason "aborted"
-                send.close()
-            self._streams.clear()
+            self.close()
+
+    def close(self) -> None:
+        """Take no more requests and end every open one now (idempotent).
+
+        Each open request is aborted (``engine.abort``) and its stream ends, with its
+        ``"aborted"`` result when the engine has it at once (not during a step): its
+        handler answers 503, or ends its event stream with an error, and returns. The
+        server calls this when its grace period at shutdown is over, so that no handler is
+        left for uvicorn to cancel; cancelling `run` calls it too.
+        """
+        self._closed = True
+        for rid, send in list(self._streams.items()):
+            result = self.engine.abort(rid)
+            self._aborted += 1
+            if result is not None:
+                send.send_nowait(result)  # finish_reason "aborted"
+            send.close()
+        self._streams.clear()
+        self._wake.set()
 
     def _deliver(self, rid: str, token: int | None, result: GenerationResult | None) -> None:
         send = self._streams.get(rid)

@@ -44,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             sub.add_parser(name, help=summary)
     args = parser.parse_args(args_list)
+    args.argv = args_list  # what a benchmark echoes as its command, however it was started
     try:
         code: int = args.run(args)
     except CommandError as exc:

@@ -12,7 +12,14 @@ import argparse
 import os
 from pathlib import Path
 
-__all__ = ["CommandError", "int_list", "output_path", "positive_int", "write_output"]
+__all__ = [
+    "CommandError",
+    "int_list",
+    "output_path",
+    "parse_int_list",
+    "positive_int",
+    "write_output",
+]
 
 
 class CommandError(Exception):
@@ -30,12 +37,36 @@ def positive_int(text: str) -> int:
     return value
 
 
+def parse_int_list(text: str) -> list[int]:
+    """A comma-separated list of integers >= 1 (``_`` may group digits: ``6_000``).
+
+    Every item must be one: an empty item (``1,,2``, a trailing comma), ``0``, a negative
+    or a fractional number is refused, never skipped.
+
+    Raises:
+        ValueError: the message names the first bad item and the whole value.
+    """
+    parts = [part.strip() for part in text.split(",")]
+    for part in parts:
+        if not part:
+            raise ValueError(f"empty item in {text!r}: expected integers >= 1, comma separated")
+        try:
+            value = int(part.replace("_", ""))
+        except ValueError:
+            raise ValueError(
+                f"{part!r} in {text!r} is not an integer: expected integers >= 1, comma separated"
+            ) from None
+        if value < 1:
+            raise ValueError(f"{part!r} in {text!r} is not >= 1: expected integers >= 1")
+    return [int(part.replace("_", "")) for part in parts]
+
+
 def int_list(text: str) -> list[int]:
-    """A comma-separated list of integers >= 1 (argparse type)."""
-    parts = [part.strip() for part in text.split(",") if part.strip()]
-    if not parts:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, comma separated, got {text!r}")
-    return [positive_int(part) for part in parts]
+    """A comma-separated list of integers >= 1 (argparse type; see `parse_int_list`)."""
+    try:
+        return parse_int_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def output_path(text: str) -> Path:

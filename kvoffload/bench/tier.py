@@ -30,6 +30,7 @@ import contextlib
 import functools
 import mmap
 import os
+import shlex
 import sys
 import tempfile
 import uuid
@@ -87,7 +88,12 @@ def add_parser(subparsers: Any) -> None:
         "spread of its ratio around 1.0 is this machine's noise",
     )
     p.add_argument(
-        "--path", type=_directory, default=None, help="disk: directory of the files (default: tmp)"
+        "--path",
+        type=_directory,
+        default=None,
+        metavar="DIR",
+        help="disk: an existing directory, in which the tier's and the baseline's files are "
+        "made and removed again (default: a new temporary directory)",
     )
     p.add_argument("--direct-io", choices=["auto", "never"], default="auto")
     p.add_argument("--url", default="redis://127.0.0.1:6379/0", help="redis: server URL")
@@ -126,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             print(needs_extra(f"--kind {args.kind}", "redis"))
             return 2
-    print("command: python -m kvoffload.bench " + " ".join(sys.argv[1:] or ["tier"]))
+    print("command: python -m kvoffload.bench " + shlex.join(args.argv))
     if args.calibrate:
         print("# --calibrate: the tier column is a second copy of the baseline")
     print(f"{'kind':6} {'block':>8} {'op':5} {'tier GB/s':>10} {'baseline GB/s':>14} {'ratio':>6}")
