@@ -387,7 +387,9 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         self._state.check(what, self._request_id)
         prefix = self._engine_prefix if num_computed_tokens is None else num_computed_tokens
         if self._lanes is not None:
-            hit: int | None = self._lanes.lookup(self._request_id, len(self._tokens), prefix)
+            hit: int | None = self._lanes.lookup(
+                self._request_id, len(self._tokens), prefix, allow_defer
+            )
         else:
             hit = self._off.lookup(
                 self._request_id, self._hashes, len(self._tokens), prefix, allow_defer=allow_defer

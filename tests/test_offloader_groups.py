@@ -310,7 +310,8 @@ def test_the_groups_host_memory_is_checked_all_together(monkeypatch: pytest.Monk
 async def test_one_full_group_is_the_single_group_offloader() -> None:
     group = KVCacheGroup.from_layout(ATTN, name="only")
     kv = [torch.zeros(ATTN.tensor_shape(8)) for _ in range(2)]
-    async with KVOffloader(config(), {"only": kv}, groups=(group,)) as off:
+    one = OffloadConfig(num_cpu_blocks=32, block_size=BS)
+    async with KVOffloader(one, {"only": kv}, groups=(group,)) as off:
         assert isinstance(off.scheduler, OffloadScheduler)
         assert off.layout == ATTN
         assert off.statistics().groups is None

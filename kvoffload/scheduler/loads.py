@@ -22,9 +22,28 @@ from kvoffload.scheduler.state import RequestOffloadState
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import LoadPlan
 
-__all__ = ["LoadPlanner", "LookupExtension"]
+__all__ = ["LoadPlanner", "LookupExtension", "lookup_defers"]
 
 _log = get_logger("scheduler")
+
+
+def lookup_defers(
+    ledger: BlockLedger, next_hashes: Sequence[BlockHash], hits: Sequence[CpuBlock]
+) -> bool:
+    """The rule of ``lookup_or_defer``, for one pool: whether a lookup whose hit is the
+    blocks ``hits`` should answer "ask again later".
+
+    Yes when a block of the hit is being loaded for another request (its GPU copy will
+    serve this one), or when the blocks the next longer hit lacks, ``next_hashes``, are
+    there and every one is being stored (the longer hit is there once they land). With
+    several KV cache groups each group's pool is asked and the lookup defers when any
+    says yes (`GroupedScheduler.lookup()`).
+    """
+    loading = ledger.loading
+    if loading and any(b.block_id in loading for b in hits):
+        return True
+    pending = ledger.pending
+    return bool(next_hashes) and all(h in pending for h in next_hashes)
 
 
 class LookupExtension(Protocol):
@@ -125,17 +144,14 @@ class LoadPlanner:
         ledger = self._ledger
         hits = ledger.pool.lookup(itertools.islice(block_hashes, start, limit))
         end = start + len(hits)
-        if allow_defer:
-            loading = ledger.loading
-            if (end < limit and block_hashes[end] in ledger.pending) or (
-                loading and any(b.block_id in loading for b in hits)
-            ):
-                # The next block is being filled (stored or promoted), or the hit is
-                # being loaded for another request (its GPU copy will serve this one):
-                # ask again later.
-                counters.deferred_lookups += 1
-                _log.debug("lookup_deferred", request_id=rid, block=end)
-                return None
+        nxt = (block_hashes[end],) if end < limit else ()
+        if allow_defer and lookup_defers(ledger, nxt, hits):
+            # The next block is being filled (stored or promoted), or the hit is
+            # being loaded for another request (its GPU copy will serve this one):
+            # ask again later.
+            counters.deferred_lookups += 1
+            _log.debug("lookup_deferred", request_id=rid, block=end)
+            return None
         if hits:
             ledger.pin(hits, state.priority)
             state.pinned = hits
