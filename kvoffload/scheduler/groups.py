@@ -28,7 +28,6 @@ from typing import final
 from kvoffload.errors import (
     ConfigError,
     InvalidInputError,
-    InvariantError,
     RequestStateError,
     UnknownRequestError,
 )
@@ -37,15 +36,14 @@ from kvoffload.groups import (
     default_checkpoint_tokens,
     hit_alignment,
 )
-from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
-from kvoffload.pool.free_queue import CpuBlock
 from kvoffload.scheduler.group_loads import (
     GroupLookupExtension,
     check_ledgers,
     check_request,
     find_hit,
-    load_range,
+    hit_blocks,
+    lookup_defers_grouped,
 )
 from kvoffload.scheduler.group_state import (
     GroupCounts,
@@ -61,7 +59,6 @@ from kvoffload.scheduler.group_state import (
 )
 from kvoffload.scheduler.group_stores import GroupStorePlanner
 from kvoffload.scheduler.ledger import BlockLedger
-from kvoffload.scheduler.loads import lookup_defers
 from kvoffload.transfer.plan import TransferPlan
 
 __all__ = ["GroupStatistics", "GroupedPlan", "GroupedScheduler"]
@@ -249,10 +246,8 @@ class GroupedScheduler:
         are pinned, per group, until `plan_load()` or `release()`. Then ``extension`` (the
         tiers) may start bringing in a longer hit for a later lookup.
 
-        With ``allow_defer``, answers ``None`` (nothing pinned) when any group's pool says
-        "ask again later" by the single-group rule (`lookup_defers()`): a block of the hit
-        is being loaded for another request, or the blocks of ``needed(g, N + alignment)``
-        that group lacks are all being stored.
+        With ``allow_defer``, ``None`` (nothing pinned) when `lookup_defers_grouped()` says
+        "ask again later".
 
         Raises:
             RequestStateError: the request is finished.
@@ -281,48 +276,18 @@ class GroupedScheduler:
         n = find_hit(
             self._cacheable, pools, lanes, num_tokens, computed=num_computed_tokens, align=align
         )
-        hits: dict[str, list[CpuBlock]] = {}
-        for g in self._cacheable if n > num_computed_tokens else ():
-            span = load_range(g, n, num_computed_tokens)
-            pool = self._ledgers[g.name].pool
-            blocks = [pool.get_cached(lanes[g.name][i]) for i in span]
-            hits[g.name] = [b for b in blocks if b is not None]
-            if len(hits[g.name]) != len(blocks):  # _valid() just checked every one
-                raise InvariantError(f"group {g.name!r}: a checked block vanished")
-        if allow_defer and self._defers(lanes, hits, n, num_tokens, num_computed_tokens):
+        hits = hit_blocks(self._cacheable, self._ledgers, lanes, n, num_computed_tokens)
+        if allow_defer and lookup_defers_grouped(
+            self._cacheable, self._ledgers, lanes, hits, n + align, num_tokens, num_computed_tokens
+        ):
             return None
-        for g in self._cacheable if n > num_computed_tokens else ():
-            pinned = hits[g.name]
-            self._ledgers[g.name].pin(pinned)
-            lane = state.lanes[g.name]
-            lane.pin, lane.pin_start = pinned, load_range(g, n, num_computed_tokens).start
+        for name, (start, pinned) in hits.items():
+            self._ledgers[name].pin(pinned)
+            state.lanes[name].pin, state.lanes[name].pin_start = pinned, start
             state.hit, state.hit_from = n, num_computed_tokens
         if self.extension is not None:
             self.extension.extend_grouped_lookup(lanes, n, num_tokens)
         return n - num_computed_tokens
-
-    def _defers(
-        self,
-        lanes: Mapping[str, Sequence[BlockHash]],
-        hits: Mapping[str, Sequence[CpuBlock]],
-        n: int,
-        num_tokens: int,
-        computed: int,
-    ) -> bool:
-        """Whether a lookup of hit ``n`` answers "ask again later" (see `lookup()`)."""
-        longer = n + self._align
-        for g in self._cacheable:
-            ledger = self._ledgers[g.name]
-            hashes = lanes[g.name]
-            nxt: list[BlockHash] = []
-            if longer <= num_tokens - 1:
-                span = load_range(g, longer, computed)
-                if span.stop <= len(hashes):
-                    get = ledger.pool.get_cached
-                    nxt = [hashes[i] for i in span if get(hashes[i]) is None]
-            if lookup_defers(ledger, nxt, hits.get(g.name, ())):
-                return True
-        return False
 
     def release(self, request_id: str) -> None:
         """Drop the pins of ``request_id``'s last lookup (in every group)."""
