@@ -252,7 +252,9 @@ async def chat(args: argparse.Namespace, size: dict[str, int]) -> tuple[list[Tur
         block_size=BLOCK,
         num_cpu_blocks=args.cpu_blocks,
         model_id=f"hf-chat@{args.seed}",
-        checkpoint_tokens=4 * BLOCK,  # hybrids: store points every 4 blocks, and at the end
+        # hybrids: store points every 4 blocks, and at the end (one full-attention group
+        # stores every block, and refuses the setting)
+        checkpoint_tokens=None if [g.kind for g in engine.kv_groups] == ["full"] else 4 * BLOCK,
     )
     timer = None
     if args.profile:

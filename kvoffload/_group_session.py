@@ -83,16 +83,16 @@ class GroupSession(Lifecycle):
         config: the settings (``cpu_bytes`` is split across the groups by need).
         groups: the model's groups, in order.
         gpu_kv: per cacheable group name, its layer tensors.
-        pinners: per group name, the pinner of that group's GPU blocks (groups not named
-            get none).
+        pinners: per cacheable group name, the pinner of that group's GPU blocks
+            (``None``: no group is pinned).
         engines: per cacheable group, a copy engine given by the caller (then no host
             buffer is made), or ``None``.
 
     Raises:
         ConfigError: groups refused by `check_groups()` (no cacheable group, names not
             unique, an alignment that allows no hit), tiers with copy engines given by
-            the caller, a tensor mapping that
-            misses a group or names an unknown one, or a pool that does not fit (see
+            the caller, a tensor, pinner or copy engine mapping that misses a group or
+            names an unknown one, or a pool that does not fit (see
             `build_grouped_scheduler()`); on opening, a group's share of a tier that does
             not fit (see `GroupTiers`).
         LayoutMismatchError: a group's tensors disagree with it.
@@ -104,7 +104,7 @@ class GroupSession(Lifecycle):
         config: OffloadConfig,
         groups: Sequence[KVCacheGroup],
         gpu_kv: Mapping[str, Sequence[torch.Tensor]],
-        pinners: Mapping[str, GpuBlockPinner],
+        pinners: Mapping[str, GpuBlockPinner] | None,
         engines: Mapping[str, CopyEngine] | None,
     ) -> None:
         if config.tiers and engines is not None:
@@ -116,7 +116,7 @@ class GroupSession(Lifecycle):
         self.groups = tuple(groups)
         cacheable = [g for g in self.groups if g.cacheable]
         names = {g.name for g in cacheable}
-        for what, given in (("gpu_kv", gpu_kv), ("copy_engine", engines)):
+        for what, given in (("gpu_kv", gpu_kv), ("copy_engine", engines), ("pinner", pinners)):
             if given is not None and set(given) != names:
                 raise ConfigError(
                     f"{what} must name exactly the cacheable groups {sorted(names)}; missing "
@@ -152,7 +152,7 @@ class GroupSession(Lifecycle):
         self.hosts: dict[str, HostKVBuffer] = {}
         """Per cacheable group, its host buffer (when this session made the engines)."""
         self.launcher = GroupLauncher(
-            self.scheduler, self.engines, pinners, poll_interval_s=config.poll_interval_s
+            self.scheduler, self.engines, pinners or {}, poll_interval_s=config.poll_interval_s
         )
         self.poller = self.launcher.poller
         self.counters = self.launcher.counters
@@ -289,14 +289,19 @@ class GroupSession(Lifecycle):
         num_computed_tokens: int = 0,
         *,
         allow_defer: bool = False,
-    ) -> int:
-        """The hit valid for every group, pinned (see `GroupedScheduler.lookup()`);
-        never deferred."""
+    ) -> int | None:
+        """The hit valid for every group, pinned (see `GroupedScheduler.lookup()`); with
+        ``allow_defer``, ``None`` ("ask again later") by the single-group rule."""
         self.check("lookup")
         self._check_names(request_id, "block_hashes", block_hashes)
-        hit = self.scheduler.lookup(request_id, block_hashes, num_tokens, num_computed_tokens)
+        hit = self.scheduler.lookup(
+            request_id, block_hashes, num_tokens, num_computed_tokens, allow_defer=allow_defer
+        )
         c = self.counters
         c.lookups += 1
+        if hit is None:
+            c.deferred_lookups += 1
+            return None
         c.hit_tokens += hit
         c.miss_tokens += max(0, num_tokens - num_computed_tokens - hit)
         c.prompt_tokens += num_tokens

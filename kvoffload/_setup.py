@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from kvoffload._session import Session
-from kvoffload.build import CorePlan, plan_core
+from kvoffload.build import CorePlan, check_settings, plan_core
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import InvalidInputError, LayoutMismatchError
 from kvoffload.hashing import HashNamespace
@@ -62,19 +62,24 @@ def make_session(  # noqa: PLR0917 - the constructor's arguments, in its order
     Several groups, or one that is not ``full``, make a `GroupSession`; one ``full``
     group is today's single-group offloader: its layout (given, the group's, or inferred
     from 5-d K/V tensors), or, for a page with no K/V layout (an MLA latent), the page
-    as opaque bytes (`page_layout()` with the group's block size).
+    as opaque bytes (`page_layout()` with the group's block size). Either way the
+    settings that path cannot honour are refused first (`check_settings()`).
     """
     if groups is not None and (len(groups) != 1 or groups[0].kind != "full"):
         from kvoffload._group_session import GroupSession  # noqa: PLC0415 - groups only
+        from kvoffload.groups import check_groups  # noqa: PLC0415 - groups only
 
+        check_groups(groups)  # what the groups are comes before what a setting asks of them
+        check_settings(config, "offloader_groups", groups=groups)
         g = GroupSession(
             config,
             groups,
             _by_group(gpu_kv),
-            _by_group(pinner or {}),
+            None if pinner is None else _by_group(pinner),
             None if copy_engine is None else _by_group(copy_engine),
         )
         return g, g.layout, g.namespaces[g.layout_group], g.num_cpu_blocks
+    check_settings(config, "offloader")
     kv: Sequence[torch.Tensor] | Mapping[str, Sequence[torch.Tensor]] | None = gpu_kv
     engine, pin = copy_engine, pinner
     if groups is not None:  # one full-attention group: the single-group offloader

@@ -10,13 +10,15 @@ use, before anything is allocated; `CorePlan.build()` then builds it (a large po
 while: `KVOffloader` builds one above `INLINE_POOL_BLOCKS` blocks in a worker thread).
 
 Each `OffloadConfig` field is read by exactly one kind of part, listed in `CORE_FIELDS`,
-`TIER_FIELDS` and `ENTRY_POINT_FIELDS`.
+`TIER_FIELDS` and `ENTRY_POINT_FIELDS`. Which fields each entry point cannot honour yet is
+`REFUSED`, checked by `check_settings()` when that entry point is built: no setting is
+silently ignored.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING, Literal, final
 
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import ConfigError, HostMemoryError
@@ -38,17 +40,21 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CORE_FIELDS",
+    "ENTRY_POINTS",
     "ENTRY_POINT_FIELDS",
     "GROUP_FIELDS",
     "INLINE_POOL_BLOCKS",
     "POOL_BOOKKEEPING_BYTES_PER_BLOCK",
+    "REFUSED",
     "TIER_FIELDS",
     "Core",
     "CorePlan",
+    "EntryPoint",
     "build_core",
     "build_grouped_scheduler",
     "build_tiers",
     "check_host_memory",
+    "check_settings",
     "grouped_pool_sizes",
     "plan_core",
 ]
@@ -97,6 +103,125 @@ ENTRY_POINT_FIELDS: frozenset[str] = frozenset(
 )
 """The `OffloadConfig` fields the entry point reads itself, not the core: the host buffer's
 pinning, the completion poller's interval, and the hash namespace."""
+
+
+EntryPoint = Literal["offloader", "offloader_groups", "vllm", "vllm_groups"]
+"""The ways kvoffload is embedded, as `check_settings()` names them."""
+
+ENTRY_POINTS: dict[EntryPoint, str] = {
+    "offloader": "KVOffloader with one full-attention group",
+    "offloader_groups": "KVOffloader with several KV cache groups",
+    "vllm": "the vLLM connector",
+    "vllm_groups": "the vLLM connector with several KV cache groups",
+}
+"""Each entry point, as error messages name it."""
+
+_ONE_GROUP_ONLY = (
+    "a model with several KV cache groups stores eagerly, at its store points; this "
+    "setting works with one full-attention group only for now"
+)
+_GROUPS_ONLY = (
+    "it spaces the store points of a model with several KV cache groups; one "
+    "full-attention group stores every full block"
+)
+_NO_HOLDS = "finish holds (hold_blocks_on_finish) work with one full-attention group only for now"
+_VLLM_NO_HOLDS = (
+    "vLLM frees a finished request's GPU blocks at once (request_finished), so the "
+    "connector cannot hold them (hold_blocks_on_finish) for now"
+)
+_VLLM_TIERS = (
+    "the connector builds no secondary tier yet (only KVOffloader does); a disk or Redis "
+    "tier for vLLM is not supported for now"
+)
+_VLLM_NO_RETAIN = "the connector has no retain_prefix(), the only reader of this bound"
+
+REFUSED: dict[EntryPoint, dict[str, str]] = {
+    "offloader": {"checkpoint_tokens": _GROUPS_ONLY},
+    "offloader_groups": {
+        "store_mode": _ONE_GROUP_ONLY,
+        "lazy_offload_blocks": "a setting of store_mode='lazy', which " + _ONE_GROUP_ONLY[2:],
+        "restore_evicted": _ONE_GROUP_ONLY,
+        "max_store_blocks_per_step": _ONE_GROUP_ONLY,
+        "store_admission": _ONE_GROUP_ONLY,
+        "hold_blocks_on_finish": _NO_HOLDS,
+        "hold_max_blocks": _NO_HOLDS,
+        "hold_max_steps": _NO_HOLDS,
+        "max_retained_fraction": "retain_prefix() works with one full-attention group only "
+        "for now, and it is the only reader of this bound",
+    },
+    "vllm": {
+        "tiers": _VLLM_TIERS,
+        "checkpoint_tokens": _GROUPS_ONLY,
+        "hold_blocks_on_finish": _VLLM_NO_HOLDS,
+        "hold_max_blocks": _VLLM_NO_HOLDS,
+        "hold_max_steps": _VLLM_NO_HOLDS,
+        "max_retained_fraction": _VLLM_NO_RETAIN,
+    },
+    "vllm_groups": {
+        "tiers": _VLLM_TIERS,
+        "checkpoint_tokens": "the connector puts a store point at every multiple of the "
+        "groups' hit alignment (a recurrent state is in vLLM's table only right after the "
+        "step that computed it), so it cannot space them otherwise",
+        "store_mode": _ONE_GROUP_ONLY,
+        "lazy_offload_blocks": "a setting of store_mode='lazy', which " + _ONE_GROUP_ONLY[2:],
+        "restore_evicted": _ONE_GROUP_ONLY,
+        "max_store_blocks_per_step": _ONE_GROUP_ONLY,
+        "store_admission": _ONE_GROUP_ONLY,
+        "enable_events": "vLLM's KV events carry one block size and one hash chain; a model "
+        "with several KV cache groups publishes none for now",
+        "hold_blocks_on_finish": _VLLM_NO_HOLDS,
+        "hold_max_blocks": _VLLM_NO_HOLDS,
+        "hold_max_steps": _VLLM_NO_HOLDS,
+        "max_retained_fraction": _VLLM_NO_RETAIN,
+    },
+}
+"""Per entry point, the `OffloadConfig` fields it cannot honour and why: `check_settings()`
+refuses each one set to anything but its default. Every other field is honoured there."""
+
+
+def _shown(config: OffloadConfig, name: str) -> str:
+    value = getattr(config, name)
+    if name == "tiers":  # names only: a tier URL may hold a password
+        return f"tiers=[{', '.join(t.name or t.kind for t in value)}]"
+    return f"{name}={value!r}"
+
+
+def check_settings(
+    config: OffloadConfig,
+    entry_point: EntryPoint,
+    *,
+    groups: Sequence[KVCacheGroup] = (),
+    refused: Mapping[str, str] | None = None,
+) -> None:
+    """Refuse the settings ``entry_point`` cannot honour (`REFUSED`), unless at their default.
+
+    With ``groups`` (``offloader_groups``), a ``block_size`` other than the default must
+    be every cacheable group's (each group has its own; `KVCacheGroup.block_size`).
+    ``refused`` checks only those of ``entry_point``'s fields (a check made before the
+    model is known).
+
+    Raises:
+        ConfigError: naming each such setting and its value, the entry point and why.
+    """
+    fields = OffloadConfig.model_fields
+    if refused is None:
+        refused = REFUSED[entry_point]
+    wrong = [
+        f"{_shown(config, name)} ({why})"
+        for name, why in refused.items()
+        if getattr(config, name) != fields[name].default
+    ]
+    sizes = sorted({g.block_size for g in groups if g.cacheable})
+    if sizes and config.block_size != fields["block_size"].default and sizes != [config.block_size]:
+        wrong.append(
+            f"block_size={config.block_size!r} (each KV cache group has its own block size, "
+            f"here {sizes}: set it on the KVCacheGroup)"
+        )
+    if wrong:
+        raise ConfigError(
+            f"{ENTRY_POINTS[entry_point]} cannot honour {'; '.join(wrong)}: leave "
+            f"{'it' if len(wrong) == 1 else 'them'} out"
+        )
 
 
 @final

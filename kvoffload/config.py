@@ -206,7 +206,7 @@ class OffloadConfig(BaseSettings):
         le=1 << 24,
         description="Models with several KV cache groups: tokens between store points (a "
         "multiple of the LCM of the groups' block sizes); None: the smallest such multiple "
-        "of at least 1024 tokens. Ignored for one full-attention group.",
+        "of at least 1024 tokens. Refused for one full-attention group.",
     )
 
     def __init__(self, **values: Any) -> None:

@@ -37,6 +37,7 @@ class GroupCounters:
     """The whole-model counters of a `GroupSession` (per group: `GroupStatistics`)."""
 
     lookups: int = 0
+    deferred_lookups: int = 0
     hit_tokens: int = 0
     miss_tokens: int = 0
     store_plans: int = 0
@@ -188,7 +189,8 @@ class GroupLauncher:
             lookups=c.lookups,
             hit_tokens=c.hit_tokens,
             miss_tokens=c.miss_tokens,
-            deferred_lookups=0,
+            deferred_lookups=c.deferred_lookups,
+            deferrals_bounded=self._scheduler.deferrals_bounded,
             store_plans=c.store_plans,
             stored_blocks=sum(s.stored_blocks for s in per),
             deferred_blocks=sum(s.deferred_stores for s in per),

@@ -396,7 +396,9 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
             else as_int(num_computed_tokens, "num_computed_tokens", rid)
         )
         if self._lanes is not None:
-            hit: int | None = self._lanes.lookup(self._request_id, len(self._tokens), prefix)
+            hit: int | None = self._lanes.lookup(
+                self._request_id, len(self._tokens), prefix, allow_defer
+            )
         else:
             hit = self._off.lookup(
                 self._request_id, self._hashes, len(self._tokens), prefix, allow_defer=allow_defer

@@ -30,7 +30,7 @@ class GroupCalls(Protocol):
         num_computed_tokens: int = 0,
         *,
         allow_defer: bool = False,
-    ) -> int: ...
+    ) -> int | None: ...
 
     def load(
         self, request_id: str, tables: Mapping[str, Sequence[int | None]], num_tokens: int
@@ -128,9 +128,14 @@ class GroupLanes:
             )
         return value
 
-    def lookup(self, request_id: str, num_tokens: int, num_computed_tokens: int) -> int:
-        """The offloader's lookup over every group's hashes."""
-        return self.off.lookup(request_id, self.hashes(), num_tokens, num_computed_tokens)
+    def lookup(
+        self, request_id: str, num_tokens: int, num_computed_tokens: int, allow_defer: bool
+    ) -> int | None:
+        """The offloader's lookup over every group's hashes (``None``: ask again later,
+        with ``allow_defer`` only)."""
+        return self.off.lookup(
+            request_id, self.hashes(), num_tokens, num_computed_tokens, allow_defer=allow_defer
+        )
 
     def advance(self, request_id: str, tables: object, num_computed_tokens: int) -> None:
         """Report a step: per group, its table and the hashes of its blocks that are full

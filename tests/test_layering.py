@@ -1,5 +1,5 @@
 """The import graph of kvoffload/ has no circle and no import from a lower layer to a higher one;
-no class of kvoffload/ spans more than 400 lines.
+no class of kvoffload/ grows past the size alarm (600 lines).
 
 The layers are the table under ``## Layers`` in ``docs/design.md``. The graph is read with
 `ast` from every module under ``kvoffload/``, nothing is imported:
@@ -347,10 +347,12 @@ def test_the_top_level_modules_and_packages_have_no_circle() -> None:
     )
 
 
-# -- no class over 400 lines ------------------------------------------------------------
+# -- the class size alarm ---------------------------------------------------------------
 
-MAX_CLASS_LINES = 400
-"""The most lines a class of ``kvoffload/`` may span (STYLE.md: "no class over ~400")."""
+MAX_CLASS_LINES = 600
+"""The class size alarm: a class of ``kvoffload/`` spanning more lines asks "is this two
+jobs?". It is no budget: a class is split where ownership splits (one owner per state, one
+job per class), never where a line count runs out (STYLE.md)."""
 
 
 def classes_over(limit: int, modules: Mapping[str, Path] = MODULES) -> list[tuple[str, int]]:
@@ -367,9 +369,9 @@ def classes_over(limit: int, modules: Mapping[str, Path] = MODULES) -> list[tupl
     return sorted(found, key=lambda item: -item[1])
 
 
-def test_no_class_is_over_400_lines() -> None:
-    """Every class stays one concept: a class that grows past the limit is split along its
-    seams into collaborators (docs/design.md names who owns what), never squashed."""
+def test_no_class_sets_off_the_size_alarm() -> None:
+    """A class past the alarm is named with its size: split it where its ownership splits
+    (docs/design.md names who owns what), never by squashing lines to fit."""
     over = classes_over(MAX_CLASS_LINES)
     assert not over, f"classes over {MAX_CLASS_LINES} lines: " + ", ".join(
         f"{name} ({size} lines)" for name, size in over

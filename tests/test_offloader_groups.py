@@ -112,7 +112,7 @@ def engines_for(
     return engines, hosts
 
 
-def config(num_cpu: int = 32, checkpoint: int = 8) -> OffloadConfig:
+def config(num_cpu: int = 32, checkpoint: int | None = 8) -> OffloadConfig:
     return OffloadConfig(num_cpu_blocks=num_cpu, block_size=BS, checkpoint_tokens=checkpoint)
 
 
@@ -312,7 +312,8 @@ def test_the_groups_host_memory_is_checked_all_together(monkeypatch: pytest.Monk
 async def test_one_full_group_is_the_single_group_offloader() -> None:
     group = KVCacheGroup.from_layout(ATTN, name="only")
     kv = [torch.zeros(ATTN.tensor_shape(8)) for _ in range(2)]
-    async with KVOffloader(config(), {"only": kv}, groups=(group,)) as off:
+    one = OffloadConfig(num_cpu_blocks=32, block_size=BS)
+    async with KVOffloader(one, {"only": kv}, groups=(group,)) as off:
         assert isinstance(off.scheduler, OffloadScheduler)
         assert off.layout == ATTN
         assert off.statistics().groups is None
@@ -391,7 +392,7 @@ async def test_one_group_of_opaque_pages_is_offloaded_bytes_exact() -> None:
     kv = [torch.randn(NUM_GPU, BS, MLA_LATENT, generator=gen).to(torch.bfloat16) for _ in range(2)]
     written = [t.clone() for t in kv]
     prompt = list(range(1, 14))  # 3 full blocks and one token
-    async with KVOffloader(config(), kv, groups=(mla_group(),)) as off:
+    async with KVOffloader(config(checkpoint=None), kv, groups=(mla_group(),)) as off:
         assert isinstance(off.scheduler, OffloadScheduler)
         assert off.layout.block_size == BS
         with off.request("a", prompt) as req:
@@ -416,7 +417,7 @@ def test_one_group_of_opaque_pages_that_cannot_be_split_names_the_page() -> None
     group = mla_group(bytes_per_layer_block=BS * MLA_LATENT * 2 + 2)
     kv = [torch.zeros(NUM_GPU, BS * MLA_LATENT * 2 + 2, dtype=torch.uint8) for _ in range(2)]
     with pytest.raises(LayoutMismatchError, match=r"page of 50 bytes .* multiple of 8 bytes"):
-        KVOffloader(config(), kv, groups=(group,))
+        KVOffloader(config(checkpoint=None), kv, groups=(group,))
 
 
 async def test_tiers_with_given_engines_and_unknown_tensors_are_refused() -> None:

@@ -10,18 +10,21 @@ from kvoffload.errors import InvariantError
 from kvoffload.groups import KVCacheGroup, needed
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
+from kvoffload.pool.free_queue import CpuBlock
 from kvoffload.scheduler.group_state import GroupedRequest
 from kvoffload.scheduler.ledger import BlockLedger
+from kvoffload.scheduler.loads import lookup_defers
 
 __all__ = [
     "GroupLookupExtension",
     "check_ledgers",
     "check_request",
     "find_hit",
+    "hit_blocks",
     "load_range",
+    "lookup_defers_grouped",
     "note_load",
     "note_prefix",
-    "pin_hit",
     "valid_from",
 ]
 
@@ -75,34 +78,6 @@ def note_load(cacheable: Sequence[KVCacheGroup], state: GroupedRequest) -> None:
     for g in cacheable:
         lane = state.lanes[g.name]
         lane.valid_from = max(lane.valid_from, valid_from(g, n, state.hit_from))
-
-
-def pin_hit(
-    cacheable: Sequence[KVCacheGroup],
-    ledgers: Mapping[str, BlockLedger],
-    state: GroupedRequest,
-    lanes: Mapping[str, Sequence[BlockHash]],
-    n: int,
-    *,
-    computed: int,
-) -> None:
-    """Pin, in every group, the blocks of `load_range()` of the hit ``n`` `find_hit()`
-    just found over the engine's prefix of ``computed`` tokens, for ``state``.
-
-    Raises:
-        InvariantError: a block `find_hit()` checked is not cached any more.
-    """
-    for g in cacheable:
-        span = load_range(g, n, computed)
-        ledger = ledgers[g.name]
-        blocks = [ledger.pool.get_cached(lanes[g.name][i]) for i in span]
-        pinned = [b for b in blocks if b is not None]
-        if len(pinned) != len(blocks):  # _valid() just checked every one
-            raise InvariantError(f"group {g.name!r}: a checked block vanished")
-        ledger.pin(pinned)
-        lane = state.lanes[g.name]
-        lane.pin, lane.pin_start = pinned, span.start
-    state.hit, state.hit_from = n, computed
 
 
 def _valid(
@@ -197,3 +172,54 @@ def check_ledgers(ledgers: Mapping[str, BlockLedger], requests: Iterable[Grouped
         named = {p for s in states for g, p in s.in_flight if g == name}
         if plans != named:
             raise InvariantError(f"group {name!r}: requests' plans {named} != {plans}")
+
+
+def lookup_defers_grouped(  # noqa: PLR0917 - the lookup's state, in its order
+    groups: Sequence[KVCacheGroup],
+    ledgers: Mapping[str, BlockLedger],
+    lanes: Mapping[str, Sequence[BlockHash]],
+    hits: Mapping[str, tuple[int, Sequence[CpuBlock]]],
+    longer: int,
+    num_tokens: int,
+    computed: int,
+) -> bool:
+    """Whether a grouped lookup answers "ask again later": `lookup_defers()` (the
+    single-group rule) says so for some group's pool, given the blocks of that group's
+    hit (``hits``, as `hit_blocks()`) and those it lacks for the next longer hit,
+    ``longer`` tokens."""
+    for g in groups:
+        ledger = ledgers[g.name]
+        hashes = lanes[g.name]
+        nxt: list[BlockHash] = []
+        if longer <= num_tokens - 1:
+            span = load_range(g, longer, computed)
+            if span.stop <= len(hashes):
+                get = ledger.pool.get_cached
+                nxt = [hashes[i] for i in span if get(hashes[i]) is None]
+        if lookup_defers(ledger, nxt, hits[g.name][1] if g.name in hits else ()):
+            return True
+    return False
+
+
+def hit_blocks(
+    groups: Sequence[KVCacheGroup],
+    ledgers: Mapping[str, BlockLedger],
+    lanes: Mapping[str, Sequence[BlockHash]],
+    n: int,
+    computed: int,
+) -> dict[str, tuple[int, list[CpuBlock]]]:
+    """Per group, the first block and the CPU blocks of the hit ``n`` above the engine's
+    prefix (`load_range()`; none when ``n`` is not above it), as `find_hit()` found them.
+
+    Raises:
+        InvariantError: a block `find_hit()` checked is not cached any more.
+    """
+    out: dict[str, tuple[int, list[CpuBlock]]] = {}
+    for g in groups if n > computed else ():
+        span = load_range(g, n, computed)
+        get = ledgers[g.name].pool.get_cached
+        blocks = [b for b in (get(lanes[g.name][i]) for i in span) if b is not None]
+        if len(blocks) != len(span):
+            raise InvariantError(f"group {g.name!r}: a checked block vanished")
+        out[g.name] = (span.start, blocks)
+    return out

@@ -110,6 +110,9 @@ class GroupedRequest:
     hit_from: int = 0
     in_flight: set[tuple[str, int]] = field(default_factory=set)
     finished: bool = False
+    # the request's run of "ask again" lookups: how many, and since when (scheduler clock)
+    deferrals: int = 0
+    deferred_since: float = 0.0
 
 
 @dataclass(slots=True)

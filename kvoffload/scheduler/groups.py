@@ -25,7 +25,8 @@ A single full-attention model never uses this class: it keeps `OffloadScheduler`
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import final
 
 from kvoffload.errors import (
@@ -46,9 +47,10 @@ from kvoffload.scheduler.group_loads import (
     check_ledgers,
     check_request,
     find_hit,
+    hit_blocks,
+    lookup_defers_grouped,
     note_load,
     note_prefix,
-    pin_hit,
 )
 from kvoffload.scheduler.group_state import (
     GroupCounts,
@@ -64,6 +66,7 @@ from kvoffload.scheduler.group_state import (
 )
 from kvoffload.scheduler.group_stores import GroupStorePlanner
 from kvoffload.scheduler.ledger import BlockLedger
+from kvoffload.scheduler.loads import DEFER_DEADLINE_S, deferral_spent
 from kvoffload.scheduler.requests import as_int
 from kvoffload.transfer.plan import TransferPlan
 
@@ -149,6 +152,11 @@ class GroupedScheduler:
         self._counts = {g.name: GroupCounts() for g in self._cacheable}
         self.extension: GroupLookupExtension | None = None
         """Asked after every lookup (the groups' tiers, `kvoffload.tiers.groups`)."""
+        self.clock: Callable[[], float] = time.monotonic
+        """The clock of the deferral deadline (a test may drive its own)."""
+        self.deferrals_bounded = 0
+        """Lookups that answered with the CPU hit instead of "ask again": the request's
+        run of those answers reached its bound (`deferral_spent()`)."""
         self._planner = GroupStorePlanner(
             self._cacheable,
             self._ledgers,
@@ -262,7 +270,9 @@ class GroupedScheduler:
         block_hashes: GroupHashes,
         num_tokens: int,
         num_computed_tokens: int = 0,
-    ) -> int:
+        *,
+        allow_defer: bool = False,
+    ) -> int | None:
         """How many tokens past the engine's own prefix can be loaded, valid for every group.
 
         The hit is ``N - num_computed_tokens`` for the largest ``N`` with ``N % alignment
@@ -270,6 +280,9 @@ class GroupedScheduler:
         ``needed(g, N)`` above the engine's prefix published in every group. Those blocks
         are pinned, per group, until `plan_load()` or `release()`. Then ``extension`` (the
         tiers) may start bringing in a longer hit for a later lookup.
+
+        With ``allow_defer``, ``None`` (nothing pinned) when `lookup_defers_grouped()` says
+        "ask again later".
 
         Raises:
             RequestStateError: the request is finished.
@@ -300,8 +313,26 @@ class GroupedScheduler:
         n = find_hit(
             self._cacheable, pools, lanes, num_tokens, computed=num_computed_tokens, align=align
         )
-        if n > num_computed_tokens:
-            pin_hit(self._cacheable, self._ledgers, state, lanes, n, computed=num_computed_tokens)
+        hits = hit_blocks(self._cacheable, self._ledgers, lanes, n, num_computed_tokens)
+        deferrals, state.deferrals = state.deferrals, 0
+        if (
+            allow_defer
+            and deferrals
+            and deferral_spent(deferrals, self.clock() - state.deferred_since, DEFER_DEADLINE_S)
+        ):
+            allow_defer = False
+            self.deferrals_bounded += 1
+        if allow_defer and lookup_defers_grouped(
+            self._cacheable, self._ledgers, lanes, hits, n + align, num_tokens, num_computed_tokens
+        ):
+            state.deferrals = deferrals + 1
+            if not deferrals:
+                state.deferred_since = self.clock()
+            return None
+        for name, (start, pinned) in hits.items():
+            self._ledgers[name].pin(pinned)
+            state.lanes[name].pin, state.lanes[name].pin_start = pinned, start
+            state.hit, state.hit_from = n, num_computed_tokens
         if self.extension is not None:
             self.extension.extend_grouped_lookup(lanes, n, num_tokens)
         return n - num_computed_tokens

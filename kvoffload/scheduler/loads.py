@@ -31,7 +31,14 @@ from kvoffload.scheduler.state import RequestOffloadState
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import LoadPlan
 
-__all__ = ["DEFER_DEADLINE_S", "MAX_LOOKUP_DEFERRALS", "LoadPlanner", "LookupExtension"]
+__all__ = [
+    "DEFER_DEADLINE_S",
+    "MAX_LOOKUP_DEFERRALS",
+    "LoadPlanner",
+    "LookupExtension",
+    "deferral_spent",
+    "lookup_defers",
+]
 
 _log = get_logger("scheduler")
 
@@ -41,6 +48,32 @@ MAX_LOOKUP_DEFERRALS = 1024
 DEFER_DEADLINE_S = 1.0
 """The longest one request's lookups answer "ask again" in a row (without tiers, or when
 the tiers' own deadline is shorter): a store or load copy lands well within it."""
+
+
+def deferral_spent(deferrals: int, elapsed: float, deadline: float) -> bool:
+    """The bound on a request's run of "ask again" answers, one group or several: it is
+    spent after `MAX_LOOKUP_DEFERRALS` of them in a row, or once ``elapsed`` seconds since
+    the first reach ``deadline``; the next lookup then answers with what is on CPU."""
+    return deferrals >= MAX_LOOKUP_DEFERRALS or elapsed >= deadline
+
+
+def lookup_defers(
+    ledger: BlockLedger, next_hashes: Sequence[BlockHash], hits: Sequence[CpuBlock]
+) -> bool:
+    """The rule of ``lookup_or_defer``, for one pool: whether a lookup whose hit is the
+    blocks ``hits`` should answer "ask again later".
+
+    Yes when a block of the hit is being loaded for another request (its GPU copy will
+    serve this one), or when the blocks the next longer hit lacks, ``next_hashes``, are
+    there and every one is being stored (the longer hit is there once they land). With
+    several KV cache groups each group's pool is asked and the lookup defers when any
+    says yes (`GroupedScheduler.lookup()`).
+    """
+    loading = ledger.loading
+    if loading and any(b.block_id in loading for b in hits):
+        return True
+    pending = ledger.pending
+    return bool(next_hashes) and all(h in pending for h in next_hashes)
 
 
 class LookupExtension(Protocol):
@@ -155,18 +188,15 @@ class LoadPlanner:
         ledger = self._ledger
         hits = ledger.pool.lookup(itertools.islice(block_hashes, start, limit))
         end = start + len(hits)
-        if allow_defer:
-            loading = ledger.loading
-            if (end < limit and block_hashes[end] in ledger.pending) or (
-                loading and any(b.block_id in loading for b in hits)
-            ):
-                # The next block is being filled (stored or promoted), or the hit is
-                # being loaded for another request (its GPU copy will serve this one):
-                # ask again later.
-                counters.deferred_lookups += 1
-                _log.debug("lookup_deferred", request_id=rid, block=end)
-                self._defer(state, deferrals)
-                return None
+        nxt = (block_hashes[end],) if end < limit else ()
+        if allow_defer and lookup_defers(ledger, nxt, hits):
+            # The next block is being filled (stored or promoted), or the hit is
+            # being loaded for another request (its GPU copy will serve this one):
+            # ask again later.
+            counters.deferred_lookups += 1
+            _log.debug("lookup_deferred", request_id=rid, block=end)
+            self._defer(state, deferrals)
+            return None
         if hits:
             ledger.pin(hits, state.priority)
             state.pinned = hits
@@ -190,14 +220,12 @@ class LoadPlanner:
             state.deferred_since = self.clock()
 
     def _defer_spent(self, state: RequestOffloadState, deferrals: int) -> bool:
-        """Whether the request's run of "ask again" answers reached its bound: their
-        number, or the deadline (the tiers' when longer than `DEFER_DEADLINE_S`)."""
-        if deferrals >= MAX_LOOKUP_DEFERRALS:
-            return True
+        """Whether the request's run of "ask again" answers reached its bound
+        (`deferral_spent()`; the tiers' deadline when longer than `DEFER_DEADLINE_S`)."""
         deadline = DEFER_DEADLINE_S
         if self.extension is not None:
             deadline = max(deadline, self.extension.defer_deadline_s)
-        return self.clock() - state.deferred_since >= deadline
+        return deferral_spent(deferrals, self.clock() - state.deferred_since, deadline)
 
     def plan_load(self, rid: str, gpu_block_ids: Sequence[int], num_tokens: int) -> LoadPlan | None:
         """See `OffloadScheduler.plan_load()`."""

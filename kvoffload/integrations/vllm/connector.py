@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvoffload.build import grouped_pool_sizes
+from kvoffload.build import REFUSED, check_settings, grouped_pool_sizes
 from kvoffload.errors import InvariantError
 from kvoffload.hashing import HashNamespace
 from kvoffload.integrations.vllm.groups import GroupDescription, to_kv_cache_group
@@ -24,7 +24,6 @@ from kvoffload.integrations.vllm.scheduler_groups import GroupedSchedulerSide
 from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
 from kvoffload.integrations.vllm.setup import (
     accepted_groups,
-    check_grouped_settings,
     is_single_full_group,
     model_namespace_id,
     offload_config,
@@ -70,8 +69,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         kv_cache_config: the KV cache layout vLLM allocated.
 
     Raises:
-        ConfigError: an unknown or invalid setting, or a model with a group the
-            connector cannot offload (named, with its kind and why).
+        ConfigError: an unknown or invalid setting, a setting the connector cannot
+            honour for this model (`kvoffload.build.check_settings()`: ``tiers`` always,
+            and more with several groups), or a model with a group the connector cannot
+            offload (named, with its kind and why).
 
     The class is not final: vLLM instantiates whatever class the configuration names, and
     tests subclass it to choose a worker's rank (`_worker_rank`) or to inject copy
@@ -93,13 +94,19 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         one unified type".
 
         Raises:
-            ConfigError: as `offload_config` (the key named, the valid keys listed), or
-                such a hybrid with the hybrid manager off (its architecture named).
+            ConfigError: as `offload_config` (the key named, the valid keys listed), a
+                setting the connector cannot honour for any model (``tiers``, finish
+                holds, ...: `kvoffload.build.REFUSED`), or such a hybrid with the hybrid
+                manager off (its architecture named).
         """
         transfer = vllm_config.kv_transfer_config
         block_size = vllm_config.cache_config.block_size
         if transfer is not None and block_size is not None:
-            offload_config(transfer.kv_connector_extra_config, block_size=block_size)
+            config = offload_config(transfer.kv_connector_extra_config, block_size=block_size)
+            # What no model can change: the groups are not known yet.
+            common = REFUSED["vllm"].keys() & REFUSED["vllm_groups"].keys()
+            refused = {name: why for name, why in REFUSED["vllm"].items() if name in common}
+            check_settings(config, "vllm", refused=refused)
         refuse_recurrent_hybrid(vllm_config)
         return None
 
@@ -120,6 +127,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if not is_single_full_group(self.groups):
             self._init_grouped(role, kv_cache_config.num_blocks, model_id, world_size)
             return
+        check_settings(self.offload_config, "vllm")
         self.layout, layer_names, opaque = single_group_layout(kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             namespace = HashNamespace.from_layout(
@@ -143,7 +151,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self, role: KVConnectorRole, num_blocks: int, model_id: str, world_size: int
     ) -> None:
         """Both sides of a multi-group model (the groups translated once, alike)."""
-        check_grouped_settings(self.offload_config, self.groups)
+        check_settings(self.offload_config, "vllm_groups")
         kv_groups = [to_kv_cache_group(g) for g in self.groups]
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = GroupedSchedulerSide(

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "accepted_groups",
-    "check_grouped_settings",
     "is_single_full_group",
     "layout_from_kv_cache_config",
     "offload_config",
@@ -95,36 +94,6 @@ def accepted_groups(kv_cache_config: KVCacheConfig) -> tuple[GroupDescription, .
 def is_single_full_group(groups: tuple[GroupDescription, ...]) -> bool:
     """Whether the model is one full-attention group: `OffloadScheduler`'s path."""
     return len(groups) == 1 and groups[0].kind == "full"
-
-
-_SINGLE_GROUP_SETTINGS = {
-    "store_mode": "eager",
-    "restore_evicted": False,
-    "hold_blocks_on_finish": False,
-    "enable_events": False,
-}
-"""Settings only `OffloadScheduler`'s path has, with the value a multi-group model runs."""
-
-
-def check_grouped_settings(config: OffloadConfig, groups: tuple[GroupDescription, ...]) -> None:
-    """Refuse settings a multi-group model cannot honour (it stores eagerly, at its store
-    points, and publishes no KV events).
-
-    Raises:
-        ConfigError: naming each such setting and the groups.
-    """
-    wrong = [
-        f"{name}={getattr(config, name)!r}"
-        for name, value in _SINGLE_GROUP_SETTINGS.items()
-        if getattr(config, name) != value
-    ]
-    if wrong:
-        kinds = ", ".join(f"{g.name}: {g.kind}" for g in groups)
-        raise ConfigError(
-            f"kv_connector_extra_config: {', '.join(wrong)} apply to a model of one "
-            f"full-attention group only; this model has {len(groups)} KV cache groups "
-            f"({kinds}); leave them out"
-        )
 
 
 def opaque_layout(group: GroupDescription) -> KVLayout:

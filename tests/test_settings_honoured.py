@@ -1,0 +1,380 @@
+"""No setting is silently ignored: every `OffloadConfig` field, for each `KVOffloader`
+entry point (one full-attention group; several KV cache groups), is either honoured (a
+non-default value has an effect observed here) or refused at construction with a
+`ConfigError` naming the field, its value and the entry point.
+
+The table below must name every field of `OffloadConfig.model_fields`: a field added
+later fails `test_every_field_has_a_decision` until it gets a value and an observation
+(or a refusal in `kvoffload.build.REFUSED`). The vLLM connector's half is
+``tests_vllm/test_settings_honoured.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvoffload import KVOffloader, OffloadConfig
+from kvoffload.build import ENTRY_POINTS, REFUSED, EntryPoint
+from kvoffload.errors import ConfigError, InvalidInputError
+from kvoffload.groups import KVCacheGroup
+from kvoffload.hashing import BlockHash, hash_block_tokens
+from kvoffload.layout import KVLayout
+from kvoffload.pinner import RefCountPinner
+from kvoffload.pool.block_pool import CpuBlockPool
+from kvoffload.scheduler import OffloadScheduler
+from kvoffload.storage.host_buffer import HostKVBuffer
+
+pytestmark = pytest.mark.anyio
+
+BS = 4
+NUM_GPU = 24
+BASE: dict[str, Any] = {"num_cpu_blocks": 8, "block_size": BS}
+PATHS: tuple[EntryPoint, ...] = ("offloader", "offloader_groups")
+
+
+def layout(block_size: int = BS) -> KVLayout:
+    return KVLayout(
+        num_layers=2, num_kv_heads=1, head_size=4, dtype="float32", block_size=block_size
+    )
+
+
+GROUPS = (
+    KVCacheGroup.from_layout(layout(), name="full"),
+    KVCacheGroup.from_layout(layout(), name="swa", kind="sliding_window", window=9),
+)
+
+
+def make(config: OffloadConfig, path: EntryPoint) -> KVOffloader:
+    lay = layout(config.block_size)
+    kv = [torch.zeros(lay.tensor_shape(NUM_GPU)) for _ in range(lay.num_layers)]
+    if path == "offloader":
+        return KVOffloader(config, kv, layout=lay)
+    group_kv = {g.name: [torch.zeros(lay.tensor_shape(NUM_GPU)) for _ in range(2)] for g in GROUPS}
+    return KVOffloader(config, group_kv, groups=GROUPS)
+
+
+def chain(n: int, seed: int = 0) -> list[BlockHash]:
+    hashes, parent = [], BlockHash(bytes([seed]) * 32)
+    for i in range(n):
+        parent = hash_block_tokens(parent, list(range(i * BS, (i + 1) * BS)))
+        hashes.append(parent)
+    return hashes
+
+
+def stored_now(sched: OffloadScheduler, rid: str, n: int, seed: int = 0) -> int:
+    """Blocks one ``plan_stores()`` plans for a request of ``n`` computed blocks."""
+    sched.update(rid, list(range(seed * n, seed * n + n)), chain(n, seed), n * BS)
+    plan = sched.plan_stores()
+    return 0 if plan is None else plan.num_blocks
+
+
+@dataclass
+class Seen:
+    """What `HostKVBuffer.create` was asked for (pinning settings)."""
+
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+# -- observations: each opens its offloader and returns a fact the setting changes ----------
+
+Observe = Callable[[Callable[[], KVOffloader], Seen], Awaitable[object]]
+
+
+def _sched(off: KVOffloader) -> OffloadScheduler:
+    return off.scheduler
+
+
+def _pools(off: KVOffloader) -> list[CpuBlockPool]:
+    groups = off._groups
+    if groups is None:
+        return [off.pool]
+    return [groups.scheduler.ledger(n).pool for n in groups.scheduler.statistics()]
+
+
+async def hashes_of_a_prompt(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        return len(off.hash_prompt(list(range(32))))
+
+
+async def pool_size(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        return off.statistics().pool.num_blocks
+
+
+async def lazy_needs_a_view(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        try:
+            _sched(off).plan_stores()
+        except InvalidInputError:
+            return "lazy"
+        return "eager"
+
+
+class _View:
+    def __init__(self, n: int) -> None:
+        self.blocks = list(zip(range(n), chain(n), strict=True))
+
+    def iter_eviction_order(self) -> Iterable[tuple[int, BlockHash]]:
+        return iter(self.blocks)
+
+
+async def lazy_window(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        plan = _sched(off).plan_stores(_View(5))
+        return 0 if plan is None else plan.num_blocks
+
+
+async def restores_evicted(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        sched = _sched(off)
+        for rid, seed in (("a", 1), ("b", 2)):  # b's 8 blocks evict a's 8
+            sched.update(rid, list(range(seed * 8, seed * 8 + 8)), chain(8, seed), 8 * BS)
+            plan = sched.plan_stores()
+            assert plan is not None
+            sched.complete(plan, True)
+        plan = sched.plan_stores()  # a is live, its GPU blocks still hold its KV
+        return 0 if plan is None else plan.num_blocks
+
+
+async def stores_per_step(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        return stored_now(_sched(off), "r", 4)
+
+
+async def host_buffer_request(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off():
+        return [(c["pin_memory"], c["pin_chunk_bytes"]) for c in seen.calls]
+
+
+async def poll_interval(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        life = off._life
+        poller = life.poller if off._groups is not None else life.launcher.poller
+        return poller._interval
+
+
+async def namespace(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        return off.hash_prompt(list(range(8)))
+
+
+async def events(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        for pool in _pools(off):
+            pool.publish(pool.allocate(1)[0], chain(1, 9)[0])
+        return len(off.take_events())
+
+
+async def policy(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        return [p.policy.name for p in _pools(off)]
+
+
+async def tiers(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        stats = off.statistics().tiers
+        return None if stats is None else len(stats.tiers)
+
+
+async def held_on_finish(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        sched = _sched(off)
+        stored_now(sched, "r", 11)  # 8 planned, 3 deferred: the pool is full
+        return len(sched.finish("r"))
+
+
+async def hold_released(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        sched = _sched(off)
+        stored_now(sched, "r", 11)
+        sched.finish("r")
+        sched.plan_stores()
+        sched.plan_stores()
+        return len(sched.take_released_holds())
+
+
+async def retained_bound(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        return [p.max_retained_blocks for p in _pools(off)]
+
+
+async def store_points(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        assert off._groups is not None
+        return off._groups.scheduler.checkpoint_tokens
+
+
+BLOCK_SIZE_CHECKED = "refused unless every group has that block size"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A field's non-default ``value`` (plus ``with_`` settings, in both configs), and
+    per entry point the observation that sees it."""
+
+    value: dict[str, Any]
+    observe: dict[EntryPoint, Observe | str]
+    with_: dict[str, Any] = field(default_factory=dict)
+
+
+def _tier(tmp: Path) -> dict[str, Any]:
+    return {"kind": "disk", "name": "d", "path": str(tmp / "t.bin"), "capacity_bytes": 1 << 20}
+
+
+def _both(observe: Observe) -> dict[EntryPoint, Observe | str]:
+    return {"offloader": observe, "offloader_groups": observe}
+
+
+TABLE: dict[str, Decision] = {
+    "block_size": Decision(
+        {"block_size": 8},
+        {"offloader": hashes_of_a_prompt, "offloader_groups": BLOCK_SIZE_CHECKED},
+    ),
+    "num_cpu_blocks": Decision({"num_cpu_blocks": 12}, _both(pool_size)),
+    "cpu_bytes": Decision(
+        {"num_cpu_blocks": None, "cpu_bytes": 400 * layout().bytes_per_block}, _both(pool_size)
+    ),
+    "store_mode": Decision({"store_mode": "lazy"}, {"offloader": lazy_needs_a_view}),
+    "lazy_offload_blocks": Decision(
+        {"lazy_offload_blocks": 2}, {"offloader": lazy_window}, with_={"store_mode": "lazy"}
+    ),
+    "restore_evicted": Decision({"restore_evicted": True}, {"offloader": restores_evicted}),
+    "max_store_blocks_per_step": Decision(
+        {"max_store_blocks_per_step": 2}, {"offloader": stores_per_step}
+    ),
+    "pin_memory": Decision({"pin_memory": "never"}, _both(host_buffer_request)),
+    "pin_chunk_bytes": Decision({"pin_chunk_bytes": 1 << 21}, _both(host_buffer_request)),
+    "poll_interval_s": Decision({"poll_interval_s": 0.003}, _both(poll_interval)),
+    "model_id": Decision({"model_id": "m"}, _both(namespace)),
+    "hash_salt": Decision({"hash_salt": "s"}, _both(namespace)),
+    "enable_events": Decision({"enable_events": True}, _both(events)),
+    "eviction_policy": Decision({"eviction_policy": "arc"}, _both(policy)),
+    "store_admission": Decision({"store_admission": "seen_twice"}, {"offloader": stores_per_step}),
+    "tiers": Decision({"tiers": "TIER"}, _both(tiers)),
+    "hold_blocks_on_finish": Decision(
+        {"hold_blocks_on_finish": True}, {"offloader": held_on_finish}
+    ),
+    "hold_max_blocks": Decision(
+        {"hold_max_blocks": 1}, {"offloader": held_on_finish}, with_={"hold_blocks_on_finish": True}
+    ),
+    "hold_max_steps": Decision(
+        {"hold_max_steps": 1}, {"offloader": hold_released}, with_={"hold_blocks_on_finish": True}
+    ),
+    "max_retained_fraction": Decision(
+        {"max_retained_fraction": 0.5}, {"offloader": retained_bound}
+    ),
+    "checkpoint_tokens": Decision({"checkpoint_tokens": 8}, {"offloader_groups": store_points}),
+}
+"""Per `OffloadConfig` field: a non-default value and, per entry point, how its effect is
+seen (an entry point missing here must refuse the field: `REFUSED`)."""
+
+
+def test_every_field_has_a_decision() -> None:
+    assert sorted(TABLE) == sorted(OffloadConfig.model_fields), (
+        "every OffloadConfig field needs a row in TABLE: a value, and per entry point an "
+        "observation of its effect or a refusal in kvoffload.build.REFUSED"
+    )
+
+
+def test_the_refusal_table_names_only_fields() -> None:
+    for path, refused in REFUSED.items():
+        assert set(refused) <= set(OffloadConfig.model_fields), path
+
+
+def _config(values: dict[str, Any], tmp: Path) -> OffloadConfig:
+    values = {k: (_tier(tmp),) if v == "TIER" else v for k, v in values.items()}
+    return OffloadConfig(**{**BASE, **values})
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", sorted(OffloadConfig.model_fields))
+async def test_each_field_is_honoured_or_refused(
+    name: str, path: EntryPoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    decision = TABLE.get(name)
+    if decision is None:
+        pytest.fail(f"OffloadConfig.{name} has no row in TABLE")
+    seen = Seen()
+    create = HostKVBuffer.create
+
+    async def spy(*args: Any, **kwargs: Any) -> HostKVBuffer:
+        seen.calls.append(kwargs)
+        return await create(*args, **kwargs)
+
+    monkeypatch.setattr(HostKVBuffer, "create", staticmethod(spy))
+    changed = _config({**decision.with_, **decision.value}, tmp_path)
+    observe = decision.observe.get(path)
+    if name in REFUSED[path] or observe == BLOCK_SIZE_CHECKED:
+        assert observe is None or observe == BLOCK_SIZE_CHECKED, (
+            f"{name} is both refused on {path} and observed"
+        )
+        with pytest.raises(ConfigError) as info:
+            make(changed, path)
+        message = str(info.value)
+        assert f"{name}=" in message
+        assert ENTRY_POINTS[path] in message
+        return
+    if observe is None or isinstance(observe, str):
+        pytest.fail(f"OffloadConfig.{name} is neither observed nor refused on {path}")
+    base = _config(decision.with_, tmp_path)
+    before = await observe(lambda: make(base, path), seen)
+    seen.calls.clear()
+    after = await observe(lambda: make(changed, path), seen)
+    assert before != after, f"{name}={decision.value} had no effect on {path} ({before!r})"
+
+
+async def test_defaults_are_accepted_on_every_path(tmp_path: Path) -> None:
+    defaults = {
+        name: f.default
+        for name, f in OffloadConfig.model_fields.items()
+        if name not in ("num_cpu_blocks", "cpu_bytes", "block_size")
+    }
+    for path in PATHS:
+        async with make(OffloadConfig(**BASE, **defaults), path):
+            pass
+
+
+def test_a_groups_block_size_is_accepted_when_every_group_has_it() -> None:
+    make(OffloadConfig(num_cpu_blocks=8, block_size=BS), "offloader_groups")
+    with pytest.raises(ConfigError, match=r"block_size=8 .*here \[4\]"):
+        make(OffloadConfig(num_cpu_blocks=8, block_size=8), "offloader_groups")
+
+
+def test_every_refused_field_is_named_at_once() -> None:
+    config = OffloadConfig(**BASE, store_mode="lazy", restore_evicted=True, hold_max_steps=3)
+    with pytest.raises(ConfigError) as info:
+        make(config, "offloader_groups")
+    message = str(info.value)
+    assert "KVOffloader with several KV cache groups cannot honour" in message
+    for named in ("store_mode='lazy'", "restore_evicted=True", "hold_max_steps=3"):
+        assert named in message
+
+
+# -- pinners (regression: a misspelt group name left that group's blocks unpinned) ------------
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [
+        (("full", "sw"), r"pinner must name exactly the cacheable groups \['full', 'swa'\]; "
+         r"missing \['swa'\], unknown \['sw'\]"),
+        (("full",), r"missing \['swa'\], unknown \[\]"),
+        (("full", "swa", "x"), r"missing \[\], unknown \['x'\]"),
+    ],
+)  # fmt: skip
+def test_a_pinner_mapping_must_name_exactly_the_cacheable_groups(
+    names: tuple[str, ...], message: str
+) -> None:
+    config = OffloadConfig(**BASE)
+    kv = {g.name: [torch.zeros(layout().tensor_shape(NUM_GPU)) for _ in range(2)] for g in GROUPS}
+    pinners = {n: RefCountPinner() for n in names}
+    with pytest.raises(ConfigError, match=message):
+        KVOffloader(config, kv, groups=GROUPS, pinner=pinners)
+    KVOffloader(config, kv, groups=GROUPS, pinner={g.name: RefCountPinner() for g in GROUPS})
+    KVOffloader(config, kv, groups=GROUPS)  # no pinner: none of them pinned, as before
