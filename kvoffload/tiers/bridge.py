@@ -386,13 +386,17 @@ class TierBridge:
         """`submit_delete()` and wait for it."""
         self._wait(self.submit_delete(hashes))
 
-    def statistics(self) -> tuple[TierStatistics, ...]:
-        """Every tier's counters (`TierStatistics`), in lookup order."""
+    def submit_statistics(self) -> concurrent.futures.Future[tuple[TierStatistics, ...]]:
+        """Start taking every tier's counters (`TierStatistics`), in lookup order."""
 
         async def run() -> tuple[TierStatistics, ...]:
             return tuple(t.snapshot() for t in self._states)
 
-        return self._wait(self._submit(run))
+        return self._submit(run)
+
+    def statistics(self) -> tuple[TierStatistics, ...]:
+        """`submit_statistics()` and wait for it."""
+        return self._wait(self.submit_statistics())
 
     # -- lifecycle -------------------------------------------------------------------------
 
