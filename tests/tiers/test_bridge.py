@@ -100,9 +100,7 @@ class MemoryTier:
         return {"blocks": len(self.values)}
 
 
-def mem_bridge(
-    tier: MemoryTier, *, op_timeout_s: float = 5.0, namespace: bytes = NS
-) -> TierBridge:
+def mem_bridge(tier: MemoryTier, *, op_timeout_s: float = 5.0, namespace: bytes = NS) -> TierBridge:
     settings = DiskTierSettings(
         path=Path("/nonexistent/unused"),
         capacity_bytes=1 << 20,  # type: ignore[arg-type]
