@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, final, overload
 
@@ -33,6 +33,7 @@ from kvoffload.errors import (
     RequestStateError,
 )
 from kvoffload.hashing import BlockHash, BlockHasher, check_token_sequence
+from kvoffload.pool.hints import check_retain_for_s
 from kvoffload.request_checks import as_int, check_prefix, computed_past_tokens
 from kvoffload.request_tables import BlockTableArithmetic, blocks_for, table_slice
 from kvoffload.transfer.task import _NoPublicConstructor
@@ -83,6 +84,10 @@ class _StepCalls(Protocol):
     def preempt(self, request_id: str) -> None: ...
 
     def finish(self, request_id: str) -> None: ...
+
+    def retain_hashes_for(
+        self, block_hashes: Sequence[BlockHash], retain_for_s: float, session: Hashable
+    ) -> int: ...
 
 
 def hash_new_blocks(
@@ -217,6 +222,8 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         "_off",
         "_reported",
         "_request_id",
+        "_retain_for_s",
+        "_session",
         "_state",
         "_tokens",
         "_who",
@@ -232,6 +239,7 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         block_size: int,
         root: BlockHash,
         lanes: GroupLanes | None = None,
+        hint: tuple[float | None, Hashable] = (None, None),
     ) -> None:
         who = f"request {request_id!r}: "
         check_token_sequence(prompt_token_ids, "prompt_token_ids", request_id)
@@ -252,6 +260,7 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         self._hit = 0
         self._reported = 0  # hashes given to update so far
         self._state = HandleState.LIVE
+        self._retain_for_s, self._session = hint
         self.extend(prompt_token_ids)
 
     def __repr__(self) -> str:
@@ -528,9 +537,15 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         self._engine_prefix = 0
         self._num_computed = 0
 
-    def finish(self) -> None:
+    def finish(self, *, retain_for_s: float | None = None) -> None:
         """End the request: nothing more is stored for it, its lookup pin is released and
         its id is given up (ids are never reused).
+
+        With ``retain_for_s`` (or the one given to `KVOffloader.request()`; this one wins),
+        the request's full blocks, prompt and generated, are then retained for that many
+        seconds as its session's hint (`KVOffloader.retain_for()`): an agent pausing for a
+        tool call finds its context again. A bad ``retain_for_s`` is refused before
+        anything changes.
 
         Its stores in flight complete on their own. Idempotent only through the context
         manager; a second call raises.
@@ -545,8 +560,18 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
             RequestStateError: already finished (also through `KVOffloader.finish()`).
             PinnerError: see above; the request is finished.
             ClosedError: see above; the request is finished.
+            InvalidInputError: a bad ``retain_for_s``; nothing changed.
         """
         self._state.check("finish", self._request_id)
+        if retain_for_s is None:
+            retain_for_s = self._retain_for_s
+        elif self._lanes is not None:
+            raise InvalidInputError(
+                f"{self._who}retain_for_s={retain_for_s!r} with several KV cache groups: "
+                "session hints are single-group for now"
+            )
+        else:
+            retain_for_s = check_retain_for_s(retain_for_s, self._who)
         try:
             self._off.finish(self._request_id)
         except (PinnerError, ClosedError, RequestStateError):
@@ -555,3 +580,5 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
             self._state = self._state.to(HandleState.FINISHED, self._request_id)
             raise
         self._state = self._state.to(HandleState.FINISHED, self._request_id)
+        if retain_for_s is not None:
+            self._off.retain_hashes_for(self._hashes, retain_for_s, self._session)
