@@ -9,15 +9,13 @@ handle gets the request's per-group lanes and a priority is refused for now.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from kvoffload._session import Session
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvalidInputError
 from kvoffload.hashing import HashNamespace
-from kvoffload.pool.hints import check_retain_for_s
-from kvoffload.pool.retention import check_owner
 from kvoffload.request import OffloadRequest
 from kvoffload.scheduler.requests import check_request_priority
 
@@ -43,7 +41,6 @@ def open_handle(  # noqa: PLR0917 - the offloader, its session, then request()'s
     prompt_token_ids: Sequence[int],
     num_computed_tokens: int,
     priority: int,
-    hint: tuple[float | None, Hashable] = (None, None),
 ) -> OffloadRequest:
     """`KVOffloader.request()`: a handle on ``off`` for ``request_id``, its id reserved
     in ``life`` (the offloader's session) and its ``priority`` set.
@@ -54,29 +51,16 @@ def open_handle(  # noqa: PLR0917 - the offloader, its session, then request()'s
             the lanes' own roots).
         life: the offloader's session (one group) or group session.
         request_id, prompt_token_ids, num_computed_tokens, priority: as `request()`.
-        hint: ``(retain_for_s, session)`` of `request()`.
 
     Raises:
         What `KVOffloader.request()` raises.
     """
     life.check("request")
     check_request_priority(request_id, priority)
-    retain_for_s, session = hint
-    who = f"request {request_id!r}: "
-    if retain_for_s is not None:
-        retain_for_s = check_retain_for_s(retain_for_s, who)
-    if session is None:
-        session = request_id
-    check_owner(session, "session")
     block_size = off.config.block_size
     if isinstance(life, Session):
         lanes = None
     else:
-        if retain_for_s is not None:
-            raise InvalidInputError(
-                f"{who}retain_for_s={retain_for_s!r} with several KV cache groups "
-                f"{[x.name for x in life.groups]}: session hints are single-group for now"
-            )
         if priority:
             raise InvalidInputError(
                 f"request {request_id!r}: priority={priority!r} with several KV cache groups "
@@ -92,7 +76,6 @@ def open_handle(  # noqa: PLR0917 - the offloader, its session, then request()'s
         block_size=block_size,
         root=off.namespace.root,
         lanes=lanes,
-        hint=(retain_for_s, session),
     )
     # Last, once nothing can be refused any more (see the module's docstring).
     if not isinstance(life, Session):

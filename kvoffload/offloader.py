@@ -10,7 +10,7 @@ completions are processed whether or not anyone does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, final, overload
 
@@ -23,6 +23,7 @@ from kvoffload.build import POOL_BOOKKEEPING_BYTES_PER_BLOCK
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import InvalidInputError
 from kvoffload.hashing import BlockHash, HashNamespace, hash_prompt
+from kvoffload.hints import SessionHints
 from kvoffload.pinner import GpuBlockPinner
 from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
 from kvoffload.request import OffloadRequest
@@ -77,17 +78,13 @@ class KVOffloader:
         groups: the model's KV cache groups (docs/groups.md). Several (or one that is not
             ``full``) are offloaded by a `GroupedScheduler`, one host buffer and copy
             engine per group; the handles of `request()` then take a table per group.
-        clock: the clock session hints (`retain_for()`, ``retain_for_s``) are measured
-            on, in seconds; `time.monotonic` by default (a test or a simulation drives its
-            own).
 
     Raises:
         LayoutMismatchError: the tensors disagree with ``layout`` or with each other, or
             hold no GPU block.
         ConfigError: the pool size or block size does not fit the layout; with several
             groups, also tiers, or ``gpu_kv`` not naming exactly the cacheable groups.
-        InvalidInputError: one value where several groups need one per name, or the reverse;
-            a ``clock`` with several groups (session hints are single-group).
+        InvalidInputError: one value where several groups need one per name, or the reverse.
         HostMemoryError: the host buffer plus the pool's bookkeeping
             (`POOL_BOOKKEEPING_BYTES_PER_BLOCK` per block) exceed the memory this process
             can still use; checked before anything is allocated.
@@ -105,7 +102,6 @@ class KVOffloader:
         copy_engine: CopyEngine | Mapping[str, CopyEngine] | None = None,
         pinner: GpuBlockPinner | Mapping[str, GpuBlockPinner] | None = None,
         groups: Sequence[KVCacheGroup] | None = None,
-        clock: Callable[[], float] | None = None,
     ) -> None:
         life, self._layout, self._namespace, self._num_cpu_blocks = make_session(
             config, gpu_kv, layout, copy_engine, pinner, groups
@@ -115,12 +111,8 @@ class KVOffloader:
         self._groups: GroupSession | None = None
         if isinstance(life, Session):
             self._session = life
-            if clock is not None:
-                life.hints.clock = clock
         else:
             self._groups = life
-            if clock is not None:
-                _single(self, "__init__(clock=...)")
 
     def __repr__(self) -> str:
         life = self._life
@@ -162,6 +154,11 @@ class KVOffloader:
     def tiers(self) -> TierManager | None:
         """The tier manager, when ``config.tiers`` is set (for inspection)."""
         return self._life.tiers
+
+    @property
+    def hints(self) -> SessionHints:
+        """Session hints: retain for a pause, release, prefetch (docs/hints.md)."""
+        return SessionHints(self, _single(self, "hints"))
 
     @property
     def groups(self) -> tuple[KVCacheGroup, ...] | None:
@@ -224,8 +221,6 @@ class KVOffloader:
         *,
         num_computed_tokens: int = 0,
         priority: int = 0,
-        retain_for_s: float | None = None,
-        session: Hashable = None,
     ) -> OffloadRequest:
         """A handle for one request: its tokens, incremental block hashes and step calls.
 
@@ -238,11 +233,6 @@ class KVOffloader:
             num_computed_tokens: tokens of the prompt the engine's own prefix cache holds
                 (a multiple of the block size); the lookup starts after them.
             priority: its retention priority (`OffloadScheduler.set_priority()`).
-            retain_for_s: a session hint: when the request finishes, its blocks (prompt
-                and generated) are retained for this many seconds (`retain_for()`);
-                `OffloadRequest.finish()` may give or change it.
-            session: the hint's session (default: the request id); a later hint of the
-                same session replaces it, `release_hint()` ends it.
 
         Raises:
             ClosedError: not open.
@@ -250,75 +240,22 @@ class KVOffloader:
                 also one that made no call: the id is reserved when its handle is made), or
                 finished (ids are never reused).
             InvalidInputError: ``num_computed_tokens`` out of range or not block aligned,
-                or a bad ``priority`` or ``retain_for_s``; ``retain_for_s`` with several
-                KV cache groups.
-            InputTypeError: a token is not a 64-bit int; ``session`` is not hashable.
+                or a bad ``priority``.
+            InputTypeError: a token is not a 64-bit int.
         """
         return open_handle(
-            self,
-            self._life,
-            request_id,
-            prompt_token_ids,
-            num_computed_tokens,
-            priority,
-            (retain_for_s, session),
+            self, self._life, request_id, prompt_token_ids, num_computed_tokens, priority
         )
 
     def retain_prefix(self, token_ids: Sequence[int], *, owner: Hashable) -> int:
-        """Keep the leading run of a prompt's full blocks that is stored in the CPU pool
-        now (a system prompt) from eviction until `release_retained(owner)` or `reset()`;
-        return how many blocks that is. A block not stored yet, and every one after it,
-        is not retained (store, then call again); docs/policies.md, "Retention priorities".
-
-        Raises:
-            InvalidInputError: over ``max_retained_fraction`` (nothing is retained).
-            InputTypeError: ``token_ids`` not a sequence of ints, ``owner`` not hashable.
-        """
-        return _single(self, "retain_prefix").retain(self.hash_prompt(token_ids), owner)
-
-    def release_retained(self, owner: Hashable) -> int:
-        """Let the blocks `retain_prefix()` kept for ``owner`` be evicted again; return
-        how many. Raises `InvalidInputError` if ``owner`` retains nothing."""
-        return _single(self, "release_retained").release_retained(owner)
-
-    def retain_for(
-        self, token_ids: Sequence[int], retain_for_s: float, *, session: Hashable
-    ) -> int:
-        """A session hint: keep the leading run of the prompt's full blocks stored in the
-        CPU pool from eviction for ``retain_for_s`` seconds (an agent's tool call), then
-        let them go by themselves; return how many blocks are retained now.
-
-        Blocks whose stores are still in flight are retained once stored (at a later
-        `store()`). A hint is best effort within ``max_retained_fraction``, shared with
-        `retain_prefix()`: the part over the bound is not retained, nothing is refused. A
-        later hint of the same ``session`` replaces this one; `release_hint()` ends it
-        early. Expiry is lazy, on the offloader's ``clock``: at the next `store()`,
-        `retain_for()` or `release_hint()` after the deadline. docs/hints.md.
-
-        Raises:
-            InvalidInputError: ``retain_for_s`` not a number of seconds in (0, one year];
-                several KV cache groups. Nothing is retained then.
-            InputTypeError: ``token_ids`` not a sequence of ints, ``session`` not hashable.
-        """
-        return _single(self, "retain_for").retain_for(
-            self.hash_prompt(token_ids), retain_for_s, session
+        """`SessionHints.retain_prefix()`: keep a stored prefix until released."""
+        return SessionHints(self, _single(self, "retain_prefix")).retain_prefix(
+            token_ids, owner=owner
         )
 
-    def retain_hashes_for(
-        self, block_hashes: Sequence[BlockHash], retain_for_s: float, session: Hashable
-    ) -> int:
-        """`retain_for()` of hashes already made (what `OffloadRequest.finish()` calls)."""
-        return _single(self, "retain_for").retain_for(block_hashes, retain_for_s, session)
-
-    def release_hint(self, session: Hashable) -> int:
-        """End ``session``'s hint early: its blocks may be evicted again. Return how many
-        blocks it retained (0 when it has no live hint: expired, released, never given).
-
-        Raises:
-            InputTypeError: ``session`` is not hashable.
-            InvalidInputError: several KV cache groups.
-        """
-        return _single(self, "release_hint").release_hint(session)
+    def release_retained(self, owner: Hashable) -> int:
+        """`SessionHints.release_retained()`."""
+        return SessionHints(self, _single(self, "release_retained")).release_retained(owner)
 
     # -- the engine's step loop ----------------------------------------------------------------
 

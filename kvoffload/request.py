@@ -34,6 +34,7 @@ from kvoffload.errors import (
 )
 from kvoffload.hashing import BlockHash, BlockHasher, check_token_sequence
 from kvoffload.pool.hints import check_retain_for_s
+from kvoffload.pool.retention import check_owner
 from kvoffload.request_checks import as_int, check_prefix, computed_past_tokens
 from kvoffload.request_tables import BlockTableArithmetic, blocks_for, table_slice
 from kvoffload.transfer.task import _NoPublicConstructor
@@ -85,6 +86,11 @@ class _StepCalls(Protocol):
 
     def finish(self, request_id: str) -> None: ...
 
+    @property
+    def hints(self) -> _Hints: ...
+
+
+class _Hints(Protocol):
     def retain_hashes_for(
         self, block_hashes: Sequence[BlockHash], retain_for_s: float, session: Hashable
     ) -> int: ...
@@ -222,8 +228,6 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         "_off",
         "_reported",
         "_request_id",
-        "_retain_for_s",
-        "_session",
         "_state",
         "_tokens",
         "_who",
@@ -239,7 +243,6 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         block_size: int,
         root: BlockHash,
         lanes: GroupLanes | None = None,
-        hint: tuple[float | None, Hashable] = (None, None),
     ) -> None:
         who = f"request {request_id!r}: "
         check_token_sequence(prompt_token_ids, "prompt_token_ids", request_id)
@@ -260,7 +263,6 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         self._hit = 0
         self._reported = 0  # hashes given to update so far
         self._state = HandleState.LIVE
-        self._retain_for_s, self._session = hint
         self.extend(prompt_token_ids)
 
     def __repr__(self) -> str:
@@ -537,15 +539,15 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         self._engine_prefix = 0
         self._num_computed = 0
 
-    def finish(self, *, retain_for_s: float | None = None) -> None:
+    def finish(self, *, retain_for_s: float | None = None, session: Hashable = None) -> None:
         """End the request: nothing more is stored for it, its lookup pin is released and
         its id is given up (ids are never reused).
 
-        With ``retain_for_s`` (or the one given to `KVOffloader.request()`; this one wins),
-        the request's full blocks, prompt and generated, are then retained for that many
-        seconds as its session's hint (`KVOffloader.retain_for()`): an agent pausing for a
-        tool call finds its context again. A bad ``retain_for_s`` is refused before
-        anything changes.
+        With ``retain_for_s`` (a session hint, docs/hints.md), the request's full blocks,
+        prompt and generated, are then retained for that many seconds for ``session``
+        (default: the request id), as `SessionHints.retain_for()` does: an agent pausing
+        for a tool call finds its context again. A bad hint is refused before anything
+        changes.
 
         Its stores in flight complete on their own. Idempotent only through the context
         manager; a second call raises.
@@ -560,18 +562,20 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
             RequestStateError: already finished (also through `KVOffloader.finish()`).
             PinnerError: see above; the request is finished.
             ClosedError: see above; the request is finished.
-            InvalidInputError: a bad ``retain_for_s``; nothing changed.
+            InvalidInputError: a bad ``retain_for_s``, or one with several KV cache
+                groups (hints are single-group); nothing changed.
+            InputTypeError: ``session`` is not hashable; nothing changed.
         """
         self._state.check("finish", self._request_id)
-        if retain_for_s is None:
-            retain_for_s = self._retain_for_s
-        elif self._lanes is not None:
-            raise InvalidInputError(
-                f"{self._who}retain_for_s={retain_for_s!r} with several KV cache groups: "
-                "session hints are single-group for now"
-            )
-        else:
+        if retain_for_s is not None:
             retain_for_s = check_retain_for_s(retain_for_s, self._who)
+            session = self._request_id if session is None else session
+            check_owner(session, "session")
+            if self._lanes is not None:
+                raise InvalidInputError(
+                    f"{self._who}retain_for_s={retain_for_s!r} with several KV cache "
+                    "groups: session hints are single-group for now"
+                )
         try:
             self._off.finish(self._request_id)
         except (PinnerError, ClosedError, RequestStateError):
@@ -581,4 +585,4 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
             raise
         self._state = self._state.to(HandleState.FINISHED, self._request_id)
         if retain_for_s is not None:
-            self._off.retain_hashes_for(self._hashes, retain_for_s, self._session)
+            self._off.hints.retain_hashes_for(self._hashes, retain_for_s, session)

@@ -38,14 +38,16 @@ def offloader(clock: Clock, **overrides: object) -> KVOffloader:
     config = OffloadConfig(block_size=BS, num_cpu_blocks=16, model_id="m", **overrides)  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(0)
     kv = [torch.randn(LAYOUT.tensor_shape(GPU_BLOCKS), generator=gen) for _ in range(2)]
-    return KVOffloader(config, kv, clock=clock)
+    off = KVOffloader(config, kv)
+    off.hints.clock = clock
+    return off
 
 
 async def run(
     off: KVOffloader, rid: str, prompt: Sequence[int], retain_for_s: float | None = None
 ) -> int:
     """One request through the handle: look up, compute the rest, store; its hit."""
-    with off.request(rid, prompt, retain_for_s=retain_for_s, session="agent") as req:
+    with off.request(rid, prompt) as req:
         hit = req.lookup()
         table = list(range(req.blocks_for(req.num_tokens)))
         if hit and (task := req.load(table)) is not None:
@@ -53,6 +55,7 @@ async def run(
         req.advance(table, req.num_tokens)
         off.store()
         await off.drain()
+        req.finish(retain_for_s=retain_for_s, session="agent")
     off.check_invariants()
     return hit
 
@@ -79,7 +82,7 @@ async def test_a_hinted_prefix_survives_a_scan_for_as_long_as_its_hint_and_not_l
         clock.now += 1.0  # the hint's deadline: it ends at the next store()
         await scan(off, 30)
         assert off.pool.num_retained == 0
-        assert off._session.hints.sessions == ()
+        assert off.hints.sessions == ()
         assert await run(off, "turn3", [*context, 9]) == 0
 
 
@@ -87,24 +90,24 @@ async def test_retain_for_and_release_hint_end_a_hint_early() -> None:
     clock = Clock()
     async with offloader(clock, max_retained_fraction=0.5) as off:
         await run(off, "a", [*tokens(1, 3), 7])
-        assert off.retain_for(tokens(1, 3), 60, session="s") == 3
-        assert off.release_hint("s") == 3
-        assert off.release_hint("s") == 0  # nothing live: no error, nothing released
+        assert off.hints.retain_for(tokens(1, 3), 60, session="s") == 3
+        assert off.hints.release("s") == 3
+        assert off.hints.release("s") == 0  # nothing live: no error, nothing released
         assert off.pool.num_retained == 0
         await scan(off, 10)
         assert await run(off, "b", [*tokens(1, 3), 8]) == 0
-        assert off.release_hint("never") == 0
+        assert off.hints.release("never") == 0
 
 
 async def test_a_later_hint_of_the_session_replaces_the_earlier_one() -> None:
     clock = Clock()
     async with offloader(clock, max_retained_fraction=0.5) as off:
         await run(off, "a", [*tokens(1, 3), 7])
-        assert off.retain_for(tokens(1, 3), 10, session="s") == 3
-        assert off.retain_for(tokens(1, 2), 100, session="s") == 2  # shorter, longer-lived
+        assert off.hints.retain_for(tokens(1, 3), 10, session="s") == 3
+        assert off.hints.retain_for(tokens(1, 2), 100, session="s") == 2  # shorter, longer-lived
         assert off.pool.num_retained == 2
         clock.now += 50
-        assert off.retain_for(tokens(1, 1), 1, session="other") == 1  # expiry runs first
+        assert off.hints.retain_for(tokens(1, 1), 1, session="other") == 1  # expiry runs first
         assert off.pool.num_retained == 2  # the replaced hint's deadline did nothing
         clock.now += 51
         off.store()
@@ -117,7 +120,7 @@ async def test_a_hint_is_cut_to_the_retention_bound_never_refused() -> None:
     async with offloader(clock, max_retained_fraction=0.25) as off:  # at most 4 blocks
         await run(off, "a", [*tokens(1, 6), 7])
         assert off.retain_prefix(tokens(1, 1), owner="sys") == 1
-        assert off.retain_for(tokens(1, 6), 10, session="s") == 4  # block 0 is shared
+        assert off.hints.retain_for(tokens(1, 6), 10, session="s") == 4  # block 0 is shared
         assert off.pool.num_retained == 4
         assert off.release_retained("sys") == 1  # the owners are apart
         assert off.pool.num_retained == 4
@@ -128,7 +131,7 @@ async def test_blocks_stored_after_the_hint_are_retained_at_a_later_store() -> N
     clock = Clock()
     async with offloader(clock, max_retained_fraction=0.5) as off:
         await run(off, "a", [*tokens(1, 2), 7])
-        assert off.retain_for(tokens(1, 4), 10, session="s") == 2  # blocks 2, 3 not stored
+        assert off.hints.retain_for(tokens(1, 4), 10, session="s") == 2  # blocks 2, 3 not stored
         await run(off, "b", [*tokens(1, 4), 7])  # stores them; the next store() retains
         off.store()
         assert off.pool.num_retained == 4
@@ -144,31 +147,32 @@ async def test_a_bad_retain_for_s_is_refused_naming_it(value: object) -> None:
     async with offloader(clock, max_retained_fraction=0.5) as off:
         await run(off, "a", [*tokens(1, 3), 7])
         with pytest.raises(InvalidInputError, match="retain_for_s must be"):
-            off.retain_for(tokens(1, 3), value, session="s")  # type: ignore[arg-type]
+            off.hints.retain_for(tokens(1, 3), value, session="s")  # type: ignore[arg-type]
         if value is not None:
-            with pytest.raises(InvalidInputError, match="request 'r': retain_for_s must be"):
-                off.request("r", tokens(1, 3), retain_for_s=value)  # type: ignore[arg-type]
             with off.request("q", tokens(1, 3)) as req:
                 with pytest.raises(InvalidInputError, match="request 'q': retain_for_s"):
                     req.finish(retain_for_s=value)  # type: ignore[arg-type]
                 assert not req.finished
         with pytest.raises(InputTypeError, match=r"session=\[1\] must be hashable"):
-            off.retain_for(tokens(1, 3), 5, session=[1])
+            off.hints.retain_for(tokens(1, 3), 5, session=[1])
         assert off.pool.num_retained == 0
         off.check_invariants()
 
 
-async def test_finish_gives_the_hint_and_overrides_the_requests() -> None:
+async def test_finish_gives_the_hint_for_the_request_id_by_default() -> None:
     clock = Clock()
     async with offloader(clock, max_retained_fraction=0.5) as off:
-        with off.request("a", [*tokens(1, 3), 7], retain_for_s=5, session="s") as req:
+        with off.request("a", [*tokens(1, 3), 7]) as req:
             req.advance(list(range(req.blocks_for(req.num_tokens))), req.num_tokens)
             off.store()
             await off.drain()
+            with pytest.raises(InputTypeError, match=r"session=\{\} must be hashable"):
+                req.finish(retain_for_s=5, session={})
+            assert not req.finished
             req.finish(retain_for_s=50)
-        assert off._session.hints.deadline("s") == clock.now + 50
+        assert off.hints.deadline("a") == clock.now + 50
         assert off.pool.num_retained == 3
-        assert off.release_hint("s") == 3
+        assert off.hints.release("a") == 3
 
 
 async def test_reset_ends_every_hint() -> None:
@@ -176,8 +180,8 @@ async def test_reset_ends_every_hint() -> None:
     async with offloader(clock, max_retained_fraction=0.5) as off:
         await run(off, "a", [*tokens(1, 3), 7], retain_for_s=10)
         assert await off.reset()
-        assert off._session.hints.sessions == ()
-        assert off.release_hint("agent") == 0
+        assert off.hints.sessions == ()
+        assert off.hints.release("agent") == 0
         off.check_invariants()
 
 

@@ -401,12 +401,11 @@ class CpuBlockPool:
     ) -> list[CpuBlock]:
         """Hold the leading run of published blocks for ``block_hashes`` for ``owner``
         (any hashable name, e.g. ``"system-prompt"``), one reference per owner and block,
-        until `release_retained(owner)`; return the run (`RetainedBlocks.retain`). With
-        ``fit``, a run over the bound is cut to the part that fits instead of refused.
+        until `release_retained(owner)`; return the run (`RetainedBlocks.retain`).
 
         Raises:
             InvalidInputError: it would hold more than ``max_retained_blocks`` distinct
-                blocks (not with ``fit``); nothing changed.
+                blocks (``fit``: the run is cut to fit instead); nothing changed.
         """
         return self._retained.retain(block_hashes, owner, self._cached.get, self.touch, fit=fit)
 
