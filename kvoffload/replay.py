@@ -48,7 +48,7 @@ __all__ = [
     "useful_capacity",
 ]
 
-REPLAY_SCHEMA_VERSION = 2
+REPLAY_SCHEMA_VERSION = 3
 """Version of the JSON `ReplayReport.to_json()` writes (``kvoffload replay --json``)."""
 
 

@@ -206,3 +206,14 @@ def test_hints_on_a_bare_pool_expire_lazily_on_their_clock() -> None:
     assert not hints
     assert pool.num_retained == 0
     pool.check_invariants()
+
+
+@pytest.mark.anyio(False)
+def test_the_worked_example_in_docs_hints_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    import re  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "hints.md").read_text()
+    (block,) = re.findall(r"^<!-- run -->\n```python\n(.*?)^```$", text, re.MULTILINE | re.DOTALL)
+    exec(compile(block, "docs/hints.md", "exec"), {"__name__": "docs_hints"})
+    assert "turn-2 loaded 12 tokens" in capsys.readouterr().out
