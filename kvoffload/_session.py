@@ -29,7 +29,9 @@ from kvoffload.errors import ClosedError, ForkedProcessError, WrongContextError
 from kvoffload.hashing import BlockHash, HashNamespace
 from kvoffload.launcher import TransferLauncher
 from kvoffload.pinner import GpuBlockPinner
+from kvoffload.pool.block import CpuBlock
 from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
+from kvoffload.pool.hints import RetentionHints
 from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.tiers.manager import TierManager
@@ -169,6 +171,7 @@ class Session(Lifecycle):
         "_plan",
         "built",
         "engine",
+        "hints",
         "host",
         "launcher",
         "pool",
@@ -203,6 +206,8 @@ class Session(Lifecycle):
         self.launcher: TransferLauncher
         self.built = False
         """Whether `pool`, `scheduler` and `launcher` exist."""
+        self.hints = RetentionHints(self._hint_retain, self._hint_release)
+        """The session hints (``retain_for_s``), retained through the scheduler's ledger."""
         if plan.builds_inline:
             self.build()
 
@@ -291,6 +296,7 @@ class Session(Lifecycle):
         flight and wait for them; whether nothing is cached or in flight on return."""
         self.check("reset")
         self.scheduler.reset()
+        self.hints.clear()  # the reset released every retained block
         if self.tiers is not None:
             self.tiers.reset()
         launcher = self.launcher
@@ -357,6 +363,10 @@ class Session(Lifecycle):
         """`KVOffloader.store()`: plan this step's stores and launch them as one transfer;
         the holds that ended are unpinned whatever happens."""
         engine = self.check("store")
+        hints = self.hints
+        if hints:  # lazy expiry; nothing to do while no hint is live
+            hints.expire()
+            hints.retry()
         plan = self.scheduler.plan_stores(gpu_cache)
         try:
             if plan is None:
@@ -373,6 +383,26 @@ class Session(Lifecycle):
     def release_retained(self, owner: Hashable) -> int:
         """`KVOffloader.release_retained()`."""
         self.check("release_retained")
+        return self.scheduler.ledger.release_retained(owner)
+
+    def retain_for(
+        self, block_hashes: Sequence[BlockHash], retain_for_s: float, session: Hashable
+    ) -> int:
+        """`KVOffloader.retain_for()` of a hashed prompt: how many blocks are retained now."""
+        self.check("retain_for")
+        return self.hints.hint(session, block_hashes, retain_for_s)
+
+    def release_hint(self, session: Hashable) -> int:
+        """`KVOffloader.release_hint()`."""
+        self.check("release_hint")
+        return self.hints.release(session)
+
+    def _hint_retain(
+        self, block_hashes: Sequence[BlockHash], owner: Hashable, fit: bool
+    ) -> list[CpuBlock]:
+        return self.scheduler.ledger.retain(block_hashes, owner, fit=fit)
+
+    def _hint_release(self, owner: Hashable) -> int:
         return self.scheduler.ledger.release_retained(owner)
 
     def take_events(self) -> list[PoolEvent]:

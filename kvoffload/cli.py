@@ -28,7 +28,7 @@ from kvoffload.bench._args import parse_int_list
 
 # Start-up stays light: ``--version`` and ``--help`` import only what the option help
 # needs (none of it imports torch); each command imports its machinery when it runs.
-from kvoffload.bench.tracegen import PRIORITY_SHAPES, SHAPES
+from kvoffload.bench.tracegen import HINT_SHAPES, PRIORITY_SHAPES, SHAPES
 from kvoffload.pool.policies import POLICY_NAMES
 from kvoffload.pool.policies.admission import ADMISSION_HELP, parse_admission
 
@@ -262,6 +262,20 @@ def cli() -> None:
     callback=_output,
     help="Draw hit rate against capacity (the suffix picks the format: .png, .svg, .pdf).",
 )
+@click.option(
+    "--explain",
+    is_flag=True,
+    help="Split each policy's misses into cold (first use), capacity (evicted, then "
+    "needed again) and other; with --plot, also draws them to PLOT-misses.SUFFIX.",
+)
+@click.option(
+    "--max-retained-fraction",
+    "retained_fraction",
+    default=0.1,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    help="The share of the pool retention hints (a trace's retain_for_s) may hold.",
+)
 @_json_option
 @_progress_option
 def replay(
@@ -271,6 +285,8 @@ def replay(
     policies: list[str],
     admission: str,
     plot: str | None,
+    explain: bool,
+    retained_fraction: float,
     json_out: str | None,
     progress: bool,
 ) -> None:
@@ -279,16 +295,26 @@ def replay(
     Prints the prefix hit rate per capacity and policy next to the optimal bound
     (Belady: evict the block used farthest in the future) and the infinite-capacity
     ceiling. A capacity above what the trace can use (its distinct blocks plus its
-    longest request) replays with that many blocks, and the table says so.
+    longest request) replays with that many blocks, and the table says so. A trace
+    whose requests give retention hints (retain_for_s, e.g. synth-trace agent) is
+    replayed without and with them, side by side.
     """
     from kvoffload.replay import run_replay  # noqa: PLC0415 (keep start-up light)
 
     if plot is not None:
         _plot_format(plot)
     data = _load(trace)
-    total = len(data.requests) * len(capacity) * len(policies)
+    total = len(data.requests) * len(capacity) * len(policies) * (2 if data.hints else 1)
     with _progress(progress, total, "replaying") as advance:
-        report = run_replay(data, capacity, policies, admission, on_progress=advance)
+        report = run_replay(
+            data,
+            capacity,
+            policies,
+            admission,
+            explain=explain,
+            retained_fraction=retained_fraction,
+            on_progress=advance,
+        )
     if json_out is not None:
         _write_json(json_out, report.to_json())
     if json_out != "-":
@@ -298,6 +324,10 @@ def replay(
             len(r.by_priority) > 1 or r.by_priority[0].priority for r in report.rows[0].results
         ):
             console.print(_priority_table(report))
+        if report.rows and report.rows[0].hinted:
+            console.print(_hints_table(report))
+        if explain:
+            console.print(_misses_table(report))
         capped = [row.capacity for row in report.rows if row.pool_blocks < row.capacity]
         if capped:
             click.echo(
@@ -307,6 +337,78 @@ def replay(
             )
     if plot is not None:
         _plot(report, Path(plot))
+        if explain:
+            _plot_misses(report, Path(plot))
+
+
+def _hints_table(report: ReplayReport) -> Table:
+    from rich.table import Table  # noqa: PLC0415 (keep start-up light)
+
+    table = Table(title="prefix hit rate without and with retention hints", title_justify="left")
+    for name in ("capacity", "policy", "no hints", "hints", "change"):
+        table.add_column(name, justify="right")
+    for row in report.rows:
+        for plain, hinted in zip(row.results, row.hinted, strict=True):
+            table.add_row(
+                f"{row.capacity:,}",
+                plain.policy,
+                f"{plain.hit_rate:.4f}",
+                f"{hinted.hit_rate:.4f}",
+                f"{hinted.hit_rate - plain.hit_rate:+.4f}",
+            )
+    return table
+
+
+def _misses_table(report: ReplayReport) -> Table:
+    from rich.table import Table  # noqa: PLC0415 (keep start-up light)
+
+    table = Table(
+        title="missed blocks by cause: cold (first use), capacity (evicted, then needed "
+        "again), other",
+        title_justify="left",
+    )
+    for name in ("capacity", "policy", "cold", "capacity misses", "other", "miss rate"):
+        table.add_column(name, justify="right")
+    for row in report.rows:
+        for r in (*row.results, *row.hinted):
+            m = r.misses
+            if m is None:
+                continue
+            table.add_row(
+                f"{row.capacity:,}",
+                r.policy + (" +hints" if r.hinted else ""),
+                f"{m.cold:,}",
+                f"{m.capacity:,}",
+                f"{m.other:,}",
+                f"{(m.cold + m.capacity + m.other) / report.blocks:.4f}",
+            )
+    return table
+
+
+def _plot_misses(report: ReplayReport, path: Path) -> None:
+    """Stacked bars per capacity and policy: cold, capacity and other misses."""
+    plt = _matplotlib()
+    path = path.with_name(f"{path.stem}-misses{path.suffix}")
+    results = [(row.capacity, r) for row in report.rows for r in (*row.results, *row.hinted)]
+    labels = [f"{r.policy}{'+h' if r.hinted else ''}\n{c:,}" for c, r in results]
+    x = list(range(len(results)))
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.5 * len(x)), 4.5))
+    bottom = [0.0] * len(x)
+    for part in ("cold", "capacity", "other"):
+        values = [getattr(r.misses, part) / report.blocks if r.misses else 0.0 for _, r in results]
+        ax.bar(x, values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_xticks(x, labels, fontsize="x-small")
+    ax.set_ylabel("missed blocks / block accesses")
+    ax.set_title(f"{Path(report.trace).name}: misses by cause, per policy and capacity")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as exc:
+        raise click.FileError(str(path), hint=exc.strerror or str(exc)) from None
+    finally:
+        plt.close(fig)
 
 
 def _replay_table(report: ReplayReport) -> Table:
@@ -529,27 +631,33 @@ def size(
 
 
 @cli.command("synth-trace")
-@click.argument("shape", type=click.Choice(SHAPES + PRIORITY_SHAPES))
+@click.argument("shape", type=click.Choice(SHAPES + PRIORITY_SHAPES + HINT_SHAPES))
 @click.argument("out", callback=_output, metavar="OUT")
 @click.option("--requests", default=4000, show_default=True, type=click.IntRange(1, 10_000_000))
 @click.option("--seed", default=0, show_default=True, type=int, help="Same seed, same trace.")
 @_json_option
 def synth_trace(*, shape: str, out: str, requests: int, seed: int, json_out: str | None) -> None:
-    """Write a seeded synthetic trace of a SHAPE (chat, rag, scan, loop, system) to OUT.
+    """Write a seeded synthetic trace of a SHAPE (chat, rag, scan, loop, system, agent) to OUT.
 
     The traces have the Mooncake format, so ``kvoffload replay`` compares policies on
     reuse shapes other than one recorded trace's. ``system`` carries a priority per
-    request: shared system prompts at 1, one-off tails at 0.
+    request: shared system prompts at 1, one-off tails at 0. ``agent`` carries sessions
+    whose context grows each turn, tool pauses of varying length, timestamps and a
+    retention hint (retain_for_s) on each turn but a session's last.
     """
-    from kvoffload.bench.tracegen import generate, generate_system, write_trace  # noqa: PLC0415
+    from kvoffload.bench import tracegen  # noqa: PLC0415
 
     priorities: list[int] | None = None
+    agent = None
     if shape == "system":
-        blocks, priorities = generate_system(requests, seed)
+        blocks, priorities = tracegen.generate_system(requests, seed)
+    elif shape == "agent":
+        agent = tracegen.generate_agent(requests, seed)
+        blocks = agent.requests
     else:
-        blocks = generate(shape, requests, seed)
+        blocks = tracegen.generate(shape, requests, seed)
     try:
-        write_trace(out, blocks, priorities=priorities)
+        tracegen.write_trace(out, blocks, priorities=priorities, agent=agent)
     except OSError as exc:
         raise click.FileError(out, hint=exc.strerror or str(exc)) from None
     summary = {

@@ -23,6 +23,7 @@ from kvoffload.build import POOL_BOOKKEEPING_BYTES_PER_BLOCK
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import InvalidInputError
 from kvoffload.hashing import BlockHash, HashNamespace, hash_prompt
+from kvoffload.hints import SessionHints
 from kvoffload.pinner import GpuBlockPinner
 from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
 from kvoffload.request import OffloadRequest
@@ -155,6 +156,11 @@ class KVOffloader:
         return self._life.tiers
 
     @property
+    def hints(self) -> SessionHints:
+        """Session hints: retain for a pause, release, prefetch (docs/hints.md)."""
+        return SessionHints(self, _single(self, "hints"))
+
+    @property
     def groups(self) -> tuple[KVCacheGroup, ...] | None:
         """The KV cache groups of a multi-group offloader (``None``: one group)."""
         return self._groups.groups if self._groups is not None else None
@@ -242,21 +248,14 @@ class KVOffloader:
         )
 
     def retain_prefix(self, token_ids: Sequence[int], *, owner: Hashable) -> int:
-        """Keep the leading run of a prompt's full blocks that is stored in the CPU pool
-        now (a system prompt) from eviction until `release_retained(owner)` or `reset()`;
-        return how many blocks that is. A block not stored yet, and every one after it,
-        is not retained (store, then call again); docs/policies.md, "Retention priorities".
-
-        Raises:
-            InvalidInputError: over ``max_retained_fraction`` (nothing is retained).
-            InputTypeError: ``token_ids`` not a sequence of ints, ``owner`` not hashable.
-        """
-        return _single(self, "retain_prefix").retain(self.hash_prompt(token_ids), owner)
+        """`SessionHints.retain_prefix()`: keep a stored prefix until released."""
+        return SessionHints(self, _single(self, "retain_prefix")).retain_prefix(
+            token_ids, owner=owner
+        )
 
     def release_retained(self, owner: Hashable) -> int:
-        """Let the blocks `retain_prefix()` kept for ``owner`` be evicted again; return
-        how many. Raises `InvalidInputError` if ``owner`` retains nothing."""
-        return _single(self, "release_retained").release_retained(owner)
+        """`SessionHints.release_retained()`."""
+        return SessionHints(self, _single(self, "release_retained")).release_retained(owner)
 
     # -- the engine's step loop ----------------------------------------------------------------
 

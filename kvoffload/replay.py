@@ -25,12 +25,15 @@ from typing import Any, final
 from kvoffload.bench.trace import HASH_ID_MAX, HASH_ID_MIN, read_trace, useful_capacity
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
+from kvoffload.pool.hints import RetentionHints
 from kvoffload.pool.policies import POLICY_NAMES, STATIC_POLICY_NAMES, make_policy
 from kvoffload.pool.policies.admission import make_admission
+from kvoffload.pool.priority import DEFAULT_RETAINED_FRACTION, default_max_retained
 
 __all__ = [
     "REPLAY_SCHEMA_VERSION",
     "CapacityRow",
+    "MissSplit",
     "PolicyResult",
     "PriorityHits",
     "ReplayReport",
@@ -45,7 +48,7 @@ __all__ = [
     "useful_capacity",
 ]
 
-REPLAY_SCHEMA_VERSION = 2
+REPLAY_SCHEMA_VERSION = 3
 """Version of the JSON `ReplayReport.to_json()` writes (``kvoffload replay --json``)."""
 
 
@@ -59,11 +62,14 @@ class Trace:
         requests: block ids per request.
         priorities: per request its retention priority; empty when the trace carries
             none (every request 0).
+        hints: per request ``(arrival in seconds, session, retain_for_s)``; empty when
+            the trace gives no retention hint (docs/hints.md).
     """
 
     path: str
     requests: tuple[tuple[int, ...], ...]
     priorities: tuple[int, ...] = ()
+    hints: tuple[tuple[float, str | None, float | None], ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -90,10 +96,14 @@ def load_trace(path: str | Path) -> Trace:
         raise FileNotFoundError(f"trace file not found: {path}")
     records = list(read_trace(path))
     priorities = tuple(r.priority for r in records)
+    hinted = any(r.retain_for_s is not None for r in records)
     return Trace(
         str(path),
         tuple(r.hash_ids for r in records),
         priorities if any(priorities) else (),
+        tuple((r.timestamp_ms / 1000, r.session, r.retain_for_s) for r in records)
+        if hinted
+        else (),
     )
 
 
@@ -150,6 +160,8 @@ class PolicyResult:
         evictions: published blocks the pool evicted.
         by_priority: hits per request priority, lowest first (one entry, priority 0,
             for a trace without priorities).
+        misses: with ``explain``, the missed blocks split by cause (`MissSplit`).
+        hinted: whether the trace's retention hints were honoured.
     """
 
     policy: str
@@ -159,6 +171,27 @@ class PolicyResult:
     refused_blocks: int
     evictions: int
     by_priority: tuple[PriorityHits, ...] = ()
+    misses: MissSplit | None = None
+    hinted: bool = False
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class MissSplit:
+    """A policy's missed blocks (accesses past each request's prefix hit), by cause.
+
+    Attributes:
+        cold: the block's first use in the trace: no cache could have hit it.
+        capacity: the block was stored before and evicted since: a larger pool (or a
+            better policy) would have hit it.
+        other: the rest: the block was stored and is still cached but lies past the
+            request's first missing block (a prefix hit stops there), or it was seen
+            but never stored (admission refused it, or no block was free).
+    """
+
+    cold: int
+    capacity: int
+    other: int
 
 
 def replay_pool(
@@ -168,9 +201,18 @@ def replay_pool(
     admission: str = "always",
     *,
     priorities: Sequence[int] | None = None,
+    hints: Sequence[tuple[float, str | None, float | None]] | None = None,
+    retained_fraction: float = DEFAULT_RETAINED_FRACTION,
+    explain: bool = False,
     on_progress: Callable[[int], None] | None = None,
 ) -> PolicyResult:
     """Replay a trace through a `CpuBlockPool` of ``capacity`` blocks.
+
+    With ``hints`` (``Trace.hints``), a request that gives ``retain_for_s`` retains its
+    blocks for its session (`RetentionHints`, in trace time, within
+    ``retained_fraction`` of the pool) after it ran; a later hint of the session replaces
+    it, and it ends by itself at its deadline. Entries without ``retain_for_s`` change
+    nothing: a trace whose hints are never given replays exactly as without ``hints``.
 
     A request's priority goes to the blocks it touches (hits) and publishes (stores), so
     the pool evicts the blocks of lower-priority requests first.
@@ -185,6 +227,11 @@ def replay_pool(
         admission: an admission spec (``"always"``, ``"seen_twice"``, ``"seen:N[:W]"``).
         priorities: per request its priority (a `Trace` brings its own); ``None`` or
             empty: every request 0.
+        hints: per request ``(arrival in seconds, session, retain_for_s)``; ``None`` or
+            empty: no hints (a `Trace`'s are used only when passed here).
+        retained_fraction: the share of the pool hints may retain (as
+            ``OffloadConfig.max_retained_fraction``).
+        explain: split the misses by cause (`PolicyResult.misses`).
         on_progress: called with the number of requests replayed since the last call.
 
     Raises:
@@ -198,8 +245,23 @@ def replay_pool(
         priorities = trace.priorities
     if priorities and len(priorities) != len(requests):
         raise ValueError(f"{len(priorities)} priorities for {len(requests)} requests")
+    if hints and len(hints) != len(requests):
+        raise ValueError(f"{len(hints)} hints for {len(requests)} requests")
     capacity = min(capacity, useful_capacity(requests))
-    pool = CpuBlockPool(capacity, policy=make_policy(policy))
+    pool = CpuBlockPool(
+        capacity,
+        policy=make_policy(policy),
+        max_retained_blocks=default_max_retained(capacity, retained_fraction),
+    )
+    held_hints = (
+        RetentionHints(lambda h, o, fit: pool.retain(h, owner=o, fit=fit), pool.release_retained)
+        if hints
+        else None
+    )
+    seen: set[BlockHash] = set()
+    ever_stored: set[BlockHash] = set()
+    cold = capacity_misses = other = 0
+    is_cached = pool.is_cached
     admit = make_admission(admission).admit
     always = admission.strip().lower() == "always"
     lookup, touch, allocate, publish, free = (
@@ -214,10 +276,21 @@ def replay_pool(
     tally: dict[int, list[int]] = {}  # priority -> [requests, blocks, hits]
     for i, keys in enumerate(requests):
         p = priorities[i] if priorities else 0
+        if held_hints is not None:
+            held_hints.expire(hints[i][0])  # type: ignore[index]
         found = lookup(keys)
         h = len(found)
         touch(found, priority=p)
         missing = keys[h:]
+        if explain:
+            for key in missing:
+                if key not in seen:
+                    cold += 1
+                elif key in ever_stored and not is_cached(key):
+                    capacity_misses += 1
+                else:
+                    other += 1
+            seen.update(missing)
         if not always:
             wanted = [k for k in missing if admit(k)]
             refused += len(missing) - len(wanted)
@@ -227,9 +300,17 @@ def replay_pool(
         for block, key in zip(new, missing[:k], strict=True):
             if publish(block, key, priority=p):
                 stored += 1
+                if explain:
+                    ever_stored.add(key)
         held = found + new
         held.reverse()
         free(held)
+        if held_hints is not None:
+            at, session, retain_for_s = hints[i]  # type: ignore[index]
+            if retain_for_s is not None:
+                held_hints.hint(
+                    session if session is not None else f"#{i}", keys, retain_for_s, now=at
+                )
         total += len(keys)
         hits += h
         row = tally.get(p)
@@ -254,6 +335,8 @@ def replay_pool(
         by_priority=tuple(
             PriorityHits(p, r, b, x, x / b if b else 0.0) for p, (r, b, x) in sorted(tally.items())
         ),
+        misses=MissSplit(cold, capacity_misses, other) if explain else None,
+        hinted=bool(hints),
     )
 
 
@@ -378,6 +461,8 @@ class CapacityRow:
         best_static_policy: the static policy (any but ``"adaptive"``) with the highest
             hit rate among those replayed (the first one on a tie), ``None`` if none was.
         best_static_hit_rate: its hit rate, ``None`` if none was replayed.
+        hinted: for a trace with retention hints, each policy again honouring them (in
+            the order of ``results``); empty otherwise.
     """
 
     capacity: int
@@ -386,6 +471,7 @@ class CapacityRow:
     pool_blocks: int
     best_static_policy: str | None = None
     best_static_hit_rate: float | None = None
+    hinted: tuple[PolicyResult, ...] = ()
 
 
 @final
@@ -426,16 +512,24 @@ def run_replay(
     policies: Sequence[str] = POLICY_NAMES,
     admission: str = "always",
     *,
+    explain: bool = False,
+    retained_fraction: float = DEFAULT_RETAINED_FRACTION,
     on_progress: Callable[[int], None] | None = None,
 ) -> ReplayReport:
     """Replay ``trace`` with each policy at each capacity, plus the references.
+
+    A trace with retention hints (``Trace.hints``) is replayed twice per policy and
+    capacity, without and with them (`CapacityRow.hinted`), side by side.
 
     Args:
         trace: the trace.
         capacities: pool sizes in blocks.
         policies: registered policy names.
         admission: the admission spec for every policy.
-        on_progress: called with requests replayed (policies x capacities x requests in all).
+        explain: split each policy's misses by cause (`MissSplit`).
+        retained_fraction: the share of the pool hints may retain.
+        on_progress: called with requests replayed (policies x capacities x requests in
+            all, twice with hints).
 
     Raises:
         ConfigError: unknown policy or admission spec (checked before anything runs).
@@ -461,9 +555,25 @@ def run_replay(
                 name,
                 admission,
                 priorities=trace.priorities,
+                explain=explain,
                 on_progress=on_progress,
             )
             for name in policies
+        )
+        hinted = tuple(
+            replay_pool(
+                keys,
+                capacity,
+                name,
+                admission,
+                priorities=trace.priorities,
+                hints=trace.hints,
+                retained_fraction=retained_fraction,
+                explain=explain,
+                on_progress=on_progress,
+            )
+            for name in policies
+            if trace.hints
         )
         optimal = optimal_hits(trace.requests, capacity)
         static = [r for r in results if r.policy in STATIC_POLICY_NAMES]
@@ -476,6 +586,7 @@ def run_replay(
                 min(capacity, useful),
                 best.policy if best is not None else None,
                 best.hit_rate if best is not None else None,
+                hinted,
             )
         )
     ceiling = ceiling_hits(trace.requests)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, final, overload
 
@@ -33,6 +33,8 @@ from kvoffload.errors import (
     RequestStateError,
 )
 from kvoffload.hashing import BlockHash, BlockHasher, check_token_sequence
+from kvoffload.pool.hints import check_retain_for_s
+from kvoffload.pool.retention import check_owner
 from kvoffload.request_checks import as_int, check_prefix, computed_past_tokens
 from kvoffload.request_tables import BlockTableArithmetic, blocks_for, table_slice
 from kvoffload.transfer.task import _NoPublicConstructor
@@ -83,6 +85,15 @@ class _StepCalls(Protocol):
     def preempt(self, request_id: str) -> None: ...
 
     def finish(self, request_id: str) -> None: ...
+
+    @property
+    def hints(self) -> _Hints: ...
+
+
+class _Hints(Protocol):
+    def retain_hashes_for(
+        self, block_hashes: Sequence[BlockHash], retain_for_s: float, session: Hashable
+    ) -> int: ...
 
 
 def hash_new_blocks(
@@ -530,9 +541,15 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         self._engine_prefix = 0
         self._num_computed = 0
 
-    def finish(self) -> None:
+    def finish(self, *, retain_for_s: float | None = None, session: Hashable = None) -> None:
         """End the request: nothing more is stored for it, its lookup pin is released and
         its id is given up (ids are never reused).
+
+        With ``retain_for_s`` (a session hint, docs/hints.md), the request's full blocks,
+        prompt and generated, are then retained for that many seconds for ``session``
+        (default: the request id), as `SessionHints.retain_for()` does: an agent pausing
+        for a tool call finds its context again. A bad hint is refused before anything
+        changes.
 
         Its stores in flight complete on their own. Idempotent only through the context
         manager; a second call raises.
@@ -547,8 +564,20 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
             RequestStateError: already finished (also through `KVOffloader.finish()`).
             PinnerError: see above; the request is finished.
             ClosedError: see above; the request is finished.
+            InvalidInputError: a bad ``retain_for_s``, or one with several KV cache
+                groups (hints are single-group); nothing changed.
+            InputTypeError: ``session`` is not hashable; nothing changed.
         """
         self._state.check("finish", self._request_id)
+        if retain_for_s is not None:
+            retain_for_s = check_retain_for_s(retain_for_s, self._who)
+            session = self._request_id if session is None else session
+            check_owner(session, "session")
+            if self._lanes is not None:
+                raise InvalidInputError(
+                    f"{self._who}retain_for_s={retain_for_s!r} with several KV cache "
+                    "groups: session hints are single-group for now"
+                )
         try:
             self._off.finish(self._request_id)
         except (PinnerError, ClosedError, RequestStateError):
@@ -557,3 +586,5 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
             self._state = self._state.to(HandleState.FINISHED, self._request_id)
             raise
         self._state = self._state.to(HandleState.FINISHED, self._request_id)
+        if retain_for_s is not None:
+            self._off.hints.retain_hashes_for(self._hashes, retain_for_s, session)

@@ -92,7 +92,7 @@ def test_tables_are_not_cut_when_output_is_not_a_terminal(
 def test_replay_json_to_stdout_is_only_json(tiny: Path) -> None:
     code, out = invoke("replay", str(tiny), "--capacity", "4", "--json", "-", "--no-progress")
     assert code == 0
-    assert json.loads(out)["schema_version"] == 2
+    assert json.loads(out)["schema_version"] == 3
 
 
 def test_replay_plot(tiny: Path, tmp_path: Path) -> None:

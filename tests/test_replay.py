@@ -192,7 +192,9 @@ def test_report_json_schema(tmp_path: Path) -> None:
             "best_static_policy",
             "best_static_hit_rate",
             "pool_blocks",
+            "hinted",
         }
+        assert not row["hinted"]  # the trace gives no retention hint
         best = max(row["results"], key=lambda r: r["hit_rate"])
         assert (row["best_static_policy"], row["best_static_hit_rate"]) == (
             best["policy"],
@@ -208,7 +210,10 @@ def test_report_json_schema(tmp_path: Path) -> None:
                 "refused_blocks",
                 "evictions",
                 "by_priority",
+                "misses",
+                "hinted",
             }
+            assert (r["misses"], r["hinted"]) == (None, False)
             assert [p["priority"] for p in r["by_priority"]] == [0]
             assert 0 <= r["hit_rate"] <= row["optimal_hit_rate"] + 1e-12 or row["capacity"] == 2
     assert data["rows"][1]["optimal_hit_rate"] == pytest.approx(0.5)

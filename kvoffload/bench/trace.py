@@ -62,6 +62,9 @@ class TraceRequest:
         output_length: generated tokens.
         hash_ids: one id per prompt block, in prefix order; equal prefixes share ids.
         priority: the request's retention priority (optional field, 0 when absent).
+        session: the session (an agent's conversation) it belongs to (optional field).
+        retain_for_s: a session hint: keep this request's blocks for that many seconds
+            of trace time after it (optional field; docs/hints.md).
     """
 
     timestamp_ms: float
@@ -69,6 +72,8 @@ class TraceRequest:
     output_length: int
     hash_ids: tuple[int, ...]
     priority: int = 0
+    session: str | None = None
+    retain_for_s: float | None = None
 
 
 def _shown(value: Any) -> str:
@@ -115,7 +120,23 @@ def _record(line: _Line, rec: Any) -> TraceRequest:
     priority = rec.get("priority", 0)
     if type(priority) is not int or not 0 <= priority <= PRIORITY_MAX:
         line.fail("priority", f"expected an integer in [0, {PRIORITY_MAX}], got {_shown(priority)}")
-    return TraceRequest(float(ts), input_length, output_length, tuple(raw), priority)
+    session = rec.get("session")
+    if session is not None and type(session) is not str:
+        line.fail("session", f"expected a string, got {_shown(session)}")
+    hint = rec.get("retain_for_s")
+    if hint is not None and (
+        type(hint) not in (int, float) or not math.isfinite(hint) or hint <= 0
+    ):
+        line.fail("retain_for_s", f"expected a number of seconds > 0, got {_shown(hint)}")
+    return TraceRequest(
+        float(ts),
+        input_length,
+        output_length,
+        tuple(raw),
+        priority,
+        session,
+        float(hint) if hint is not None else None,
+    )
 
 
 def read_trace(path: str | Path, *, limit: int | None = None) -> Iterator[TraceRequest]:

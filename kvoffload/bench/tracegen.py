@@ -11,6 +11,10 @@ single one. Each shape stresses something else:
   one-off prompts: rewards scan resistance.
 * ``loop``: a fixed set of prompts asked in a cycle: the case where LRU keeps nothing when
   the cycle does not fit.
+* ``agent`` (`generate_agent`): many agent sessions whose context grows each turn, with a
+  tool call of varying length between turns, among one-off requests; each turn but the
+  last carries its session and a retention hint (``retain_for_s``: the longest its tool
+  may take), with timestamps, so ``kvoffload replay`` compares hits with and without hints.
 
 Block ids are assigned the way Mooncake's ``hash_ids`` are: two requests share ids exactly
 as long as their prefixes agree.
@@ -20,14 +24,101 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PRIORITY_SHAPES", "SHAPES", "generate", "generate_system", "write_trace"]
+__all__ = [
+    "HINT_SHAPES",
+    "PRIORITY_SHAPES",
+    "SHAPES",
+    "AgentTrace",
+    "generate",
+    "generate_agent",
+    "generate_system",
+    "write_trace",
+]
 
 SHAPES = ("chat", "rag", "scan", "loop")
 PRIORITY_SHAPES = ("system",)
 """Shapes whose requests carry priorities (`generate_system`); not among `SHAPES`."""
+HINT_SHAPES = ("agent",)
+"""Shapes whose requests carry sessions and retention hints (`generate_agent`)."""
+
+_TOOLS = ((1.0, 5.0, 0.5), (10.0, 40.0, 0.35), (60.0, 240.0, 0.15))
+"""Agent tools: (shortest, longest call in seconds, share of calls)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AgentTrace:
+    """An ``agent`` trace: per request its block ids, arrival (ms), session (``None``: a
+    one-off request) and retention hint in seconds (``None``: none given)."""
+
+    requests: list[list[int]]
+    timestamps_ms: list[float]
+    sessions: list[str | None]
+    retain_for_s: list[float | None]
+
+
+def generate_agent(num_requests: int, seed: int = 0) -> AgentTrace:
+    """An ``agent`` trace of ``num_requests`` requests.
+
+    Sessions start about every 2 s; each runs 2 to 12 turns on a shared tool preamble (one
+    of 4, 8 to 16 blocks), adding 2 to 12 blocks (the tool's output and the model's
+    answer) each turn. Between turns a tool call lasts 1-5 s (half of the calls), 10-40 s
+    or 60-240 s; each turn but the last hints ``retain_for_s`` = the longest its tool may
+    take. One-off requests of 20 to 80 blocks arrive about 3 times a second among them
+    (they carry no session and no hint).
+
+    Raises:
+        ValueError: ``num_requests`` below 1.
+    """
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    rng = random.Random(f"agent:{seed}")
+    ids = _Ids()
+    preambles = [
+        ids.chain(-1, [10**9 + i * 1000 + j for j in range(rng.randint(8, 16))]) for i in range(4)
+    ]
+    events: list[tuple[float, list[int], str | None, float | None]] = []
+    t = 0.0
+    s = q = 0
+    while len(events) < num_requests * 2:
+        t += rng.expovariate(0.5)
+        s += 1
+        context = rng.choice(preambles)
+        at = t
+        turns = rng.randint(2, 12)
+        for turn in range(turns):
+            q += 1
+            context = context + ids.chain(
+                context[-1], [q * 1000 + j for j in range(rng.randint(2, 12))]
+            )
+            low, high, _ = rng.choices(_TOOLS, [w for _, _, w in _TOOLS])[0]
+            hint = high if turn < turns - 1 else None
+            events.append((at, context, f"s{s}", hint))
+            at += rng.uniform(1.0, 4.0) + rng.uniform(low, high)
+    horizon = t
+    u = 0.0
+    while u < horizon:
+        u += rng.expovariate(3.0)
+        q += 1
+        events.append(
+            (
+                u,
+                ids.chain(-1, [-(q * 1000 + j) - 1 for j in range(rng.randint(20, 80))]),
+                None,
+                None,
+            )
+        )
+    events.sort(key=lambda e: e[0])
+    events = events[:num_requests]
+    return AgentTrace(
+        [e[1] for e in events],
+        [round(e[0] * 1000, 3) for e in events],
+        [e[2] for e in events],
+        [e[3] for e in events],
+    )
 
 
 class _Ids:
@@ -160,19 +251,30 @@ def write_trace(
     requests: list[list[int]],
     block_tokens: int = 512,
     priorities: list[int] | None = None,
+    *,
+    agent: AgentTrace | None = None,
 ) -> None:
     """Write ``requests`` as a Mooncake-format trace (one arrival every 100 ms).
 
-    With ``priorities``, each line also carries its request's ``priority``.
+    With ``priorities``, each line also carries its request's ``priority``. With
+    ``agent`` (whose ``requests`` these are), the arrivals are its timestamps and each
+    line of a session carries ``session`` and, when hinted, ``retain_for_s``.
     """
+    stamps: Sequence[float] = (
+        agent.timestamps_ms if agent is not None else [i * 100 for i in range(len(requests))]
+    )
     with Path(path).open("w", encoding="utf-8") as fh:
         for i, blocks in enumerate(requests):
             record: dict[str, object] = {
-                "timestamp": i * 100,
+                "timestamp": stamps[i],
                 "input_length": len(blocks) * block_tokens,
                 "output_length": 64,
                 "hash_ids": blocks,
             }
             if priorities is not None:
                 record["priority"] = priorities[i]
+            if agent is not None and agent.sessions[i] is not None:
+                record["session"] = agent.sessions[i]
+                if agent.retain_for_s[i] is not None:
+                    record["retain_for_s"] = agent.retain_for_s[i]
             fh.write(json.dumps(record) + "\n")

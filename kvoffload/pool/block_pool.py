@@ -396,16 +396,18 @@ class CpuBlockPool:
 
     # -- retention ---------------------------------------------------------------------------
 
-    def retain(self, block_hashes: Iterable[BlockHash], *, owner: Hashable) -> list[CpuBlock]:
+    def retain(
+        self, block_hashes: Iterable[BlockHash], *, owner: Hashable, fit: bool = False
+    ) -> list[CpuBlock]:
         """Hold the leading run of published blocks for ``block_hashes`` for ``owner``
         (any hashable name, e.g. ``"system-prompt"``), one reference per owner and block,
         until `release_retained(owner)`; return the run (`RetainedBlocks.retain`).
 
         Raises:
             InvalidInputError: it would hold more than ``max_retained_blocks`` distinct
-                blocks; nothing changed.
+                blocks (``fit``: the run is cut to fit instead); nothing changed.
         """
-        return self._retained.retain(block_hashes, owner, self._cached.get, self.touch)
+        return self._retained.retain(block_hashes, owner, self._cached.get, self.touch, fit=fit)
 
     def release_retained(self, owner: Hashable) -> int:
         """Drop every reference `retain()` took for ``owner``; return how many blocks.

@@ -19,16 +19,18 @@ if TYPE_CHECKING:
     from kvoffload.hashing import BlockHash
     from kvoffload.pool.block import CpuBlock
 
-__all__ = ["RetainedBlocks"]
+__all__ = ["RetainedBlocks", "check_owner"]
 
 
-def _check_owner(owner: object) -> None:
-    """Refuse an owner that cannot key the records (a list, a dict)."""
+def check_owner(owner: object, name: str = "owner") -> None:
+    """Refuse an owner that cannot key the records (a list, a dict); the message names
+    the argument ``name``."""
     try:
         hash(owner)
     except TypeError:
         raise InputTypeError(
-            f"owner={owner!r} must be hashable (a str, an int, a tuple), got {type(owner).__name__}"
+            f"{name}={owner!r} must be hashable (a str, an int, a tuple), "
+            f"got {type(owner).__name__}"
         ) from None
 
 
@@ -83,6 +85,8 @@ class RetainedBlocks:
         owner: Hashable,
         get: Callable[[BlockHash], CpuBlock | None],
         touch: Callable[[list[CpuBlock]], None],
+        *,
+        fit: bool = False,
     ) -> list[CpuBlock]:
         """`CpuBlockPool.retain()`: hold the leading run of ``block_hashes`` that ``get``
         finds, taking one reference with ``touch`` on each block ``owner`` does not hold
@@ -93,24 +97,46 @@ class RetainedBlocks:
         Hashes past the first one not published are ignored: a prefix hit cannot reach
         them. The pool's lookup counters are not changed.
 
+        With ``fit``, a run that would exceed the bound is cut to its longest leading part
+        that does not (a hint's best effort, `RetentionHints`) instead of being refused.
+
         Returns:
             The run (every block of it is now held by ``owner``).
 
         Raises:
-            InvalidInputError: holding the run would exceed the bound; nothing changed.
+            InvalidInputError: holding the run would exceed the bound (not with ``fit``);
+                nothing changed.
             InputTypeError: ``owner`` is not hashable; nothing changed.
         """
-        _check_owner(owner)
+        check_owner(owner)
         run: list[CpuBlock] = []
         for block_hash in block_hashes:
             block = get(block_hash)
             if block is None:
                 break
             run.append(block)
+        if fit:
+            run = self._fit(owner, run)
         new = self._admit(owner, run)
         if new:
             touch(new)
             self._record(owner, new)
+        return run
+
+    def _fit(self, owner: Hashable, run: list[CpuBlock]) -> list[CpuBlock]:
+        """The longest leading part of ``run`` that ``owner`` may hold within the bound."""
+        room = self.max_retained - len(self._holds)
+        have = {b.block_id for b in self._by_owner.get(owner, ())}
+        holds = self._holds
+        seen: set[int] = set()
+        for i, block in enumerate(run):
+            block_id = block.block_id
+            if block_id in have or block_id in holds or block_id in seen:
+                continue
+            if room == 0:
+                return run[:i]
+            room -= 1
+            seen.add(block_id)
         return run
 
     def _admit(self, owner: Hashable, run: Sequence[CpuBlock]) -> list[CpuBlock]:
@@ -143,7 +169,7 @@ class RetainedBlocks:
             InvalidInputError: ``owner`` retains nothing (released twice, or never).
             InputTypeError: ``owner`` is not hashable.
         """
-        _check_owner(owner)
+        check_owner(owner)
         held = self._by_owner.pop(owner, None)
         if held is None:
             raise InvalidInputError(f"owner {owner!r} retains no block in this pool")

@@ -167,10 +167,12 @@ class BlockLedger:
         elif (block := self._pool.get_cached(block_hash)) is not None:
             self._pool.raise_priority(block, priority)
 
-    def retain(self, block_hashes: Sequence[BlockHash], owner: Hashable) -> list[CpuBlock]:
+    def retain(
+        self, block_hashes: Sequence[BlockHash], owner: Hashable, *, fit: bool = False
+    ) -> list[CpuBlock]:
         """`CpuBlockPool.retain()`: hold the published leading run of ``block_hashes``
         for ``owner`` (one reference each) until `release_retained()`."""
-        return self._pool.retain(block_hashes, owner=owner)
+        return self._pool.retain(block_hashes, owner=owner, fit=fit)
 
     def release_retained(self, owner: Hashable) -> int:
         """`CpuBlockPool.release_retained()`."""

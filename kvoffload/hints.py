@@ -1,0 +1,119 @@
+"""`SessionHints`: what an application tells a `KVOffloader` about the requests to come.
+
+Agent workloads pause for tool calls and come back to the same, longer context. Three
+hints, all single-group (a multi-group offloader refuses them, naming the call):
+
+- **retain for a pause** (`SessionHints.retain_for()`, or ``retain_for_s`` on
+  `KVOffloader.request()` / `OffloadRequest.finish()`): keep a prefix from eviction for a
+  while, within ``max_retained_fraction``; it ends by itself (`RetentionHints`);
+- **release** (`SessionHints.release()`): end a session's hint early;
+- **prefetch** (`SessionHints.prefetch()`): promote a prefix from the secondary tiers
+  into the CPU pool ahead of the request that needs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Protocol, final
+
+from kvoffload.hashing import BlockHash
+
+if TYPE_CHECKING:
+    from kvoffload._session import Session
+
+__all__ = ["SessionHints"]
+
+
+class _Hasher(Protocol):
+    def hash_prompt(self, token_ids: Sequence[int]) -> list[BlockHash]: ...
+
+
+@final
+class SessionHints:
+    """The session hints of one single-group `KVOffloader` (``off.hints``).
+
+    Every call is a step-loop call: on the event loop's thread, while the offloader is
+    open (else `ClosedError`, `WrongContextError`).
+    """
+
+    __slots__ = ("_hasher", "_session")
+
+    def __init__(self, hasher: _Hasher, session: Session) -> None:
+        self._hasher = hasher
+        self._session = session
+
+    def retain_prefix(self, token_ids: Sequence[int], *, owner: Hashable) -> int:
+        """Keep the leading run of a prompt's full blocks that is stored in the CPU pool
+        now (a system prompt) from eviction until `release_retained(owner)` or
+        `KVOffloader.reset()`; return how many blocks that is. A block not stored yet, and
+        every one after it, is not retained (store, then call again); docs/policies.md,
+        "Retention priorities". Also `KVOffloader.retain_prefix()`.
+
+        Raises:
+            InvalidInputError: over ``max_retained_fraction`` (nothing is retained).
+            InputTypeError: ``token_ids`` not a sequence of ints, ``owner`` not hashable.
+        """
+        return self._session.retain(self._hasher.hash_prompt(token_ids), owner)
+
+    def release_retained(self, owner: Hashable) -> int:
+        """Let the blocks `retain_prefix()` kept for ``owner`` be evicted again; return
+        how many (also `KVOffloader.release_retained()`). Raises `InvalidInputError` if
+        ``owner`` retains nothing."""
+        return self._session.release_retained(owner)
+
+    def retain_for(
+        self, token_ids: Sequence[int], retain_for_s: float, *, session: Hashable
+    ) -> int:
+        """Keep the leading run of the prompt's full blocks stored in the CPU pool from
+        eviction for ``retain_for_s`` seconds (an agent's tool call), then let them go by
+        themselves; return how many blocks are retained now.
+
+        Blocks whose stores are still in flight are retained once stored (at a later
+        `KVOffloader.store()`). A hint is best effort within ``max_retained_fraction``,
+        shared with `KVOffloader.retain_prefix()`: the part over the bound is not
+        retained, nothing is refused. A later hint of the same ``session`` replaces this
+        one; `release()` ends it early. Expiry is lazy, on `clock`: at
+        the next `KVOffloader.store()`, `retain_for()` or `release()` after the deadline.
+
+        Raises:
+            InvalidInputError: ``retain_for_s`` not a number of seconds in (0, one year];
+                nothing is retained then.
+            InputTypeError: ``token_ids`` not a sequence of ints, ``session`` not hashable.
+        """
+        hashes = self._hasher.hash_prompt(token_ids)
+        return self._session.retain_for(hashes, retain_for_s, session)
+
+    def retain_hashes_for(
+        self, block_hashes: Sequence[BlockHash], retain_for_s: float, session: Hashable
+    ) -> int:
+        """`retain_for()` of hashes already made (what `OffloadRequest.finish()` calls)."""
+        return self._session.retain_for(block_hashes, retain_for_s, session)
+
+    def release(self, session: Hashable) -> int:
+        """End ``session``'s hint early: its blocks may be evicted again. Return how many
+        blocks it retained (0 when it has no live hint: expired, released, never given).
+
+        Raises:
+            InputTypeError: ``session`` is not hashable.
+        """
+        return self._session.release_hint(session)
+
+    def deadline(self, session: Hashable) -> float | None:
+        """When ``session``'s hint ends on `clock` (``None``: no live hint,
+        as of the last expiry)."""
+        return self._session.hints.deadline(session)
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock hints are measured on, in seconds (`time.monotonic` unless set: a
+        test or a simulation sets its own, before giving hints)."""
+        return self._session.hints.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self._session.hints.clock = clock
+
+    @property
+    def sessions(self) -> tuple[Hashable, ...]:
+        """The sessions with a live hint (as of the last expiry)."""
+        return self._session.hints.sessions
