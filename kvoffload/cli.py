@@ -185,6 +185,18 @@ def _stdout() -> Console:
     return Console(width=_UNCUT_WIDTH)
 
 
+def _save_figure(plt: Any, fig: Any, path: Path) -> None:
+    """Lay out and write a figure to ``path``; a file that cannot be written is a click
+    error naming it. The figure is closed either way."""
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as exc:
+        raise click.FileError(str(path), hint=exc.strerror or str(exc)) from None
+    finally:
+        plt.close(fig)
+
+
 @contextmanager
 def _progress(enabled: bool, total: int, what: str) -> Iterator[Callable[[int], None]]:
     from rich.progress import (  # noqa: PLC0415 (keep start-up light)
@@ -402,13 +414,7 @@ def _plot_misses(report: ReplayReport, path: Path) -> None:
     ax.set_ylabel("missed blocks / block accesses")
     ax.set_title(f"{Path(report.trace).name}: misses by cause, per policy and capacity")
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=120)
-    except OSError as exc:
-        raise click.FileError(str(path), hint=exc.strerror or str(exc)) from None
-    finally:
-        plt.close(fig)
+    _save_figure(plt, fig, path)
 
 
 def _replay_table(report: ReplayReport) -> Table:
@@ -516,13 +522,7 @@ def _plot(report: ReplayReport, path: Path) -> None:
     ax.set_title(f"{Path(report.trace).name}: hit rate by policy (admission {report.admission})")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=120)
-    except OSError as exc:
-        raise click.FileError(str(path), hint=exc.strerror or str(exc)) from None
-    finally:
-        plt.close(fig)
+    _save_figure(plt, fig, path)
 
 
 @cli.command()

@@ -34,7 +34,7 @@ from kvoffload._logging import get_logger
 from kvoffload.errors import ClosedError, ConfigError, WrongContextError
 from kvoffload.hashing import BlockHash, HashNamespace
 from kvoffload.tiers.build import build_tier
-from kvoffload.tiers.health import PriorityGate, TierHealth, TierState
+from kvoffload.tiers.health import TierHealth, TierState
 from kvoffload.tiers.ops import probe, read_verified, write_blocks
 
 if TYPE_CHECKING:
@@ -156,19 +156,7 @@ class TierBridge:
 
     async def _main(self, started: concurrent.futures.Future[None]) -> None:
         try:
-            self._states = [
-                TierState(
-                    tier=tier,
-                    kind=s.kind,
-                    max_queued=s.max_queued_writes,
-                    max_batch=s.max_batch_blocks,
-                    timeout_s=s.op_timeout_s,
-                    retry_initial_s=s.retry_initial_s,
-                    retry_max_s=max(s.retry_max_s, s.retry_initial_s),
-                    gate=PriorityGate(s.max_in_flight),
-                )
-                for tier, s in self._pairs
-            ]
+            self._states = [TierState.from_settings(tier, s) for tier, s in self._pairs]
             self._stop = anyio.Event()
             self._idle = anyio.Event()
             async with anyio.create_task_group() as tg:

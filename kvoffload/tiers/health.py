@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from kvoffload.pool.block_pool import CpuBlockPool
     from kvoffload.pool.free_queue import CpuBlock
     from kvoffload.scheduler.ledger import BlockLedger
+    from kvoffload.tier_config import AnyTierSettings
 
 __all__ = ["PriorityGate", "TierHealth", "TierPart", "TierState"]
 
@@ -127,6 +128,23 @@ class TierState:
     write_seconds: float = 0.0
     read_seconds: float = 0.0
     last_error: str = ""
+
+    @classmethod
+    def from_settings(cls, tier: SecondaryTier, settings: AnyTierSettings) -> TierState:
+        """The state of ``tier`` driven by ``settings`` (its queue, batch, timeout, retry
+        back-off and in-flight bound): the one place the tier manager and the bridge make
+        it."""
+        s = settings
+        return cls(
+            tier=tier,
+            kind=getattr(s, "kind", type(tier).__name__),
+            max_queued=s.max_queued_writes,
+            max_batch=s.max_batch_blocks,
+            timeout_s=s.op_timeout_s,
+            retry_initial_s=s.retry_initial_s,
+            retry_max_s=max(s.retry_max_s, s.retry_initial_s),
+            gate=PriorityGate(s.max_in_flight),
+        )
 
     def snapshot(self) -> TierStatistics:
         """The tier's counters now (`TierStatistics`)."""

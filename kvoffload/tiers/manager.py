@@ -36,7 +36,7 @@ from kvoffload.hashing import BlockHash
 from kvoffload.tier_config import AnyTierSettings, RedisClusterTierSettings
 from kvoffload.tiers.base import SecondaryTier
 from kvoffload.tiers.cascade import Cascade
-from kvoffload.tiers.health import PriorityGate, TierHealth, TierState
+from kvoffload.tiers.health import TierHealth, TierState
 from kvoffload.tiers.promote import Promoter, promotion_deadline_s
 from kvoffload.tiers.stats import TierManagerStatistics
 
@@ -109,19 +109,7 @@ class TierManager:
         buffer = (ctypes.c_ubyte * (raw.numel() * raw.element_size())).from_address(raw.data_ptr())
         self._host = host  # keeps the memory the view below points at alive
         self._memory = memoryview(buffer).cast("B")
-        self._tiers = [
-            TierState(
-                tier=tier,
-                kind=getattr(s, "kind", type(tier).__name__),
-                max_queued=s.max_queued_writes,
-                max_batch=s.max_batch_blocks,
-                timeout_s=s.op_timeout_s,
-                retry_initial_s=s.retry_initial_s,
-                retry_max_s=max(s.retry_max_s, s.retry_initial_s),
-                gate=PriorityGate(s.max_in_flight),
-            )
-            for tier, s in tiers
-        ]
+        self._tiers = [TierState.from_settings(tier, s) for tier, s in tiers]
         # A lookup may wait for a promotion as long as one may take: a probe and its
         # reads, each within the tier's own bound (a cluster tier's lookup_budget_ms,
         # any other tier's op_timeout_s).
