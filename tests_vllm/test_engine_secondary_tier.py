@@ -113,6 +113,7 @@ def test_a_prompt_comes_back_from_kvoffloads_tier_and_corrupted_bytes_are_never_
     with engine(model_dir, tiering_config(disk), disable_log_stats=False) as llm:
         manager = connector_of(llm).connector_scheduler.manager
         (tier,) = manager.secondary_tiers
+        loads_before = cpu_tiering_spec.copies["load_blocks"]
         first = generate(llm)
         reset_engine_and_primary_tier(llm)
         second = generate(llm)
@@ -123,6 +124,7 @@ def test_a_prompt_comes_back_from_kvoffloads_tier_and_corrupted_bytes_are_never_
         assert corrupt_every_slot(disk, tier._bridge.block_nbytes) >= blocks_read
         third = generate(llm)
         (after,) = tier._bridge.statistics()
+        engine_blocks_loaded = cpu_tiering_spec.copies["load_blocks"] - loads_before
 
     # Run 1 computed the whole prompt; its tokens are those of the engine without connector.
     assert first.tokens == baseline.tokens
@@ -143,7 +145,8 @@ def test_a_prompt_comes_back_from_kvoffloads_tier_and_corrupted_bytes_are_never_
     assert third.tokens == baseline.tokens
     assert after.failed_checks >= 1
     assert after.blocks_read == blocks_read
-    assert cpu_tiering_spec.copies["load_blocks"] == PROMPT_TOKENS // ENGINE_BLOCK_SIZE
+    # Only run 2's blocks were copied into vLLM's KV cache by the connector's worker.
+    assert engine_blocks_loaded == PROMPT_TOKENS // ENGINE_BLOCK_SIZE
     print(
         f"\nfirst run {first.seconds * 1e3:.0f} ms; after the primary tier was reset "
         f"{second.external:.0f}/{PROMPT_TOKENS} prompt tokens from kvoffload's disk tier "
