@@ -12,6 +12,7 @@ KV cache had evicted, and the ratio against no offload measured in the same run.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import statistics
 import sys
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -160,6 +162,22 @@ def kvoffload_config(
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
     }
+
+
+def load_workload() -> ModuleType:
+    """``scripts/vllm_workload.py``, the workload of ``scripts/vllm_cpu_serve.sh`` (and its
+    parser of vLLM's prompt-token counters)."""
+    name = "kvoffload_vllm_workload"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parents[1] / "scripts" / "vllm_workload.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def _bench(model_dir: Path, rounds: int = 2, turn_tokens: int = 500, gpu_blocks: int = 64) -> None:

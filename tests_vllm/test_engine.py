@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from types import ModuleType
 
 import faulty_connector
 import prometheus_client
@@ -18,6 +15,7 @@ from engine_runs import (
     conversation_turns,
     engine,
     kvoffload_config,
+    load_workload,
     run_conversations,
 )
 from vllm import LLM, SamplingParams
@@ -27,19 +25,7 @@ pytestmark = pytest.mark.engine
 FIRST_ROUND = len(conversation_turns()) // 3
 
 
-def _load_workload() -> ModuleType:
-    """``scripts/vllm_workload.py``, the workload of ``scripts/vllm_cpu_serve.sh``."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / "vllm_workload.py"
-    spec = importlib.util.spec_from_file_location("kvoffload_vllm_workload", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-workload = _load_workload()
+workload = load_workload()
 
 
 @pytest.fixture(scope="module")
