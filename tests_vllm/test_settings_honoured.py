@@ -250,3 +250,22 @@ def test_tiers_are_refused_before_the_model_loads(model_dir: Path) -> None:
     vllm = vllm_config(model_dir, {**BASE, "tiers": [TIER]}, num_gpu_blocks=NUM_BLOCKS)
     with pytest.raises(ConfigError, match=r"the vLLM connector cannot honour tiers=\[d\]"):
         TestConnector.get_required_kvcache_layout(vllm)
+
+
+def test_groups_whose_hit_alignment_reaches_the_context_are_refused(model_dir: Path) -> None:
+    """Block sizes whose LCM is not below vLLM's ``max_model_len`` allow no hit: the
+    connector refuses them when built, naming the alignment and the context, instead of
+    offloading blocks it can never serve."""
+    vllm = vllm_config(
+        model_dir,
+        dict(BASE),
+        num_gpu_blocks=NUM_BLOCKS,
+        connector="TestConnector",
+        module="harness",
+    )
+    vllm.cache_config.block_size = BS
+    vllm.model_config.max_model_len = 96  # the LCM of 32 and 96 is 96: no hit below it
+    wide = config(([attn("0")], full()), ([attn("1")], full(block_size=96)))
+    TestConnector.next_rank = 0
+    with pytest.raises(ConfigError, match=r"hit alignment 96 tokens .* max_model_len=96"):
+        TestConnector(vllm, S, wide)

@@ -125,7 +125,13 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         model_id = model_namespace_id(vllm_config, self.offload_config)
         world_size = vllm_config.parallel_config.world_size
         if not is_single_full_group(self.groups):
-            self._init_grouped(role, kv_cache_config.num_blocks, model_id, world_size)
+            self._init_grouped(
+                role,
+                kv_cache_config.num_blocks,
+                model_id,
+                world_size,
+                max_model_len=vllm_config.model_config.max_model_len,
+            )
             return
         check_settings(self.offload_config, "vllm")
         self.layout, layer_names, opaque = single_group_layout(kv_cache_config)
@@ -148,11 +154,21 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             )
 
     def _init_grouped(
-        self, role: KVConnectorRole, num_blocks: int, model_id: str, world_size: int
+        self,
+        role: KVConnectorRole,
+        num_blocks: int,
+        model_id: str,
+        world_size: int,
+        *,
+        max_model_len: int,
     ) -> None:
         """Both sides of a multi-group model (the groups translated once, alike)."""
-        check_settings(self.offload_config, "vllm_groups")
+        from kvoffload.groups import check_groups  # noqa: PLC0415
+
         kv_groups = [to_kv_cache_group(g) for g in self.groups]
+        # groups whose hit alignment exceeds the model's context can never hit: refused
+        check_groups(kv_groups, max_model_len=max_model_len)
+        check_settings(self.offload_config, "vllm_groups")
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = GroupedSchedulerSide(
                 self.offload_config,
