@@ -8,7 +8,6 @@ both are re-exported here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import (
@@ -32,6 +31,7 @@ from kvoffload.tier_config import (
     SecretUrl,
     TierSettings,
     TierSettingsList,
+    mask_urls,
     redact_url,
 )
 
@@ -50,17 +50,6 @@ __all__ = [
 ]
 
 _GIB = 1 << 30
-
-
-def _masked(value: object) -> object:
-    """``value`` with the password of every URL in it masked (`redact_url`), for errors."""
-    if isinstance(value, str):
-        return redact_url(value) if "://" in value else value
-    if isinstance(value, Mapping):
-        return {k: _masked(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_masked(v) for v in value)
-    return value
 
 
 class OffloadConfig(BaseSettings):
@@ -215,7 +204,7 @@ class OffloadConfig(BaseSettings):
         except ValidationError as exc:
             fields = type(self).model_fields
             raise ConfigError(
-                f"invalid OffloadConfig: {describe(exc, fields, 'KVOFFLOAD_', _masked)}"
+                f"invalid OffloadConfig: {describe(exc, fields, 'KVOFFLOAD_', mask_urls)}"
             ) from exc
         except SettingsError as exc:  # e.g. KVOFFLOAD_TIERS that is not JSON
             raise ConfigError(f"invalid OffloadConfig: {exc} (list fields take JSON)") from exc

@@ -13,6 +13,7 @@ password are `SecretUrl`s, masked wherever the settings are printed, dumped or l
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -24,9 +25,13 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    ValidationError,
     field_serializer,
     model_validator,
 )
+
+from kvoffload._validation import describe
+from kvoffload.errors import ConfigError
 
 __all__ = [
     "AnyTierSettings",
@@ -37,6 +42,8 @@ __all__ = [
     "StartupNodeUrl",
     "TierSettings",
     "TierSettingsList",
+    "mask_urls",
+    "parse_tier_settings",
     "redact_url",
 ]
 
@@ -66,6 +73,17 @@ def redact_url(url: str) -> str:
         return urlunsplit(parts._replace(netloc=netloc, query=query))
     except ValueError:
         return _MASK  # unparsable: show nothing of it
+
+
+def mask_urls(value: object) -> object:
+    """``value`` with the password of every URL in it masked (`redact_url`), for errors."""
+    if isinstance(value, str):
+        return redact_url(value) if "://" in value else value
+    if isinstance(value, Mapping):
+        return {k: mask_urls(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(mask_urls(v) for v in value)
+    return value
 
 
 class SecretUrl(SecretStr):
@@ -347,3 +365,31 @@ def _check_tiers(
 
 TierSettingsList = Annotated[tuple[TierSettings, ...], AfterValidator(_check_tiers)]
 """The type of ``OffloadConfig.tiers``: tier settings with unique names and disk paths."""
+
+
+class _Tiers(BaseModel):
+    # A rejected value never shows in pydantic's message (a URL may hold a password).
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
+
+    tiers: TierSettingsList
+
+
+def parse_tier_settings(value: object, *, owner: str) -> tuple[AnyTierSettings, ...]:
+    """Validate a list of tier settings given outside `OffloadConfig` (an engine's own
+    configuration of kvoffload's tiers) exactly as ``OffloadConfig.tiers`` is validated.
+
+    Args:
+        value: the entries (dicts, or settings models), at least one.
+        owner: what holds them, named in the error (``"kvoffload secondary tier"``).
+
+    Raises:
+        ConfigError: naming ``tiers.<position>.<kind>.<field>``, pydantic's reason and the
+            value (passwords masked).
+    """
+    try:
+        tiers = _Tiers(tiers=value).tiers  # type: ignore[arg-type]
+    except ValidationError as exc:
+        raise ConfigError(f"invalid {owner}: {describe(exc, (), None, mask_urls)}") from exc
+    if not tiers:
+        raise ConfigError(f"invalid {owner}: tiers: at least one tier is needed (got [])")
+    return tiers

@@ -13,6 +13,7 @@ from kvoffload.tier_config import (
     TierSettings,
 )
 from kvoffload.tiers.base import BlockRead, BlockWrite, SecondaryTier
+from kvoffload.tiers.bridge import TierBridge, engine_namespace
 from kvoffload.tiers.build import build_tier
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.format import HEADER_SIZE, BlockHeader, encode_header, verify_block
@@ -30,10 +31,12 @@ __all__ = [
     "RedisTierSettings",
     "SecondaryTier",
     "TierManager",
+    "TierBridge",
     "TierManagerStatistics",
     "TierSettings",
     "TierStatistics",
     "build_tier",
     "encode_header",
+    "engine_namespace",
     "verify_block",
 ]

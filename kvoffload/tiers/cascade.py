@@ -11,16 +11,13 @@
 
 from __future__ import annotations
 
-import functools
-import time
 from typing import TYPE_CHECKING, final
 
 import anyio
 
 from kvoffload.hashing import BlockHash
-from kvoffload.tiers.base import BlockWrite
-from kvoffload.tiers.format import encode_header
 from kvoffload.tiers.health import TierPart
+from kvoffload.tiers.ops import write_blocks
 
 if TYPE_CHECKING:
     from kvoffload.pool.free_queue import CpuBlock
@@ -100,32 +97,6 @@ class Cascade(TierPart):
             if block.block_hash is not None:
                 hashes.append(block.block_hash)
                 views.append(self._block_view(block.block_id))
-        if not hashes:
-            return
-        namespace = self._namespace
-        # The tier builds each header (the payload's checksum) in the worker thread that
-        # writes the block: no extra hand-off, and no checksum on the event loop.
-        writes = [
-            BlockWrite(h, b"", v, seal=functools.partial(encode_header, namespace, h, v))
-            for h, v in zip(hashes, views, strict=True)
-        ]
-        await t.gate.acquire(read=False)
-        start = time.perf_counter()
-        try:
-            if not (t.healthy and t.writable):
-                t.skipped_unhealthy += len(hashes)
-                return
-            with anyio.fail_after(t.timeout_s):
-                stored = await t.tier.put(writes)
-        except Exception as exc:
-            t.writes_failed += len(hashes)
-            if self._health.reads_ok(t):
-                self._health.fault_write(t, exc, "put")
-            else:
-                self._health.fault(t, exc, "put")
-        else:
-            t.blocks_written += stored
-            t.bytes_written += stored * self._nbytes
-        finally:
-            t.write_seconds += time.perf_counter() - start
-            t.gate.release()
+        await write_blocks(
+            t, self._health, hashes, views, namespace=self._namespace, nbytes=self._nbytes
+        )

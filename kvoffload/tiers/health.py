@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, final
 import anyio
 
 from kvoffload._logging import get_logger
+from kvoffload.errors import InvariantError
 from kvoffload.tiers.base import SecondaryTier
+from kvoffload.tiers.stats import TierStatistics
 
 if TYPE_CHECKING:
     from kvoffload.pool.block_pool import CpuBlockPool
@@ -125,6 +127,34 @@ class TierState:
     read_seconds: float = 0.0
     last_error: str = ""
 
+    def snapshot(self) -> TierStatistics:
+        """The tier's counters now (`TierStatistics`)."""
+        return TierStatistics(
+            name=self.tier.name,
+            kind=self.kind,
+            healthy=self.healthy,
+            writable=self.healthy and self.writable,
+            blocks_written=self.blocks_written,
+            bytes_written=self.bytes_written,
+            writes_skipped_full=self.skipped_full,
+            writes_skipped_unhealthy=self.skipped_unhealthy,
+            writes_failed=self.writes_failed,
+            writes_held=self.held,
+            max_writes_held=self.max_held,
+            blocks_read=self.blocks_read,
+            bytes_read=self.bytes_read,
+            blocks_promoted=self.promoted,
+            read_misses=self.read_misses,
+            failed_checks=self.failed_checks,
+            errors=self.errors,
+            unhealthy_events=self.unhealthy_events,
+            recoveries=self.recoveries,
+            write_seconds=self.write_seconds,
+            read_seconds=self.read_seconds,
+            last_error=self.last_error,
+            details=dict(self.tier.statistics()),
+        )
+
 
 @final
 class TierHealth:
@@ -132,12 +162,13 @@ class TierHealth:
 
     Args:
         ledger: the scheduler's ledger; a tier that falls drops its queued write-downs,
-            whose references are released through it.
+            whose references are released through it. ``None`` where nothing is queued
+            (`kvoffload.tiers.bridge.TierBridge`: its callers own their buffers).
     """
 
     __slots__ = ("_ledger",)
 
-    def __init__(self, ledger: BlockLedger) -> None:
+    def __init__(self, ledger: BlockLedger | None) -> None:
         self._ledger = ledger
 
     def drop_queue(self, t: TierState) -> int:
@@ -146,6 +177,10 @@ class TierHealth:
         t.queue.clear()
         t.held -= len(dropped)
         if dropped:
+            if self._ledger is None:
+                raise InvariantError(
+                    f"tier {t.tier.name!r}: {len(dropped)} write-downs queued without a ledger"
+                )
             self._ledger.close_write_down(dropped[::-1])
         return len(dropped)
 

@@ -38,7 +38,7 @@ from kvoffload.tiers.base import SecondaryTier
 from kvoffload.tiers.cascade import Cascade
 from kvoffload.tiers.health import PriorityGate, TierHealth, TierState
 from kvoffload.tiers.promote import Promoter
-from kvoffload.tiers.stats import TierManagerStatistics, TierStatistics
+from kvoffload.tiers.stats import TierManagerStatistics
 
 if TYPE_CHECKING:
     from kvoffload.pool.block_pool import CpuBlockPool
@@ -278,34 +278,7 @@ class TierManager:
         """A snapshot of every tier's counters and the promotion counters."""
         promoter = self._promoter
         return TierManagerStatistics(
-            tiers=tuple(
-                TierStatistics(
-                    name=t.tier.name,
-                    kind=t.kind,
-                    healthy=t.healthy,
-                    writable=t.healthy and t.writable,
-                    blocks_written=t.blocks_written,
-                    bytes_written=t.bytes_written,
-                    writes_skipped_full=t.skipped_full,
-                    writes_skipped_unhealthy=t.skipped_unhealthy,
-                    writes_failed=t.writes_failed,
-                    writes_held=t.held,
-                    max_writes_held=t.max_held,
-                    blocks_read=t.blocks_read,
-                    bytes_read=t.bytes_read,
-                    blocks_promoted=t.promoted,
-                    read_misses=t.read_misses,
-                    failed_checks=t.failed_checks,
-                    errors=t.errors,
-                    unhealthy_events=t.unhealthy_events,
-                    recoveries=t.recoveries,
-                    write_seconds=t.write_seconds,
-                    read_seconds=t.read_seconds,
-                    last_error=t.last_error,
-                    details=dict(t.tier.statistics()),
-                )
-                for t in self._tiers
-            ),
+            tiers=tuple(t.snapshot() for t in self._tiers),
             promotions=promoter.promotions,
             promotions_no_space=promoter.no_space,
             deferred_lookups=promoter.deferred_lookups,

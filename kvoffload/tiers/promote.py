@@ -25,11 +25,9 @@ import anyio.abc
 import anyio.to_thread
 
 from kvoffload._logging import get_logger
-from kvoffload.errors import IntegrityError
 from kvoffload.hashing import BlockHash
-from kvoffload.tiers.base import BlockRead
-from kvoffload.tiers.format import verify_block
 from kvoffload.tiers.health import TierPart
+from kvoffload.tiers.ops import probe, read_verified
 
 if TYPE_CHECKING:
     from kvoffload.pool.block_pool import CpuBlockPool
@@ -244,29 +242,7 @@ class Promoter(TierPart):
 
     async def _probe(self, hashes: tuple[BlockHash, ...]) -> list[tuple[TierState, int, int]]:
         """Find, tier by tier, the leading run of ``hashes`` the tiers hold together."""
-        sources: list[tuple[TierState, int, int]] = []
-        run = 0
-        progress = True
-        while progress and run < len(hashes):
-            progress = False
-            for t in self._tiers:
-                if not t.healthy or run >= len(hashes):
-                    continue
-                await t.gate.acquire(read=True)
-                try:
-                    with anyio.fail_after(t.timeout_s):
-                        k = await t.tier.exists(hashes[run:])
-                except Exception as exc:
-                    self._health.fault(t, exc, "exists")
-                    continue
-                finally:
-                    t.gate.release()
-                k = max(0, min(k, len(hashes) - run))
-                if k:
-                    sources.append((t, run, run + k))
-                    run += k
-                    progress = True
-        return sources
+        return await probe(self._tiers, self._health, hashes)
 
     def _open(self, job: _Promotion, run: int) -> Promotion | None:
         """Open a promotion of the part of the run neither cached nor being filled (a
@@ -306,79 +282,6 @@ class Promoter(TierPart):
     async def _read_chunk(
         self, t: TierState, hashes: list[BlockHash], views: list[memoryview]
     ) -> list[bool]:
-        await t.gate.acquire(read=True)
-        start = time.perf_counter()
-        try:
-            with anyio.fail_after(t.timeout_s):
-                reads = await t.tier.get(hashes, views)
-        except Exception as exc:
-            self._health.fault(t, exc, "get")
-            return [False] * len(hashes)
-        finally:
-            t.read_seconds += time.perf_counter() - start
-            t.gate.release()
-        if all(r is None or r.payload_checksum is not None for r in reads):
-            # The payload checksums were taken by the thread that read them: what is left
-            # (header crc, namespace, hash, length, comparing checksums) is cheap.
-            reasons = self._verify_all(hashes, views, reads)
-        else:
-            reasons = await anyio.to_thread.run_sync(self._verify_all, hashes, views, reads)
-        good: list[bool] = []
-        bad: list[BlockHash] = []
-        for block_hash, reason in zip(hashes, reasons, strict=True):
-            if reason is None:
-                t.blocks_read += 1
-                t.bytes_read += self._nbytes
-                good.append(True)
-                continue
-            good.append(False)
-            if reason == "miss":
-                t.read_misses += 1
-                continue
-            t.failed_checks += 1
-            bad.append(block_hash)
-            _log.warning(
-                "tier_block_rejected",
-                tier=t.tier.name,
-                block_hash=block_hash.hex()[:16],
-                reason=reason,
-            )
-        if bad:
-            await t.gate.acquire(read=True)
-            try:
-                with anyio.fail_after(t.timeout_s):
-                    await t.tier.delete(bad)
-            except Exception as exc:
-                self._health.fault(t, exc, "delete")
-            finally:
-                t.gate.release()
-        return good
-
-    def _verify_all(
-        self,
-        hashes: list[BlockHash],
-        views: list[memoryview],
-        reads: list[BlockRead | None],
-    ) -> list[str | None]:
-        if len(reads) != len(hashes):
-            return ["length"] * len(hashes)
-        reasons: list[str | None] = []
-        for block_hash, view, read in zip(hashes, views, reads, strict=True):
-            if read is None:
-                reasons.append("miss")
-                continue
-            try:
-                verify_block(
-                    read.header,
-                    namespace=self._namespace,
-                    block_hash=block_hash,
-                    expected_length=self._nbytes,
-                    received_length=read.payload_length,
-                    payload=view,
-                    payload_checksum=read.payload_checksum,
-                )
-            except IntegrityError as exc:
-                reasons.append(exc.reason)
-            else:
-                reasons.append(None)
-        return reasons
+        return await read_verified(
+            t, self._health, hashes, views, namespace=self._namespace, nbytes=self._nbytes
+        )
