@@ -5,10 +5,11 @@ does) gets nothing from a chain whose head is gone, however many of its later pa
 kept. A tier that evicts by recency alone (the disk tier's slots, Redis under an LRU or
 LFU ``maxmemory-policy``) takes heads first: they were written first and, on a read, are
 touched first. This budget makes the choice instead, before the tier has to: it holds at
-most ``capacity`` pages, and when a write needs room it takes the **deepest** page of the
-**least recently used** chain (a chain being a tree of pages under one head: prompts that
-share a prefix share it). A chain therefore loses its tail before its head, and the chains
-used recently keep theirs.
+most ``capacity`` pages, each with its depth in its chain (0: a head), and when a write
+needs room it takes the **deepest** page held (the least recently used of that depth),
+and never one shallower than the page it makes room for. Chains therefore lose tails
+before heads, and under pressure they are cut to a common depth instead of some keeping
+tails whose heads are gone.
 
 It does no I/O and is not thread-safe: the owner deletes the victims from its tiers and
 serialises the calls.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generic, TypeVar, final
 
 from kvoffload.errors import ConfigError, InvalidInputError
@@ -27,14 +28,6 @@ from kvoffload.errors import ConfigError, InvalidInputError
 __all__ = ["Admission", "ChainBudget"]
 
 K = TypeVar("K", bound=Hashable)
-
-
-@dataclass(slots=True)
-class _Chain(Generic[K]):
-    """The pages of one chain held, deepest first through a heap with lazy deletion."""
-
-    depths: dict[K, int] = field(default_factory=dict)
-    heap: list[tuple[int, int, K]] = field(default_factory=list)
 
 
 @final
@@ -55,7 +48,7 @@ class Admission(Generic[K]):
 
 @final
 class ChainBudget(Generic[K]):
-    """At most ``capacity`` pages, evicted tail-first from the least recently used chain.
+    """At most ``capacity`` pages; room is made by evicting the deepest page first.
 
     Args:
         capacity: the most pages held at once (at least 1).
@@ -68,15 +61,17 @@ class ChainBudget(Generic[K]):
         if capacity < 1:
             raise ConfigError(f"capacity={capacity}: the budget holds at least one page")
         self._capacity = capacity
-        self._chains: OrderedDict[K, _Chain[K]] = OrderedDict()  # least recently used first
-        self._root: dict[K, K] = {}  # page -> the head of its chain
-        self._seq = 0
+        self._depth: dict[K, int] = {}
+        # depth -> its pages, least recently used first
+        self._levels: dict[int, OrderedDict[K, None]] = {}
+        self._deepest: list[int] = []  # a max-heap (negated) of the depths in _levels
+        self._in_heap: set[int] = set()
 
     def __len__(self) -> int:
-        return len(self._root)
+        return len(self._depth)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._root
+        return key in self._depth
 
     @property
     def capacity(self) -> int:
@@ -85,96 +80,89 @@ class ChainBudget(Generic[K]):
 
     def depth(self, key: K) -> int | None:
         """The depth recorded for ``key`` (0: a head), or ``None`` when it is not held."""
-        root = self._root.get(key)
-        return None if root is None else self._chains[root].depths[key]
+        return self._depth.get(key)
 
-    def admit(self, root: K, keys: Sequence[K], first_depth: int) -> Admission[K]:
-        """Make room for ``keys``, consecutive pages of the chain headed by ``root`` at
-        depths ``first_depth``, ``first_depth + 1`` ..., and record them as held.
+    def keys(self) -> list[K]:
+        """Every page held."""
+        return list(self._depth)
+
+    def admit(self, keys: Sequence[K], first_depth: int) -> Admission[K]:
+        """Make room for ``keys``, consecutive pages of one chain at depths
+        ``first_depth``, ``first_depth + 1`` ..., and record them as held.
 
         Pages already held are only touched. A new page takes a free place, else the
-        deepest page of the least recently used chain; a page of its own chain is taken
-        only when it is deeper than the new one (a chain never gives its head for its
-        tail), so when that is all there is, the page is refused and so is the rest.
+        place of the deepest page held if that is at least as deep as the new one;
+        otherwise it is refused, and so is the rest of ``keys``.
 
         Raises:
             InvalidInputError: ``first_depth`` is negative.
         """
         if first_depth < 0:
             raise InvalidInputError(f"first_depth={first_depth}: depths start at 0")
-        self._touch_chain(root)
         victims: list[K] = []
         admitted = 0
         for offset, key in enumerate(keys):
             depth = first_depth + offset
-            if key in self._root:
-                self._touch_chain(self._root[key])
+            if key in self._depth:
+                self.touch((key,))
                 admitted += 1
                 continue
-            if len(self._root) >= self._capacity:
-                victim = self._take_victim(root, depth)
+            if len(self._depth) >= self._capacity:
+                victim = self._victim(depth)
                 if victim is None:
                     break
+                self.forget((victim,))
                 victims.append(victim)
-            self._add(root, key, depth)
+            self._add(key, depth)
             admitted += 1
         return Admission(admitted, tuple(victims))
 
     def touch(self, keys: Iterable[K]) -> None:
-        """The chains of ``keys`` (those held) were used: they are evicted last."""
+        """``keys`` (those held) were used: among pages of their depth, they go last."""
         for key in keys:
-            root = self._root.get(key)
-            if root is not None:
-                self._touch_chain(root)
+            depth = self._depth.get(key)
+            if depth is not None:
+                self._levels[depth].move_to_end(key)
 
     def forget(self, keys: Iterable[K]) -> None:
         """``keys`` are gone from the tiers (deleted, failed a check, or missed)."""
         for key in keys:
-            root = self._root.pop(key, None)
-            if root is None:
+            depth = self._depth.pop(key, None)
+            if depth is None:
                 continue
-            chain = self._chains[root]
-            del chain.depths[key]
-            if not chain.depths:
-                del self._chains[root]
+            level = self._levels[depth]
+            del level[key]
+            if not level:
+                del self._levels[depth]
 
     def clear(self) -> None:
         """Forget every page."""
-        self._chains.clear()
-        self._root.clear()
+        self._depth.clear()
+        self._levels.clear()
+        self._deepest.clear()
+        self._in_heap.clear()
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _touch_chain(self, root: K) -> None:
-        if root in self._chains:
-            self._chains.move_to_end(root)
+    def _add(self, key: K, depth: int) -> None:
+        self._depth[key] = depth
+        level = self._levels.get(depth)
+        if level is None:
+            level = self._levels[depth] = OrderedDict()
+            if depth not in self._in_heap:
+                self._in_heap.add(depth)
+                heapq.heappush(self._deepest, -depth)
+        level[key] = None
 
-    def _add(self, root: K, key: K, depth: int) -> None:
-        chain = self._chains.get(root)
-        if chain is None:
-            chain = self._chains[root] = _Chain()
-        chain.depths[key] = depth
-        self._seq += 1
-        heapq.heappush(chain.heap, (-depth, self._seq, key))
-        self._root[key] = root
-
-    def _take_victim(self, root: K, depth: int) -> K | None:
-        found: K | None = None
-        for victim_root, chain in self._chains.items():
-            key = self._deepest(chain)
-            if victim_root == root and chain.depths[key] <= depth:
-                continue  # its own chain holds nothing deeper than the new page
-            found = key
-            break
-        if found is not None:
-            self.forget((found,))
-        return found
-
-    @staticmethod
-    def _deepest(chain: _Chain[K]) -> K:
-        heap, depths = chain.heap, chain.depths
-        while True:
-            neg_depth, _, key = heap[0]
-            if depths.get(key) == -neg_depth:
-                return key
-            heapq.heappop(heap)  # a page forgotten (or re-added) since it was pushed
+    def _victim(self, depth: int) -> K | None:
+        """The least recently used page of the greatest depth held, if not shallower
+        than ``depth``."""
+        heap = self._deepest
+        while heap:
+            deepest = -heap[0]
+            level = self._levels.get(deepest)
+            if level:
+                return next(iter(level)) if deepest >= depth else None
+            heapq.heappop(heap)  # a depth whose pages are all gone
+            self._in_heap.discard(deepest)
+        return None  # pragma: no cover - only asked when full

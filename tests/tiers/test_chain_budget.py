@@ -1,11 +1,11 @@
-"""`ChainBudget`: tail-first eviction from the least recently used chain."""
+"""`ChainBudget`: the deepest page goes first, never one shallower than the newcomer."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvoffload.errors import ConfigError, InvalidInputError
-from kvoffload.tiers.chain_budget import ChainBudget
+from kvoffload.tiers.chain_budget import Admission, ChainBudget
 
 
 def chain(name: str, n: int) -> list[str]:
@@ -28,72 +28,57 @@ def test_capacity_below_one_is_refused() -> None:
 
 def test_negative_depth_is_refused() -> None:
     with pytest.raises(InvalidInputError, match="first_depth=-1"):
-        ChainBudget[str](4).admit("a0", ["a0"], -1)
+        ChainBudget[str](4).admit(["a0"], -1)
 
 
-def test_pressure_takes_tails_of_the_least_recently_used_chain_and_keeps_heads() -> None:
+def test_pressure_takes_the_deepest_pages_and_cuts_chains_to_a_common_depth() -> None:
     budget: ChainBudget[str] = ChainBudget(12)
     a, b = chain("a", 8), chain("b", 8)
-    assert budget.admit("a0", a, 0).admitted == 8
-    got = budget.admit("b0", b, 0)
-    assert got.admitted == 8
-    # b needed 4 places: a (least recently used) gave its 4 deepest pages
-    assert got.victims == ("a7", "a6", "a5", "a4")
-    assert leading(budget, a) == 4
-    assert leading(budget, b) == 8
+    assert budget.admit(a, 0) == Admission(8, ())
+    got = budget.admit(b, 0)
+    # b4 and b5 took a7 and a6; b6 finds nothing as deep as itself and is refused
+    assert got == Admission(6, ("a7", "a6"))
+    assert leading(budget, a) == leading(budget, b) == 6
     assert len(budget) == 12
 
 
-def test_written_in_batches_with_prefix_depths_heads_survive_many_chains() -> None:
-    # 40 chains of 10 pages each through room for 50: an LRU of pages would keep the
-    # last-written tails; every surviving page here is part of a leading run.
-    budget: ChainBudget[str] = ChainBudget(50)
-    chains = [chain(f"c{j}-", 10) for j in range(40)]
-    for keys in chains:
-        for start in range(0, 10, 4):  # batches, as the engine writes them
-            budget.admit(keys[0], keys[start : start + 4], start)
-    held = sum(leading(budget, keys) for keys in chains)
-    assert held == len(budget) == 50
+def test_requests_progressing_together_keep_every_head() -> None:
+    # 40 chains of 12 pages written in rounds (the first 4 pages of each, then the next
+    # 4 ...) through room for 100: a recency order would keep the last rounds' tails
+    budget: ChainBudget[str] = ChainBudget(100)
+    chains = [chain(f"c{j}-", 12) for j in range(40)]
+    for start in range(0, 12, 4):
+        for keys in chains:
+            budget.admit(keys[start : start + 4], start)
+    assert sum(leading(budget, keys) for keys in chains) == len(budget) == 100
+    assert all(leading(budget, keys) >= 2 for keys in chains)
 
 
 def test_a_chain_alone_refuses_its_tail_rather_than_evicting_its_head() -> None:
     budget: ChainBudget[str] = ChainBudget(5)
     keys = chain("a", 9)
-    got = budget.admit("a0", keys, 0)
-    assert got.admitted == 5
-    assert got.victims == ()
+    assert budget.admit(keys, 0) == Admission(5, ())
     assert leading(budget, keys) == 5
 
 
-def test_a_shallower_page_of_the_same_chain_takes_a_deeper_one() -> None:
+def test_equal_depth_replaces_the_least_recently_used() -> None:
     budget: ChainBudget[str] = ChainBudget(3)
-    budget.admit("r", ["r", "x1", "x2"], 0)
-    # another branch under the same head: its depth-1 page takes the depth-2 one
-    got = budget.admit("r", ["y1"], 1)
-    assert got.admitted == 1
-    assert got.victims == ("x2",)
-    assert budget.depth("y1") == 1
+    for name in "xyz":
+        budget.admit([f"{name}0"], 0)
+    budget.touch(["x0"])  # y0 is now the least recently used head
+    assert budget.admit(["w0"], 0) == Admission(1, ("y0",))
+    assert budget.depth("w0") == 0
+    assert budget.depth("y0") is None
 
 
-def test_touch_protects_a_chain_and_forget_frees_room() -> None:
-    budget: ChainBudget[str] = ChainBudget(6)
-    budget.admit("a0", chain("a", 3), 0)
-    budget.admit("b0", chain("b", 3), 0)
-    budget.touch(["a1"])  # a was used: b is now the least recently used
-    got = budget.admit("c0", ["c0"], 0)
-    assert got.victims == ("b2",)
-    budget.forget(["a0", "a1", "a2", "missing"])
-    assert "a0" not in budget
-    assert budget.admit("d0", chain("d", 3), 0).victims == ()
-    assert budget.depth("d2") == 2
-    assert budget.depth("a0") is None
-
-
-def test_pages_already_held_are_touched_not_counted_twice() -> None:
+def test_forget_frees_room_and_held_pages_are_not_counted_twice() -> None:
     budget: ChainBudget[str] = ChainBudget(4)
-    budget.admit("a0", chain("a", 4), 0)
-    got = budget.admit("a0", chain("a", 4), 0)
-    assert got == type(got)(4, ())
-    assert len(budget) == 4
+    budget.admit(chain("a", 4), 0)
+    assert budget.admit(chain("a", 4), 0) == Admission(4, ())
+    budget.forget(["a2", "a3", "missing"])
+    assert budget.admit(chain("b", 2), 0) == Admission(2, ())
+    assert sorted(budget.keys()) == ["a0", "a1", "b0", "b1"]
     budget.clear()
     assert len(budget) == 0
+    assert budget.admit(chain("c", 4), 3) == Admission(4, ())
+    assert budget.depth("c3") == 6
