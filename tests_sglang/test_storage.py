@@ -4,6 +4,7 @@ MLA, layer-first and page-first), backend factory and cache-controller calls."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,6 +15,7 @@ from conftest import PAGE, Factory, disk_tier, extra_config, make_pool, storage_
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.storage import StorageBackendFactory
+from tier_helpers import RedisServer
 
 from kvoffload.errors import ClosedError, ConfigError, TierError
 from kvoffload.integrations.sglang import KvOffloadHiCacheStorage
@@ -242,3 +244,43 @@ def test_prefetch_and_backup_threads_at_once(backend_factory: Factory, tmp_path:
     assert errors == []
     for i, p in enumerate(range(40, 48)):
         assert torch.equal(page(pool, p), written[i])
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def test_redis_tier_round_trip_and_a_paused_server(
+    backend_factory: Factory, redis_server: RedisServer
+) -> None:
+    """Pages round-trip through a Redis tier; a paused server turns into misses and
+    raised reads (never None), and the tier comes back once the server answers."""
+    pool = make_pool("mla", "page_first")
+    redis = {"kind": "redis", "url": redis_server.url, "op_timeout_s": 0.5}
+    redis.update({"retry_initial_s": 0.05, "retry_max_s": 0.2})
+    backend = backend_factory(pool, extra_config([redis], max_pages=64))
+    keys = chain("a", 6)
+    written = fill(pool, list(range(6)), seed=7)
+    assert backend.batch_set_v1(keys, indices(list(range(6)))) == [True] * 6
+    assert backend.batch_get_v1(keys, indices(list(range(10, 16)))) == [True] * 6
+    for i, p in enumerate(range(10, 16)):
+        assert torch.equal(page(pool, p), written[i])
+
+    redis_server.pause()
+    try:
+        assert backend.batch_exists(keys) == 0
+        with pytest.raises(TierError, match="no tier can read"):
+            backend.batch_get_v1(keys, indices(list(range(20, 26))))
+    finally:
+        redis_server.resume()
+    for _ in range(200):  # the health loop pings the tier back with backoff
+        if backend.batch_exists(keys) == 6:
+            break
+        threading.Event().wait(0.05)
+    assert backend.batch_get_v1(keys, indices(list(range(30, 36)))) == [True] * 6
