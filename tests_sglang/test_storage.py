@@ -96,6 +96,9 @@ def test_exists_counts_the_leading_run_only(backend_factory: Factory, tmp_path: 
     assert backend.batch_exists(keys[5:]) == 5
     assert backend.batch_exists(["nothing", *keys]) == 0
     assert backend.batch_exists([]) == 0
+    backend.clear()  # SGLang's cache flush: every page this backend wrote is gone
+    assert backend.batch_exists(keys) == 0
+    assert backend.batch_exists(keys[5:]) == 0
 
 
 def test_a_corrupted_page_stops_the_run_and_is_never_served(
