@@ -23,6 +23,7 @@ CASES = [
     # (module, the package it needs, the extra)
     ("kvoffload.integrations.transformers", "transformers", "transformers"),
     ("kvoffload.integrations.vllm", "vllm", "vllm"),
+    ("kvoffload.integrations.sglang", "sglang", "sglang"),
     ("kvoffload.tiers.redis", "redis", "redis"),
     ("kvoffload.metrics", "prometheus_client", "prometheus"),
     ("kvoffload.cli", "click", "cli"),

@@ -1,0 +1,11 @@
+"""Stub of torchvision.transforms.v2 (see the package docstring)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchvision._unavailable import unavailable
+
+
+def __getattr__(name: str) -> Any:
+    return unavailable("torchvision.transforms.v2", name)
