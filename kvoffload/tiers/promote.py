@@ -27,6 +27,7 @@ import anyio.to_thread
 from kvoffload._logging import get_logger
 from kvoffload.errors import IntegrityError
 from kvoffload.hashing import BlockHash
+from kvoffload.scheduler.misses import MissReason
 from kvoffload.tiers.base import BlockRead
 from kvoffload.tiers.format import verify_block
 from kvoffload.tiers.health import TierPart
@@ -77,6 +78,7 @@ class Promoter(TierPart):
         "_absent",
         "_closed",
         "_epoch",
+        "_failed",
         "_jobs",
         "_landed",
         "deferred_lookups",
@@ -109,6 +111,9 @@ class Promoter(TierPart):
         self._jobs: dict[BlockHash, _Promotion] = {}
         self._absent: OrderedDict[BlockHash, float] = OrderedDict()
         self._landed: OrderedDict[BlockHash, CpuBlock] = OrderedDict()
+        # Hashes a tier recently failed on (a timeout, an error, a failed check), for
+        # `miss_reason()`; bounded like the absent set.
+        self._failed: OrderedDict[BlockHash, None] = OrderedDict()
         self._epoch = 0
         self._closed = False
         self.promotions = 0
@@ -125,6 +130,7 @@ class Promoter(TierPart):
         """The CPU cache was reset: promotions in flight publish nothing."""
         self._epoch += 1
         self._absent.clear()
+        self._failed.clear()
         self._landed.clear()
 
     def forget_absent(self, blocks: Sequence[CpuBlock]) -> None:
@@ -180,6 +186,22 @@ class Promoter(TierPart):
     def is_promoting(self, block_hash: BlockHash) -> bool:
         """Whether a promotion covering ``block_hash`` is in flight."""
         return block_hash in self._jobs
+
+    def miss_reason(self, block_hash: BlockHash) -> MissReason | None:
+        """See `TierManager.miss_reason()`."""
+        if block_hash in self._jobs:
+            return MissReason.IN_FLIGHT
+        if block_hash in self._failed or not any(t.healthy for t in self._tiers):
+            return MissReason.TIER_FAILED
+        return None
+
+    def _note_failed(self, hashes: Sequence[BlockHash]) -> None:
+        failed = self._failed
+        for block_hash in hashes:
+            failed[block_hash] = None
+            failed.move_to_end(block_hash)
+        while len(failed) > _ABSENT_MAX:
+            failed.popitem(last=False)
 
     def _is_absent(self, block_hash: BlockHash) -> bool:
         expiry = self._absent.get(block_hash)
@@ -264,6 +286,7 @@ class Promoter(TierPart):
                         k = await t.tier.exists(hashes[run:])
                 except Exception as exc:
                     self._health.fault(t, exc, "exists")
+                    self._note_failed(hashes[run : run + 1])
                     continue
                 finally:
                     t.gate.release()
@@ -319,6 +342,7 @@ class Promoter(TierPart):
                 reads = await t.tier.get(hashes, views)
         except Exception as exc:
             self._health.fault(t, exc, "get")
+            self._note_failed(hashes)
             return [False] * len(hashes)
         finally:
             t.read_seconds += time.perf_counter() - start
@@ -350,6 +374,7 @@ class Promoter(TierPart):
                 reason=reason,
             )
         if bad:
+            self._note_failed(bad)
             await t.gate.acquire(read=True)
             try:
                 with anyio.fail_after(t.timeout_s):
