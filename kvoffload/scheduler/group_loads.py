@@ -215,7 +215,8 @@ class HitStops:
             return MissReason.LAST_TOKEN if step <= num_tokens else MissReason.BOUNDARY
         gaps: list[tuple[MissReason, str]] = []
         for g in self._groups:
-            reason = _gap(g, self._ledgers[g.name], lanes[g.name], step, computed, self._checkpoint)
+            ledger = self._ledgers[g.name]
+            reason = _gap(g, ledger, lanes[g.name], step, computed, self._checkpoint, num_tokens)
             if reason is not None:
                 gaps.append((reason, g.name))
         if not gaps:  # every group holds the step (a window the hit search passed over)
@@ -235,8 +236,11 @@ def _gap(  # noqa: PLR0917 - one group's view of one step
     step: int,
     computed: int,
     checkpoint: int,
+    num_tokens: int,
 ) -> MissReason | None:
-    """Why group ``g`` lacks a block a hit at ``step`` needs (``None``: it lacks none)."""
+    """Why group ``g`` lacks a block a hit at ``step`` needs (``None``: it lacks none).
+    A group that stores at checkpoints is asked about the next checkpoint in the
+    prompt; without one, the gap is a `MissReason.BOUNDARY`."""
     get = ledger.pool.get_cached
     for i in load_range(g, step, computed):
         if i >= len(hashes):
@@ -245,7 +249,12 @@ def _gap(  # noqa: PLR0917 - one group's view of one step
         if get(block_hash) is not None:
             continue
         if g.kind != "full" and step % checkpoint:
-            return MissReason.BOUNDARY  # the group stores its state at checkpoints
+            point = -(-step // checkpoint) * checkpoint
+            if point > num_tokens - 1:
+                return MissReason.BOUNDARY  # the group stores its state at checkpoints
+            return _gap(g, ledger, hashes, point, computed, checkpoint, num_tokens) or (
+                MissReason.BOUNDARY
+            )
         if block_hash in ledger.pending:
             return MissReason.IN_FLIGHT
         return ledger.misses.reason(block_hash)
