@@ -4,15 +4,19 @@ with a tally kept here."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from kvoffload import MissReason, OffloadScheduler
+from kvoffload.metrics import OffloaderCollector
 from tests.groups_helpers import Rig, group
 from tests.scheduler_helpers import hashes, make, run_request, tokens
 from tests.test_groups import FULL4, Tables, _store_prompt
 from tests.test_groups import tokens as group_tokens
+from tests.test_metrics import fake_statistics, scrape
 
 R = MissReason
 
@@ -171,3 +175,28 @@ def test_miss_reason_values_are_stable_labels() -> None:
         "group_missing",
         "never_stored",
     ]
+
+
+def test_prometheus_exports_the_counts_the_test_tallied() -> None:
+    t = Tally(make(4))
+    t.lookup("new", tokens(1, 3))
+    run_request(t.sched, "a", tokens(1, 3), [0, 1, 2])
+    run_request(t.sched, "b", tokens(2, 4), [3, 4, 5, 6])
+    t.lookup("a2", tokens(1, 3))
+    t.lookup("b2", tokens(2, 4))
+    stats = dataclasses.replace(
+        fake_statistics(0, tiers=False), scheduler=t.sched.statistics(), groups=None
+    )
+    registry = CollectorRegistry()
+    registry.register(OffloaderCollector(lambda: stats))
+    families = scrape(registry)
+    for family, tally in (
+        ("kvoffload_lookup_misses", t.lookups),
+        ("kvoffload_lookup_miss_tokens", t.tokens),
+    ):
+        kind, samples = families[family]
+        assert kind == "counter"
+        assert {labels["reason"]: value for labels, value in samples} == {
+            r.value: float(n) for r, n in tally.items()
+        }
+    assert t.lookups == {R.NEVER_STORED: 1, R.EVICTED: 1, R.LAST_TOKEN: 1}
