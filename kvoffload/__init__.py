@@ -66,6 +66,7 @@ if TYPE_CHECKING:
         GroupedPlan,
         GroupedScheduler,
         GroupStatistics,
+        MissReason,
         OffloadScheduler,
         SchedulerStatistics,
     )
@@ -138,6 +139,7 @@ _WHERE: dict[str, str] = {
     "LoadAbandonedError": "kvoffload.errors",
     "LoadPlan": "kvoffload.transfer",
     "LruFreeQueue": "kvoffload.pool",
+    "MissReason": "kvoffload.scheduler",
     "NoOpPinner": "kvoffload.pinner",
     "OffloadConfig": "kvoffload.config",
     "OffloadRequest": "kvoffload.request",
@@ -217,6 +219,7 @@ __all__ = [
     "LoadAbandonedError",
     "LoadPlan",
     "LruFreeQueue",
+    "MissReason",
     "NoOpPinner",
     "OffloadConfig",
     "OffloadRequest",

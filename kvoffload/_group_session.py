@@ -39,6 +39,8 @@ from kvoffload.pool.block_pool import PoolEvent, PoolStatistics
 from kvoffload.request_groups import GroupLanes
 from kvoffload.scheduler import SchedulerStatistics
 from kvoffload.scheduler.groups import GroupedScheduler, GroupStatistics
+from kvoffload.scheduler.misses import MissReason
+from kvoffload.scheduler.stats import add_miss
 from kvoffload.storage.host_buffer import HostKVBuffer, available_host_memory
 from kvoffload.tiers.groups import GroupTiers
 from kvoffload.tiers.stats import TierManagerStatistics
@@ -303,9 +305,17 @@ class GroupSession(Lifecycle):
             c.deferred_lookups += 1
             return None
         c.hit_tokens += hit
-        c.miss_tokens += max(0, num_tokens - num_computed_tokens - hit)
+        missed = max(0, num_tokens - num_computed_tokens - hit)
+        c.miss_tokens += missed
         c.prompt_tokens += num_tokens
+        reason = self.scheduler.miss_reason(request_id)
+        if reason is not MissReason.NONE:
+            add_miss(c.lookup_misses, c.miss_reason_tokens, reason, missed)
         return hit
+
+    def miss_reason(self, request_id: str) -> MissReason:
+        """See `GroupedScheduler.miss_reason()`."""
+        return self.scheduler.miss_reason(request_id)
 
     def load(
         self, request_id: str, tables: Mapping[str, Sequence[int | None]], num_tokens: int

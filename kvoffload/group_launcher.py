@@ -12,7 +12,7 @@ and its GPU blocks are unpinned. A raising ``unpin`` is kept and raised once, as
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import final
 
 from kvoffload._logging import get_logger
@@ -21,6 +21,7 @@ from kvoffload.pinner import GpuBlockPinner
 from kvoffload.pool.block_pool import PoolStatistics
 from kvoffload.scheduler import SchedulerStatistics
 from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler
+from kvoffload.scheduler.misses import MissReason
 from kvoffload.transfer.engine import CopyEngine
 from kvoffload.transfer.grouped import GroupedTransferPlan, submit_grouped
 from kvoffload.transfer.plan import StorePlan, TransferKind
@@ -49,6 +50,8 @@ class GroupCounters:
     bytes_loaded: int = 0
     loaded_tokens: int = 0
     prompt_tokens: int = 0
+    lookup_misses: dict[MissReason, int] = field(default_factory=dict)
+    miss_reason_tokens: dict[MissReason, int] = field(default_factory=dict)
 
 
 @final
@@ -209,6 +212,8 @@ class GroupLauncher:
             in_flight_transfers=len(self.tasks),
             loaded_tokens=c.loaded_tokens,
             prompt_tokens=c.prompt_tokens,
+            lookup_misses=dict(c.lookup_misses),
+            miss_reason_tokens=dict(c.miss_reason_tokens),
         )
 
 

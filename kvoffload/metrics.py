@@ -64,6 +64,7 @@ from kvoffload.transfer import PollerStatistics
 __all__ = [
     "GROUP_LABELS",
     "METRICS",
+    "REASON_LABELS",
     "TIER_LABELS",
     "TIER_TEXT_FIELDS",
     "MetricSpec",
@@ -83,6 +84,12 @@ GROUP_LABELS: tuple[str, ...] = ("group",)
 
 TIER_LABELS: tuple[str, ...] = ("tier", "kind")
 """Labels of every ``tier`` metric: the `TierStatistics` ``name`` and ``kind``."""
+
+REASON_LABELS: tuple[str, ...] = ("reason",)
+"""Labels of the per-reason counters (``kvoffload_lookup_misses_total`` ...): the
+`MissReason` value; docs/misses.md."""
+
+_BY_REASON = frozenset({"lookup_misses", "miss_reason_tokens"})
 
 TIER_TEXT_FIELDS: frozenset[str] = frozenset({"last_error"})
 """`TierStatistics` fields that are free text, not numbers: not exported (a label of
@@ -227,6 +234,20 @@ METRICS: tuple[MetricSpec, ...] = (
     _c("scheduler", "miss_tokens", "miss_tokens"),
     _c("scheduler", "deferred_lookups", "deferred_lookups"),
     _c("scheduler", "deferrals_bounded", "deferrals_bounded"),
+    MetricSpec(
+        "lookup_misses",
+        "counter",
+        "scheduler",
+        "lookup_misses",
+        _help_of("scheduler", "lookup_misses"),
+    ),
+    MetricSpec(
+        "lookup_miss_tokens",
+        "counter",
+        "scheduler",
+        "miss_reason_tokens",
+        _help_of("scheduler", "miss_reason_tokens"),
+    ),
     _c("scheduler", "store_plans", "store_plans"),
     _c("scheduler", "stored_blocks", "stored_blocks"),
     _c("scheduler", "deferred_blocks", "deferred_blocks"),
@@ -298,6 +319,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _g("group", "num_cpu_blocks", "cpu_blocks"),
     _g("group", "free_cpu_blocks", "free_cpu_blocks"),
     _g("group", "cached_cpu_blocks", "cached_cpu_blocks"),
+    _c("group", "lookup_misses", "lookup_misses"),
 )
 """Every exported metric, in exposition order. Names and kinds are fixed here; each help
 text is the field's entry in its statistics class's docstring (`attribute_docs`)."""
@@ -346,7 +368,7 @@ class OffloaderCollector(Collector):
         if isinstance(sources, Mapping):
             if not _NAME.fullmatch(label) or label.startswith("__"):
                 raise ValueError(f"label name {label!r} is not a valid Prometheus label name")
-            if label in (*TIER_LABELS, "detail", *GROUP_LABELS):
+            if label in (*TIER_LABELS, "detail", *GROUP_LABELS, *REASON_LABELS):
                 raise ValueError(
                     f"label name {label!r} is taken by the tier or group metrics; choose another"
                 )
@@ -384,6 +406,8 @@ class OffloaderCollector(Collector):
                 labels.append("detail")
         elif spec.part == "group":
             labels += GROUP_LABELS
+        if spec.field in _BY_REASON:
+            labels += REASON_LABELS
         if spec.kind == "counter":
             return CounterMetricFamily(name, spec.documentation, labels=labels)
         return GaugeMetricFamily(name, spec.documentation, labels=labels)
@@ -397,7 +421,12 @@ def _samples(spec: MetricSpec, stats: OffloaderStatistics) -> Iterator[tuple[lis
         return
     if spec.part == "group":
         for name, group in (stats.groups or {}).items():
-            yield [name], float(getattr(group, spec.field))
+            value = getattr(group, spec.field)
+            if spec.field in _BY_REASON:
+                for reason, count in sorted(value.items()):
+                    yield [name, reason.value], float(count)
+            else:
+                yield [name], float(value)
         return
     if spec.part == "tiers":
         if stats.tiers is None:
@@ -405,6 +434,10 @@ def _samples(spec: MetricSpec, stats: OffloaderStatistics) -> Iterator[tuple[lis
         value = getattr(stats.tiers, spec.field)
     else:
         value = getattr(getattr(stats, spec.part), spec.field)
+    if spec.field in _BY_REASON:
+        for reason, count in sorted(value.items()):
+            yield [reason.value], float(count)
+        return
     if value is not None:
         yield [], float(value)
 

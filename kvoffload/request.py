@@ -41,6 +41,8 @@ from kvoffload.transfer.task import _NoPublicConstructor
 
 if TYPE_CHECKING:
     from kvoffload.request_groups import GroupLanes
+    from kvoffload.scheduler.core import OffloadScheduler
+    from kvoffload.scheduler.misses import MissReason
     from kvoffload.transfer.task import TransferTask
 
 __all__ = [
@@ -65,6 +67,9 @@ class _StepCalls(Protocol):
         *,
         allow_defer: bool,
     ) -> int | None: ...
+
+    @property
+    def scheduler(self) -> OffloadScheduler: ...
 
     def load(
         self, request_id: str, gpu_block_ids: Sequence[int], num_tokens: int
@@ -224,6 +229,7 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         "_hashes",
         "_hit",
         "_lanes",
+        "_miss",
         "_num_computed",
         "_off",
         "_reported",
@@ -261,6 +267,7 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         self._engine_prefix = num_computed_tokens
         self._num_computed = num_computed_tokens
         self._hit = 0
+        self._miss: MissReason | None = None
         self._reported = 0  # hashes given to update so far
         self._state = HandleState.LIVE
         self.extend(prompt_token_ids)
@@ -349,6 +356,12 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         return self._hit
 
     @property
+    def miss_reason(self) -> MissReason | None:
+        """Why the last `lookup()`'s hit stopped where it did (``None`` before a lookup):
+        a `MissReason` (``NONE`` when nothing was missed); docs/misses.md."""
+        return self._miss
+
+    @property
     def finished(self) -> bool:
         """Whether the request is finished: `finish()` was called (also when it raised
         `PinnerError` or `ClosedError`), or the ``with`` block was left."""
@@ -410,10 +423,12 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
             hit: int | None = self._lanes.lookup(
                 self._request_id, len(self._tokens), prefix, allow_defer
             )
+            self._miss = self._lanes.miss_reason(rid)
         else:
             hit = self._off.lookup(
                 self._request_id, self._hashes, len(self._tokens), prefix, allow_defer=allow_defer
             )
+            self._miss = self._off.scheduler.request_state(rid).miss_reason
         self._engine_prefix = prefix
         self._hit = hit or 0
         self._num_computed = max(self._num_computed, prefix)

@@ -14,6 +14,7 @@ from kvoffload.errors import BlockTableError, InvalidInputError
 from kvoffload.hashing import BlockHash, BlockHasher
 
 if TYPE_CHECKING:
+    from kvoffload.scheduler.misses import MissReason
     from kvoffload.transfer.task import TransferTask
 
 __all__ = ["GroupCalls", "GroupLanes"]
@@ -35,6 +36,8 @@ class GroupCalls(Protocol):
     def load(
         self, request_id: str, tables: Mapping[str, Sequence[int | None]], num_tokens: int
     ) -> TransferTask | None: ...
+
+    def miss_reason(self, request_id: str) -> MissReason: ...
 
     def update(
         self,
@@ -136,6 +139,10 @@ class GroupLanes:
         return self.off.lookup(
             request_id, self.hashes(), num_tokens, num_computed_tokens, allow_defer=allow_defer
         )
+
+    def miss_reason(self, request_id: str) -> MissReason:
+        """Why the request's last lookup's hit stopped where it did."""
+        return self.off.miss_reason(request_id)
 
     def advance(self, request_id: str, tables: object, num_computed_tokens: int) -> None:
         """Report a step: per group, its table and the hashes of its blocks that are full

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvoffload as kvoffload_package
-from kvoffload import KVLayout, KVOffloader, OffloadConfig
+from kvoffload import KVLayout, KVOffloader, MissReason, OffloadConfig
 from kvoffload.groups import KVCacheGroup
 from kvoffload.metrics import (
     METRICS,
@@ -47,6 +47,10 @@ TIER_DETAILS = {"slots": 9, "slots_used": 3, "direct_io": True, "path": "/x/tier
 """A tier's own figures: numbers and booleans become samples, text does not."""
 
 
+BY_REASON = frozenset({"lookup_misses", "miss_reason_tokens"})
+"""Statistics fields counted per `MissReason`, exported with a ``reason`` label."""
+
+
 def full_name(name: str, kind: str, namespace: str = "kvoffload") -> str:
     return f"{namespace}_{name}" + ("_total" if kind == "counter" else "")
 
@@ -70,10 +74,15 @@ def fake_statistics(base: int, *, tiers: bool = True) -> OffloaderStatistics:
     with ``tiers``, two tiers ``d`` (disk) and ``r`` (redis)."""
     values = iter(range(base, base + 1000))
 
+    def value(name: str) -> object:
+        if name in BY_REASON:  # a count per MissReason
+            return {MissReason.EVICTED: next(values), MissReason.NEVER_STORED: next(values)}
+        return next(values)
+
     def build(cls: type, **given: object) -> object:
         return cls(
             **{
-                f.name: given[f.name] if f.name in given else next(values)
+                f.name: given[f.name] if f.name in given else value(f.name)
                 for f in dataclasses.fields(cls)
             }
         )
@@ -122,8 +131,16 @@ def samples_of(
         return out
     if spec_part == "group":
         groups = stats.groups or {}
+        if field in BY_REASON:
+            return [
+                ({"group": n, "reason": r.value}, float(c))
+                for n, g in groups.items()
+                for r, c in sorted(getattr(g, field).items())
+            ]
         return [({"group": n}, float(getattr(g, field))) for n, g in groups.items()]
     part = getattr(stats, spec_part)
+    if field in BY_REASON:
+        return [({"reason": r.value}, float(c)) for r, c in sorted(getattr(part, field).items())]
     return [({}, float(getattr(part, field)))]
 
 
@@ -257,7 +274,7 @@ def test_help_texts_are_the_statistics_docstrings() -> None:
 def test_only_numbers_and_booleans_are_exported() -> None:
     numeric = {"int", "float", "bool", "float | None"}
     for spec in METRICS:
-        if (spec.part, spec.field) == ("tier", "details"):
+        if (spec.part, spec.field) == ("tier", "details") or spec.field in BY_REASON:
             continue  # one sample per numeric entry
         field_type = {f.name: f.type for f in dataclasses.fields(STATISTICS[spec.part])}
         assert field_type[spec.field] in numeric, spec

@@ -21,6 +21,7 @@ from kvoffload.scheduler.core import (
 )
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import LookupExtension
+from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ __all__ = [
     "GroupedPlan",
     "GroupedScheduler",
     "LookupExtension",
+    "MissReason",
     "OffloadScheduler",
     "RequestOffloadState",
     "RequestPhase",

@@ -281,7 +281,8 @@ class OffloadScheduler:
 
         Returns:
             Loadable tokens (a multiple of the block size), or ``None`` (only with
-            ``allow_defer``).
+            ``allow_defer``). Why the hit stopped there: ``request_state(request_id)
+            .miss_reason``, a `MissReason`.
 
         Raises:
             RequestStateError: the request is finished.

@@ -4,20 +4,23 @@ cross-group checks."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, final
 
-from kvoffload.errors import InvariantError
-from kvoffload.groups import KVCacheGroup, needed
+from kvoffload.errors import InvalidInputError, InvariantError
+from kvoffload.groups import KVCacheGroup, hit_alignment, needed
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.pool.free_queue import CpuBlock
-from kvoffload.scheduler.group_state import GroupedRequest
+from kvoffload.scheduler.group_state import GroupCounts, GroupedRequest
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import lookup_defers
+from kvoffload.scheduler.misses import MissReason
 
 __all__ = [
     "GroupLookupExtension",
     "check_ledgers",
+    "HitStops",
+    "check_lookup_counts",
     "check_request",
     "find_hit",
     "hit_blocks",
@@ -126,6 +129,111 @@ def find_hit(
     while n > computed and not _valid(groups, pools, lanes, n, computed):
         n -= align
     return max(n, computed)
+
+
+def check_lookup_counts(rid: str, num_tokens: int, num_computed_tokens: int, align: int) -> None:
+    """`GroupedScheduler.lookup()`'s counts: ``num_computed_tokens`` a multiple of
+    ``align`` in ``[0, num_tokens]``.
+
+    Raises:
+        InvalidInputError: naming both counts and the request.
+    """
+    if num_computed_tokens < 0 or num_computed_tokens % align or num_tokens < num_computed_tokens:
+        raise InvalidInputError(
+            f"request {rid!r}: num_tokens={num_tokens!r} and "
+            f"num_computed_tokens={num_computed_tokens!r} (a multiple of {align}, "
+            "at most num_tokens) are out of range"
+        )
+
+
+@final
+class HitStops:
+    """Why a grouped lookup's hit stopped where it did (`MissReason`), counted per group.
+
+    The next aligned step past the hit is examined: the first group (in order) missing
+    a block of it is blamed, and its `GroupStatistics.lookup_misses` counts the reason;
+    a block never stored in that group while another group holds its part of the step
+    is `MissReason.GROUP_MISSING`. A reason of the prompt's own (nothing missed, the
+    last token, a boundary) blames no group.
+
+    Args:
+        groups: the cacheable groups, in order.
+        ledgers: per group, its ledger (pool, pending hashes, `MissMemory`).
+        counts: per group, the counters ``lookup_misses`` is read from.
+        checkpoint: spacing of the store points of the groups that are not full.
+    """
+
+    __slots__ = ("_align", "_checkpoint", "_counts", "_groups", "_ledgers")
+
+    def __init__(
+        self,
+        groups: Sequence[KVCacheGroup],
+        ledgers: Mapping[str, BlockLedger],
+        counts: Mapping[str, GroupCounts],
+        checkpoint: int,
+    ) -> None:
+        self._groups = tuple(groups)
+        self._ledgers = ledgers
+        self._counts = counts
+        self._align = hit_alignment(groups)
+        self._checkpoint = checkpoint
+
+    def stop(
+        self, lanes: Mapping[str, Sequence[BlockHash]], n: int, num_tokens: int, computed: int
+    ) -> MissReason:
+        """The reason `find_hit()`'s hit ``n`` (over a prefix of ``computed`` tokens,
+        of a prompt of ``num_tokens``) stopped there; counted for the group blamed."""
+        if n >= num_tokens:
+            return MissReason.NONE
+        step = n + self._align
+        if step > num_tokens - 1:
+            return MissReason.LAST_TOKEN if step <= num_tokens else MissReason.BOUNDARY
+        gaps: list[tuple[MissReason, str]] = []
+        for g in self._groups:
+            ledger = self._ledgers[g.name]
+            reason = _gap(g, ledger, lanes[g.name], step, computed, self._checkpoint, num_tokens)
+            if reason is not None:
+                gaps.append((reason, g.name))
+        if not gaps:  # every group holds the step (a window the hit search passed over)
+            return MissReason.BOUNDARY
+        reason, group = gaps[0]
+        if reason is MissReason.NEVER_STORED and len(gaps) < len(self._groups):
+            reason = MissReason.GROUP_MISSING
+        misses = self._counts[group].misses
+        misses[reason] = misses.get(reason, 0) + 1
+        return reason
+
+
+def _gap(  # noqa: PLR0917 - one group's view of one step
+    g: KVCacheGroup,
+    ledger: BlockLedger,
+    hashes: Sequence[BlockHash],
+    step: int,
+    computed: int,
+    checkpoint: int,
+    num_tokens: int,
+) -> MissReason | None:
+    """Why group ``g`` lacks a block a hit at ``step`` needs (``None``: it lacks none).
+    A group that stores at checkpoints is asked about the next checkpoint in the
+    prompt; without one, the gap is a `MissReason.BOUNDARY`."""
+    get = ledger.pool.get_cached
+    for i in load_range(g, step, computed):
+        if i >= len(hashes):
+            return MissReason.BOUNDARY  # the prompt's hashes stop short of the step
+        block_hash = hashes[i]
+        if get(block_hash) is not None:
+            continue
+        if g.kind != "full" and step % checkpoint:
+            point = -(-step // checkpoint) * checkpoint
+            if point > num_tokens - 1:
+                return MissReason.BOUNDARY  # the group stores its state at checkpoints
+            return _gap(g, ledger, hashes, point, computed, checkpoint, num_tokens) or (
+                MissReason.BOUNDARY
+            )
+        if block_hash in ledger.pending:
+            return MissReason.IN_FLIGHT
+        return ledger.misses.reason(block_hash)
+    return None
 
 
 def check_request(groups: Mapping[str, KVCacheGroup], state: GroupedRequest, align: int) -> None:

@@ -12,6 +12,7 @@ from kvoffload.groups import KVCacheGroup
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.free_queue import CpuBlock
 from kvoffload.scheduler.ledger import BlockLedger
+from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.requests import check_distinct
 from kvoffload.transfer.plan import TransferPlan
 
@@ -72,6 +73,8 @@ class GroupStatistics:
         num_cpu_blocks: the group's pool size.
         free_cpu_blocks: free blocks in the pool.
         cached_cpu_blocks: published blocks in the pool.
+        lookup_misses: lookups whose hit stopped at a block of this group, by
+            `MissReason` (docs/misses.md).
     """
 
     stored_blocks: int
@@ -83,6 +86,7 @@ class GroupStatistics:
     num_cpu_blocks: int
     free_cpu_blocks: int
     cached_cpu_blocks: int
+    lookup_misses: Mapping[MissReason, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -113,6 +117,7 @@ class GroupedRequest:
     # the request's run of "ask again" lookups: how many, and since when (scheduler clock)
     deferrals: int = 0
     deferred_since: float = 0.0
+    miss_reason: MissReason = MissReason.NONE
 
 
 @dataclass(slots=True)
@@ -121,6 +126,7 @@ class GroupCounts:
     loaded: int = 0
     skipped_null: int = 0
     deferred: int = 0
+    misses: dict[MissReason, int] = field(default_factory=dict)
 
     def snapshot(self, ledger: BlockLedger) -> GroupStatistics:
         """These counters and ``ledger``'s pool, as `GroupStatistics`."""
@@ -135,6 +141,7 @@ class GroupCounts:
             num_cpu_blocks=pool.num_blocks,
             free_cpu_blocks=pool.num_free,
             cached_cpu_blocks=pool.num_cached,
+            lookup_misses=dict(self.misses),
         )
 
 

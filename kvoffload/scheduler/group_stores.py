@@ -114,6 +114,7 @@ class GroupStorePlanner:
                 if len(wanted) > room:
                     # a store point is planned whole, or deferred with every later one
                     cut = wanted[room][1]
+                    ledger.misses.note_skipped((lane.hashes[wanted[room][0]],))
                     wanted = [w for w in wanted if w[1] < cut]
                     if g.kind == "full":
                         new = cut // g.block_size - 1

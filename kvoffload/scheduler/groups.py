@@ -44,7 +44,9 @@ from kvoffload.groups import (
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.scheduler.group_loads import (
     GroupLookupExtension,
+    HitStops,
     check_ledgers,
+    check_lookup_counts,
     check_request,
     find_hit,
     hit_blocks,
@@ -67,6 +69,7 @@ from kvoffload.scheduler.group_state import (
 from kvoffload.scheduler.group_stores import GroupStorePlanner
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import DEFER_DEADLINE_S, deferral_spent
+from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.requests import as_int
 from kvoffload.transfer.plan import TransferPlan
 
@@ -150,6 +153,7 @@ class GroupedScheduler:
         self._ledgers = {g.name: BlockLedger(pools[g.name]) for g in self._cacheable}
         self._requests: dict[str, GroupedRequest] = {}
         self._counts = {g.name: GroupCounts() for g in self._cacheable}
+        self._stops = HitStops(self._cacheable, self._ledgers, self._counts, checkpoint_tokens)
         self.extension: GroupLookupExtension | None = None
         """Asked after every lookup (the groups' tiers, `kvoffload.tiers.groups`)."""
         self.clock: Callable[[], float] = time.monotonic
@@ -293,16 +297,7 @@ class GroupedScheduler:
         align = self._align
         num_tokens = as_int(num_tokens, "num_tokens", request_id)
         num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", request_id)
-        if (
-            num_computed_tokens < 0
-            or num_computed_tokens % align
-            or num_tokens < num_computed_tokens
-        ):
-            raise InvalidInputError(
-                f"request {request_id!r}: num_tokens={num_tokens!r} and "
-                f"num_computed_tokens={num_computed_tokens!r} (a multiple of {align}, "
-                "at most num_tokens) are out of range"
-            )
+        check_lookup_counts(request_id, num_tokens, num_computed_tokens, align)
         probe = GroupedRequest(request_id, {g.name: Lane() for g in self._cacheable})
         check_hashes(self._cacheable, request_id, probe, block_hashes)
         state = self._state(request_id)
@@ -328,6 +323,7 @@ class GroupedScheduler:
             state.deferrals = deferrals + 1
             if not deferrals:
                 state.deferred_since = self.clock()
+            state.miss_reason = MissReason.IN_FLIGHT
             return None
         for name, (start, pinned) in hits.items():
             self._ledgers[name].pin(pinned)
@@ -335,7 +331,15 @@ class GroupedScheduler:
             state.hit, state.hit_from = n, num_computed_tokens
         if self.extension is not None:
             self.extension.extend_grouped_lookup(lanes, n, num_tokens)
+        state.miss_reason = self._stops.stop(lanes, n, num_tokens, num_computed_tokens)
         return n - num_computed_tokens
+
+    def miss_reason(self, request_id: str) -> MissReason:
+        """The `MissReason` of ``request_id``'s last lookup (`UnknownRequestError`: none)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            raise UnknownRequestError(request_id)
+        return state.miss_reason
 
     def release(self, request_id: str) -> None:
         """Drop the pins of ``request_id``'s last lookup (in every group)."""

@@ -25,6 +25,7 @@ from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.pool.free_queue import CpuBlock
 from kvoffload.scheduler._counts import count_down, count_up
 from kvoffload.scheduler.audit import check_references
+from kvoffload.scheduler.misses import MissMemory
 from kvoffload.transfer.plan import LoadPlan, StorePlan, TransferPlan
 
 __all__ = ["BlockLedger", "PlanEntry", "Promotion"]
@@ -64,15 +65,20 @@ class BlockLedger:
 
     Args:
         pool: the CPU block pool whose references this ledger holds.
+        miss_memory: how many recent evictions (and skipped stores) `misses` remembers
+            (``None``: as many as the pool has blocks; 0: none).
 
     Attributes:
         pending: hash → the CPU block being filled with it right now (by a store or a
             promotion); read it, change it only through the ledger.
         loading: CPU block id → loads in flight that read it.
+        misses: the pool's recent evictions (every allocation here records them) and
+            skipped stores (the store planners record them), for `MissReason`.
     """
 
-    def __init__(self, pool: CpuBlockPool) -> None:
+    def __init__(self, pool: CpuBlockPool, *, miss_memory: int | None = None) -> None:
         self._pool = pool
+        self.misses = MissMemory(pool.num_blocks if miss_memory is None else miss_memory)
         self.pending: dict[BlockHash, CpuBlock] = {}
         self.priorities: dict[BlockHash, int] = {}
         """Pending hash → the retention priority it is published with (absent: 0)."""
@@ -131,6 +137,8 @@ class BlockLedger:
         pending and open the store plan that fills them (each published with its entry
         in ``priorities``, 0 when absent, unless raised meanwhile)."""
         blocks = self._pool.allocate(len(hashes), protect=protect, evicted=evicted)
+        if evicted:
+            self.misses.note_evicted(evicted)
         if priorities:
             self.priorities.update(priorities)
         pending = self.pending
@@ -328,6 +336,7 @@ class BlockLedger:
         self.epoch += 1
         self.pending.clear()
         self.priorities.clear()
+        self.misses.clear()
         for owner in self._pool.retained_owners:
             self._pool.release_retained(owner)
         self._pool.unpublish_all()
@@ -376,7 +385,10 @@ class BlockLedger:
         if available <= 0:
             return None
         wanted = wanted[:available]
-        blocks = pool.allocate(len(wanted), protect=protect)
+        evicted: list[BlockHash] = []
+        blocks = pool.allocate(len(wanted), protect=protect, evicted=evicted)
+        if evicted:
+            self.misses.note_evicted(evicted)
         pending = self.pending
         refs = self._tier_refs
         for (_, block_hash), block in zip(wanted, blocks, strict=True):

@@ -26,6 +26,7 @@ from kvoffload.errors import InvalidInputError
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.free_queue import CpuBlock
 from kvoffload.scheduler.ledger import BlockLedger, PlanEntry
+from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.requests import RequestTable, as_int, check_hash, length
 from kvoffload.scheduler.state import RequestOffloadState
 from kvoffload.scheduler.stats import Counters
@@ -41,6 +42,10 @@ __all__ = [
 ]
 
 _log = get_logger("scheduler")
+
+_NONE = MissReason.NONE
+_NOT_READ = MissReason.NOT_READ
+_IN_FLIGHT = MissReason.IN_FLIGHT
 
 MAX_LOOKUP_DEFERRALS = 1024
 """The most "ask again" answers in a row one request's lookups give."""
@@ -96,6 +101,12 @@ class LookupExtension(Protocol):
             ``True`` when the caller should ask again later (``allow_defer`` only): the
             scheduler releases the pin and answers ``None``.
         """
+        ...
+
+    def miss_reason(self, block_hash: BlockHash) -> MissReason | None:
+        """Why this storage could not bring ``block_hash`` in for a lookup that missed
+        it on CPU (`MissReason.IN_FLIGHT`: its promotion runs; `MissReason.TIER_FAILED`),
+        or ``None`` when it knows no reason (the pool's memory is asked next)."""
         ...
 
     @property
@@ -183,7 +194,15 @@ class LoadPlanner:
             state.admitted = True
             counters.prompt_tokens += num_tokens
         if no_read or start >= limit:
-            counters.miss_tokens += num_tokens - num_computed_tokens
+            missed = num_tokens - num_computed_tokens
+            counters.miss_tokens += missed
+            state.miss_reason = reason = (
+                _NOT_READ
+                if no_read and missed
+                else self._reason(block_hashes, start, limit, missed)
+            )
+            if reason is not _NONE:
+                counters.missed(reason, missed)
             return 0
         ledger = self._ledger
         hits = ledger.pool.lookup(itertools.islice(block_hashes, start, limit))
@@ -195,6 +214,7 @@ class LoadPlanner:
             # ask again later.
             counters.deferred_lookups += 1
             _log.debug("lookup_deferred", request_id=rid, block=end)
+            state.miss_reason = _IN_FLIGHT
             self._defer(state, deferrals)
             return None
         if hits:
@@ -203,15 +223,40 @@ class LoadPlanner:
             state.pin_start_block = start
         hit_tokens = len(hits) * bs
         counters.hit_tokens += hit_tokens
-        counters.miss_tokens += num_tokens - num_computed_tokens - hit_tokens
+        missed = num_tokens - num_computed_tokens - hit_tokens
+        counters.miss_tokens += missed
         extension = self.extension
-        if extension is not None and extension.extend_lookup(
+        deferred = extension is not None and extension.extend_lookup(
             block_hashes, end, limit, hits, allow_defer=allow_defer
-        ):
+        )
+        state.miss_reason = reason = self._reason(block_hashes, end, limit, missed)
+        if reason is not _NONE:
+            counters.missed(reason, missed)
+        if deferred:
             self.release_pin(state)
             self._defer(state, deferrals)
             return None
         return hit_tokens
+
+    def _reason(
+        self, block_hashes: Sequence[BlockHash], end: int, limit: int, missed: int
+    ) -> MissReason:
+        """Why a hit ending before ``block_hashes[end]`` (of the loadable ``[:limit]``)
+        stopped there, ``missed`` tokens short of the prompt (see `MissReason`)."""
+        if not missed:
+            return _NONE
+        if end >= limit:
+            return MissReason.LAST_TOKEN if limit < len(block_hashes) else MissReason.BOUNDARY
+        block_hash = block_hashes[end]
+        ledger = self._ledger
+        if block_hash in ledger.pending:
+            return _IN_FLIGHT
+        extension = self.extension
+        if extension is not None:
+            reason = extension.miss_reason(block_hash)
+            if reason is not None:
+                return reason
+        return ledger.misses.reason(block_hash)
 
     def _defer(self, state: RequestOffloadState, deferrals: int) -> None:
         """Answer "ask again": one more in the request's run of them."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from kvoffload.errors import RequestStateError
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.free_queue import CpuBlock
+from kvoffload.scheduler.misses import MissReason
 
 __all__ = ["RequestOffloadState", "RequestPhase"]
 
@@ -81,6 +82,7 @@ class RequestOffloadState:
         deferrals: "ask again" answers its lookups gave in a row (0 after any other
             answer); bounded, see `LoadPlanner`.
         deferred_since: the scheduler clock's time of the first of those answers.
+        miss_reason: why its last lookup's hit stopped where it did (`MissReason`).
     """
 
     request_id: str
@@ -100,6 +102,7 @@ class RequestOffloadState:
     priority: int = 0
     deferrals: int = 0
     deferred_since: float = 0.0
+    miss_reason: MissReason = MissReason.NONE
 
     @property
     def finished(self) -> bool:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from kvoffload.scheduler.misses import MissReason
 
 if TYPE_CHECKING:
     from kvoffload.scheduler.ledger import PlanEntry
@@ -55,6 +58,10 @@ class SchedulerStatistics:
             again" because their request had been answered "ask again"
             ``MAX_LOOKUP_DEFERRALS`` times in a row, or for longer than the deferral
             deadline (a promotion or store that does not end in time).
+        lookup_misses: lookups that missed tokens, by `MissReason` (the reason of each
+            lookup's stop; ``none`` is never counted): docs/misses.md.
+        miss_reason_tokens: ``miss_tokens`` by the `MissReason` of the lookup that
+            missed them (the values add up to ``miss_tokens``).
     """
 
     lookups: int
@@ -85,6 +92,8 @@ class SchedulerStatistics:
     prompt_tokens: int = 0
     abandoned_loads: int = 0
     deferrals_bounded: int = 0
+    lookup_misses: Mapping[MissReason, int] = field(default_factory=dict)
+    miss_reason_tokens: Mapping[MissReason, int] = field(default_factory=dict)
 
 
 class Counters:
@@ -116,7 +125,9 @@ class Counters:
         "load_plans",
         "loaded_blocks",
         "loaded_tokens",
+        "lookup_misses",
         "lookups",
+        "miss_reason_tokens",
         "miss_tokens",
         "prompt_tokens",
         "restored_blocks",
@@ -152,6 +163,12 @@ class Counters:
         self.prompt_tokens = 0
         self.abandoned_loads = 0
         self.deferrals_bounded = 0
+        self.lookup_misses: dict[MissReason, int] = {}
+        self.miss_reason_tokens: dict[MissReason, int] = {}
+
+    def missed(self, reason: MissReason, tokens: int) -> None:
+        """Count a lookup that missed ``tokens`` for ``reason``."""
+        add_miss(self.lookup_misses, self.miss_reason_tokens, reason, tokens)
 
     def completed(self, rec: PlanEntry, *, ok: bool, current: bool) -> None:
         """Count a plan the ledger closed (``current``: opened since the last reset)."""
@@ -203,7 +220,17 @@ class Counters:
             prompt_tokens=self.prompt_tokens,
             abandoned_loads=self.abandoned_loads,
             deferrals_bounded=self.deferrals_bounded,
+            lookup_misses=dict(self.lookup_misses),
+            miss_reason_tokens=dict(self.miss_reason_tokens),
             live_requests=live_requests,
             in_flight_transfers=in_flight_transfers,
             held_blocks=held_blocks,
         )
+
+
+def add_miss(
+    lookups: dict[MissReason, int], tokens: dict[MissReason, int], reason: MissReason, n: int
+) -> None:
+    """Count one lookup that missed ``n`` tokens for ``reason`` in these two maps."""
+    lookups[reason] = lookups.get(reason, 0) + 1
+    tokens[reason] = tokens.get(reason, 0) + n

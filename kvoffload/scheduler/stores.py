@@ -74,6 +74,7 @@ class _StoreBatch:
         "protect",
         "refused",
         "rollback",
+        "skipped",
     )
 
     def __init__(self, ledger: BlockLedger, limit: int) -> None:
@@ -92,6 +93,8 @@ class _StoreBatch:
         self.ends: list[int] = []
         self.rollback: list[tuple[RequestOffloadState, int]] = []
         self.refused: list[BlockHash] = []
+        # The first block of each request's deferred run (for `MissReason`).
+        self.skipped: list[BlockHash] = []
 
     def offer(self, block_hash: BlockHash, gpu_block_id: int, owner: str | None) -> bool:
         """Add a block unless it is cached or being filled; ``False`` when it needs a CPU
@@ -221,6 +224,10 @@ class StorePlanner:
         """Take the CPU blocks of a scanned batch and open its plan (``None``: nothing
         to store)."""
         counters = self._counters
+        if batch.skipped or batch.refused:
+            misses = self._ledger.misses
+            misses.note_skipped(batch.skipped)
+            misses.note_skipped(batch.refused)
         if batch.deferred:
             counters.deferred_blocks += batch.deferred
             counters.deferred_steps += 1
@@ -316,7 +323,9 @@ class StorePlanner:
             end = min(state.num_computed_tokens // bs, len(hashes), len(state.gpu_block_ids))
             i = start = state.num_stored_blocks
             if batch.deferred:
-                batch.deferred += max(0, end - i)
+                if end > i:
+                    batch.deferred += end - i
+                    batch.skipped.append(hashes[i])
                 continue
             gpu_ids = state.gpu_block_ids
             rid = state.request_id
@@ -331,6 +340,7 @@ class StorePlanner:
                     if free <= 0 or left <= 0:
                         batch.deferred = end - i
                         batch.deferred_request = rid
+                        batch.skipped.append(block_hash)
                         break
                     if admit is not None and not admit(block_hash):
                         refused.append(block_hash)
@@ -366,6 +376,7 @@ class StorePlanner:
                 if not batch.offer(block_hash, gpu_ids[i], rid):
                     batch.deferred = 1
                     batch.deferred_request = rid
+                    batch.skipped.append(block_hash)
                     self._counters.restored_blocks += len(batch.hashes) - before
                     batch.end_run()
                     return
@@ -378,6 +389,7 @@ class StorePlanner:
         for gpu_block_id, block_hash in window:
             if not batch.offer(block_hash, gpu_block_id, None):
                 batch.deferred = 1
+                batch.skipped.append(block_hash)
                 return
 
     # -- undo ------------------------------------------------------------------------------

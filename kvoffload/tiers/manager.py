@@ -33,6 +33,7 @@ import anyio.abc
 from kvoffload._logging import get_logger
 from kvoffload.errors import InvariantError
 from kvoffload.hashing import BlockHash
+from kvoffload.scheduler.misses import MissReason
 from kvoffload.tier_config import AnyTierSettings, RedisClusterTierSettings
 from kvoffload.tiers.base import SecondaryTier
 from kvoffload.tiers.cascade import Cascade
@@ -283,6 +284,14 @@ class TierManager:
     def is_promoting(self, block_hash: BlockHash) -> bool:
         """Whether a promotion covering ``block_hash`` is in flight."""
         return self._promoter.is_promoting(block_hash)
+
+    def miss_reason(self, block_hash: BlockHash) -> MissReason | None:
+        """Why the tiers did not bring ``block_hash`` in (see `LookupExtension`):
+        ``IN_FLIGHT`` while its promotion runs, ``TIER_FAILED`` when a recent read of it
+        timed out, raised or failed its check, or no tier is healthy; else ``None``."""
+        if not self._tiers:
+            return None
+        return self._promoter.miss_reason(block_hash)
 
     # -- observation -------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import anyio
@@ -34,9 +34,14 @@ _log = get_logger("tiers")
 
 
 async def probe(
-    tiers: Sequence[TierState], health: TierHealth, hashes: Sequence[BlockHash]
+    tiers: Sequence[TierState],
+    health: TierHealth,
+    hashes: Sequence[BlockHash],
+    *,
+    on_failed: Callable[[Sequence[BlockHash]], None] | None = None,
 ) -> list[tuple[TierState, int, int]]:
     """Find, tier by tier, the leading run of ``hashes`` the healthy tiers hold together.
+    ``on_failed`` hears of the block at which a tier failed to answer.
 
     Returns:
         ``(tier, lo, hi)``: ``hashes[lo:hi]`` are in that tier; the runs follow each other
@@ -56,6 +61,8 @@ async def probe(
                     k = await t.tier.exists(hashes[run:])
             except Exception as exc:
                 health.fault(t, exc, "exists")
+                if on_failed is not None:
+                    on_failed(hashes[run : run + 1])
                 continue
             finally:
                 t.gate.release()
@@ -109,8 +116,10 @@ async def read_verified(
     *,
     namespace: bytes,
     nbytes: int,
+    on_failed: Callable[[Sequence[BlockHash]], None] | None = None,
 ) -> list[bool]:
-    """Read blocks of tier ``t`` into ``views`` and verify each.
+    """Read blocks of tier ``t`` into ``views`` and verify each; ``on_failed`` hears of the
+    blocks a tier error or a failed check lost (not of plain misses).
 
     Returns:
         Per block, whether it arrived and passed every check. A block that failed one is
@@ -125,6 +134,8 @@ async def read_verified(
             reads = await t.tier.get(hashes, views)
     except Exception as exc:
         health.fault(t, exc, "get")
+        if on_failed is not None:
+            on_failed(hashes)
         return [False] * len(hashes)
     finally:
         t.read_seconds += time.perf_counter() - start
@@ -156,6 +167,8 @@ async def read_verified(
             "tier_block_rejected", tier=t.tier.name, block_hash=block_hash.hex()[:16], reason=reason
         )
     if bad:
+        if on_failed is not None:
+            on_failed(bad)
         await t.gate.acquire(read=True)
         try:
             with anyio.fail_after(t.timeout_s):

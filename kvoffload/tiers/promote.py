@@ -26,6 +26,7 @@ import anyio.to_thread
 
 from kvoffload._logging import get_logger
 from kvoffload.hashing import BlockHash
+from kvoffload.scheduler.misses import MissReason
 from kvoffload.tiers.health import TierPart
 from kvoffload.tiers.ops import probe, read_verified
 
@@ -75,6 +76,7 @@ class Promoter(TierPart):
         "_absent",
         "_closed",
         "_epoch",
+        "_failed",
         "_jobs",
         "_landed",
         "deferred_lookups",
@@ -107,6 +109,9 @@ class Promoter(TierPart):
         self._jobs: dict[BlockHash, _Promotion] = {}
         self._absent: OrderedDict[BlockHash, float] = OrderedDict()
         self._landed: OrderedDict[BlockHash, CpuBlock] = OrderedDict()
+        # Hashes a tier recently failed on (a timeout, an error, a failed check), for
+        # `miss_reason()`; bounded like the absent set.
+        self._failed: OrderedDict[BlockHash, None] = OrderedDict()
         self._epoch = 0
         self._closed = False
         self.promotions = 0
@@ -123,6 +128,7 @@ class Promoter(TierPart):
         """The CPU cache was reset: promotions in flight publish nothing."""
         self._epoch += 1
         self._absent.clear()
+        self._failed.clear()
         self._landed.clear()
 
     def forget_absent(self, blocks: Sequence[CpuBlock]) -> None:
@@ -178,6 +184,22 @@ class Promoter(TierPart):
     def is_promoting(self, block_hash: BlockHash) -> bool:
         """Whether a promotion covering ``block_hash`` is in flight."""
         return block_hash in self._jobs
+
+    def miss_reason(self, block_hash: BlockHash) -> MissReason | None:
+        """See `TierManager.miss_reason()`."""
+        if block_hash in self._jobs:
+            return MissReason.IN_FLIGHT
+        if block_hash in self._failed or not any(t.healthy for t in self._tiers):
+            return MissReason.TIER_FAILED
+        return None
+
+    def _note_failed(self, hashes: Sequence[BlockHash]) -> None:
+        failed = self._failed
+        for block_hash in hashes:
+            failed[block_hash] = None
+            failed.move_to_end(block_hash)
+        while len(failed) > _ABSENT_MAX:
+            failed.popitem(last=False)
 
     def _is_absent(self, block_hash: BlockHash) -> bool:
         expiry = self._absent.get(block_hash)
@@ -248,7 +270,7 @@ class Promoter(TierPart):
 
     async def _probe(self, hashes: tuple[BlockHash, ...]) -> list[tuple[TierState, int, int]]:
         """Find, tier by tier, the leading run of ``hashes`` the tiers hold together."""
-        return await probe(self._tiers, self._health, hashes)
+        return await probe(self._tiers, self._health, hashes, on_failed=self._note_failed)
 
     def _open(self, job: _Promotion, run: int) -> Promotion | None:
         """Open a promotion of the part of the run neither cached nor being filled (a
@@ -289,5 +311,11 @@ class Promoter(TierPart):
         self, t: TierState, hashes: list[BlockHash], views: list[memoryview]
     ) -> list[bool]:
         return await read_verified(
-            t, self._health, hashes, views, namespace=self._namespace, nbytes=self._nbytes
+            t,
+            self._health,
+            hashes,
+            views,
+            namespace=self._namespace,
+            nbytes=self._nbytes,
+            on_failed=self._note_failed,
         )
