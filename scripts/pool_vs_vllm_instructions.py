@@ -122,7 +122,7 @@ def replay_vllm(pool: Any, requests: Sequence[Sequence[bytes]]) -> Any:
     for keys in requests:
         n = len(keys)
         # find_longest_cache_hit: the leading run of cached blocks.
-        blocks = []
+        blocks: list[Any] = []
         append = blocks.append
         for block_hash in keys:
             cached = get_cached_block(block_hash, group_ids)
