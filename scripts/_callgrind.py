@@ -3,7 +3,8 @@
 The child (``python -c PROGRAM ARGS...``) sets itself up, prints ``ready``, waits for a
 line on its standard input and then runs the work to be measured: instrumentation is
 switched on only between the two (``callgrind_control -i on``), so imports and set-up are
-not counted. Used by ``scheduler_instructions.py`` and ``handle_instructions.py``.
+not counted. Used by ``scheduler_instructions.py``, ``handle_instructions.py`` and
+``pool_vs_vllm_instructions.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 
-__all__ = ["count_after_ready", "have_callgrind"]
+__all__ = ["count_after_ready", "have_callgrind", "run_after_ready"]
 
 
 def have_callgrind() -> bool:
@@ -26,13 +27,21 @@ def have_callgrind() -> bool:
 def count_after_ready(program: str, args: list[str]) -> int:
     """Instructions ``python -c program *args`` runs after it printed ``ready``
     (``PYTHONHASHSEED=0``, run in a temporary directory)."""
+    return run_after_ready(program, args)[0]
+
+
+def run_after_ready(
+    program: str, args: list[str], *, python: str = sys.executable
+) -> tuple[int, str]:
+    """`count_after_ready` with another interpreter; also returns what the program wrote
+    to its standard output after ``ready``."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             "valgrind",
             "--tool=callgrind",
             "--instr-atstart=no",
             f"--callgrind-out-file={tmp}/cg.out",
-            sys.executable,
+            python,
             "-c",
             program,
             *args,
@@ -58,8 +67,8 @@ def count_after_ready(program: str, args: list[str]) -> int:
             )
             proc.stdin.write("go\n")
             proc.stdin.flush()
-            _, err = proc.communicate()
+            out, err = proc.communicate()
     found = re.search(r"Collected : (\d+)", err)
     if proc.returncode != 0 or found is None:
         raise RuntimeError(f"no instruction count in valgrind's output:\n{err[-2000:]}")
-    return int(found.group(1))
+    return int(found.group(1)), out

@@ -21,6 +21,7 @@ counters `PrefixMap` (``prefix_map.py``), and the records ``events.py``.
 from __future__ import annotations
 
 from collections.abc import Collection, Hashable, Iterable, Sequence
+from operator import length_hint
 from typing import final
 
 from kvoffload.errors import BlockStateError, InvariantError
@@ -207,33 +208,46 @@ class CpuBlockPool:
         # The hot path (LRU, no priority, nothing protected): `LruFreeQueue.popleft_n()`
         # and each block's eviction inlined in one pass (the pool owns its queue). A
         # method call per evicted block costs the LRU replay 18 % more instructions
-        # (`scripts/pool_lru_instructions.py`).
+        # (`scripts/pool_lru_instructions.py`); with no ``evicted`` list and no events,
+        # an eviction is only the map's entry and the block's hash.
         cached = self._cached
-        evictions = 0
+        num_cached = len(cached)
         blocks = []
         append = blocks.append
         head = free._head
         node = head._next
-        for _ in range(n):
-            block: CpuBlock = node  # type: ignore[assignment]
-            node = block._next
-            block._prev = block._next = None
-            block_hash = block.block_hash
-            if block_hash is not None:
-                del cached[block_hash]
-                block.block_hash = None
-                evictions += 1
-                if evicted is not None:
-                    evicted.append(block_hash)
-                if self._enable_events:
-                    self._events.append(BlockRemoved(block_hash, block.block_id))
-            block.ref_cnt = 1
-            append(block)
+        if evicted is None and not self._enable_events:
+            for _ in range(n):
+                block: CpuBlock = node  # type: ignore[assignment]
+                node = block._next
+                block._prev = block._next = None
+                block_hash = block.block_hash
+                if block_hash is not None:
+                    del cached[block_hash]
+                    block.block_hash = None
+                block.ref_cnt = 1
+                append(block)
+        else:
+            events = self._events if self._enable_events else None
+            for _ in range(n):
+                block = node  # type: ignore[assignment]
+                node = block._next
+                block._prev = block._next = None
+                block_hash = block.block_hash
+                if block_hash is not None:
+                    del cached[block_hash]
+                    block.block_hash = None
+                    if evicted is not None:
+                        evicted.append(block_hash)
+                    if events is not None:
+                        events.append(BlockRemoved(block_hash, block.block_id))
+                block.ref_cnt = 1
+                append(block)
         head._next = node
         node._prev = head  # type: ignore[union-attr]
         free._len -= n
-        if evictions:
-            self._map.evictions += evictions
+        if num_cached != len(cached):
+            self._map.evictions += num_cached - len(cached)
         return blocks
 
     def touch(self, blocks: Iterable[CpuBlock], *, priority: int = 0) -> None:
@@ -290,15 +304,21 @@ class CpuBlockPool:
         if not self._plain and self._levels.raised:
             self._levels.free(blocks)
             return
-        # Hot path: LruFreeQueue.append() inlined (the pool owns its queue).
+        # Hot path: LruFreeQueue.append() inlined (the pool owns its queue). The position
+        # of a refused block is read off the iterator (exact for a list or a tuple), so
+        # the loop keeps no index.
+        if type(blocks) is not list and type(blocks) is not tuple:
+            blocks = list(blocks)
         free = self._free
         tail = free._tail
         last = tail._prev
         linked = 0
         token = self._token
-        for done, block in enumerate(blocks):
+        it = iter(blocks)
+        for block in it:
             ref_cnt = block.ref_cnt
             if ref_cnt <= 0 or block._owner is not token:
+                done = len(blocks) - 1 - length_hint(it)
                 self._levels.refuse_free(blocks, done, last, linked)
             block.ref_cnt = ref_cnt - 1
             if ref_cnt == 1:
@@ -324,7 +344,7 @@ class CpuBlockPool:
 
     # -- the prefix-cache map ---------------------------------------------------------------
 
-    def publish(self, block: CpuBlock, block_hash: BlockHash, *, priority: int = 0) -> bool:
+    def publish(self, block: CpuBlock, block_hash: BlockHash, priority: int = 0) -> bool:
         """Make a referenced block findable under ``block_hash``.
 
         Args:
@@ -342,14 +362,18 @@ class CpuBlockPool:
                 or belongs to another pool (it would be served for this pool's lookups).
             InvalidInputError: a bad ``priority`` (see `check_priority`).
         """
+        # ``priority`` is not keyword-only: CPython 3.11 specializes no call to a function
+        # with keyword-only parameters, and a store calls this once per block.
         if priority:
             check_priority(priority)
         if block._owner is not self._token or block.ref_cnt <= 0:
             raise publish_refused(block, self._token)
         current = block.block_hash
         if current is None:
-            if self._cached.setdefault(block_hash, block) is not block:
+            cached = self._cached
+            if block_hash in cached and cached[block_hash] is not block:
                 return False
+            cached[block_hash] = block
             block.block_hash = block_hash
             if self._enable_events:
                 self._events.append(BlockStored(block_hash, block.block_id))
@@ -357,7 +381,7 @@ class CpuBlockPool:
             raise BlockStateError(
                 f"block {block.block_id} is already published under {current.hex()[:16]}…"
             )
-        if priority > block.priority:
+        if priority and priority > block.priority:
             self._levels.raise_to(block, priority)
             self._plain = False
         return True
