@@ -4,11 +4,13 @@
 # tier's tests again against a throwaway valkey-server, the Redis Cluster tier's tests on
 # a throwaway six-node Redis cluster and a six-node Valkey cluster, ruff (lint and format), mypy
 # --strict, the docs site built with --strict, every script in examples/, and the vLLM
-# integration tests on a real vLLM engine on CPU in their own environment (.venv-vllm).
+# integration tests on a real vLLM engine on CPU in their own environment (.venv-vllm),
+# and the SGLang HiCache backend's tests with SGLang's own classes in theirs (.venv-sglang).
 #
-# How long: about 8 minutes on a quiet 2-core machine once the environments exist (the
-# first run also installs .venv and .venv-vllm), and 40 minutes or more on a loaded one.
-# The vLLM stage, last, is about half of it: --fast skips it and says so at the end. Each
+# How long: about 10 minutes on a quiet 2-core machine once the environments exist (the
+# first run also installs .venv, .venv-vllm and .venv-sglang: about 20 minutes more), and
+# 40 minutes or more on a loaded one. The two engine stages, last, are more than half of
+# it: --fast skips them and says so at the end. Each
 # stage starts with a line "==> stage N of M (elapsed): what"; --list prints the stages
 # that would run and runs nothing. CI (.ci/run) always runs every stage.
 #
@@ -44,12 +46,14 @@ stages=(
     "stage_mypy|mypy --strict"
     "stage_mkdocs|mkdocs build --strict"
     "stage_examples|examples (KVOFFLOAD_EXAMPLE_QUICK=1)"
-    "stage_vllm|vLLM integration tests (own environment, .venv-vllm; about half the time)"
+    "stage_vllm|vLLM integration tests (own environment, .venv-vllm)"
+    "stage_sglang|SGLang HiCache backend tests (own environment, .venv-sglang)"
 )
 skipped=()
 if [ "$fast" -eq 1 ]; then
-    skipped=("${stages[-1]#*|}")
-    unset 'stages[-1]'
+    # The engine stages, last: each in its own environment.
+    skipped=("${stages[-2]#*|}" "${stages[-1]#*|}")
+    stages=("${stages[@]:0:${#stages[@]}-2}")
 fi
 
 # "3m07s"
@@ -60,7 +64,9 @@ duration() {
 # What was skipped, for the last line; empty when every stage runs.
 skipped_note() {
     if [ "${#skipped[@]}" -gt 0 ]; then
-        printf 'skipped (--fast): %s; run without --fast for every check' "${skipped[*]}"
+        local joined
+        joined="$(printf '%s and ' "${skipped[@]}")"
+        printf 'skipped (--fast): %s; run without --fast for every check' "${joined% and }"
     fi
 }
 
@@ -166,6 +172,10 @@ stage_examples() {
 
 stage_vllm() {
     bash scripts/test_vllm.sh
+}
+
+stage_sglang() {
+    bash scripts/test_sglang.sh
 }
 
 start=$SECONDS

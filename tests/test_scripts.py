@@ -89,23 +89,27 @@ STAGES = [
     "mkdocs build --strict",
     "examples",
     "vLLM integration tests",
+    "SGLang HiCache backend tests",
 ]
 
 
 @pytest.mark.parametrize("fast", [False, True])
-def test_test_sh_numbers_its_stages_and_fast_skips_only_vllm(tmp_path: Path, fast: bool) -> None:
+def test_test_sh_numbers_its_stages_and_fast_skips_only_the_engines(
+    tmp_path: Path, fast: bool
+) -> None:
     """``--list`` prints the stages a run announces ("stage N of M") and runs nothing (no
-    redis-server on PATH, no environment set up); ``--fast`` drops the vLLM stage alone and
-    says that it is skipped."""
+    redis-server on PATH, no environment set up); ``--fast`` drops the two engine stages
+    (vLLM, SGLang) alone and says that they are skipped."""
     done, calls = _run("test.sh", tmp_path, "--list", *(["--fast"] if fast else []), CI="false")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    expected = STAGES[:-1] if fast else STAGES
+    expected = STAGES[:-2] if fast else STAGES
     for n, (line, stage) in enumerate(zip(lines, expected, strict=False), start=1):
         assert line.startswith(f"stage {n} of {len(expected)}: {stage}"), line
     if fast:
         assert len(lines) == len(expected) + 1
         assert lines[-1].startswith("skipped (--fast): vLLM integration tests")
+        assert "and SGLang HiCache backend tests" in lines[-1]
     else:
         assert len(lines) == len(expected)
     assert not calls.exists()
@@ -119,7 +123,7 @@ def test_test_sh_says_how_long_it_takes_and_how_to_run_the_fast_part(tmp_path: P
     readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
     for text in (script, readme):
         flat = " ".join(text.replace("#", " ").split())
-        assert "about 8 minutes on a quiet 2-core machine" in flat
+        assert "about 10 minutes on a quiet 2-core machine" in flat
         assert "40 minutes or more on a loaded one" in flat
         assert "--fast" in flat
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
