@@ -1,5 +1,5 @@
 """End to end: vLLM's own OffloadingConnector in the vLLM CPU engine, with kvoffload's disk
-tier as the secondary tier of vLLM's tiering framework.
+or Redis tier as the secondary tier of vLLM's tiering framework.
 
 vLLM's tiering spec refuses a CPU engine (its copy worker needs device streams), so the
 spec is `cpu_tiering_spec.CPUTieringOffloadingSpec`, loaded through vLLM's own
@@ -17,6 +17,7 @@ import cpu_tiering_spec
 import prometheus_client
 import pytest
 from engine_runs import ENGINE_BLOCK_SIZE, connector_of, engine, load_workload
+from redis_server import RedisServer, require_redis_client
 from vllm import LLM, SamplingParams
 
 from kvoffload.tiers.disk_layout import DiskLayout
@@ -30,10 +31,15 @@ ANSWER_TOKENS = 4
 CHUNK_BYTES = 32 * 1024  # the tiny Llama's KV of one 32-token block (2 layers, fp32)
 DISK_BYTES = 4 << 20
 PROMPT = [(i * 37 + 11) % 500 + 2 for i in range(PROMPT_TOKENS)]
+OP_TIMEOUT_S = 0.5  # the Redis tier's budget of one operation
 
 
-def tiering_config(disk: Path) -> dict[str, Any]:
-    """vLLM's OffloadingConnector: a CPU primary tier and kvoffload's disk tier below it."""
+def disk_tiers(disk: Path) -> list[dict[str, Any]]:
+    return [{"kind": "disk", "path": str(disk), "capacity_bytes": DISK_BYTES}]
+
+
+def tiering_config(tiers: list[dict[str, Any]]) -> dict[str, Any]:
+    """vLLM's OffloadingConnector: a CPU primary tier and kvoffload's ``tiers`` below it."""
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
@@ -46,7 +52,7 @@ def tiering_config(disk: Path) -> dict[str, Any]:
                 {
                     "type": "KVOffloadSecondaryTier",
                     "module_path": "kvoffload.integrations.vllm.secondary_tier",
-                    "tiers": [{"kind": "disk", "path": str(disk), "capacity_bytes": DISK_BYTES}],
+                    "tiers": tiers,
                 }
             ],
         },
@@ -102,15 +108,20 @@ def corrupt_every_slot(disk: Path, block_nbytes: int) -> int:
     return hit
 
 
-def test_a_prompt_comes_back_from_kvoffloads_tier_and_corrupted_bytes_are_never_served(
-    model_dir: Path, tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def baseline(model_dir: Path) -> Turn:
+    """The prompt's turn in the engine without connector."""
     with engine(model_dir, None, disable_log_stats=False) as llm:
-        baseline = generate(llm)
-    assert baseline.external == 0
+        turn = generate(llm)
+    assert turn.external == 0
+    return turn
 
+
+def test_a_prompt_comes_back_from_kvoffloads_tier_and_corrupted_bytes_are_never_served(
+    model_dir: Path, tmp_path: Path, baseline: Turn
+) -> None:
     disk = tmp_path / "kv.bin"
-    with engine(model_dir, tiering_config(disk), disable_log_stats=False) as llm:
+    with engine(model_dir, tiering_config(disk_tiers(disk)), disable_log_stats=False) as llm:
         manager = connector_of(llm).connector_scheduler.manager
         (tier,) = manager.secondary_tiers
         loads_before = cpu_tiering_spec.copies["load_blocks"]
@@ -153,4 +164,52 @@ def test_a_prompt_comes_back_from_kvoffloads_tier_and_corrupted_bytes_are_never_
         f"({blocks_read} blocks) in {second.seconds * 1e3:.0f} ms; corrupted: "
         f"{third.external:.0f} served, {after.failed_checks} failed checks, "
         f"{third.seconds * 1e3:.0f} ms"
+    )
+
+
+def test_a_paused_redis_node_turns_into_misses_within_the_budget(
+    model_dir: Path, baseline: Turn
+) -> None:
+    require_redis_client()
+    with RedisServer() as server:
+        tiers = [{"kind": "redis", "url": server.url, "op_timeout_s": OP_TIMEOUT_S,
+                  "retry_initial_s": 30}]  # fmt: skip
+        with engine(model_dir, tiering_config(tiers), disable_log_stats=False) as llm:
+            manager = connector_of(llm).connector_scheduler.manager
+            (tier,) = manager.secondary_tiers
+            first = generate(llm)
+            reset_engine_and_primary_tier(llm)  # drains the stores into Redis
+            (stored,) = tier._bridge.statistics()
+            server.pause()
+            try:
+                paused = generate(llm)
+                (after,) = tier._bridge.statistics()
+            finally:
+                server.resume()
+
+    assert first.tokens == baseline.tokens
+    assert stored.healthy
+    assert stored.blocks_written == PROMPT_TOKENS // ENGINE_BLOCK_SIZE
+    assert stored.errors == 0
+    # The paused server: vLLM asked the tier for the prompt's blocks (it stored them), the
+    # read failed within the tier's op_timeout_s, the tier marked itself unhealthy and the
+    # keys were reported not landed. vLLM recomputed the prompt: no token came from the
+    # tier, and the tokens are the baseline's.
+    assert paused.external == 0
+    assert paused.local_hit == 0
+    assert paused.tokens == baseline.tokens
+    assert after.blocks_read == 0
+    assert after.errors >= 1
+    assert after.unhealthy_events == 1
+    assert not after.healthy
+    assert "TimeoutError" in after.last_error, after.last_error
+    # Every read of the tier ends within its budget (a generous margin for a loaded
+    # machine); the generate call is not held up by the paused server.
+    waited = after.read_seconds - stored.read_seconds
+    assert waited <= after.errors * OP_TIMEOUT_S + 5.0
+    assert paused.seconds < 30.0
+    print(
+        f"\nRedis paused: {paused.external:.0f}/{PROMPT_TOKENS} prompt tokens from the tier, "
+        f"{after.errors} tier errors, {waited * 1e3:.0f} ms in tier reads, generate "
+        f"{paused.seconds * 1e3:.0f} ms (first run {first.seconds * 1e3:.0f} ms)"
     )

@@ -9,11 +9,6 @@ The secondary tier is loaded exactly as vLLM loads it from
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import tempfile
 import threading
 import time
 import uuid
@@ -23,6 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from redis_server import RedisServer, require_redis_client
 from vllm.v1.kv_offload.base import (
     LookupResult,
     ReqContext,
@@ -224,50 +220,11 @@ def test_settings_are_validated_like_offload_config(tmp_path: Path) -> None:
         )
 
 
-class _Redis:
-    """A redis-server of the test's own on a free loopback port (to pause with SIGSTOP)."""
-
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server") or shutil.which("valkey-server")
-        if binary is None:
-            pytest.skip("no redis-server")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.dir = tempfile.mkdtemp(prefix="kvoffload-vllm-redis-")
-        self.proc = subprocess.Popen(
-            [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
-             "--appendonly", "no", "--dir", self.dir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        end = time.monotonic() + 10
-        while time.monotonic() < end:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), 0.2) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError("redis-server did not start")
-
-    def close(self) -> None:
-        self.proc.send_signal(signal.SIGCONT)
-        self.proc.terminate()
-        self.proc.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
 def test_a_paused_redis_node_turns_into_misses_within_the_budget() -> None:
-    try:
-        import redis  # noqa: F401, PLC0415
-    except ImportError:
-        if os.environ.get("CI") == "true":
-            pytest.fail("CI installs the redis extra into the vLLM environment")
-        pytest.skip("the redis extra is not installed (pip install '.[redis]')")
-    server = _Redis()
+    require_redis_client()
+    server = RedisServer()
     before = {t.name for t in threading.enumerate()}
-    tiers = [{"kind": "redis", "url": f"redis://127.0.0.1:{server.port}/0",
+    tiers = [{"kind": "redis", "url": server.url,
               "op_timeout_s": 0.5, "retry_initial_s": 30}]  # fmt: skip
     s = Stack(tiers)
     try:
@@ -276,7 +233,7 @@ def test_a_paused_redis_node_turns_into_misses_within_the_budget() -> None:
         s.manager.reset_cache()
         assert s.lookup(keys[0]) is LookupResult.HIT
         assert s.load(keys[:1]) == data[:1]
-        server.proc.send_signal(signal.SIGSTOP)
+        server.pause()
         # Known keys answer HIT without the server; the load then fails within the
         # tier's op_timeout_s and the keys are reported not landed: a miss.
         assert s.lookup(keys[1]) is LookupResult.MISS
