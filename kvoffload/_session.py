@@ -392,6 +392,17 @@ class Session(Lifecycle):
         self.check("retain_for")
         return self.hints.hint(session, block_hashes, retain_for_s)
 
+    async def prefetch(self, block_hashes: Sequence[BlockHash]) -> int:
+        """`SessionHints.prefetch()` of a hashed prompt: leading blocks on CPU on return."""
+        self.check("prefetch")
+        tiers = self.tiers
+        if tiers is None:
+            is_cached = self.scheduler.pool.is_cached
+            return next(
+                (i for i, h in enumerate(block_hashes) if not is_cached(h)), len(block_hashes)
+            )
+        return await tiers.prefetch(block_hashes)
+
     def release_hint(self, session: Hashable) -> int:
         """`KVOffloader.release_hint()`."""
         self.check("release_hint")
