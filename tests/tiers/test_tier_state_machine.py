@@ -274,18 +274,34 @@ class TierMachine(RuleBasedStateMachine):
         family=st.integers(0, PROMPTS - 1),
         length=st.integers(1, MAX_BLOCKS),
         checkpoints=st.integers(0, 30),
+        during_read=st.booleans(),
     )
-    def prefetch_cancelled(self, family: int, length: int, checkpoints: int) -> None:
-        """A prefetch cancelled after a few checkpoints (at its probe, during a read or
-        after it): every CPU block it took is released, nothing half-published."""
+    def prefetch_cancelled(
+        self, family: int, length: int, checkpoints: int, during_read: bool
+    ) -> None:
+        """A prefetch cancelled after a few checkpoints (at its probe, or after it), or
+        (``during_read``) once it holds CPU blocks: every CPU block it took is released,
+        nothing half-published."""
         p = prompt(family, length)
+        tiers = self.o.tiers
+        assert tiers is not None
 
         async def run() -> None:
+            done = anyio.Event()
+
+            async def prefetch() -> None:
+                try:
+                    await self.o.hints.prefetch(p)
+                finally:
+                    done.set()
+
             with anyio.CancelScope() as scope:
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(self.o.hints.prefetch, p)
+                    tg.start_soon(prefetch)
                     for _ in range(checkpoints):
                         await anyio.lowlevel.checkpoint()
+                    while during_read and not done.is_set() and tiers.prefetch_blocks == 0:
+                        await anyio.sleep(0.0005)
                     scope.cancel()
 
         self.call(run)
