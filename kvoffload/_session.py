@@ -470,6 +470,9 @@ class Session(Lifecycle):
                     await self.launcher.collect(self._config.poll_interval_s)
                     self.scheduler.release_all_holds()
                     self.launcher.unpin_released_holds()
+                    # retain_prefix() owners and session hints end with the offloader
+                    self.hints.clear()
+                    self.scheduler.ledger.release_all_retained()
                 if self.tiers is not None:
                     await self.tiers.aclose()
         finally:

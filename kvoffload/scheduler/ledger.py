@@ -328,9 +328,14 @@ class BlockLedger:
         self.epoch += 1
         self.pending.clear()
         self.priorities.clear()
-        for owner in self._pool.retained_owners:
-            self._pool.release_retained(owner)
+        self.release_all_retained()
         self._pool.unpublish_all()
+
+    def release_all_retained(self) -> int:
+        """Release every retained block, of every owner (a reset, a close); return how
+        many references that dropped."""
+        pool = self._pool
+        return sum(pool.release_retained(owner) for owner in pool.retained_owners)
 
     # -- tiers -------------------------------------------------------------------------------
 
