@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import anyio
@@ -23,7 +24,9 @@ from tier_helpers import (
 from kvoffload.errors import InvalidInputError
 from kvoffload.groups import KVCacheGroup
 from kvoffload.offloader import KVOffloader
+from kvoffload.testing import CopyFaults
 from kvoffload.tiers.manager import TierManager
+from kvoffload.transfer.thread_engine import ThreadCopyEngine
 
 pytestmark = pytest.mark.anyio
 
@@ -171,6 +174,36 @@ async def test_a_prefetch_never_takes_a_referenced_block(tmp_path: Path) -> None
         check(off)
         off.release("pin")
         off.finish("pin")
+        check(off)
+
+
+async def test_a_prefetch_never_takes_a_block_with_a_store_in_flight(tmp_path: Path) -> None:
+    kv = make_kv()
+    cfg = config([disk(tmp_path / "kv.bin")], max_prefetch_fraction=1.0)
+    async with KVOffloader(cfg, kv) as off:
+        prompt = tokens(9, 4)
+        await stored_then_evicted(off, kv, prompt)
+        engine = off._session.engine
+        assert isinstance(engine, ThreadCopyEngine)
+        gate = threading.Event()
+        engine._copy_hook = CopyFaults(gate=gate)  # the stores' copies wait on the gate
+        try:
+            hashes = off.hash_prompt(tokens(10, 14))
+            off.update("s", list(range(14)), hashes, 14 * BS)
+            tasks = off.store()
+            pending = dict(off.scheduler.ledger.pending)
+            assert len(pending) == 14  # 14 of the 16 CPU blocks have a copy in flight
+            assert await off.hints.prefetch(prompt) == 2  # the two free blocks only
+            assert off.scheduler.ledger.pending == pending
+            assert all(b.ref_cnt >= 1 for b in pending.values())
+            check(off)
+        finally:
+            gate.set()
+        for task in tasks:
+            await task
+        engine._copy_hook = None
+        off.finish("s")
+        assert all(off.pool.is_cached(h) for h in hashes)  # every store landed
         check(off)
 
 
