@@ -392,6 +392,17 @@ class Session(Lifecycle):
         self.check("retain_for")
         return self.hints.hint(session, block_hashes, retain_for_s)
 
+    async def prefetch(self, block_hashes: Sequence[BlockHash]) -> int:
+        """`SessionHints.prefetch()` of a hashed prompt: leading blocks on CPU on return."""
+        self.check("prefetch")
+        tiers = self.tiers
+        if tiers is None:
+            is_cached = self.scheduler.pool.is_cached
+            return next(
+                (i for i, h in enumerate(block_hashes) if not is_cached(h)), len(block_hashes)
+            )
+        return await tiers.prefetch(block_hashes)
+
     def release_hint(self, session: Hashable) -> int:
         """`KVOffloader.release_hint()`."""
         self.check("release_hint")
@@ -459,6 +470,9 @@ class Session(Lifecycle):
                     await self.launcher.collect(self._config.poll_interval_s)
                     self.scheduler.release_all_holds()
                     self.launcher.unpin_released_holds()
+                    # retain_prefix() owners and session hints end with the offloader
+                    self.hints.clear()
+                    self.scheduler.ledger.release_all_retained()
                 if self.tiers is not None:
                     await self.tiers.aclose()
         finally:

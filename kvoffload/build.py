@@ -95,7 +95,7 @@ GROUP_FIELDS: frozenset[str] = frozenset({"checkpoint_tokens"})
 """The `OffloadConfig` fields only a model with several KV cache groups reads
 (`build_grouped_scheduler()`)."""
 
-TIER_FIELDS: frozenset[str] = frozenset({"tiers"})
+TIER_FIELDS: frozenset[str] = frozenset({"tiers", "max_prefetch_fraction"})
 """The `OffloadConfig` fields that configure the secondary tiers (`build_tiers()`)."""
 
 ENTRY_POINT_FIELDS: frozenset[str] = frozenset(
@@ -134,6 +134,11 @@ _VLLM_TIERS = (
     "tier for vLLM is not supported for now"
 )
 _VLLM_NO_RETAIN = "the connector has no retain_prefix(), the only reader of this bound"
+_NO_PREFETCH_GROUPS = (
+    "prefetch() works with one full-attention group only for now, and it is the only "
+    "reader of this bound"
+)
+_VLLM_NO_PREFETCH = "the connector has no prefetch() (nor tiers), the only reader of this bound"
 
 REFUSED: dict[EntryPoint, dict[str, str]] = {
     "offloader": {"checkpoint_tokens": _GROUPS_ONLY},
@@ -148,6 +153,7 @@ REFUSED: dict[EntryPoint, dict[str, str]] = {
         "hold_max_steps": _NO_HOLDS,
         "max_retained_fraction": "retain_prefix() works with one full-attention group only "
         "for now, and it is the only reader of this bound",
+        "max_prefetch_fraction": _NO_PREFETCH_GROUPS,
     },
     "vllm": {
         "tiers": _VLLM_TIERS,
@@ -156,6 +162,7 @@ REFUSED: dict[EntryPoint, dict[str, str]] = {
         "hold_max_blocks": _VLLM_NO_HOLDS,
         "hold_max_steps": _VLLM_NO_HOLDS,
         "max_retained_fraction": _VLLM_NO_RETAIN,
+        "max_prefetch_fraction": _VLLM_NO_PREFETCH,
     },
     "vllm_groups": {
         "tiers": _VLLM_TIERS,
@@ -173,6 +180,7 @@ REFUSED: dict[EntryPoint, dict[str, str]] = {
         "hold_max_blocks": _VLLM_NO_HOLDS,
         "hold_max_steps": _VLLM_NO_HOLDS,
         "max_retained_fraction": _VLLM_NO_RETAIN,
+        "max_prefetch_fraction": _VLLM_NO_PREFETCH,
     },
 }
 """Per entry point, the `OffloadConfig` fields it cannot honour and why: `check_settings()`
@@ -448,4 +456,10 @@ def build_tiers(
         (build_tier(s, i, namespace=digest, block_nbytes=nbytes), s)
         for i, s in enumerate(config.tiers)
     ]
-    return TierManager(tiers, scheduler=scheduler, host=host, namespace=digest)
+    return TierManager(
+        tiers,
+        scheduler=scheduler,
+        host=host,
+        namespace=digest,
+        max_prefetch_fraction=config.max_prefetch_fraction,
+    )

@@ -188,6 +188,14 @@ class OffloadConfig(BaseSettings):
         description="The share of the CPU pool KVOffloader.retain_prefix() may hold, all "
         "owners together (rounded down to whole blocks; at most the pool less one block).",
     )
+    max_prefetch_fraction: float = Field(
+        default=0.25,
+        gt=0.0,
+        le=1.0,
+        description="The share of the CPU pool that prefetches from the secondary tiers "
+        "(SessionHints.prefetch()) may take at once, all prefetches in flight together "
+        "(rounded down to whole blocks; at most the pool less one block).",
+    )
 
     checkpoint_tokens: int | None = Field(
         default=None,

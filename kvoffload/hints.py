@@ -98,6 +98,28 @@ class SessionHints:
         """
         return self._session.release_hint(session)
 
+    async def prefetch(self, token_ids: Sequence[int]) -> int:
+        """Promote the prompt's full blocks from the secondary tiers into the CPU pool
+        ahead of the request that will need them (the next turn after a tool call), so
+        that its lookup is a CPU hit; return how many leading full blocks of the prompt
+        are in the CPU pool on return.
+
+        Without tiers it returns at once with what the CPU pool holds. The blocks are
+        taken like a lookup's promotion: free CPU blocks only, never one with a copy in
+        flight, nor the prompt's blocks already cached, and all prefetches in flight
+        together take at most ``max_prefetch_fraction`` of the pool (a prefetch past that
+        promotes the part that fits). Blocks a store or a lookup's promotion is filling
+        right now are left to it. Await it, or run it in a task and cancel it; to bound
+        its time, wrap it in `anyio.fail_after`.
+
+        Cancellation: what the prefetch was reading is published nothing, and every CPU
+        block it took is released (blocks it published before stay cached).
+
+        Raises:
+            InputTypeError: ``token_ids`` not a sequence of ints.
+        """
+        return await self._session.prefetch(self._hasher.hash_prompt(token_ids))
+
     def deadline(self, session: Hashable) -> float | None:
         """When ``session``'s hint ends on `clock` (``None``: no live hint,
         as of the last expiry)."""

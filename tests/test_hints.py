@@ -185,6 +185,20 @@ async def test_reset_ends_every_hint() -> None:
         off.check_invariants()
 
 
+async def test_close_releases_the_blocks_hints_and_retain_prefix_hold() -> None:
+    clock = Clock()
+    off = offloader(clock, max_retained_fraction=0.5)
+    async with off:
+        await run(off, "a", [*tokens(1, 3), 7], retain_for_s=60)
+        off.hints.retain_prefix(tokens(1, 2), owner="system")
+        assert off.pool.num_retained == 3
+        assert off.pool.num_free < off.pool.num_blocks
+    # Every reference is released on close (invariant 6), the retained ones too.
+    assert off.pool.num_free == off.pool.num_blocks
+    assert off.pool.num_retained == 0
+    assert off.pool.retained_owners == ()
+
+
 def test_hints_on_a_bare_pool_expire_lazily_on_their_clock() -> None:
     """The replay drives `RetentionHints` over a `CpuBlockPool` in trace time."""
     from kvoffload.hashing import BlockHash  # noqa: PLC0415

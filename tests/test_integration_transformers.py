@@ -235,6 +235,10 @@ def test_bad_requests_are_refused(model: Any) -> None:
         engine.add_request("a", [], max_new_tokens=1)
     with pytest.raises(ValueError, match="needs 5 blocks; the cache has 4"):
         engine.add_request("a", [1] * 30, max_new_tokens=10)
+    with pytest.raises(ValueError, match=r"request 'a': retain_for_s must be .*, got 0"):
+        engine.add_request("a", [1, 2], max_new_tokens=1, retain_for_s=0)
+    with pytest.raises(TypeError, match=r"session=\[1\] must be hashable"):
+        engine.add_request("a", [1, 2], max_new_tokens=1, retain_for_s=5.0, session=[1])
     engine.add_request("a", [1, 2], max_new_tokens=1)
     with pytest.raises(ValueError, match="'a' is in use"):
         engine.add_request("a", [1, 2], max_new_tokens=1)

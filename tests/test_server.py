@@ -308,6 +308,39 @@ BAD_REQUESTS: list[tuple[Any, int, str, str | None]] = [
     ({"prompt": [1, 2], "n": 2}, 422, "n: Input should be 1 (got 2)", "n"),
     ({"prompt": [[1, 2]]}, 422, "list of integer token ids, got [[1, 2]]", "prompt"),
     ({"prompt": [1, True]}, 422, "list of integer token ids", "prompt"),
+    # session hints: a number of seconds in (0, one year], a non-empty session string
+    (
+        {"prompt": [1, 2], "retain_for_s": 0},
+        422,
+        "retain_for_s: Input should be greater",
+        "retain_for_s",
+    ),
+    ({"prompt": [1, 2], "retain_for_s": -3.5}, 422, "(got -3.5)", "retain_for_s"),
+    (
+        {"prompt": [1, 2], "retain_for_s": 1e12},
+        422,
+        "retain_for_s: Input should be less",
+        "retain_for_s",
+    ),
+    (
+        {"prompt": [1, 2], "retain_for_s": "30"},
+        422,
+        "retain_for_s: Input should be a valid number",
+        "retain_for_s",
+    ),
+    ({"prompt": [1, 2], "retain_for_s": True}, 422, "(got True)", "retain_for_s"),
+    (
+        {"prompt": [1, 2], "retain_for_s": 5, "session": [1]},
+        422,
+        "session: Input should be a valid string",
+        "session",
+    ),
+    (
+        {"prompt": [1, 2], "session": ""},
+        422,
+        "session: String should have at least 1 character",
+        "session",
+    ),
     # strict types: nothing is converted
     (
         {"prompt": [1, 2], "max_tokens": "5"},
@@ -367,6 +400,60 @@ async def test_bad_requests_get_a_4xx_naming_the_field_and_value() -> None:
         body = await stats(client)
         assert body["server"]["rejected"] == len(BAD_REQUESTS)
         assert body["server"]["submitted"] == 0
+    assert_whole(app)
+
+
+async def test_a_completion_with_retain_for_s_retains_its_blocks_for_its_session() -> None:
+    app = app_module.create_app(tiny_engine(), offload_config())
+    now = [0.0]
+    async with serving(app) as (url, _server), httpx.AsyncClient(base_url=url) as client:
+        off: KVOffloader = app.state.server.offloader
+        off.hints.clock = lambda: now[0]
+        prompt = list(range(1, 4 * BLOCK + 2))
+        body = {"prompt": prompt, "max_tokens": 2, "retain_for_s": 30, "session": "agent-1"}
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        await off.drain()
+        off.store()  # blocks stored after the finish are retained at the next store()
+        assert off.hints.sessions == ("agent-1",)
+        assert off.hints.deadline("agent-1") == 30.0
+        assert off.hints.release("agent-1") == 4  # the prompt's four full blocks
+        plain = {"prompt": prompt, "max_tokens": 2}
+        assert (await client.post("/v1/completions", json=plain)).status_code == 200
+        await off.drain()
+        off.store()
+        assert off.hints.sessions == ()  # no hint, nothing retained
+    assert_whole(app)
+
+
+async def test_prefetch_brings_a_prompt_back_from_the_tier(tmp_path: Path) -> None:
+    tier = {"kind": "disk", "path": str(tmp_path / "kv.bin"), "capacity_bytes": "4MiB"}
+    config = OffloadConfig(block_size=BLOCK, num_cpu_blocks=64, model_id="tiny-test", tiers=[tier])
+    app = app_module.create_app(tiny_engine(), config)
+    async with serving(app) as (url, _server), httpx.AsyncClient(base_url=url) as client:
+        off: KVOffloader = app.state.server.offloader
+        prompt = list(range(1, 5 * BLOCK + 2))
+        missing = await client.post("/v1/prefetch", json={"prompt": prompt})
+        assert missing.json() == {"object": "prefetch", "cpu_blocks": 0, "cpu_tokens": 0}
+        response = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        await off.drain()
+        assert off.tiers is not None
+        for _ in range(500):  # the write-down to the tier
+            stats = off.tiers.statistics()
+            if stats.refs_held == 0 and stats.tiers[0].blocks_written >= 5:
+                break
+            await asyncio.sleep(0.01)
+        assert await off.reset()  # the CPU pool forgets it; the tier keeps it
+        hashes = off.hash_prompt(prompt)
+        assert not off.pool.is_cached(hashes[0])
+        answer = await client.post("/v1/prefetch", json={"prompt": prompt})
+        assert answer.status_code == 200, answer.text
+        assert answer.json() == {"object": "prefetch", "cpu_blocks": 5, "cpu_tokens": 5 * BLOCK}
+        assert all(off.pool.is_cached(h) for h in hashes)
+        bad = await client.post("/v1/prefetch", json={"prompt": [1], "max_tokens": 2})
+        assert bad.status_code == 422
+        assert bad.json()["error"]["param"] == "max_tokens"
     assert_whole(app)
 
 

@@ -204,6 +204,12 @@ async def retained_bound(make_off: Callable[[], KVOffloader], seen: Seen) -> obj
         return [p.max_retained_blocks for p in _pools(off)]
 
 
+async def prefetch_bound(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        assert off.tiers is not None
+        return off.tiers.max_prefetch_blocks
+
+
 async def store_points(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
     async with make_off() as off:
         assert off._groups is not None
@@ -268,6 +274,9 @@ TABLE: dict[str, Decision] = {
     ),
     "max_retained_fraction": Decision(
         {"max_retained_fraction": 0.5}, {"offloader": retained_bound}
+    ),
+    "max_prefetch_fraction": Decision(
+        {"max_prefetch_fraction": 0.5}, {"offloader": prefetch_bound}, with_={"tiers": "TIER"}
     ),
     "checkpoint_tokens": Decision({"checkpoint_tokens": 8}, {"offloader_groups": store_points}),
 }

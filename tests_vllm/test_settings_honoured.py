@@ -214,6 +214,7 @@ TABLE: dict[str, Decision] = {
     "hold_max_blocks": Decision({"hold_max_blocks": 1}, {}),
     "hold_max_steps": Decision({"hold_max_steps": 1}, {}),
     "max_retained_fraction": Decision({"max_retained_fraction": 0.5}, {}),
+    "max_prefetch_fraction": Decision({"max_prefetch_fraction": 0.5}, {}),
     "checkpoint_tokens": Decision({"checkpoint_tokens": 64}, {}),
 }
 

@@ -66,8 +66,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_loop import EngineLoop, Event, ServerClosed, ShutdownReport
 
 from kvoffload import KVOffloader, OffloadConfig
+from kvoffload.errors import KvOffloadError
 from kvoffload.integrations.transformers import GenerationResult, PagedEngine
 from kvoffload.metrics import OffloaderCollector
+from kvoffload.pool.hints import MAX_RETAIN_FOR_S
 from kvoffload.storage import HostKVBuffer
 from kvoffload.transfer import ThreadCopyEngine
 from kvoffload.transfer.thread_engine import CopyHook
@@ -131,6 +133,22 @@ class CompletionRequest(BaseModel):
     n: Annotated[int, AfterValidator(_only_one)] = 1
     model: str | None = None
     user: str | None = None
+    retain_for_s: float | None = Field(
+        default=None, gt=0.0, le=MAX_RETAIN_FOR_S, allow_inf_nan=False
+    )
+    """A session hint (docs/hints.md): keep the request's blocks in the CPU pool this many
+    seconds after it ends (an agent's tool call), for ``session``."""
+    session: str | None = Field(default=None, min_length=1)
+    """The hint's session (a later hint of the same session replaces it); default: the
+    request's own."""
+
+
+class PrefetchRequest(BaseModel):
+    """The body of ``POST /v1/prefetch``: the prompt the next request will send."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    prompt: str | list[StrictInt] = Field(min_length=1)
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -360,7 +378,9 @@ async def completions(request: Request) -> Response:
         return _error(503, _not_running(state))
     stack = AsyncExitStack()
     try:
-        events = await stack.enter_async_context(state.loop.submit(prompt, body.max_tokens))
+        events = await stack.enter_async_context(
+            state.loop.submit(prompt, body.max_tokens, body.retain_for_s, body.session)
+        )
     except ServerClosed as exc:
         return _error(503, str(exc))
     except ValueError as exc:  # the engine refused it; its message names the value
@@ -480,6 +500,35 @@ def _body(state: ServerState, cid: str, r: GenerationResult) -> dict[str, Any]:
     return body
 
 
+async def prefetch(request: Request) -> Response:
+    """``POST /v1/prefetch``: promote a prompt's blocks from the offloader's tiers into its
+    CPU pool ahead of the request that sends it; answer the blocks and tokens of the
+    prompt now in the CPU pool (without tiers: what is there already)."""
+    state = _state(request)
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        return Response(status_code=400)  # nobody reads it
+    try:
+        body = PrefetchRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        state.rejected += 1
+        return _validation_error(exc)
+    if state.loop is None:
+        return _error(503, _not_running(state))
+    off = state.offloader
+    if off is None:
+        return _error(400, "this server does not offload (started with --no-offload)")
+    prompt = state.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+    try:
+        blocks = await off.hints.prefetch(prompt)
+    except KvOffloadError as exc:
+        state.rejected += 1
+        return _error(400, str(exc), "prompt")
+    tokens = blocks * off.layout.block_size
+    return JSONResponse({"object": "prefetch", "cpu_blocks": blocks, "cpu_tokens": tokens})
+
+
 async def stats(request: Request) -> Response:
     """``GET /stats``: the offloader's, the engine's and the server's counters as JSON."""
     state = _state(request)
@@ -574,6 +623,7 @@ def create_app(
     app = Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/prefetch", prefetch, methods=["POST"]),
             Route("/stats", stats, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ],

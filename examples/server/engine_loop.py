@@ -70,9 +70,16 @@ class EngineLoop:
 
     @asynccontextmanager
     async def submit(
-        self, prompt: Sequence[int], max_tokens: int
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        retain_for_s: float | None = None,
+        session: str | None = None,
     ) -> AsyncIterator[MemoryObjectReceiveStream[Event]]:
         """Queue a request; yield the stream of its token ids, then its result.
+
+        With ``retain_for_s``, its blocks are retained that long after it ends, for
+        ``session`` (`PagedEngine.add_request`).
 
         Raises:
             ServerClosed: the server is shutting down.
@@ -83,7 +90,9 @@ class EngineLoop:
         if self._closed:
             raise ServerClosed("the server is shutting down")
         rid = f"req-{next(self._ids)}"
-        self.engine.add_request(rid, prompt, max_new_tokens=max_tokens)
+        self.engine.add_request(
+            rid, prompt, max_new_tokens=max_tokens, retain_for_s=retain_for_s, session=session
+        )
         send, receive = anyio.create_memory_object_stream[Event](math.inf)
         self._streams[rid] = send
         self._submitted += 1

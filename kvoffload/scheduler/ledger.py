@@ -337,9 +337,14 @@ class BlockLedger:
         self.pending.clear()
         self.priorities.clear()
         self.misses.clear()
-        for owner in self._pool.retained_owners:
-            self._pool.release_retained(owner)
+        self.release_all_retained()
         self._pool.unpublish_all()
+
+    def release_all_retained(self) -> int:
+        """Release every retained block, of every owner (a reset, a close); return how
+        many references that dropped."""
+        pool = self._pool
+        return sum(pool.release_retained(owner) for owner in pool.retained_owners)
 
     # -- tiers -------------------------------------------------------------------------------
 

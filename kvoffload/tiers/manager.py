@@ -33,6 +33,7 @@ import anyio.abc
 from kvoffload._logging import get_logger
 from kvoffload.errors import InvariantError
 from kvoffload.hashing import BlockHash
+from kvoffload.pool.priority import default_max_retained
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.tier_config import AnyTierSettings, RedisClusterTierSettings
 from kvoffload.tiers.base import SecondaryTier
@@ -88,6 +89,8 @@ class TierManager:
             `extend_lookup()` (the manager installs itself).
         host: the host buffer whose blocks are read and written.
         namespace: the 32-byte namespace digest written into every block header.
+        max_prefetch_fraction: the share of the CPU pool `prefetch()` calls in flight may
+            take together (``OffloadConfig.max_prefetch_fraction``).
 
     Call `run()` through ``task_group.start`` and `aclose()` before the host buffer is
     freed. The synchronous methods must be called on the event loop thread.
@@ -100,6 +103,7 @@ class TierManager:
         scheduler: TierScheduler,
         host: HostKVBuffer,
         namespace: bytes,
+        max_prefetch_fraction: float = 0.25,
     ) -> None:
         self._scheduler = scheduler
         self._ledger = scheduler.ledger
@@ -144,6 +148,7 @@ class TierManager:
             namespace=namespace,
             nbytes=self._nbytes,
             block_view=self.block_view,
+            max_prefetch_blocks=default_max_retained(self._pool.num_blocks, max_prefetch_fraction),
         )
         self._task_group: anyio.abc.TaskGroup | None = None
         self._stopped = anyio.Event()
@@ -272,6 +277,35 @@ class TierManager:
             block_hashes, end, limit, pinned, allow_defer=allow_defer, task_group=tg
         )
 
+    # -- prefetch -----------------------------------------------------------------------------
+
+    async def prefetch(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Promote a prefix from the tiers into the CPU pool ahead of the lookup that will
+        need it (`SessionHints.prefetch()`); return how many of its leading blocks are in
+        the CPU pool on return.
+
+        Runs in the caller's task. CPU blocks are taken like a promotion's (free blocks
+        only: never one with a copy in flight, nor the prefix's cached run); all
+        prefetches in flight together take at most `max_prefetch_blocks`, and a prefetch
+        past that bound promotes the part that fits. Hashes being stored or promoted now
+        are left to that copy. Cancellation publishes nothing of the read in progress
+        and releases every CPU block it took (blocks published before stay).
+        """
+        if not self._tiers or self._task_group is None or self._closing:
+            return self._promoter.prefetch_cached(block_hashes)
+        return await self._promoter.prefetch(block_hashes)
+
+    @property
+    def max_prefetch_blocks(self) -> int:
+        """The most CPU blocks prefetches in flight take together
+        (``max_prefetch_fraction`` of the pool, rounded down, at most the pool less one)."""
+        return self._promoter.max_prefetch_blocks
+
+    @property
+    def prefetch_blocks(self) -> int:
+        """CPU blocks prefetches in flight hold now."""
+        return self._promoter.prefetch_blocks
+
     @property
     def defer_deadline_s(self) -> float:
         """The longest a request's lookups answer "ask again" in a row while a promotion
@@ -324,6 +358,12 @@ class TierManager:
             for block in t.queue:
                 queued[block.block_id] += 1
         refs = self._ledger.tier_refs()
+        promoter = self._promoter
+        if not 0 <= promoter.prefetch_blocks <= promoter.max_prefetch_blocks:
+            raise InvariantError(
+                f"prefetches hold {promoter.prefetch_blocks} CPU blocks, bound "
+                f"{promoter.max_prefetch_blocks}"
+            )
         for block_id, n in queued.items():
             if refs.get(block_id, 0) < n:
                 raise InvariantError(f"queued block {block_id} holds fewer refs than queued")

@@ -10,6 +10,9 @@
   block that fails is a miss, is deleted from its tier and is counted (invariant 3).
 * A probe that found nothing keeps lookups from probing the same block again for a
   while; a reset (a new epoch) makes the promotions in flight publish nothing.
+* A prefetch (`Promoter.prefetch()`) is a promotion run in its caller's task, ahead of
+  the lookup that will need it: the same probe, ledger, verification and cleanup, and
+  all prefetches in flight together take at most ``max_prefetch_blocks`` CPU blocks.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class _Promotion:
     hashes: tuple[BlockHash, ...]
     protect: tuple[CpuBlock, ...]
     epoch: int
+    prefetch: bool = False
 
 
 @final
@@ -70,6 +74,10 @@ class Promoter(TierPart):
         deferred_lookups: lookups answered "ask again" while a promotion ran.
         errors: promotions that ended on an unexpected error.
         in_flight: promotions running now.
+        prefetches: prefetches started (`prefetch()` calls that had a tier to read).
+        prefetch_blocks: CPU blocks prefetches hold now (at most ``max_prefetch_blocks``).
+        prefetch_bounded: prefetches that took fewer blocks than they wanted (or none)
+            because prefetches in flight held ``max_prefetch_blocks`` already.
     """
 
     __slots__ = (
@@ -82,7 +90,11 @@ class Promoter(TierPart):
         "deferred_lookups",
         "errors",
         "in_flight",
+        "max_prefetch_blocks",
         "no_space",
+        "prefetch_blocks",
+        "prefetch_bounded",
+        "prefetches",
         "promotions",
     )
 
@@ -96,6 +108,7 @@ class Promoter(TierPart):
         namespace: bytes,
         nbytes: int,
         block_view: Callable[[int], memoryview],
+        max_prefetch_blocks: int = 0,
     ) -> None:
         super().__init__(
             tiers,
@@ -119,6 +132,10 @@ class Promoter(TierPart):
         self.deferred_lookups = 0
         self.errors = 0
         self.in_flight = 0
+        self.max_prefetch_blocks = max_prefetch_blocks
+        self.prefetches = 0
+        self.prefetch_blocks = 0
+        self.prefetch_bounded = 0
 
     def close(self) -> None:
         """Promotions still running publish nothing."""
@@ -181,6 +198,53 @@ class Promoter(TierPart):
             return True
         return False
 
+    async def prefetch(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Promote what follows the CPU pool's leading run of ``block_hashes`` from the
+        tiers, in the caller's task; return how many leading blocks are in the CPU pool
+        on return.
+
+        It allocates like a promotion (free CPU blocks only: never one with a copy in
+        flight, never the prefix's cached run), skips hashes being stored or promoted
+        right now, and takes at most what ``max_prefetch_blocks`` leaves to it beside the
+        prefetches in flight. Cancellation (at the probe or a read) publishes nothing of
+        the read in progress and releases every CPU block it took.
+        """
+        cached = self._cached_run(block_hashes)
+        end = len(cached)
+        if (
+            end == len(block_hashes)
+            or self._closed
+            or self._jobs.get(block_hashes[end]) is not None
+            or not any(t.healthy for t in self._tiers)
+        ):
+            return end
+        job = _Promotion(
+            hashes=tuple(block_hashes[end : end + _PROMOTION_MAX_BLOCKS]),
+            protect=tuple(cached),
+            epoch=self._epoch,
+            prefetch=True,
+        )
+        for block_hash in job.hashes:
+            self._jobs.setdefault(block_hash, job)
+        self.prefetches += 1
+        self.in_flight += 1
+        await self._promote(job)
+        return len(self._cached_run(block_hashes))
+
+    def prefetch_cached(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of ``block_hashes`` are in the CPU pool now."""
+        return len(self._cached_run(block_hashes))
+
+    def _cached_run(self, block_hashes: Sequence[BlockHash]) -> list[CpuBlock]:
+        get = self._pool.get_cached
+        run: list[CpuBlock] = []
+        for block_hash in block_hashes:
+            block = get(block_hash)
+            if block is None:
+                break
+            run.append(block)
+        return run
+
     def is_promoting(self, block_hash: BlockHash) -> bool:
         """Whether a promotion covering ``block_hash`` is in flight."""
         return block_hash in self._jobs
@@ -229,7 +293,7 @@ class Promoter(TierPart):
                     del self._jobs[block_hash]
             self.in_flight -= 1
             if opened:  # cancelled or failed while reading: publish nothing
-                self._ledger.close_promotion(opened.pop(), None)
+                self._close(job, opened.pop(), None)
 
     async def _promote_job(self, job: _Promotion, opened: list[Promotion]) -> None:
         """Probe, open a promotion in the ledger (``opened`` holds it while the read runs;
@@ -251,7 +315,7 @@ class Promoter(TierPart):
         ok = await self._read_into(sources, promotion.wanted, promotion.blocks)
         opened.pop()
         current = job.epoch == self._epoch and not self._closed
-        published = self._ledger.close_promotion(promotion, ok if current else None)
+        published = self._close(job, promotion, ok if current else None)
         for (i, block_hash), block, done in zip(
             promotion.wanted, promotion.blocks, published, strict=True
         ):
@@ -260,6 +324,11 @@ class Promoter(TierPart):
                 self._tier_of(sources, i).promoted += 1
         while len(self._landed) > max(1, self._pool.num_blocks // 4):
             self._landed.popitem(last=False)
+
+    def _close(self, job: _Promotion, promotion: Promotion, ok: list[bool] | None) -> list[bool]:
+        if job.prefetch:
+            self.prefetch_blocks -= len(promotion.blocks)
+        return self._ledger.close_promotion(promotion, ok)
 
     @staticmethod
     def _tier_of(sources: list[tuple[TierState, int, int]], i: int) -> TierState:
@@ -280,12 +349,21 @@ class Promoter(TierPart):
         wanted = ledger.promotable(list(enumerate(job.hashes[:run])))
         if not wanted:
             return None
+        if job.prefetch:
+            room = self.max_prefetch_blocks - self.prefetch_blocks
+            if room < len(wanted):
+                self.prefetch_bounded += 1
+                if room <= 0:
+                    return None
+                wanted = wanted[:room]
         protect = {b for b in job.protect if b.block_hash is not None}
         protect.update(b for h, b in self._landed.items() if b.block_hash == h)
         promotion = ledger.open_promotion(wanted, protect)
         if promotion is None:
             self.no_space += 1
             _log.debug("promotion_deferred", blocks=len(wanted), free=self._pool.num_free)
+        elif job.prefetch:
+            self.prefetch_blocks += len(promotion.blocks)
         return promotion
 
     async def _read_into(

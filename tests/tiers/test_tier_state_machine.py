@@ -2,8 +2,9 @@
 
 Random stores, lookups (deferring or not) with loads, lookups from another request while
 a store of the same prefix is in flight (promotions may run meanwhile), waits for the
-background work, resets, in-place corruption of blocks in the tier file, and deletion of
-the file. After
+background work, resets, in-place corruption of blocks in the tier file, deletion of
+the file, and session hints: retain for a while, release, advance the hints' clock,
+prefetch (awaited, or cancelled after a few checkpoints). After
 every step: the scheduler's and the tier manager's ``check_invariants()``, and every
 published CPU block holds exactly the KV of its hash. Every load is checked bit-exact
 against the KV the engine would compute (wrong KV is the worst bug there is).
@@ -16,6 +17,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 import torch
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from hypothesis import HealthCheck, settings
@@ -60,13 +63,19 @@ class TierMachine(RuleBasedStateMachine):
         self.off: KVOffloader | None = None
         self.next_id = 0
         self.loaded_from_tier = 0
+        self.now = 0.0
+        self.deadlines: dict[str, float] = {}  # session -> when its hint ends (the model)
 
     @initialize(
         cpu_blocks=st.integers(3, 10),
         queue=st.integers(1, 8),
         slots=st.integers(2, 12),
+        prefetch_share=st.sampled_from([0.25, 0.5, 1.0]),
+        retained_share=st.sampled_from([0.25, 0.5]),
     )
-    def setup(self, cpu_blocks: int, queue: int, slots: int) -> None:
+    def setup(
+        self, cpu_blocks: int, queue: int, slots: int, prefetch_share: float, retained_share: float
+    ) -> None:
         tier = {
             "kind": "disk",
             "path": str(self.path),
@@ -77,11 +86,17 @@ class TierMachine(RuleBasedStateMachine):
             "retry_initial_s": 0.01,
             "retry_max_s": 0.02,
         }
-        cfg = config([tier], num_cpu_blocks=cpu_blocks)
+        cfg = config(
+            [tier],
+            num_cpu_blocks=cpu_blocks,
+            max_prefetch_fraction=prefetch_share,
+            max_retained_fraction=retained_share,
+        )
         self.portal_cm = start_blocking_portal("asyncio")
         self.portal = self.portal_cm.__enter__()
         self.off_cm = self.portal.wrap_async_context_manager(KVOffloader(cfg, self.kv))
         self.off = self.off_cm.__enter__()
+        self.o.hints.clock = lambda: self.now
 
     def teardown(self) -> None:
         try:
@@ -149,7 +164,7 @@ class TierMachine(RuleBasedStateMachine):
         """Store, let the write-downs land, then empty the CPU cache: the tier has it."""
         self.store(family, length)
         self.call(settle, self.o)
-        self.call(self.o.reset)
+        self.reset()
 
     @rule(
         family=st.integers(0, PROMPTS - 1),
@@ -209,6 +224,90 @@ class TierMachine(RuleBasedStateMachine):
     @rule()
     def reset(self) -> None:
         self.call(self.o.reset)
+        self.deadlines.clear()  # a reset ends every hint
+
+    # -- session hints ---------------------------------------------------------------------
+
+    @rule(
+        family=st.integers(0, PROMPTS - 1),
+        length=st.integers(1, MAX_BLOCKS),
+        seconds=st.floats(0.5, 60.0),
+        session=st.integers(0, 2),
+    )
+    def hint(self, family: int, length: int, seconds: float, session: int) -> None:
+        p = prompt(family, length)
+        name = f"s{session}"
+        retained = self.call(lambda: self.o.hints.retain_for(p, seconds, session=name))
+        assert 0 <= retained <= length
+        self.deadlines[name] = self.now + seconds
+
+    @rule(session=st.integers(0, 2))
+    def release_hint(self, session: int) -> None:
+        name = f"s{session}"
+        released = self.call(self.o.hints.release, name)
+        assert released >= 0
+        self.deadlines.pop(name, None)
+        assert name not in self.o.hints.sessions
+
+    @rule(seconds=st.floats(0.0, 90.0))
+    def advance_clock(self, seconds: float) -> None:
+        """Time passes; the next store() lets the hints whose time is up go."""
+        self.now += seconds
+        self.call(self.o.store)
+        self.deadlines = {s: d for s, d in self.deadlines.items() if d > self.now}
+        for name in self.o.hints.sessions:
+            assert name in self.deadlines, name  # an expired hint holds nothing
+
+    @rule(family=st.integers(0, PROMPTS - 1), length=st.integers(1, MAX_BLOCKS))
+    def prefetch(self, family: int, length: int) -> None:
+        p = prompt(family, length)
+        hashes = self.o.hash_prompt(p)
+        on_cpu = self.call(self.o.hints.prefetch, p)
+        assert 0 <= on_cpu <= length
+        tiers = self.o.tiers
+        assert tiers is not None
+        assert tiers.prefetch_blocks == 0  # nothing held once it returned
+        for i in range(on_cpu):
+            assert self.o.pool.is_cached(hashes[i]), i
+
+    @rule(
+        family=st.integers(0, PROMPTS - 1),
+        length=st.integers(1, MAX_BLOCKS),
+        checkpoints=st.integers(0, 30),
+        during_read=st.booleans(),
+    )
+    def prefetch_cancelled(
+        self, family: int, length: int, checkpoints: int, during_read: bool
+    ) -> None:
+        """A prefetch cancelled after a few checkpoints (at its probe, or after it), or
+        (``during_read``) once it holds CPU blocks: every CPU block it took is released,
+        nothing half-published."""
+        p = prompt(family, length)
+        tiers = self.o.tiers
+        assert tiers is not None
+
+        async def run() -> None:
+            done = anyio.Event()
+
+            async def prefetch() -> None:
+                try:
+                    await self.o.hints.prefetch(p)
+                finally:
+                    done.set()
+
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(prefetch)
+                    for _ in range(checkpoints):
+                        await anyio.lowlevel.checkpoint()
+                    while during_read and not done.is_set() and tiers.prefetch_blocks == 0:
+                        await anyio.sleep(0.0005)
+                    scope.cancel()
+
+        self.call(run)
+        tiers = self.o.tiers
+        assert tiers is not None
+        assert tiers.prefetch_blocks == 0
 
     @rule(pick=st.integers(0, 1 << 30), where=st.sampled_from(["header", "payload"]))
     def corrupt_tier_block(self, pick: int, where: str) -> None:
@@ -256,6 +355,9 @@ class TierMachine(RuleBasedStateMachine):
             tiers = self.o.tiers
             assert tiers is not None
             tiers.check_invariants()
+            assert tiers.prefetch_blocks <= tiers.max_prefetch_blocks
+            pool = self.o.pool
+            assert pool.num_retained <= pool.max_retained_blocks
             host = self.o.host
             assert host is not None
             for block_id in range(self.o.pool.num_blocks):

@@ -25,7 +25,7 @@ block is counted once.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, final
 
 import anyio
@@ -34,7 +34,7 @@ import torch
 from transformers import AttentionInterface
 
 from kvoffload.config import KVLayout
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, InvalidInputError
 from kvoffload.groups import KVCacheGroup
 from kvoffload.hashing import BlockHasher, HashNamespace
 from kvoffload.integrations.transformers.allocator import GpuBlockAllocator
@@ -57,6 +57,8 @@ from kvoffload.integrations.transformers.results import (
 from kvoffload.integrations.transformers.state import _Counters, _Req
 from kvoffload.offloader import KVOffloader
 from kvoffload.pinner import RefCountPinner
+from kvoffload.pool.hints import check_retain_for_s
+from kvoffload.pool.retention import check_owner
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "PagedEngine"]
 
@@ -307,12 +309,21 @@ class PagedEngine:
         *,
         max_new_tokens: int,
         eos_token_id: int | None = None,
+        retain_for_s: float | None = None,
+        session: Hashable = None,
     ) -> None:
         """Queue a request; `step` admits it when blocks allow.
 
+        With ``retain_for_s`` (a session hint, docs/hints.md) its handle is finished with
+        ``finish(retain_for_s=..., session=...)``: its blocks are retained for that long
+        for ``session`` (the request id when ``None``).
+
         Raises:
             ValueError: an id in use, an empty prompt, a token outside the vocabulary, a
-                ``max_new_tokens`` below 1, or a request that can never fit the cache.
+                ``max_new_tokens`` below 1, or a request that can never fit the cache;
+                a ``retain_for_s`` that is not a number of seconds in (0, one year], or
+                one with an offloader of several KV cache groups (`InvalidInputError`).
+            InputTypeError: ``session`` is not hashable.
         """
         off = self._calls.off
         if request_id in self._batch.ids:
@@ -339,8 +350,19 @@ class PagedEngine:
                 f"request {request_id!r} needs {need} blocks; the cache has "
                 f"{self.allocator.num_blocks}"
             )
+        hint = None
+        if retain_for_s is not None:
+            if off is not None and off.groups is not None:
+                raise InvalidInputError(
+                    f"request {request_id!r}: retain_for_s={retain_for_s!r} with several KV "
+                    "cache groups: session hints are single-group for now"
+                )
+            check_owner(session, "session")
+            hint = (check_retain_for_s(retain_for_s, f"request {request_id!r}: "), session)
         hasher = None if off is not None else BlockHasher(self._root, self._block_size)
-        self._batch.add(_Req(request_id, prompt, max_new_tokens, eos_token_id, hasher))
+        r = _Req(request_id, prompt, max_new_tokens, eos_token_id, hasher)
+        r.hint = hint
+        self._batch.add(r)
 
     def abort(self, request_id: str) -> GenerationResult | None:
         """End a request now (or right after the step in progress).

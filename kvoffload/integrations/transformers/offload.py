@@ -169,7 +169,10 @@ class _OffloadCalls:
         if handle is None or handle.finished:
             return None
         try:
-            handle.finish()
+            if r.hint is None:
+                handle.finish()
+            else:
+                handle.finish(retain_for_s=r.hint[0], session=r.hint[1])
         except ClosedError:
             return None  # a closed offloader let go of it already
         except KvOffloadError as exc:

@@ -12,7 +12,7 @@ and the `GenerationResult` it ends with. `_Counters` are the numbers
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from kvoffload.hashing import BlockHash, BlockHasher
@@ -32,6 +32,7 @@ class _Req:
         "eos",
         "handle",
         "hasher",
+        "hint",
         "load_task",
         "max_new",
         "no_load",
@@ -52,6 +53,8 @@ class _Req:
         self.tokens = prompt
         self.max_new, self.eos = max_new, eos
         self.handle: OffloadRequest | None = None
+        # (retain_for_s, session) given to the handle's finish (a session hint), or None.
+        self.hint: tuple[float, Hashable] | None = None
         self.hasher = hasher
         self.tables: list[list[int | None]] = []  # per attention group; None: freed
         self.state: RecurrentState | None = None  # the recurrent layers' state, if any
