@@ -79,9 +79,13 @@ async def test_the_handle_defers_while_the_next_block_is_being_stored() -> None:
             b.lookup_or_defer()
 
 
-async def test_a_store_that_never_lands_stops_the_deferral_after_the_bound() -> None:
-    from kvoffload.scheduler.loads import MAX_LOOKUP_DEFERRALS  # noqa: PLC0415
+async def test_a_store_that_never_lands_stops_the_deferral_after_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvoffload.scheduler import loads  # noqa: PLC0415
 
+    MAX_LOOKUP_DEFERRALS = 64
+    monkeypatch.setattr(loads, "MAX_LOOKUP_DEFERRALS", MAX_LOOKUP_DEFERRALS)
     engine = ControllableCopyEngine()
     async with KVOffloader(config(), make_kv(), copy_engine=engine) as off:
         off.scheduler._loads.clock = lambda: 0.0  # the deadline never passes: the count

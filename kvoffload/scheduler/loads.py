@@ -47,8 +47,10 @@ _NONE = MissReason.NONE
 _NOT_READ = MissReason.NOT_READ
 _IN_FLIGHT = MissReason.IN_FLIGHT
 
-MAX_LOOKUP_DEFERRALS = 1024
-"""The most "ask again" answers in a row one request's lookups give."""
+MAX_LOOKUP_DEFERRALS = 1 << 16
+"""The most "ask again" answers in a row one request's lookups give: a backstop behind the
+deadline, set high because an engine may ask on every step of a busy loop (1,024 answers
+took well under the time a loaded machine's disk promotion needs, and cut it short)."""
 
 DEFER_DEADLINE_S = 1.0
 """The longest one request's lookups answer "ask again" in a row (without tiers, or when
