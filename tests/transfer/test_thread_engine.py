@@ -200,12 +200,15 @@ async def test_loop_keeps_running_while_a_copy_is_in_flight_fm10(host_factory) -
     in_flight_ticks = 0
     awaited = anyio.Event()
 
+    ticker = anyio.CancelScope()
+
     async def count_ticks() -> None:
         nonlocal in_flight_ticks
-        while True:
-            await anyio.lowlevel.checkpoint()
-            if hook.entered.is_set() and not hook.gate.is_set():
-                in_flight_ticks += 1
+        with ticker:
+            while True:
+                await anyio.lowlevel.checkpoint()
+                if hook.entered.is_set() and not hook.gate.is_set():
+                    in_flight_ticks += 1
 
     timer = open_gate_later(hook.gate)
     async with anyio.create_task_group() as tg:
@@ -224,6 +227,7 @@ async def test_loop_keeps_running_while_a_copy_is_in_flight_fm10(host_factory) -
             await anyio.lowlevel.checkpoint()
         finished_early = awaited.is_set() or task.done()
         ticks = in_flight_ticks
+        ticker.cancel()  # a loop that never sleeps would starve the worker of the GIL
         hook.gate.set()
         with anyio.fail_after(60):
             await awaited.wait()
