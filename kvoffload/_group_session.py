@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import final
 
 import anyio
@@ -426,5 +427,10 @@ class GroupSession(Lifecycle):
             self.group_tiers.check_invariants()
 
     def take_events(self) -> list[PoolEvent]:
-        """Every group's pool events since the last call, group by group."""
-        return [e for n in self._layouts for e in self.scheduler.ledger(n).pool.take_events()]
+        """Every group's pool events since the last call, group by group, each carrying
+        its group's name (block ids are per group: ``(group, block_id)`` is unique)."""
+        return [
+            replace(e, group=n)
+            for n in self._layouts
+            for e in self.scheduler.ledger(n).pool.take_events()
+        ]

@@ -32,6 +32,7 @@ from kvoffload.errors import (
 from kvoffload.groups import KVCacheGroup, needed
 from kvoffload.layout import KVLayout
 from kvoffload.pinner import RefCountPinner
+from kvoffload.pool import BlockRemoved, BlockStored
 from kvoffload.scheduler import OffloadScheduler
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.testing import CopyFaults
@@ -488,3 +489,32 @@ def test_conversations_with_faults_load_exact_bytes_in_every_group(
                 host.close()
 
     anyio.run(main)
+
+
+@pytest.mark.parametrize("kind", ["sliding", "recurrent"])
+async def test_events_carry_their_group_and_never_collide(kind: str) -> None:
+    """With several groups, every pool event names its group; the stored blocks a router
+    sees are exactly each group's published blocks, keyed by (group, block id)."""
+    model = Model(groups_of(kind))
+    alloc = Tables(model)
+    cfg = OffloadConfig(num_cpu_blocks=32, block_size=BS, checkpoint_tokens=8, enable_events=True)
+    async with KVOffloader(cfg, model.kv, groups=model.groups) as off:
+        await serve(off, model, alloc, "a", list(range(1, 19)))
+        events = off.take_events()
+        stored = [e for e in events if isinstance(e, BlockStored)]
+        assert {e.group for e in events} == {g.name for g in model.groups}
+        keys = [(e.group, e.block_id) for e in stored]
+        assert len(keys) == len(set(keys))
+        # two groups' pools both start at block 0: the ids alone would collide
+        assert len({e.block_id for e in stored}) < len(keys)
+        for g in model.groups:
+            pool = off._groups.scheduler.ledger(g.name).pool  # type: ignore[union-attr]
+            mine = {(e.block_hash, e.block_id) for e in stored if e.group == g.name}
+            assert len(mine) == pool.num_cached
+            for block_hash, block_id in mine:
+                cached = pool.get_cached(block_hash)
+                assert cached is not None
+                assert cached.block_id == block_id
+        await off.reset()
+        removed = [e for e in off.take_events() if isinstance(e, BlockRemoved)]
+        assert {(e.group, e.block_id) for e in removed} == set(keys)

@@ -15,23 +15,34 @@ __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "PoolEvent", "Pool
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    """A block became findable under ``block_hash``."""
+    """A block became findable under ``block_hash``.
+
+    ``group``: the KV cache group whose pool holds the block, with several groups
+    (``None`` with one); each group has a pool of its own, so ``(group, block_id)`` names
+    one block and never collides.
+    """
 
     block_hash: BlockHash
     block_id: BlockId
+    group: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """A block is no longer findable under ``block_hash`` (evicted or unpublished)."""
+    """A block is no longer findable under ``block_hash`` (evicted or unpublished);
+    ``group`` as in `BlockStored`."""
 
     block_hash: BlockHash
     block_id: BlockId
+    group: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class AllBlocksCleared:
-    """The whole prefix cache was dropped by `CpuBlockPool.reset_prefix_cache()`."""
+    """The whole prefix cache was dropped by `CpuBlockPool.reset_prefix_cache()` (with
+    several groups: ``group``'s pool)."""
+
+    group: str | None = None
 
 
 PoolEvent = BlockStored | BlockRemoved | AllBlocksCleared
