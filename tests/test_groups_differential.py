@@ -37,7 +37,6 @@ COUNTERS = (
     "concurrent_load_blocks",
     "cancelled_plans",
     "ignored_completions",
-    "evicted_while_live",
 )
 
 
@@ -57,6 +56,7 @@ class Req:
     tokens: list[int]
     prompt: int
     computed: int = 0
+    hashed: int = 0  # tokens hashed so far (hashes never shrink, across preemptions too)
     table: list[int] = field(default_factory=list)
     waiting: bool = True  # admitted by a lookup next
 
@@ -75,7 +75,8 @@ class Pair:
         self.gpu_ids = itertools.count()
 
     def hashes(self, req: Req) -> tuple[list[bytes], dict[str, list[bytes]]]:
-        known = req.tokens[: max(req.prompt, req.computed)]
+        req.hashed = max(req.hashed, req.prompt, req.computed)
+        known = req.tokens[: req.hashed]
         return chain("one", known), {n: chain(n, known) for n in NAMES}
 
     def tables(self, req: Req) -> dict[str, list[int | None]]:

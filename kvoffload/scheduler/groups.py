@@ -71,6 +71,7 @@ from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import DEFER_DEADLINE_S, deferral_spent
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.requests import as_int
+from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import TransferPlan
 
 __all__ = ["GroupStatistics", "GroupedPlan", "GroupedScheduler"]
@@ -152,7 +153,9 @@ class GroupedScheduler:
         self._checkpoint = checkpoint_tokens
         self._ledgers = {g.name: BlockLedger(pools[g.name]) for g in self._cacheable}
         self._requests: dict[str, GroupedRequest] = {}
-        self._counts = {g.name: GroupCounts() for g in self._cacheable}
+        self._counts = {
+            g.name: GroupCounts(Counters(g.block_size, g.bytes_per_block)) for g in self._cacheable
+        }
         self._stops = HitStops(self._cacheable, self._ledgers, self._counts, checkpoint_tokens)
         self.extension: GroupLookupExtension | None = None
         """Asked after every lookup (the groups' tiers, `kvoffload.tiers.groups`)."""
@@ -161,6 +164,9 @@ class GroupedScheduler:
         self.deferrals_bounded = 0
         """Lookups that answered with the CPU hit instead of "ask again": the request's
         run of those answers reached its bound (`deferral_spent()`)."""
+        self.deferred_steps = 0
+        """``plan_stores`` and ``finish`` calls that deferred anything in some group (per
+        group: `GroupStatistics.deferred_steps`)."""
         self._planner = GroupStorePlanner(
             self._cacheable,
             self._ledgers,
@@ -394,10 +400,13 @@ class GroupedScheduler:
             lane.pin = None
             if pinned is None:
                 continue
-            plan, _ = self._ledgers[name].open_load(
+            plan, concurrent = self._ledgers[name].open_load(
                 pinned, len(pinned), dests[name], request_id, num_tokens
             )
             if plan is not None:
+                counters = self._counts[name].counters
+                counters.load_plans += 1
+                counters.concurrent_load_blocks += concurrent
                 plans[name] = plan
                 state.in_flight.add((name, plan.plan_id))
         state.hit = None
@@ -416,7 +425,17 @@ class GroupedScheduler:
             One store plan per group with blocks to store, or ``None``.
         """
         live = [s for s in self._requests.values() if not s.finished]
-        return self._planner.plan(live, final=False)
+        return self._plan(live, final=False)
+
+    def _plan(self, states: list[GroupedRequest], final: bool) -> GroupedPlan | None:
+        before = self._deferred_steps()
+        plan = self._planner.plan(states, final=final)
+        if self._deferred_steps() != before:
+            self.deferred_steps += 1
+        return plan
+
+    def _deferred_steps(self) -> int:
+        return sum(c.counters.deferred_steps for c in self._counts.values())
 
     # -- finish, preempt, reset ------------------------------------------------------------
 
@@ -433,7 +452,7 @@ class GroupedScheduler:
         """
         state = self._live(request_id)
         self.release(request_id)
-        plan = self._planner.plan([state], final=True)
+        plan = self._plan([state], final=True)
         state.finished = True
         self._drop_if_done(state)
         return plan
@@ -485,14 +504,13 @@ class GroupedScheduler:
         """
         ledger = self._ledgers[group]
         rec = ledger.close(plan.plan_id, ok)
+        counters = self._counts[group].counters
         if rec is None:
+            counters.ignored_completions += 1
             return False
-        counts = self._counts[group]
         if plan.kind == "store":
             self._planner.records.pop((group, plan.plan_id))
-            counts.stored += rec.published
-        elif ok:
-            counts.loaded += len(rec.blocks)
+        counters.completed(rec, ok=ok, current=rec.epoch == ledger.epoch)
         self._detach(group, plan)
         return True
 
@@ -510,11 +528,16 @@ class GroupedScheduler:
         """
         ledger = self._ledgers[group]
         rec = ledger.cancel(plan.plan_id)
+        counters = self._counts[group].counters
         if rec is None:
+            counters.ignored_completions += 1
             return False
+        counters.cancelled_plans += 1
         if plan.kind == "store":
+            counters.store_plans -= 1
             self._planner.cancel(group, plan.plan_id, rec.epoch == ledger.epoch)
         else:
+            counters.load_plans -= 1
             ledger.unpin(rec.blocks)
         self._detach(group, plan)
         return True
