@@ -13,7 +13,7 @@ from kvoffload.hashing import BlockHash
 from kvoffload.pool.free_queue import CpuBlock
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.misses import MissReason
-from kvoffload.scheduler.requests import check_distinct
+from kvoffload.scheduler.requests import check_distinct, fresh_ids
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import TransferPlan
 
@@ -28,6 +28,7 @@ __all__ = [
     "StoreRecord",
     "check_hashes",
     "check_tables",
+    "table_changes",
     "load_destinations",
 ]
 
@@ -119,6 +120,7 @@ class Lane:
     """One request's state in one group."""
 
     table: list[int | None] = field(default_factory=list)
+    ids: set[int] = field(default_factory=set)  # the int entries of ``table``
     hashes: list[BlockHash] = field(default_factory=list)
     # full: blocks planned or skipped; other kinds: tokens of the last store point planned
     cursor: int = 0
@@ -185,6 +187,47 @@ class StoreRecord:
     # (request id, block index, store point, cursor before) per block; cursors per request
     blocks: list[tuple[str, int, int]]
     cursors: dict[str, int]
+
+
+def table_changes(
+    cacheable: Sequence[KVCacheGroup],
+    limits: Mapping[str, int],
+    rid: str,
+    state: GroupedRequest | None,
+    tables: GroupTables,
+) -> dict[str, tuple[bool, list[int | None]]]:
+    """`update()`'s check of one table per cacheable group, in O(new entries) where it
+    can: per group, ``(True, entries to append to its lane's table)``, or ``(False,
+    the whole checked table)`` to replace it when it is new or its known entries changed.
+
+    As one group (`RequestTable.new_table_entries()`): a table whose entries a store may
+    still read (a full group's from its cursor on, every entry of the other kinds) are
+    unchanged and that only grew has its new entries checked with `fresh_ids()`; any
+    other table is checked in full by `check_tables()`."""
+    out: dict[str, tuple[bool, list[int | None]]] = {}
+    full: list[KVCacheGroup] = []
+    for g in cacheable:
+        table = tables.get(g.name)
+        lane = state.lanes[g.name] if state is not None else None
+        if lane is None or not lane.table or type(table) is not list:
+            full.append(g)
+            continue
+        old = lane.table
+        n_old = len(old)
+        start = min(lane.cursor, n_old - 1) if g.kind == "full" else 0
+        if len(table) < n_old or table[start:n_old] != old[start:]:
+            full.append(g)
+            continue
+        new = table[n_old:]
+        if new and not fresh_ids(new, lane.ids, limits.get(g.name)):
+            full.append(g)
+            continue
+        out[g.name] = (True, new)
+    if full:
+        checked = check_tables(full, limits, rid, tables)
+        for g in full:
+            out[g.name] = (False, checked[g.name])
+    return out
 
 
 def check_tables(

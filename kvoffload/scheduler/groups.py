@@ -65,6 +65,7 @@ from kvoffload.scheduler.group_state import (
     check_hashes,
     check_tables,
     load_destinations,
+    table_changes,
 )
 from kvoffload.scheduler.group_stores import GroupStorePlanner
 from kvoffload.scheduler.ledger import BlockLedger
@@ -263,13 +264,20 @@ class GroupedScheduler:
         existing = self._requests.get(request_id)
         if existing is not None and existing.finished:
             raise RequestStateError(f"request {request_id!r} is finished")
-        checked = check_tables(self._cacheable, self._limits, request_id, tables)
+        changes = table_changes(self._cacheable, self._limits, request_id, existing, tables)
         probe = existing or GroupedRequest(request_id, {g.name: Lane() for g in self._cacheable})
         check_hashes(self._cacheable, request_id, probe, block_hashes)
         state = self._state(request_id)
         for name, lane in state.lanes.items():
-            lane.table = checked[name]
-            lane.hashes = list(block_hashes[name])
+            append, new = changes[name]
+            if append:
+                lane.table.extend(new)
+                lane.ids.update(new)  # type: ignore[arg-type]  # fresh_ids(): ints
+            else:
+                lane.table = new
+                lane.ids = {e for e in new if e is not None}
+            hashes = block_hashes[name]
+            lane.hashes.extend(hashes[len(lane.hashes) :])
         state.num_computed_tokens = num_computed_tokens
 
     # -- lookup and loads ------------------------------------------------------------------
@@ -470,6 +478,7 @@ class GroupedScheduler:
         self.release(request_id)
         for lane in state.lanes.values():
             lane.table, lane.cursor, lane.valid_from = [], 0, 0
+            lane.ids = set()
         state.num_computed_tokens = 0
 
     def reset(self) -> bool:
