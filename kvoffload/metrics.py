@@ -313,13 +313,22 @@ METRICS: tuple[MetricSpec, ...] = (
     _c("group", "stored_blocks", "stored_blocks"),
     _c("group", "loaded_blocks", "loaded_blocks"),
     _c("group", "skipped_null_blocks", "skipped_null_blocks"),
-    _c("group", "deferred_stores", "deferred_stores"),
+    _c("group", "deferred_blocks", "deferred_blocks"),
+    _c("group", "deferred_steps", "deferred_steps"),
     _g("group", "pinned_blocks", "pinned_blocks"),
     _g("group", "in_flight_plans", "in_flight_plans"),
     _g("group", "num_cpu_blocks", "cpu_blocks"),
     _g("group", "free_cpu_blocks", "free_cpu_blocks"),
     _g("group", "cached_cpu_blocks", "cached_cpu_blocks"),
     _c("group", "lookup_misses", "lookup_misses"),
+    _c("group", "store_plans", "store_plans"),
+    _c("group", "load_plans", "load_plans"),
+    _c("group", "failed_stores", "failed_stores"),
+    _c("group", "failed_loads", "failed_loads"),
+    _c("group", "abandoned_transfers", "abandoned_transfers"),
+    _c("group", "ignored_completions", "ignored_completions"),
+    _c("group", "cancelled_plans", "cancelled_plans"),
+    _c("group", "concurrent_load_blocks", "concurrent_load_blocks"),
 )
 """Every exported metric, in exposition order. Names and kinds are fixed here; each help
 text is the field's entry in its statistics class's docstring (`attribute_docs`)."""

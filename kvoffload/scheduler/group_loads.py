@@ -199,7 +199,7 @@ class HitStops:
         reason, group = gaps[0]
         if reason is MissReason.NEVER_STORED and len(gaps) < len(self._groups):
             reason = MissReason.GROUP_MISSING
-        misses = self._counts[group].misses
+        misses = self._counts[group].counters.lookup_misses
         misses[reason] = misses.get(reason, 0) + 1
         return reason
 

@@ -13,7 +13,8 @@ from kvoffload.hashing import BlockHash
 from kvoffload.pool.free_queue import CpuBlock
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.misses import MissReason
-from kvoffload.scheduler.requests import check_distinct
+from kvoffload.scheduler.requests import check_distinct, fresh_ids
+from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import TransferPlan
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "StoreRecord",
     "check_hashes",
     "check_tables",
+    "table_changes",
     "load_destinations",
 ]
 
@@ -59,7 +61,8 @@ class GroupedPlan:
 @final
 @dataclass(frozen=True, slots=True)
 class GroupStatistics:
-    """One group's counters (a snapshot).
+    """One group's counters (a snapshot). A counter named as one of `SchedulerStatistics`
+    has its meaning, for this group's pool and plans.
 
     Attributes:
         stored_blocks: blocks whose store completed and published.
@@ -67,7 +70,10 @@ class GroupStatistics:
         skipped_null_blocks: blocks of a store point not stored: the table entry was
             ``None`` when planned (out of window, freed or reused), or lay below what the
             request's load or prefix wrote (never known to hold its KV).
-        deferred_stores: store plans cut short because the group's pool had no free block.
+        deferred_blocks: blocks that a ``plan_stores`` (or ``finish``) call could not
+            allocate in this group's pool (counted per call).
+        deferred_steps: ``plan_stores`` (or ``finish``) calls that deferred anything in
+            this group.
         pinned_blocks: blocks pinned by lookups now.
         in_flight_plans: the group's plans in flight.
         num_cpu_blocks: the group's pool size.
@@ -75,18 +81,38 @@ class GroupStatistics:
         cached_cpu_blocks: published blocks in the pool.
         lookup_misses: lookups whose hit stopped at a block of this group, by
             `MissReason` (docs/misses.md).
+        store_plans: the group's store plans made.
+        load_plans: the group's load plans made.
+        failed_stores: the group's store transfers that failed (nothing published).
+        failed_loads: the group's load transfers that failed (their CPU blocks were
+            unpublished).
+        abandoned_transfers: the group's transfers that completed after a ``reset``.
+        ignored_completions: completions or cancellations of the group's unknown or
+            already completed plans.
+        cancelled_plans: the group's plans undone because their launch raised.
+        concurrent_load_blocks: blocks planned for a load while another load of the same
+            CPU block was in flight.
     """
 
     stored_blocks: int
     loaded_blocks: int
     skipped_null_blocks: int
-    deferred_stores: int
+    deferred_blocks: int
+    deferred_steps: int
     pinned_blocks: int
     in_flight_plans: int
     num_cpu_blocks: int
     free_cpu_blocks: int
     cached_cpu_blocks: int
     lookup_misses: Mapping[MissReason, int] = field(default_factory=dict)
+    store_plans: int = 0
+    load_plans: int = 0
+    failed_stores: int = 0
+    failed_loads: int = 0
+    abandoned_transfers: int = 0
+    ignored_completions: int = 0
+    cancelled_plans: int = 0
+    concurrent_load_blocks: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -94,6 +120,7 @@ class Lane:
     """One request's state in one group."""
 
     table: list[int | None] = field(default_factory=list)
+    ids: set[int] = field(default_factory=set)  # the int entries of ``table``
     hashes: list[BlockHash] = field(default_factory=list)
     # full: blocks planned or skipped; other kinds: tokens of the last store point planned
     cursor: int = 0
@@ -120,28 +147,38 @@ class GroupedRequest:
     miss_reason: MissReason = MissReason.NONE
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class GroupCounts:
-    stored: int = 0
-    loaded: int = 0
+    """One group's running totals: `Counters` (the single-group counters, with their
+    meaning), and the blocks of store points not stored (a grouped rule's own)."""
+
+    counters: Counters
     skipped_null: int = 0
-    deferred: int = 0
-    misses: dict[MissReason, int] = field(default_factory=dict)
 
     def snapshot(self, ledger: BlockLedger) -> GroupStatistics:
         """These counters and ``ledger``'s pool, as `GroupStatistics`."""
         pool = ledger.pool
+        c = self.counters
         return GroupStatistics(
-            stored_blocks=self.stored,
-            loaded_blocks=self.loaded,
+            stored_blocks=c.stored_blocks,
+            loaded_blocks=c.loaded_blocks,
             skipped_null_blocks=self.skipped_null,
-            deferred_stores=self.deferred,
+            deferred_blocks=c.deferred_blocks,
+            deferred_steps=c.deferred_steps,
             pinned_blocks=sum(len(p) for p in ledger.pins()),
             in_flight_plans=ledger.num_plans,
             num_cpu_blocks=pool.num_blocks,
             free_cpu_blocks=pool.num_free,
             cached_cpu_blocks=pool.num_cached,
-            lookup_misses=dict(self.misses),
+            lookup_misses=dict(c.lookup_misses),
+            store_plans=c.store_plans,
+            load_plans=c.load_plans,
+            failed_stores=c.failed_stores,
+            failed_loads=c.failed_loads,
+            abandoned_transfers=c.abandoned_transfers,
+            ignored_completions=c.ignored_completions,
+            cancelled_plans=c.cancelled_plans,
+            concurrent_load_blocks=c.concurrent_load_blocks,
         )
 
 
@@ -150,6 +187,47 @@ class StoreRecord:
     # (request id, block index, store point, cursor before) per block; cursors per request
     blocks: list[tuple[str, int, int]]
     cursors: dict[str, int]
+
+
+def table_changes(
+    cacheable: Sequence[KVCacheGroup],
+    limits: Mapping[str, int],
+    rid: str,
+    state: GroupedRequest | None,
+    tables: GroupTables,
+) -> dict[str, tuple[bool, list[int | None]]]:
+    """`update()`'s check of one table per cacheable group, in O(new entries) where it
+    can: per group, ``(True, entries to append to its lane's table)``, or ``(False,
+    the whole checked table)`` to replace it when it is new or its known entries changed.
+
+    As one group (`RequestTable.new_table_entries()`): a table whose entries a store may
+    still read (a full group's from its cursor on, every entry of the other kinds) are
+    unchanged and that only grew has its new entries checked with `fresh_ids()`; any
+    other table is checked in full by `check_tables()`."""
+    out: dict[str, tuple[bool, list[int | None]]] = {}
+    full: list[KVCacheGroup] = []
+    for g in cacheable:
+        table = tables.get(g.name)
+        lane = state.lanes[g.name] if state is not None else None
+        if lane is None or not lane.table or type(table) is not list:
+            full.append(g)
+            continue
+        old = lane.table
+        n_old = len(old)
+        start = min(lane.cursor, n_old - 1) if g.kind == "full" else 0
+        if len(table) < n_old or table[start:n_old] != old[start:]:
+            full.append(g)
+            continue
+        new = table[n_old:]
+        if new and not fresh_ids(new, lane.ids, limits.get(g.name)):
+            full.append(g)
+            continue
+        out[g.name] = (True, new)
+    if full:
+        checked = check_tables(full, limits, rid, tables)
+        for g in full:
+            out[g.name] = (False, checked[g.name])
+    return out
 
 
 def check_tables(

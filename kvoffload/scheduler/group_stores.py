@@ -3,13 +3,12 @@ points to copy, deferral when a group's pool is full, and the records that undo 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import final
 
-from kvoffload._logging import get_logger
 from kvoffload.errors import InvariantError
 from kvoffload.groups import KVCacheGroup, needed, store_points
-from kvoffload.hashing import BlockHash
 from kvoffload.scheduler.group_state import (
     GroupCounts,
     GroupedPlan,
@@ -17,11 +16,10 @@ from kvoffload.scheduler.group_state import (
     StoreRecord,
 )
 from kvoffload.scheduler.ledger import BlockLedger
+from kvoffload.scheduler.stores import StoreBatch
 from kvoffload.transfer.plan import TransferPlan
 
 __all__ = ["GroupStorePlanner"]
-
-_log = get_logger("scheduler.groups")
 
 
 @final
@@ -59,90 +57,123 @@ class GroupStorePlanner:
     def scan(
         self, state: GroupedRequest, name: str, g: KVCacheGroup, final: bool
     ) -> list[tuple[int, int]]:
-        """(block index, store point) of the blocks to store for one request and group,
-        up to the last point planned; skips null entries and those below the lane's
-        ``valid_from`` (not known to hold its KV), cached and pending blocks."""
+        """(block index, store point) of the blocks a request's store points up to the
+        last one planned need in one group, in order: a block is listed once, ``-1 - i``
+        for an entry not to store (``None``, past the table or hashes, or below the lane's
+        ``valid_from``: not known to hold the request's KV)."""
         lane = state.lanes[name]
-        ledger = self._ledgers[name]
-        is_cached, pending = ledger.pool.is_cached, ledger.pending
-        counts = self._counts[name]
         limit = min(len(lane.table), len(lane.hashes))
-        out: list[tuple[int, int]] = []
         computed = state.num_computed_tokens
         valid = lane.valid_from  # an entry below it is treated as None
+        table = lane.table
+        bs = g.block_size
         if g.kind == "full":
-            for i in range(lane.cursor, min(limit, computed // g.block_size)):
-                if lane.table[i] is None or i < valid:
-                    counts.skipped_null += 1
-                elif not is_cached(lane.hashes[i]) and lane.hashes[i] not in pending:
-                    out.append((i, (i + 1) * g.block_size))
-            return out
+            return [
+                (i if table[i] is not None and i >= valid else -1 - i, (i + 1) * bs)
+                for i in range(lane.cursor, min(limit, computed // bs))
+            ]
         points = list(store_points(lane.cursor, computed, self._checkpoint))
         last = computed // self._align * self._align
         if final and last > lane.cursor and (not points or points[-1] != last):
             points.append(last)
         seen: set[int] = set()
+        out: list[tuple[int, int]] = []
         for point in points:
             for i in needed(g, point):
                 if i in seen:
                     continue
                 seen.add(i)
-                if i >= limit or i < valid or lane.table[i] is None:
-                    counts.skipped_null += 1
-                elif not is_cached(lane.hashes[i]) and lane.hashes[i] not in pending:
-                    out.append((i, point))
+                usable = i < limit and i >= valid and table[i] is not None
+                out.append((i if usable else -1 - i, point))
         return out
+
+    def _offer(
+        self,
+        batch: StoreBatch,
+        state: GroupedRequest,
+        g: KVCacheGroup,
+        wanted: list[tuple[int, int]],
+        rec: StoreRecord,
+    ) -> int | None:
+        """Offer one request's blocks to the group's batch, a store point whole (its new
+        blocks first, then its cached ones: `StoreBatch.offer()` keeps the plan from
+        evicting those while a block is free); the cursor to keep when a point does not
+        fit (the batch is marked deferred), else ``None``."""
+        lane = state.lanes[g.name]
+        hashes, table = lane.hashes, lane.table
+        get_cached, pending, planned = batch.get_cached, batch.pending, batch.planned
+        rid = state.request_id
+        counts = self._counts[g.name]
+        k = 0
+        while k < len(wanted):
+            point = wanted[k][1]
+            end = k
+            while end < len(wanted) and wanted[end][1] == point:
+                end += 1
+            usable = [i for i, _ in wanted[k:end] if i >= 0]
+            new = [
+                i
+                for i in usable
+                if get_cached(hashes[i]) is None
+                and hashes[i] not in pending
+                and hashes[i] not in planned
+            ]
+            if len(new) > min(batch.free, batch.left):
+                batch.deferred = sum(1 for i, _ in wanted[k:] if i >= 0)
+                batch.deferred_request = rid
+                batch.skipped.append(hashes[new[0]])
+                if g.kind == "full":
+                    return point // g.block_size - 1
+                return (point - 1) // self._checkpoint * self._checkpoint
+            counts.skipped_null += (end - k) - len(usable)
+            fresh = set(new)
+            for i in new + [i for i in usable if i not in fresh]:
+                entry = table[i]
+                if entry is None:  # scan() marked these
+                    raise InvariantError(f"group {g.name!r}: a null entry was planned")
+                if not batch.offer(hashes[i], entry, rid) and i in fresh:
+                    raise InvariantError(f"group {g.name!r}: a store point did not fit")
+            rec.blocks.extend((rid, i, point) for i in new)
+            k = end
+        return None
 
     def plan(self, states: Sequence[GroupedRequest], final: bool) -> GroupedPlan | None:
         """One store plan per group for ``states``: their store points up to their computed
-        length (and that length itself when ``final``), a point whole or deferred."""
+        length (and that length itself when ``final``), a point whole or deferred with every
+        later one and every later request's (as one group defers: `StoreBatch`)."""
         plans: dict[str, TransferPlan] = {}
         for g in self._cacheable:
             name = g.name
             ledger = self._ledgers[name]
-            hashes: list[BlockHash] = []
-            gpu: list[int] = []
+            counters = self._counts[name].counters
+            batch = StoreBatch(ledger, sys.maxsize)
             rec = StoreRecord([], {})
-            free = ledger.pool.num_free
-            batch: set[BlockHash] = set()
             for state in states:
                 lane = state.lanes[name]
                 wanted = self.scan(state, name, g, final)
-                wanted = [w for w in wanted if lane.hashes[w[0]] not in batch]
+                if batch.deferred:
+                    usable = [i for i, _ in wanted if i >= 0]
+                    if usable:
+                        batch.deferred += len(usable)
+                        batch.skipped.append(lane.hashes[usable[0]])
+                    continue
                 rec.cursors[state.request_id] = lane.cursor
-                room = free - len(hashes)
-                if len(wanted) > room:
-                    # a store point is planned whole, or deferred with every later one
-                    cut = wanted[room][1]
-                    ledger.misses.note_skipped((lane.hashes[wanted[room][0]],))
-                    wanted = [w for w in wanted if w[1] < cut]
-                    if g.kind == "full":
-                        new = cut // g.block_size - 1
-                    else:
-                        new = (cut - 1) // self._checkpoint * self._checkpoint
-                    self._counts[name].deferred += 1
-                    _log.debug("store_deferred", group=name, request_id=state.request_id)
-                else:
-                    new = self.advance(g, state, final)
-                for i, point in wanted:
-                    entry = lane.table[i]
-                    if entry is None or i < lane.valid_from:  # scan() skipped these
-                        raise InvariantError(f"group {name!r}: a null entry was planned")
-                    hashes.append(lane.hashes[i])
-                    batch.add(lane.hashes[i])
-                    gpu.append(entry)
-                    rec.blocks.append((state.request_id, i, point))
+                cut = self._offer(batch, state, g, wanted, rec)
+                new = self.advance(g, state, final) if cut is None else cut
                 lane.cursor = max(lane.cursor, new)
-            if not hashes:
+                batch.end_run()
+            batch.count(ledger, counters, group=name)
+            if not batch.hashes:
                 continue
             plan = ledger.open_store(
-                hashes,
-                gpu,
+                batch.hashes,
+                batch.gpu_ids,
                 tuple(dict.fromkeys(r for r, _, _ in rec.blocks)),
-                protect=set(),
+                protect=batch.protect,
                 evicted=[],
-                ends=None,
+                ends=batch.run_ends(),
             )
+            counters.store_plans += 1
             plans[name] = plan
             self.records[(name, plan.plan_id)] = rec
             for rid in plan.request_ids:

@@ -65,12 +65,14 @@ from kvoffload.scheduler.group_state import (
     check_hashes,
     check_tables,
     load_destinations,
+    table_changes,
 )
 from kvoffload.scheduler.group_stores import GroupStorePlanner
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import DEFER_DEADLINE_S, deferral_spent
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.requests import as_int
+from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import TransferPlan
 
 __all__ = ["GroupStatistics", "GroupedPlan", "GroupedScheduler"]
@@ -152,7 +154,9 @@ class GroupedScheduler:
         self._checkpoint = checkpoint_tokens
         self._ledgers = {g.name: BlockLedger(pools[g.name]) for g in self._cacheable}
         self._requests: dict[str, GroupedRequest] = {}
-        self._counts = {g.name: GroupCounts() for g in self._cacheable}
+        self._counts = {
+            g.name: GroupCounts(Counters(g.block_size, g.bytes_per_block)) for g in self._cacheable
+        }
         self._stops = HitStops(self._cacheable, self._ledgers, self._counts, checkpoint_tokens)
         self.extension: GroupLookupExtension | None = None
         """Asked after every lookup (the groups' tiers, `kvoffload.tiers.groups`)."""
@@ -161,6 +165,9 @@ class GroupedScheduler:
         self.deferrals_bounded = 0
         """Lookups that answered with the CPU hit instead of "ask again": the request's
         run of those answers reached its bound (`deferral_spent()`)."""
+        self.deferred_steps = 0
+        """``plan_stores`` and ``finish`` calls that deferred anything in some group (per
+        group: `GroupStatistics.deferred_steps`)."""
         self._planner = GroupStorePlanner(
             self._cacheable,
             self._ledgers,
@@ -257,13 +264,20 @@ class GroupedScheduler:
         existing = self._requests.get(request_id)
         if existing is not None and existing.finished:
             raise RequestStateError(f"request {request_id!r} is finished")
-        checked = check_tables(self._cacheable, self._limits, request_id, tables)
+        changes = table_changes(self._cacheable, self._limits, request_id, existing, tables)
         probe = existing or GroupedRequest(request_id, {g.name: Lane() for g in self._cacheable})
         check_hashes(self._cacheable, request_id, probe, block_hashes)
         state = self._state(request_id)
         for name, lane in state.lanes.items():
-            lane.table = checked[name]
-            lane.hashes = list(block_hashes[name])
+            append, new = changes[name]
+            if append:
+                lane.table.extend(new)
+                lane.ids.update(new)  # type: ignore[arg-type]  # fresh_ids(): ints
+            else:
+                lane.table = new
+                lane.ids = {e for e in new if e is not None}
+            hashes = block_hashes[name]
+            lane.hashes.extend(hashes[len(lane.hashes) :])
         state.num_computed_tokens = num_computed_tokens
 
     # -- lookup and loads ------------------------------------------------------------------
@@ -394,10 +408,13 @@ class GroupedScheduler:
             lane.pin = None
             if pinned is None:
                 continue
-            plan, _ = self._ledgers[name].open_load(
+            plan, concurrent = self._ledgers[name].open_load(
                 pinned, len(pinned), dests[name], request_id, num_tokens
             )
             if plan is not None:
+                counters = self._counts[name].counters
+                counters.load_plans += 1
+                counters.concurrent_load_blocks += concurrent
                 plans[name] = plan
                 state.in_flight.add((name, plan.plan_id))
         state.hit = None
@@ -416,7 +433,17 @@ class GroupedScheduler:
             One store plan per group with blocks to store, or ``None``.
         """
         live = [s for s in self._requests.values() if not s.finished]
-        return self._planner.plan(live, final=False)
+        return self._plan(live, final=False)
+
+    def _plan(self, states: list[GroupedRequest], final: bool) -> GroupedPlan | None:
+        before = self._deferred_steps()
+        plan = self._planner.plan(states, final=final)
+        if self._deferred_steps() != before:
+            self.deferred_steps += 1
+        return plan
+
+    def _deferred_steps(self) -> int:
+        return sum(c.counters.deferred_steps for c in self._counts.values())
 
     # -- finish, preempt, reset ------------------------------------------------------------
 
@@ -433,7 +460,7 @@ class GroupedScheduler:
         """
         state = self._live(request_id)
         self.release(request_id)
-        plan = self._planner.plan([state], final=True)
+        plan = self._plan([state], final=True)
         state.finished = True
         self._drop_if_done(state)
         return plan
@@ -451,6 +478,7 @@ class GroupedScheduler:
         self.release(request_id)
         for lane in state.lanes.values():
             lane.table, lane.cursor, lane.valid_from = [], 0, 0
+            lane.ids = set()
         state.num_computed_tokens = 0
 
     def reset(self) -> bool:
@@ -485,14 +513,13 @@ class GroupedScheduler:
         """
         ledger = self._ledgers[group]
         rec = ledger.close(plan.plan_id, ok)
+        counters = self._counts[group].counters
         if rec is None:
+            counters.ignored_completions += 1
             return False
-        counts = self._counts[group]
         if plan.kind == "store":
             self._planner.records.pop((group, plan.plan_id))
-            counts.stored += rec.published
-        elif ok:
-            counts.loaded += len(rec.blocks)
+        counters.completed(rec, ok=ok, current=rec.epoch == ledger.epoch)
         self._detach(group, plan)
         return True
 
@@ -510,11 +537,16 @@ class GroupedScheduler:
         """
         ledger = self._ledgers[group]
         rec = ledger.cancel(plan.plan_id)
+        counters = self._counts[group].counters
         if rec is None:
+            counters.ignored_completions += 1
             return False
+        counters.cancelled_plans += 1
         if plan.kind == "store":
+            counters.store_plans -= 1
             self._planner.cancel(group, plan.plan_id, rec.epoch == ledger.epoch)
         else:
+            counters.load_plans -= 1
             ledger.unpin(rec.blocks)
         self._detach(group, plan)
         return True

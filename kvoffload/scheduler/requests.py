@@ -10,7 +10,7 @@ import operator
 import warnings
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Sequence
-from typing import NoReturn, final
+from typing import Any, NoReturn, final
 
 from kvoffload._logging import get_logger
 from kvoffload.errors import (
@@ -33,6 +33,7 @@ __all__ = [
     "as_int",
     "check_distinct",
     "check_hash",
+    "fresh_ids",
     "length",
 ]
 
@@ -109,6 +110,21 @@ def _out_of_range(g: int, j: int, rid: str, limit: int | None) -> NoReturn:
     raise BlockTableError(
         f"request {rid!r}: gpu_block_ids[{j}]={g} is out of range "
         f"[0, {limit if limit is not None else 'inf'})"
+    )
+
+
+def fresh_ids(new: list[Any], seen: Collection[int], limit: int | None) -> bool:
+    """The fast check of a block table's new entries, every path's (one group's
+    `update()`, each group's table of a `GroupedScheduler`), all at C speed: whether
+    ``new`` (not empty) holds only plain ints in ``[0, limit)``, none twice and none in
+    ``seen``. ``False`` asks the caller for the entry-by-entry check that names the fault."""
+    fresh = set(new)
+    return (
+        set(map(type, new)) == {int}
+        and min(new) >= 0
+        and (limit is None or max(new) < limit)
+        and len(fresh) == len(new)
+        and fresh.isdisjoint(seen)
     )
 
 
@@ -471,16 +487,8 @@ class RequestTable:
                     )
         limit = self._num_gpu_blocks
         if type(table) is list and n > n_old:
-            # Fast path, all at C speed: plain ints, in range, distinct, not known yet.
             new = table[n_old:]
-            fresh = set(new)
-            if (
-                set(map(type, new)) == {int}
-                and min(new) >= 0
-                and (limit is None or max(new) < limit)
-                and len(fresh) == len(new)
-                and fresh.isdisjoint(seen)
-            ):
+            if fresh_ids(new, seen, limit):
                 return new
         new = []
         for j in range(n_old, n):

@@ -28,7 +28,7 @@ from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import StorePlan
 
-__all__ = ["GpuCacheView", "StorePlanner", "StoreUndo"]
+__all__ = ["GpuCacheView", "StoreBatch", "StorePlanner", "StoreUndo"]
 
 _log = get_logger("scheduler")
 
@@ -56,8 +56,15 @@ class StoreUndo:
     holds: list[tuple[RequestOffloadState, list[int], int]] = field(default_factory=list)
 
 
-class _StoreBatch:
-    """The store plan being built by one ``plan_stores`` call."""
+class StoreBatch:
+    """The store plan being built by one ``plan_stores`` call, of one group's pool.
+
+    The rules a batch keeps are every path's (one group's scans, and each group's store
+    points of a `GroupedScheduler`): `offer()` skips a cached or pending block and keeps
+    the plan's own allocation from evicting a cached block the scan passed over (the
+    prefix a request is extending); `end_run()` closes one request's run, so the plan's
+    blocks return to the pool request by request (`BlockLedger.close()`).
+    """
 
     __slots__ = (
         "deferred",
@@ -122,9 +129,33 @@ class _StoreBatch:
         return True
 
     def end_run(self) -> None:
+        """Close the run of the request just scanned (nothing when it planned nothing)."""
         n = len(self.hashes)
         if n > (self.ends[-1] if self.ends else 0):
             self.ends.append(n)
+
+    def run_ends(self) -> tuple[int, ...] | None:
+        """Where each request's run ends in the plan (`PlanEntry.ends`; ``None``: one run)."""
+        return tuple(self.ends) if len(self.ends) > 1 else None
+
+    def count(self, ledger: BlockLedger, counters: Counters, **log: object) -> None:
+        """The scan is over: remember what it skipped (for `MissReason`) and count its
+        deferral (``deferred_blocks``: blocks not allocated; ``deferred_steps``: one)."""
+        if self.skipped or self.refused:
+            ledger.misses.note_skipped(self.skipped)
+            ledger.misses.note_skipped(self.refused)
+        if self.deferred:
+            counters.deferred_blocks += self.deferred
+            counters.deferred_steps += 1
+            _log.debug(
+                "store_deferred",
+                request_id=self.deferred_request,
+                needed=self.deferred,
+                free=ledger.pool.num_free,
+                protected=len(self.protect),
+                planned=len(self.hashes),
+                **log,
+            )
 
 
 @final
@@ -207,11 +238,11 @@ class StorePlanner:
 
     def scan(
         self, gpu_cache: GpuCacheView | None, hold_done: list[RequestOffloadState]
-    ) -> _StoreBatch:
+    ) -> StoreBatch:
         """Choose this step's blocks (``hold_done`` gets finished requests whose hold
         ends: planned, or expired)."""
         self.plan_calls += 1
-        batch = _StoreBatch(self._ledger, self._config.max_store_blocks_per_step)
+        batch = StoreBatch(self._ledger, self._config.max_store_blocks_per_step)
         if gpu_cache is not None and self._lazy:
             self._scan_lazy(gpu_cache, batch)
         else:
@@ -220,25 +251,11 @@ class StorePlanner:
             self._scan_eager(batch, hold_done)
         return batch
 
-    def make_plan(self, batch: _StoreBatch) -> StorePlan | None:
+    def make_plan(self, batch: StoreBatch) -> StorePlan | None:
         """Take the CPU blocks of a scanned batch and open its plan (``None``: nothing
         to store)."""
         counters = self._counters
-        if batch.skipped or batch.refused:
-            misses = self._ledger.misses
-            misses.note_skipped(batch.skipped)
-            misses.note_skipped(batch.refused)
-        if batch.deferred:
-            counters.deferred_blocks += batch.deferred
-            counters.deferred_steps += 1
-            _log.debug(
-                "store_deferred",
-                request_id=batch.deferred_request,
-                needed=batch.deferred,
-                free=self._ledger.pool.num_free,
-                protected=len(batch.protect),
-                planned=len(batch.hashes),
-            )
+        batch.count(self._ledger, counters)
         priorities = self._priorities(batch) if self._table.prioritized else None
         if not batch.hashes:
             return None
@@ -250,7 +267,7 @@ class StorePlanner:
             request_ids,
             protect=batch.protect,
             evicted=evicted,
-            ends=tuple(batch.ends) if len(batch.ends) > 1 else None,
+            ends=batch.run_ends(),
             priorities=priorities,
         )
         live_refs = self.live_refs
@@ -265,7 +282,7 @@ class StorePlanner:
         counters.store_plans += 1
         return plan
 
-    def _priorities(self, batch: _StoreBatch) -> dict[BlockHash, int]:
+    def _priorities(self, batch: StoreBatch) -> dict[BlockHash, int]:
         """The retention priority of each block this scan passed for a request that has
         one (the highest, for a block several requests share): the blocks the batch
         plans get theirs from the returned map; cached or pending ones are raised now."""
@@ -289,8 +306,8 @@ class StorePlanner:
                 raise_priority(block_hash, priority)
         return {h: p for h, p in want.items() if h in planned}
 
-    def _scan_eager(self, batch: _StoreBatch, hold_done: list[RequestOffloadState]) -> None:
-        # The hot loop: _StoreBatch.offer() inlined, with its state in locals. The count
+    def _scan_eager(self, batch: StoreBatch, hold_done: list[RequestOffloadState]) -> None:
+        # The hot loop: StoreBatch.offer() inlined, with its state in locals. The count
         # map updates are inlined too (no call per block).
         bs = self._block_size
         ends = batch.ends
@@ -364,7 +381,7 @@ class StorePlanner:
                 hold_done.append(state)
         batch.free, batch.left = free, left
 
-    def _scan_restore(self, batch: _StoreBatch) -> None:
+    def _scan_restore(self, batch: StoreBatch) -> None:
         """Re-store blocks below live cursors that were evicted (``restore_evicted``)."""
         before = len(batch.hashes)
         for state in self._table.requests.values():
@@ -384,7 +401,7 @@ class StorePlanner:
         self._counters.restored_blocks += len(batch.hashes) - before
         self.restore_needed = False
 
-    def _scan_lazy(self, gpu_cache: GpuCacheView, batch: _StoreBatch) -> None:
+    def _scan_lazy(self, gpu_cache: GpuCacheView, batch: StoreBatch) -> None:
         window = itertools.islice(gpu_cache.iter_eviction_order(), self._config.lazy_offload_blocks)
         for gpu_block_id, block_hash in window:
             if not batch.offer(block_hash, gpu_block_id, None):

@@ -1,0 +1,220 @@
+"""One full-attention group through `OffloadScheduler` and two full-attention groups of the
+same geometry through `GroupedScheduler` run one seeded random workload (shared prefixes,
+lookups that defer, loads, stores each step, completions in random order and some failing,
+finishes, preemptions, a pool small enough to evict and defer): every lookup gives the same
+hit, every step plans the same blocks, each group's pool holds what the one pool holds, and
+each group counts what the one scheduler counts."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvoffload.config import OffloadConfig
+from kvoffload.pool.block_pool import CpuBlockPool
+from kvoffload.scheduler import OffloadScheduler, SchedulerStatistics
+from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler
+from kvoffload.transfer.plan import TransferPlan
+from tests.groups_helpers import group
+
+BS = 4
+CPU_BLOCKS = 14
+NAMES = ("a", "b")
+# The counters both report with the same meaning (per group for the grouped scheduler).
+COUNTERS = (
+    "stored_blocks",
+    "loaded_blocks",
+    "deferred_blocks",
+    "deferred_steps",
+    "store_plans",
+    "load_plans",
+    "failed_stores",
+    "failed_loads",
+    "concurrent_load_blocks",
+    "cancelled_plans",
+    "ignored_completions",
+)
+
+
+def chain(tag: str, tokens: list[int]) -> list[bytes]:
+    """Chained hashes of the full blocks of ``tokens`` in namespace ``tag``."""
+    out: list[bytes] = []
+    prev = tag.encode()
+    for k in range(len(tokens) // BS):
+        prev = hashlib.sha256(prev + repr(tokens[k * BS : (k + 1) * BS]).encode()).digest()
+        out.append(prev)
+    return out
+
+
+@dataclass
+class Req:
+    rid: str
+    tokens: list[int]
+    prompt: int
+    computed: int = 0
+    hashed: int = 0  # tokens hashed so far (hashes never shrink, across preemptions too)
+    table: list[int] = field(default_factory=list)
+    waiting: bool = True  # admitted by a lookup next
+
+
+class Pair:
+    """The two schedulers, driven with the same calls."""
+
+    def __init__(self) -> None:
+        config = OffloadConfig(block_size=BS, num_cpu_blocks=CPU_BLOCKS)
+        self.one = OffloadScheduler(config, CpuBlockPool(CPU_BLOCKS))
+        self.one._loads.clock = lambda: 0.0
+        groups = [group(n, "full", BS) for n in NAMES]
+        self.grouped = GroupedScheduler(groups, {n: CpuBlockPool(CPU_BLOCKS) for n in NAMES})
+        self.grouped.clock = lambda: 0.0
+        self.in_flight: list[tuple[TransferPlan, GroupedPlan]] = []
+        self.gpu_ids = itertools.count()
+
+    def hashes(self, req: Req) -> tuple[list[bytes], dict[str, list[bytes]]]:
+        req.hashed = max(req.hashed, req.prompt, req.computed)
+        known = req.tokens[: req.hashed]
+        return chain("one", known), {n: chain(n, known) for n in NAMES}
+
+    def tables(self, req: Req) -> dict[str, list[int | None]]:
+        return {n: list(req.table) for n in NAMES}
+
+    def grow_table(self, req: Req, tokens: int) -> None:
+        while len(req.table) * BS < tokens:
+            req.table.append(next(self.gpu_ids))
+
+    def pair(self, one: TransferPlan | None, grouped: GroupedPlan | None, what: str) -> None:
+        if one is None:
+            assert grouped is None, what
+            return
+        assert grouped is not None, what
+        assert set(grouped.plans) == set(NAMES), what
+        for n in NAMES:
+            assert grouped.plans[n].gpu_block_ids == one.gpu_block_ids, (what, n)
+        self.in_flight.append((one, grouped))
+
+    def check(self, what: str) -> None:
+        self.one.check_invariants()
+        self.grouped.check_invariants()
+        pool = self.one.pool
+        for n in NAMES:
+            gpool = self.grouped.ledger(n).pool
+            assert (gpool.num_free, gpool.num_cached) == (pool.num_free, pool.num_cached), (
+                what,
+                n,
+            )
+
+
+def admit(pair: Pair, req: Req, rng: random.Random, log: list[object]) -> None:
+    one_h, grouped_h = pair.hashes(req)
+    defer = rng.random() < 0.3
+    hit = pair.one.lookup(req.rid, one_h, req.prompt, allow_defer=defer)
+    ghit = pair.grouped.lookup(req.rid, grouped_h, req.prompt, allow_defer=defer)
+    assert hit == ghit, (req.rid, "lookup", hit, ghit)
+    log.append(("lookup", req.rid, hit))
+    if hit is None:
+        return  # asked again next step
+    req.waiting = False
+    if hit and rng.random() < 0.8:
+        pair.grow_table(req, hit + 1)
+        plan = pair.one.plan_load(req.rid, req.table, hit)
+        gplan = pair.grouped.plan_load(req.rid, pair.tables(req), hit)
+        pair.pair(plan, gplan, f"load {req.rid}")
+        req.computed = hit
+    else:
+        pair.one.release(req.rid)
+        pair.grouped.release(req.rid)
+        req.computed = 0
+
+
+def run(seed: int, steps: int = 70) -> tuple[list[object], SchedulerStatistics, int]:
+    rng = random.Random(seed)
+    pair = Pair()
+    prefixes = [[rng.randrange(1000) for _ in range(rng.choice((8, 12, 16, 24)))] for _ in range(3)]
+    reqs: dict[str, Req] = {}
+    log: list[object] = []
+    ids = itertools.count()
+    for step in range(steps):
+        if len(reqs) < 5 and rng.random() < 0.6:
+            prefix = rng.choice(prefixes) if rng.random() < 0.8 else []
+            prompt = prefix + [rng.randrange(1000) for _ in range(rng.randrange(1, 14))]
+            tokens = prompt + [rng.randrange(1000) for _ in range(rng.randrange(0, 14))]
+            rid = f"r{next(ids)}"
+            reqs[rid] = Req(rid, tokens, len(prompt))
+        for req in list(reqs.values()):
+            if req.waiting:
+                admit(pair, req, rng, log)
+                continue
+            if req.computed < len(req.tokens):
+                req.computed = min(len(req.tokens), req.computed + rng.randrange(1, 9))
+            pair.grow_table(req, req.computed)
+            one_h, grouped_h = pair.hashes(req)
+            pair.one.update(req.rid, req.table, one_h, req.computed)
+            pair.grouped.update(req.rid, pair.tables(req), grouped_h, req.computed)
+        pair.pair(pair.one.plan_stores(), pair.grouped.plan_stores(), f"step {step} stores")
+        # completions in random order, some failing, some later
+        rng.shuffle(pair.in_flight)
+        keep: list[tuple[TransferPlan, GroupedPlan]] = []
+        for one, grouped in pair.in_flight:
+            if rng.random() < 0.5:
+                keep.append((one, grouped))
+                continue
+            ok = rng.random() < 0.93
+            assert pair.one.complete(one, ok)
+            for n in NAMES:
+                assert pair.grouped.complete(n, grouped.plans[n], ok)
+        pair.in_flight = keep
+        for req in list(reqs.values()):
+            if req.waiting:
+                continue
+            state = pair.one.request_state(req.rid)
+            caught_up = state.num_stored_blocks >= min(req.computed // BS, len(req.table))
+            done = req.computed >= len(req.tokens)
+            r = rng.random()
+            if caught_up and (done or r < 0.05):
+                pair.one.finish(req.rid)
+                assert pair.grouped.finish(req.rid) is None, req.rid
+                del reqs[req.rid]
+            elif r > 0.95:
+                pair.one.preempt(req.rid)
+                pair.grouped.preempt(req.rid)
+                req.waiting, req.computed, req.table = True, 0, []
+        pair.check(f"seed {seed} step {step}")
+    while pair.in_flight:
+        one, grouped = pair.in_flight.pop(rng.randrange(len(pair.in_flight)))
+        pair.one.complete(one, True)
+        for n in NAMES:
+            pair.grouped.complete(n, grouped.plans[n], True)
+    pair.check(f"seed {seed} drained")
+    want = pair.one.statistics()
+    got = pair.grouped.statistics()
+    for n in NAMES:
+        for name in COUNTERS:
+            assert getattr(got[n], name) == getattr(want, name), (seed, n, name)
+    return log, want, pair.one.pool.statistics().evictions
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_two_full_groups_behave_as_one(seed: int) -> None:
+    run(seed)
+
+
+def test_the_workload_evicts_defers_and_hits() -> None:
+    """The workload reaches what it is meant to compare: hits, "ask again" answers,
+    deferred stores, failed copies and evictions."""
+    hits = asks = evictions = deferred = failed = 0
+    for seed in range(10):
+        log, stats, evicted = run(seed)
+        hits += sum(1 for e in log if isinstance(e, tuple) and e[2])
+        asks += sum(1 for e in log if isinstance(e, tuple) and e[2] is None)
+        evictions += evicted
+        deferred += stats.deferred_blocks
+        failed += stats.failed_stores + stats.failed_loads
+    assert hits
+    assert asks
+    assert evictions
+    assert deferred
+    assert failed
