@@ -35,6 +35,8 @@ from kvoffload import (
 from kvoffload.groups import needed
 from kvoffload.scheduler.groups import GroupedScheduler
 from kvoffload.testing import CopyFaults
+from tests.groups_helpers import Rig as HelperRig
+from tests.groups_helpers import group
 from tests.test_offloader_groups import Model, Tables, config, engines_for, groups_of
 
 pytestmark = pytest.mark.anyio
@@ -414,3 +416,50 @@ async def test_the_abandoned_load_is_one_task_over_every_group(shape: str) -> No
         _req.finish()
         await r.off.drain()
         r.check()
+
+
+@pytest.mark.parametrize("other", ["sliding_window", "recurrent"])
+def test_the_scheduler_stores_nothing_from_the_abandoned_loads_tables(other: str) -> None:
+    # The engine reported the loaded tokens as computed, then abandoned the load: its
+    # blocks go back to the engine (and to other requests), so until it reports its
+    # recompute no group stores anything from the tables the load wrote, even once the
+    # CPU copies are gone.
+    kw: dict[str, object] = {"window": 9} if other == "sliding_window" else {}
+    gs = [group("attn", "full", 4), group("other", other, 4, **kw)]
+    rig = HelperRig(gs, cpu_blocks=16, checkpoint_tokens=8)
+    sched = rig.sched
+    tokens = list(range(1, 18))
+    hashes = rig.hashes(tokens)
+    t0: dict[str, list[int | None]] = {"attn": [0, 1, 2, 3, 4], "other": [0, 1, 2, 3, 4]}
+    rig.fill(t0)
+    sched.update("a", t0, hashes, 17)
+    rig.run(sched.plan_stores())
+    rig.run(sched.finish("a"))
+    t1: dict[str, list[int | None]] = {"attn": [5, 6, 7, 8, 9], "other": [5, 6, 7, 8, 9]}
+    assert sched.lookup("b", hashes, 17) == 16
+    load = sched.plan_load("b", t1, 16)
+    assert load is not None
+    sched.update("b", t1, hashes, 16)  # the engine counts the loaded tokens as computed
+    got = sched.abandon_load("b")
+    assert {n: [p.plan_id for p in ps] for n, ps in got.items()} == {
+        n: [p.plan_id] for n, p in load.plans.items()
+    }
+    sched.check_invariants()
+    assert sched.statistics()["attn"].in_flight_plans == 1  # the copy runs on
+    rig.run(load)  # the copies end; they count nothing
+    assert all(s.loaded_blocks == 0 for s in sched.statistics().values())
+    assert sched.abandoned_loads == 1
+    sched.reset()  # the CPU copies are gone: a store would be planned again
+    sched.check_invariants()
+    assert sched.plan_stores() is None  # nothing is computed for "b" until it reports
+    # Its recompute, in other blocks, is stored as any request's.
+    t2: dict[str, list[int | None]] = {"attn": [10, 11, 12, 13], "other": [10, 11, 12, 13]}
+    rig.fill(t2)
+    sched.update("b", t2, hashes, 17)
+    plan = sched.plan_stores()
+    assert plan is not None
+    for sub in plan.plans.values():
+        assert set(sub.gpu_block_ids) <= {10, 11, 12, 13}
+    rig.run(plan)
+    rig.run(sched.finish("b"))
+    sched.check_invariants()
