@@ -331,6 +331,15 @@ class GroupSession(Lifecycle):
         self.counters.load_plans += 1
         return self.launcher.launch(plan, None, num_tokens)
 
+    def abandon_load(self, request_id: str) -> dict[str, tuple[int, ...]]:
+        """`KVOffloader.abandon_load()` with several groups: every group's part of the
+        request's loads in flight at once; per group, the GPU blocks its copies still
+        write (none for a live handle that has not looked up yet)."""
+        self.check("abandon_load", pinner_error=False)
+        if request_id in self._live and not self.scheduler.has_request(request_id):
+            return {}
+        return self.launcher.abandon_loads(self.scheduler.abandon_load(request_id))
+
     def update(
         self,
         request_id: str,

@@ -24,7 +24,7 @@ from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.transfer.engine import CopyEngine
 from kvoffload.transfer.grouped import GroupedTransferPlan, submit_grouped
-from kvoffload.transfer.plan import StorePlan, TransferKind
+from kvoffload.transfer.plan import StorePlan, TransferKind, TransferPlan
 from kvoffload.transfer.poller import CompletionPoller
 from kvoffload.transfer.task import TransferStatus, TransferTask
 
@@ -136,6 +136,32 @@ class GroupLauncher:
         self.poller.track(task)
         return task
 
+    def abandon_loads(
+        self, abandoned: Mapping[str, Sequence[TransferPlan]]
+    ) -> dict[str, tuple[int, ...]]:
+        """Resolve the tasks of loads the scheduler just abandoned, per group (their
+        awaiters get `LoadAbandonedError` now, as with one group: `TransferLauncher.
+        abandon_loads()`); their completion still arrives once every part's copy ended,
+        and only then are their GPU blocks unpinned.
+
+        Returns:
+            Per group in ``abandoned``, the GPU blocks those copies still write, in plan
+            order.
+        """
+        parts = {(name, p.plan_id) for name, plans in abandoned.items() for p in plans}
+        for task in self.tasks.values():
+            plan = task.plan
+            if (
+                plan.kind == "load"
+                and isinstance(plan, GroupedTransferPlan)
+                and any((name, sub.plan_id) in parts for name, sub in plan.parts.items())
+            ):
+                task._give_up()  # the owner abandoning its load is what _give_up is for
+        return {
+            name: tuple(b for p in plans for b in p.gpu_block_ids)
+            for name, plans in abandoned.items()
+        }
+
     def _undo(self, plan: GroupedPlan, pinned: Sequence[tuple[str, Sequence[int]]]) -> None:
         for name, ids in pinned:
             self._unpin(name, ids)
@@ -173,8 +199,10 @@ class GroupLauncher:
         else:
             c.bytes_loaded += task.nbytes
         try:
+            # An abandoned copy that ended well is no failure (its CPU blocks stay cached).
+            copied = ok or task._copy_ok
             for name, sub in plan.parts.items():
-                self._scheduler.complete(name, sub, ok)
+                self._scheduler.complete(name, sub, copied)
             if ok and self.on_stored is not None:
                 for name, sub in plan.parts.items():
                     if isinstance(sub, StorePlan):
@@ -205,6 +233,7 @@ class GroupLauncher:
             failed_stores=c.failed_stores,
             failed_loads=c.failed_loads,
             abandoned_transfers=c.abandoned,
+            abandoned_loads=self._scheduler.abandoned_loads,
             ignored_completions=sum(s.ignored_completions for s in per),
             cancelled_plans=sum(s.cancelled_plans for s in per),
             concurrent_load_blocks=sum(s.concurrent_load_blocks for s in per),

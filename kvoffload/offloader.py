@@ -358,13 +358,15 @@ class KVOffloader:
         """
         return _single(self, "load").load(request_id, gpu_block_ids, num_tokens)
 
-    def abandon_load(self, request_id: str) -> tuple[int, ...]:
+    def abandon_load(self, request_id: str) -> tuple[int, ...] | dict[str, tuple[int, ...]]:
         """Stop waiting for the request's loads in flight; see `OffloadRequest.abandon_load()`.
 
-        Returns the GPU blocks their copies still write (pinned until each ends); raises
-        `UnknownRequestError` for an unknown id, `ClosedError` when not open.
+        Returns the GPU blocks their copies still write (pinned until each ends); with
+        several KV cache groups, every group's part is abandoned at once and the blocks
+        come per group name. Raises `UnknownRequestError` for an unknown id,
+        `ClosedError` when not open.
         """
-        return _single(self, "abandon_load").abandon_load(request_id)
+        return self._life.abandon_load(request_id)
 
     def update(
         self,

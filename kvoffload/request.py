@@ -85,7 +85,7 @@ class _StepCalls(Protocol):
 
     def release(self, request_id: str) -> None: ...
 
-    def abandon_load(self, request_id: str) -> tuple[int, ...]: ...
+    def abandon_load(self, request_id: str) -> tuple[int, ...] | dict[str, tuple[int, ...]]: ...
 
     def preempt(self, request_id: str) -> None: ...
 
@@ -515,7 +515,7 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         self._off.release(self._request_id)
         self._hit = 0
 
-    def abandon_load(self) -> tuple[int, ...]:
+    def abandon_load(self) -> tuple[int, ...] | dict[str, tuple[int, ...]]:
         """Stop waiting for the request's load in flight (its deadline passed, the client
         is gone) and recompute those tokens instead.
 
@@ -529,9 +529,15 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         from the load's first block on. Without a load in flight it only releases the
         pin.
 
+        With several KV cache groups every group's part of the load is abandoned at
+        once (the hit was one prefix for every group), and each group's table may
+        change from that group's first loaded block on.
+
         Returns:
             The GPU blocks the abandoned copy still writes: never hand them to any
-            computation until the pinner releases them.
+            computation until the pinner releases them. With several KV cache groups,
+            one tuple per group name that had blocks to load (each group's pinner
+            releases its own).
 
         Raises:
             RequestStateError: the request is finished.

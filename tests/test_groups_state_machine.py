@@ -2,12 +2,13 @@
 
 Mixes of groups (full + sliding window, full + recurrent, full + chunked) under random
 steps, stores (some deferred by tiny pools), completions that succeed, fail or are
-cancelled, lookups and loads, finishes, preemptions and resets. The engine frees the
-blocks of non-full groups that fall out of its window (null table entries) and reuses
-them, never while a transfer names them; after a load, the entries below what it wrote
-name blocks holding no KV of the request. After every step: ``check_invariants()`` (per
-group and cross-group) and the model's checks: every published CPU block of every group
-holds the KV of its key, and every load delivers exactly the KV of its (group, position).
+cancelled, lookups and loads, abandoned loads, finishes, preemptions and resets. The
+engine frees the blocks of non-full groups that fall out of its window (null table
+entries) and reuses them, never while a transfer names them; after a load, the entries
+below what it wrote name blocks holding no KV of the request. After every step:
+``check_invariants()`` (per group and cross-group) and the model's checks: every
+published CPU block of every group holds the KV of its key, and every load delivers
+exactly the KV of its (group, position).
 """
 
 from __future__ import annotations
@@ -227,6 +228,34 @@ class GroupsMachine(RuleBasedStateMachine):
                 self.gpu[name][gpu] = req.hashes[name][pos]
         if not any(x.rid == f.rid for x in self.flights):
             req.loading = False
+
+    @precondition(lambda self: any(r.loading for r in self.reqs.values()))
+    @rule(data=st.data(), report=st.booleans(), recompute=st.booleans())
+    def abandon_load(self, data: st.DataObject, report: bool, recompute: bool) -> None:
+        """The engine stops waiting for a load (having reported its tables and the hit as
+        computed, or not): every group's part is abandoned at once; it starts over from
+        its prefix in fresh blocks (the load's stay busy until their copies end, then go
+        to other requests), recomputing now or in later steps (the scheduler must store
+        nothing from the old tables meanwhile)."""
+        rid = data.draw(st.sampled_from(sorted(k for k, r in self.reqs.items() if r.loading)))
+        req = self.reqs[rid]
+        if report:
+            self.sched.update(rid, req.tables, req.hashes, req.computed)
+        mine = [f for f in self.flights if f.rid == rid]
+        got = self.sched.abandon_load(rid)
+        assert {(n, p.plan_id) for n, plans in got.items() for p in plans} == {
+            (f.name, f.plan.plan_id) for f in mine
+        }
+        assert self.sched.abandon_load(rid) == {}  # once
+        for f in mine:
+            f.rid = None  # it serves nobody; its completion still comes
+        req.loading = False
+        for name in self.names:
+            self._give_back(name, req.tables[name])
+            req.tables[name] = []
+        hit, req.computed = req.computed, 0
+        if recompute and self._grow(req, hit):
+            self.sched.update(rid, req.tables, req.hashes, req.computed)
 
     @precondition(lambda self: any(not r.loading for r in self.reqs.values()))
     @rule(data=st.data())

@@ -3,8 +3,9 @@
 Full + sliding window and full + recurrent groups, real `ThreadCopyEngine`s (one host
 buffer per group) with injected copy failures in one group, a small CPU pool (stores
 deferred, blocks evicted), and a simulated engine: conversations whose requests look up,
-load, compute in chunks (a sliding-window group frees the blocks its window left, the
-table entry becoming ``None``), store, finish or are preempted, with the transfers'
+load (or abandon the load and recompute), compute in chunks (a sliding-window group frees
+the blocks its window left, the table entry becoming ``None``), store, finish or are
+preempted, with the transfers'
 completions settling in between. Every GPU block the engine hands out is unpinned (the
 groups' `RefCountPinner`s). After every step: `KVOffloader.check_invariants()`, and every
 load's bytes are checked in every group.
@@ -25,6 +26,7 @@ from kvoffload.errors import TransferError
 from kvoffload.pinner import RefCountPinner
 from kvoffload.request import OffloadRequest
 from kvoffload.testing import CopyFaults
+from kvoffload.transfer.task import TransferStatus
 from tests.test_offloader_groups import BS, NUM_GPU, Model, engines_for, groups_of
 
 CPU_BLOCKS = 10
@@ -53,6 +55,7 @@ class OffloaderGroupsMachine(RuleBasedStateMachine):
         self.live: dict[str, Live] = {}
         self.n = 0
         self.loads = 0
+        self.abandons = 0
         self.exits: list[Any] = []
 
     @initialize(fail=st.sets(st.integers(0, 8), max_size=4), group=st.integers(0, 1))
@@ -100,8 +103,8 @@ class OffloaderGroupsMachine(RuleBasedStateMachine):
 
     # -- rules --------------------------------------------------------------------------------
 
-    @rule(conv=st.integers(0, 1), extra=st.integers(1, 12))
-    def admit(self, conv: int, extra: int) -> None:
+    @rule(conv=st.integers(0, 1), extra=st.integers(1, 12), abandon=st.booleans())
+    def admit(self, conv: int, extra: int, abandon: bool = False) -> None:
         if any(r.conv == conv for r in self.live.values()):
             return
         self.n += 1
@@ -122,6 +125,11 @@ class OffloaderGroupsMachine(RuleBasedStateMachine):
         r = Live(conv, handle, tables)
         self.live[rid] = r
         if hit:
+            if abandon:
+                again = self._abandon(rid, tables)
+                if again is None:
+                    return  # recomputed from 0, in fresh blocks
+                hit = again
             try:  # the portal awaits the task load() returns
                 self.portal.call(handle.load, tables)
             except TransferError:
@@ -129,6 +137,35 @@ class OffloaderGroupsMachine(RuleBasedStateMachine):
             self.model.check(tables, tokens, hit)
             self.loads += 1
             r.computed = hit
+
+    def _abandon(self, rid: str, tables: dict[str, list[int | None]]) -> int | None:
+        """Start the load and abandon it at once (every group's part); the engine
+        recomputes into fresh blocks (the load's stay pinned until their copies end).
+        ``None`` when it was abandoned; else the copies ended first and the request
+        looked up again: its new hit, loaded as without abandoning."""
+        handle = self.live[rid].handle
+        (task,) = self.portal.call(lambda: (handle.load(tables),))
+        late = self.portal.call(handle.abandon_load)
+        if not late:  # the copies ended and were delivered first: nothing to abandon
+            assert late == {}
+            assert task is None or task.done()
+            hit: int = self.portal.call(handle.lookup)
+            return hit
+        assert isinstance(late, dict)
+        assert task is not None
+        assert task.status is TransferStatus.ABANDONED
+        assert set(late) == set(self.names)
+        self.abandons += 1
+        for name, ids in late.items():
+            assert all(self.pinners[name].is_pinned(b) for b in ids) or task.done()
+            fresh = self._alloc(name, len(ids))
+            if fresh is None:  # no room: the engine gives the request up
+                self._end(rid, preempt=True)
+                return None
+            swap = dict(zip(ids, fresh, strict=True))
+            tables[name] = [b if b is None else swap.get(b, b) for b in tables[name]]
+            self.free[name].extend(ids)  # handed out again only once unpinned
+        return None
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), chunk=st.integers(1, 10))
@@ -211,5 +248,11 @@ def test_the_machine_loads_bytes_from_cpu() -> None:
             m.admit(0, 3)
             assert m.loads == 1
             m.invariants_hold()
+            m._end("r2", False)
+            m.admit(0, 3, abandon=True)
+            m.invariants_hold()
+            m.settle()
+            m.invariants_hold()
+            assert m.loads + m.abandons == 2
         finally:
             m.teardown()

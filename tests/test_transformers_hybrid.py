@@ -4,13 +4,18 @@
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
 
-from kvoffload import ConfigError, InvalidInputError, KVOffloader, OffloadConfig
+from kvoffload import ConfigError, KVOffloader, OffloadConfig, TransferStatus
+from kvoffload._group_session import page_layout
+from kvoffload.storage.host_buffer import HostKVBuffer
+from kvoffload.testing import CopyFaults
+from kvoffload.transfer import ThreadCopyEngine
 
 transformers = pytest.importorskip("transformers")
 
@@ -191,18 +196,126 @@ async def test_attaching_a_single_group_offloader_to_a_hybrid_is_refused_naming_
     assert [g.kind for g in engine.kv_groups] == ["full", "recurrent"]
 
 
-async def test_a_load_deadline_with_a_multi_group_offloader_is_refused_at_attach() -> None:
-    # Abandoning a load is single-group for now: the engine says so when the offloader is
-    # attached, instead of waiting past its deadline or abandoning part of a hit.
-    engine = PagedEngine(gemma3(), num_gpu_blocks=8, block_size=BS, load_deadline_s=0.5)
+async def test_a_load_past_its_deadline_is_abandoned_and_recomputed() -> None:
+    """load_deadline_s=0 and every group's copies held by a gate: b's load is really
+    abandoned, every group's part of it at once. b recomputes into fresh blocks of each
+    group and answers the stock model's tokens; the late copies, landed while b and c
+    still run, write only blocks no request holds. (Gemma 3: without the GPU prefix
+    cache, which would serve b itself, Qwen3-Next keeps no state snapshot to offload.)"""
+    ref = gemma3()
+    model = copy.deepcopy(ref)
+    engine = PagedEngine(
+        model,
+        num_gpu_blocks=32,
+        block_size=BS,
+        max_batch_tokens=16,
+        enable_prefix_caching=False,  # the hit is the CPU pools'
+        load_deadline_s=0,
+    )
+    gate = threading.Event()
+    gate.set()
+    engines, hosts = {}, {}
+    for g in engine.kv_groups:
+        lay, views = page_layout(g, engine.offload_kv[g.name])
+        hosts[g.name] = HostKVBuffer(lay, 96, pin_memory="never")
+        engines[g.name] = ThreadCopyEngine(
+            lay, views, hosts[g.name], copy_hook=CopyFaults(gate=gate), copy_threads=1
+        )
+    gen = torch.Generator().manual_seed(4)
+    prompt, other = (torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (30, 14))
+    try:
+        async with KVOffloader(
+            offload_config(),
+            engine.offload_kv,
+            groups=engine.kv_groups,
+            pinner=engine.pinners,
+            copy_engine=engines,
+        ) as off:
+            engine.attach(off)  # a deadline with several groups is honoured
+            engine.add_request("a", prompt, max_new_tokens=4)
+            first = await run_checked(engine)
+            await off.drain()  # a's stores land: the CPU pools hold its prefix
+            gate.clear()
+            engine.add_request("b", prompt, max_new_tokens=4)
+            engine.add_request("c", other, max_new_tokens=6)
+            assert off._groups is not None
+            got: dict[str, list[int]] = {}
+            late: dict[str, set[int]] = {}
+            steps = 0
+            while engine.has_work:
+                for o in await engine.step():
+                    if o.result is not None:
+                        got[o.request_id] = o.result.output_token_ids
+                steps += 1
+                if steps == 1:  # b's load, abandoned: every group's part still in flight
+                    (task,) = [t for t in off._groups.launcher.tasks.values() if t.kind == "load"]
+                    assert task.status is TransferStatus.ABANDONED
+                    parts = task.plan.parts  # type: ignore[attr-defined]
+                    late = {n: set(p.gpu_block_ids) for n, p in parts.items()}
+                    assert set(late) == {g.name for g in engine.kv_groups}
+                    for name, ids in late.items():
+                        assert ids
+                        assert all(engine.pinners[name].is_pinned(b) for b in ids)
+                if not gate.is_set():
+                    for r in engine._batch.running:
+                        for gi, t in zip(engine._batch._attn, r.tables, strict=True):
+                            held = late[engine.groups[gi].name]
+                            assert not held & set(t), "a request holds a late copy's block"
+                        rec = engine._batch._rec
+                        if rec is not None:
+                            assert not late[engine.groups[rec].name] & set(r.rec_table)
+                if steps == 2:
+                    gate.set()  # the late copies land mid-run
+                engine.check_invariants()
+                off.check_invariants()
+            assert steps > 2
+            assert got["b"] == first["a"] == reference(ref, prompt, 4)
+            assert got["c"] == reference(ref, other, 6)
+            stats = engine.statistics()
+            assert stats.abandoned_loads == 1
+            assert stats.failed_loads == 0
+            await off.drain()
+            sched = off.statistics().scheduler
+            assert sched.abandoned_loads == 1
+            assert sched.loaded_tokens == 0
+            groups = off.statistics().groups
+            assert groups is not None
+            for s in groups.values():
+                assert s.loaded_blocks == 0
+                assert s.free_cpu_blocks == s.num_cpu_blocks
+            off.check_invariants()
+        engine.check_invariants()
+        assert all(p.num_pinned == 0 for p in engine.pinners.values())
+    finally:
+        gate.set()
+        for host in hosts.values():
+            host.close()
+
+
+async def test_a_deadline_that_is_not_missed_loads_every_group() -> None:
+    ref = gemma3()
+    model = copy.deepcopy(ref)
+    engine = PagedEngine(
+        model,
+        num_gpu_blocks=32,
+        block_size=BS,
+        max_batch_tokens=16,  # a's prefill in chunks: each group stores its points
+        enable_prefix_caching=False,
+        load_deadline_s=60,
+    )
+    prompt = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(4)).tolist()
     async with offloader_for(engine) as off:
-        with pytest.raises(ConfigError, match=r"load_deadline_s=0.5 .*several KV cache groups"):
-            engine.attach(off)
-        with (
-            off.request("r", list(range(3 * BS))) as req,
-            pytest.raises(InvalidInputError, match=r"abandon_load\(\).*'full'"),
-        ):
-            req.abandon_load()
+        engine.attach(off)
+        engine.add_request("a", prompt, max_new_tokens=3)
+        await run_checked(engine)
+        await off.drain()
+        engine.add_request("b", prompt, max_new_tokens=3)
+        got = await run_checked(engine)
+        assert got["b"] == reference(ref, prompt, 3)
+        assert engine.statistics().abandoned_loads == 0
+        assert engine.statistics().loaded_tokens > 0
+        await off.drain()
+        off.check_invariants()
 
 
 async def test_offload_with_preemption_and_batching_equals_a_recompute(

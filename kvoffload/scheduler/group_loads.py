@@ -4,6 +4,7 @@ cross-group checks."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol, final
 
 from kvoffload.errors import InvalidInputError, InvariantError
@@ -13,13 +14,16 @@ from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.pool.free_queue import CpuBlock
 from kvoffload.scheduler.group_state import GroupCounts, GroupedRequest
 from kvoffload.scheduler.ledger import BlockLedger
-from kvoffload.scheduler.loads import lookup_defers
+from kvoffload.scheduler.loads import abandon_loads, lookup_defers
 from kvoffload.scheduler.misses import MissReason
+from kvoffload.transfer.plan import LoadPlan
 
 __all__ = [
     "GroupLookupExtension",
-    "check_ledgers",
     "HitStops",
+    "LoadRecord",
+    "abandon_grouped",
+    "check_ledgers",
     "check_lookup_counts",
     "check_request",
     "find_hit",
@@ -74,13 +78,70 @@ def note_prefix(cacheable: Sequence[KVCacheGroup], state: GroupedRequest, comput
             lane.valid_from = valid_from(g, computed, computed)
 
 
-def note_load(cacheable: Sequence[KVCacheGroup], state: GroupedRequest) -> None:
+@dataclass(slots=True, eq=False)
+class LoadRecord:
+    """One group's load plan in flight, as `abandon_grouped()` needs it."""
+
+    start: int
+    """The request block its first CPU block fills."""
+    prefix: int
+    """The engine's own prefix (tokens) the load lands above."""
+    valid_from: int
+    """The lane's ``valid_from`` before the load was planned."""
+
+
+def note_load(cacheable: Sequence[KVCacheGroup], state: GroupedRequest) -> dict[str, LoadRecord]:
     """A load of ``state``'s hit is planned: no lane's entries below what it lands (and
-    above the prefix) were ever written (`valid_from()`); they are never stored."""
+    above the prefix) were ever written (`valid_from()`); they are never stored.
+
+    Returns:
+        Per group, the record of its part of the load (before this note).
+    """
     n = state.hit or 0
+    out: dict[str, LoadRecord] = {}
     for g in cacheable:
         lane = state.lanes[g.name]
+        out[g.name] = LoadRecord(lane.pin_start, state.hit_from, lane.valid_from)
         lane.valid_from = max(lane.valid_from, valid_from(g, n, state.hit_from))
+    return out
+
+
+def abandon_grouped(
+    cacheable: Sequence[KVCacheGroup],
+    ledgers: Mapping[str, BlockLedger],
+    loads: Mapping[str, Mapping[int, LoadRecord]],
+    state: GroupedRequest,
+) -> dict[str, list[LoadPlan]]:
+    """``state``'s request stops waiting for its loads in flight, every group's part at
+    once: in each group the one-group rule (`abandon_loads()`) marks them abandoned; they
+    no longer serve the request; and what the scheduler knew of its tables from each
+    group's first abandoned block on is forgotten, its computed tokens go back to the
+    engine's prefix the loads landed above, and each lane's ``valid_from`` to what it was
+    before them (the engine recomputes from that prefix, into other GPU blocks).
+
+    Returns:
+        Per group with a load abandoned now, its plans, oldest first.
+    """
+    out: dict[str, list[LoadPlan]] = {}
+    prefix: int | None = None
+    for g in cacheable:
+        name = g.name
+        records = loads[name]
+        starts = {p: records[p].start for grp, p in state.in_flight if grp == name and p in records}
+        plans, first = abandon_loads(ledgers[name], state.request_id, starts, starts)
+        if first is None:
+            continue
+        out[name] = plans
+        lane = state.lanes[name]
+        for plan in plans:
+            state.in_flight.discard((name, plan.plan_id))
+            rec = records[plan.plan_id]
+            prefix = rec.prefix if prefix is None else min(prefix, rec.prefix)
+            lane.valid_from = min(lane.valid_from, rec.valid_from)
+        del lane.table[first:]
+    if prefix is not None:
+        state.num_computed_tokens = min(state.num_computed_tokens, prefix)
+    return out
 
 
 def _valid(
@@ -262,9 +323,14 @@ def check_request(groups: Mapping[str, KVCacheGroup], state: GroupedRequest, ali
             )
 
 
-def check_ledgers(ledgers: Mapping[str, BlockLedger], requests: Iterable[GroupedRequest]) -> None:
+def check_ledgers(
+    ledgers: Mapping[str, BlockLedger],
+    requests: Iterable[GroupedRequest],
+    loads: Mapping[str, Mapping[int, LoadRecord]],
+) -> None:
     """Check every group's pool and ledger, and that the ledger's pins are the requests'
-    lookups and its plans the requests' plans in flight.
+    lookups, its plans the requests' plans in flight (an abandoned load: no request's)
+    and its load plans those ``loads`` records.
 
     Raises:
         InvariantError: naming the group and the breach.
@@ -276,10 +342,14 @@ def check_ledgers(ledgers: Mapping[str, BlockLedger], requests: Iterable[Grouped
         held = {id(s.lanes[name].pin) for s in states if s.lanes[name].pin is not None}
         if pins != held:
             raise InvariantError(f"group {name!r}: the ledger's pins are not the lookups'")
-        plans = {rec.plan.plan_id for rec in ledger.plans()}
+        # an abandoned load serves no request any more (`abandon_grouped()`)
+        plans = {rec.plan.plan_id for rec in ledger.plans() if not rec.abandoned}
         named = {p for s in states for g, p in s.in_flight if g == name}
         if plans != named:
             raise InvariantError(f"group {name!r}: requests' plans {named} != {plans}")
+        load_ids = {rec.plan.plan_id for rec in ledger.plans() if rec.plan.kind == "load"}
+        if load_ids != set(loads[name]):
+            raise InvariantError(f"group {name!r}: load records disagree with the ledger")
 
 
 def lookup_defers_grouped(  # noqa: PLR0917 - the lookup's state, in its order

@@ -45,6 +45,8 @@ from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.scheduler.group_loads import (
     GroupLookupExtension,
     HitStops,
+    LoadRecord,
+    abandon_grouped,
     check_ledgers,
     check_lookup_counts,
     check_request,
@@ -73,7 +75,7 @@ from kvoffload.scheduler.loads import DEFER_DEADLINE_S, deferral_spent
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.requests import as_int
 from kvoffload.scheduler.stats import Counters
-from kvoffload.transfer.plan import TransferPlan
+from kvoffload.transfer.plan import LoadPlan, TransferPlan
 
 __all__ = ["GroupStatistics", "GroupedPlan", "GroupedScheduler"]
 
@@ -157,6 +159,10 @@ class GroupedScheduler:
         self._counts = {
             g.name: GroupCounts(Counters(g.block_size, g.bytes_per_block)) for g in self._cacheable
         }
+        self._loads: dict[str, dict[int, LoadRecord]] = {g.name: {} for g in self._cacheable}
+        """Per group, its load plans in flight (abandoned ones too) by plan id."""
+        self.abandoned_loads = 0
+        """Loads their request abandoned while the copy was in flight (`abandon_load()`)."""
         self._stops = HitStops(self._cacheable, self._ledgers, self._counts, checkpoint_tokens)
         self.extension: GroupLookupExtension | None = None
         """Asked after every lookup (the groups' tiers, `kvoffload.tiers.groups`)."""
@@ -402,7 +408,7 @@ class GroupedScheduler:
         checked = check_tables(self._cacheable, self._limits, request_id, tables)
         dests = load_destinations(request_id, state, checked)
         plans: dict[str, TransferPlan] = {}
-        note_load(self._cacheable, state)
+        records = note_load(self._cacheable, state)
         for name, lane in state.lanes.items():
             pinned = lane.pin
             lane.pin = None
@@ -416,9 +422,38 @@ class GroupedScheduler:
                 counters.load_plans += 1
                 counters.concurrent_load_blocks += concurrent
                 plans[name] = plan
+                self._loads[name][plan.plan_id] = records[name]
                 state.in_flight.add((name, plan.plan_id))
         state.hit = None
         return GroupedPlan("load", plans) if plans else None
+
+    def abandon_load(self, request_id: str) -> dict[str, list[LoadPlan]]:
+        """Stop waiting for ``request_id``'s loads in flight, in every group at once (the
+        one-group rule, `LoadPlanner.abandon()`; see `abandon_grouped()`): its lookup pins
+        are released; each group's part is marked abandoned (its CPU blocks stay
+        referenced until `complete()`, which counts nothing for it); the tables from each
+        group's first abandoned block on are forgotten and the computed tokens go back to
+        the engine's prefix (the request recomputes, maybe into other GPU blocks). A
+        finished request whose load was in flight is forgotten at once.
+
+        Returns:
+            Per group with a load abandoned now, its plans, oldest first (empty without
+            a load in flight).
+
+        Raises:
+            UnknownRequestError: no state for that id.
+        """
+        state = self._requests.get(request_id)
+        if state is None:
+            raise UnknownRequestError(f"unknown request id {request_id!r}")
+        self.release(request_id)
+        abandoned = abandon_grouped(self._cacheable, self._ledgers, self._loads, state)
+        if abandoned:
+            # one load is one plan in every cacheable group (every group needs a block of
+            # any hit above the prefix), so the longest list counts the loads
+            self.abandoned_loads += max(len(plans) for plans in abandoned.values())
+        self._drop_if_done(state)
+        return abandoned
 
     # -- stores ----------------------------------------------------------------------------
 
@@ -519,6 +554,8 @@ class GroupedScheduler:
             return False
         if plan.kind == "store":
             self._planner.records.pop((group, plan.plan_id))
+        else:
+            del self._loads[group][plan.plan_id]
         counters.completed(rec, ok=ok, current=rec.epoch == ledger.epoch)
         self._detach(group, plan)
         return True
@@ -547,7 +584,9 @@ class GroupedScheduler:
             self._planner.cancel(group, plan.plan_id, rec.epoch == ledger.epoch)
         else:
             counters.load_plans -= 1
-            ledger.unpin(rec.blocks)
+            del self._loads[group][plan.plan_id]
+            if not rec.abandoned:  # the ledger released an abandoned load's blocks
+                ledger.unpin(rec.blocks)
         self._detach(group, plan)
         return True
 
@@ -573,7 +612,7 @@ class GroupedScheduler:
         Raises:
             InvariantError: naming the group and the breach.
         """
-        check_ledgers(self._ledgers, self._requests.values())
+        check_ledgers(self._ledgers, self._requests.values(), self._loads)
         self._planner.check_invariants()
         groups = {g.name: g for g in self._cacheable}
         for state in self._requests.values():

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol, final
 
 from kvoffload._logging import get_logger
@@ -37,6 +37,7 @@ __all__ = [
     "MAX_LOOKUP_DEFERRALS",
     "LoadPlanner",
     "LookupExtension",
+    "abandon_loads",
     "deferral_spent",
     "lookup_defers",
 ]
@@ -81,6 +82,43 @@ def lookup_defers(
         return True
     pending = ledger.pending
     return bool(next_hashes) and all(h in pending for h in next_hashes)
+
+
+def abandon_loads(
+    ledger: BlockLedger, rid: str, plan_ids: Iterable[int], starts: Mapping[int, int]
+) -> tuple[list[LoadPlan], int | None]:
+    """The rule of ``abandon_load()`` for one pool, one group or each of several: every
+    load plan of request ``rid`` in flight (the ids of ``plan_ids`` that ``starts`` records:
+    load plan id → the request block its first CPU block fills), oldest first, is marked
+    abandoned in the ledger (`BlockLedger.abandon_load()`): a lookup no longer defers to
+    it and a second load of its blocks is not concurrent, while its CPU blocks keep their
+    references until the copy ends and `BlockLedger.close()` releases them (a completion
+    counts nothing for it). The caller detaches the plans from the request and forgets
+    the block table from the first block they write on.
+
+    Returns:
+        The load plans abandoned now, oldest first, and the first request block they
+        write (``None``: none was abandoned).
+    """
+    abandoned: list[LoadPlan] = []
+    first: int | None = None
+    for plan_id in sorted(plan_ids):
+        start = starts.get(plan_id)
+        if start is None:
+            continue  # a store
+        rec = ledger.abandon_load(plan_id)
+        if rec is None or not isinstance(rec.plan, LoadPlan):
+            continue
+        abandoned.append(rec.plan)
+        first = start if first is None else min(first, start)
+    if abandoned:
+        _log.debug(
+            "load_abandoned",
+            request_id=rid,
+            plans=len(abandoned),
+            blocks=sum(p.num_blocks for p in abandoned),
+        )
+    return abandoned, first
 
 
 class LookupExtension(Protocol):
@@ -313,29 +351,12 @@ class LoadPlanner:
             The load plans abandoned now, oldest first.
         """
         self.release_pin(state)
-        ledger = self._ledger
-        starts = self.starts
-        abandoned: list[LoadPlan] = []
-        first: int | None = None
-        for plan_id in sorted(state.in_flight):
-            if plan_id not in starts:
-                continue  # a store
-            rec = ledger.abandon_load(plan_id)
-            if rec is None or not isinstance(rec.plan, LoadPlan):
-                continue
-            abandoned.append(rec.plan)
-            start = starts[plan_id]
-            first = start if first is None else min(first, start)
+        abandoned, first = abandon_loads(
+            self._ledger, state.request_id, state.in_flight, self.starts
+        )
         for plan in abandoned:
             state.in_flight.discard(plan.plan_id)
-        if abandoned:
-            self._counters.abandoned_loads += len(abandoned)
-            _log.debug(
-                "load_abandoned",
-                request_id=state.request_id,
-                plans=len(abandoned),
-                blocks=sum(p.num_blocks for p in abandoned),
-            )
+        self._counters.abandoned_loads += len(abandoned)
         if first is not None and state.num_stored_blocks <= first:
             self._table.forget_from(state, first, self._block_size)
         self._table.drop_if_done(state)

@@ -235,24 +235,33 @@ class _Batcher:
                     r.result.load_wait_s += time.perf_counter() - t0
 
     def abandon_load(self, r: _Req) -> None:
-        """Give up ``r``'s load: its copy runs on into blocks no computation may use until
-        it ended, so those leave ``r``'s table for fresh ones (the allocator holds them
-        until the pinner's release hook); ``r`` recomputes the tokens, and never loads
-        again. Without enough free blocks ``r`` is preempted (it starts over later)."""
+        """Give up ``r``'s load (every group's part of it): its copy runs on into blocks
+        no computation may use until it ended, so those leave ``r``'s tables for fresh
+        ones of the same group (each allocator holds them until its pinner's release
+        hook; a recurrent group's state block is dropped by `_recompute`); ``r``
+        recomputes the tokens, and never loads again. Without enough free blocks ``r`` is
+        preempted (it starts over later)."""
         self._counters.abandoned_loads += 1
         self._recompute(r)
         r.no_load = True
         late = self._calls.abandon_load(r)
         if not late:
             return
-        table = r.table
-        fresh = self._allocator.allocate(len(late))
-        if fresh is None:
-            self.preempt(r)
-            return
-        swap = dict(zip(late, fresh, strict=True))
-        r.table = [swap.get(b, b) for b in table]
-        self._allocator.free(list(late))
+        per_group = late if isinstance(late, dict) else {self.groups[self._attn[0]].name: late}
+        swaps: list[tuple[int, list[int], list[int]]] = []
+        for k, gi in enumerate(self._attn):
+            ids = list(per_group.get(self.groups[gi].name, ()))
+            fresh = self.allocators[gi].allocate(len(ids)) if ids else []
+            if fresh is None:
+                for gj, _, got in swaps:
+                    self.allocators[gj].free(got)
+                self.preempt(r)
+                return
+            swaps.append((gi, ids, fresh))
+            swap = dict(zip(ids, fresh, strict=True))
+            r.tables[k] = [b if b is None else swap.get(b, b) for b in r.tables[k]]
+        for gi, ids, _ in swaps:
+            self.allocators[gi].free(ids)
 
     def schedule(self) -> _Segments:
         """This step's batch: decodes first, then prefill chunks, within the token budget."""

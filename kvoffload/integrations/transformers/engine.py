@@ -96,8 +96,8 @@ class PagedEngine:
             before it abandons it (`OffloadRequest.abandon_load`) and recomputes those
             tokens, in fresh GPU blocks (the late copy's are reused only once it ended);
             counted in `EngineStatistics.abandoned_loads`. ``None`` (default): wait.
-            Single-group models only for now: `attach` refuses an offloader with several
-            KV cache groups while a deadline is set.
+            With several KV cache groups every group's part of the load is abandoned
+            at once, each group recomputing into fresh blocks of its own.
 
     Raises:
         ConfigError: an unsupported architecture or a bad size (the message says which).
@@ -268,10 +268,8 @@ class PagedEngine:
         it, and the recurrent state snapshot at it.
 
         Raises:
-            ConfigError: its block size or layout differs from the engine's, its KV
-                cache groups are not the engine's `kv_groups`, or it has several groups
-                while ``load_deadline_s`` is set (a multi-group load cannot be abandoned
-                yet).
+            ConfigError: its block size or layout differs from the engine's, or its KV
+                cache groups are not the engine's `kv_groups`.
             RuntimeError: requests are in progress.
         """
         if self.has_work:
@@ -286,12 +284,6 @@ class PagedEngine:
                     f"this model's KV cache has the groups {names}; offload needs every "
                     "group of a hit: make the offloader with groups=engine.kv_groups, "
                     "engine.offload_kv and pinner=engine.pinners"
-                )
-            if offloader.groups is not None and self._load_deadline_s is not None:
-                raise ConfigError(
-                    f"load_deadline_s={self._load_deadline_s!r} with an offloader of several "
-                    "KV cache groups: abandoning a multi-group load is not supported yet; "
-                    "make the engine with load_deadline_s=None"
                 )
         elif offloader is not None and offloader.layout != self.layout:
             raise ConfigError(

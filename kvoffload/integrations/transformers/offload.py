@@ -117,9 +117,9 @@ class _OffloadCalls:
         self.release(r)
         return None
 
-    def abandon_load(self, r: _Req) -> tuple[int, ...]:
+    def abandon_load(self, r: _Req) -> dict[str, tuple[int, ...]] | tuple[int, ...]:
         """Give up ``r``'s load in flight; the GPU blocks its copy still writes (pinned
-        until it ended)."""
+        until it ended): one tuple, or one per group name with a multi-group offloader."""
         if r.handle is None:
             return ()
         return r.handle.abandon_load()  # never raises a PinnerError
