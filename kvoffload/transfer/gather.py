@@ -28,6 +28,7 @@ it is read or written as one stream, and consecutive CPU ids are one host range.
 
 from __future__ import annotations
 
+import array
 import bisect
 import ctypes
 import itertools
@@ -42,7 +43,13 @@ from kvoffload.layout import KVLayout
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.transfer.plan import TransferPlan
 
+try:
+    from kvoffload import _streamcopy
+except ImportError:  # built without a C compiler: one memmove per piece
+    _streamcopy = None
+
 __all__ = [
+    "STREAMING",
     "BlockMover",
     "Segment",
     "copy_segments",
@@ -51,6 +58,10 @@ __all__ = [
     "split_segments",
     "validate_plan",
 ]
+
+STREAMING: bool = _streamcopy is not None and bool(_streamcopy.STREAMING)
+"""Whether `copy_segments()` can write with streaming (non-temporal) stores here: the
+optional native copy ``kvoffload._streamcopy`` is built and the CPU is x86-64."""
 
 Segment = tuple[int, int, int]
 """``(dst_ptr, src_ptr, nbytes)``: one host-memory copy of the segments path."""
@@ -89,8 +100,21 @@ def host_order(plan: TransferPlan) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(g for _, g in pairs), tuple(c for c, _ in pairs)
 
 
-def copy_segments(segments: Sequence[Segment]) -> None:
-    """Run host-memory copies. ``ctypes.memmove`` releases the GIL during each copy."""
+def copy_segments(segments: Sequence[Segment], *, stream: bool = False) -> None:
+    """Run host-memory copies; sources and destinations must not overlap.
+
+    Args:
+        segments: the copies.
+        stream: write with streaming stores, which skip reading each destination line
+            before writing it (one pass over memory less) and leave the destination out
+            of the cache: for copies larger than the cache. Honoured where `STREAMING`
+            is true (one native call for the whole batch, the GIL released throughout);
+            elsewhere, and by default, one ``ctypes.memmove`` per segment (each releases
+            the GIL).
+    """
+    if stream and STREAMING and _streamcopy is not None:
+        _streamcopy.copy(array.array("q", itertools.chain.from_iterable(segments)))
+        return
     deque(itertools.starmap(ctypes.memmove, segments), maxlen=0)
 
 

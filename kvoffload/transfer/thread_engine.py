@@ -23,7 +23,13 @@ from kvoffload.errors import InputTypeError, LayoutMismatchError
 from kvoffload.layout import KVLayout
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.transfer.engine import _EngineBase, _InFlight, check_open
-from kvoffload.transfer.gather import BlockMover, copy_segments, host_order, split_segments
+from kvoffload.transfer.gather import (
+    STREAMING,
+    BlockMover,
+    copy_segments,
+    host_order,
+    split_segments,
+)
 from kvoffload.transfer.plan import TransferPlan
 from kvoffload.transfer.task import TransferTask
 
@@ -33,6 +39,10 @@ _log = get_logger("transfer.thread")
 
 _PARALLEL_MIN_BYTES = 4 << 20
 """Copies smaller than this run on the worker alone (splitting costs more than it gains)."""
+
+_STREAM_MIN_BYTES = 16 << 20
+"""Copies of at least this many bytes write with streaming stores where `STREAMING` (the
+destination would not stay in the cache anyway; smaller loads leave it warm for compute)."""
 
 CopyHook = Callable[[TransferPlan], None]
 """Runs in the worker thread right before a copy; raising fails that copy (fault injection,
@@ -205,18 +215,21 @@ class ThreadCopyEngine(_EngineBase):
 
     def _copy_segments(self, plan: TransferPlan) -> None:
         """Copy on this worker; a large copy is cut by bytes into consecutive host ranges
-        (`split_segments()`), one per thread, the worker copying the first itself."""
+        (`split_segments()`), one per thread, the worker copying the first itself, and
+        written with streaming stores (`copy_segments()`) from ``_STREAM_MIN_BYTES`` on."""
         mover = self._mover
         segments = mover.segments(plan)
         helpers = self._helpers
-        if helpers is None or mover.nbytes(plan) < _PARALLEL_MIN_BYTES:
-            copy_segments(segments)
+        nbytes = mover.nbytes(plan)
+        stream = STREAMING and nbytes >= _STREAM_MIN_BYTES
+        if helpers is None or nbytes < _PARALLEL_MIN_BYTES:
+            copy_segments(segments, stream=stream)
             return
         shares = split_segments(segments, self._copy_threads)
-        futures = [helpers.submit(copy_segments, share) for share in shares[1:]]
+        futures = [helpers.submit(copy_segments, share, stream=stream) for share in shares[1:]]
         try:
             if shares:
-                copy_segments(shares[0])
+                copy_segments(shares[0], stream=stream)
         finally:
             for future in futures:
                 future.result()  # waits for every share; re-raises a helper's failure
