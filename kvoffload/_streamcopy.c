@@ -9,8 +9,9 @@
  * which one whole copy crosses and a 64 KiB piece of a KV block never does: the
  * pieces then cost three passes over memory against the whole copy's two.
  *
- * copy(segments): ``segments`` is a buffer of int64 triples (dst, src, nbytes), the
- * ranges distinct (no overlap between a source and a destination). On x86-64 the
+ * copy_at(address, count): ``count`` rows of int64 (dst, src, nbytes) at ``address``
+ * (a contiguous CPU tensor the caller keeps alive), the ranges distinct (no overlap
+ * between a source and a destination). On x86-64 the
  * bulk of each copy is written with 16-byte streaming stores (SSE2, part of every
  * x86-64 CPU) and an sfence ends the batch, so the bytes are visible to any thread
  * that learns of the copy's end afterwards. Elsewhere it is memcpy (STREAMING = 0).
@@ -61,25 +62,22 @@ static void copy_one(char *dst, const char *src, size_t n)
 #endif
 }
 
-static PyObject *streamcopy_copy(PyObject *self, PyObject *args)
+static PyObject *streamcopy_copy_at(PyObject *self, PyObject *args)
 {
-    Py_buffer view;
+    unsigned long long address;
+    Py_ssize_t count;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*:copy", &view)) {
+    if (!PyArg_ParseTuple(args, "Kn:copy_at", &address, &count)) {
         return NULL;
     }
-    if (view.len % (Py_ssize_t)(3 * sizeof(int64_t)) != 0) {
-        PyBuffer_Release(&view);
-        PyErr_Format(PyExc_ValueError,
-                     "segments must be int64 (dst, src, nbytes) triples, got %zd bytes",
-                     view.len);
+    if (count < 0 || (count > 0 && address == 0)) {
+        PyErr_Format(PyExc_ValueError, "copy_at needs a table and count >= 0, got count %zd",
+                     count);
         return NULL;
     }
-    const int64_t *seg = (const int64_t *)view.buf;
-    Py_ssize_t count = view.len / (Py_ssize_t)(3 * sizeof(int64_t));
+    const int64_t *seg = (const int64_t *)(uintptr_t)address;
     for (Py_ssize_t i = 0; i < count; i++) {
         if (seg[3 * i + 2] < 0) {
-            PyBuffer_Release(&view);
             PyErr_Format(PyExc_ValueError, "segment %zd has a negative size %lld", i,
                          (long long)seg[3 * i + 2]);
             return NULL;
@@ -94,13 +92,12 @@ static PyObject *streamcopy_copy(PyObject *self, PyObject *args)
     _mm_sfence();
 #endif
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&view);
     Py_RETURN_NONE;
 }
 
 static PyMethodDef streamcopy_methods[] = {
-    {"copy", streamcopy_copy, METH_VARARGS,
-     "copy(segments): run int64 (dst, src, nbytes) triples with streaming stores."},
+    {"copy_at", streamcopy_copy_at, METH_VARARGS,
+     "copy_at(address, count): run count int64 (dst, src, nbytes) rows at address."},
     {NULL, NULL, 0, NULL},
 };
 

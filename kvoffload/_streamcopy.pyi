@@ -1,5 +1,3 @@
-from array import array
-
 STREAMING: int
 
-def copy(segments: array[int] | memoryview, /) -> None: ...
+def copy_at(address: int, count: int, /) -> None: ...

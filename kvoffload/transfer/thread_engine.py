@@ -23,13 +23,7 @@ from kvoffload.errors import InputTypeError, LayoutMismatchError
 from kvoffload.layout import KVLayout
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.transfer.engine import _EngineBase, _InFlight, check_open
-from kvoffload.transfer.gather import (
-    STREAMING,
-    BlockMover,
-    copy_segments,
-    host_order,
-    split_segments,
-)
+from kvoffload.transfer.gather import STREAMING, BlockMover, copy_table, host_order, split_table
 from kvoffload.transfer.plan import TransferPlan
 from kvoffload.transfer.task import TransferTask
 
@@ -215,21 +209,21 @@ class ThreadCopyEngine(_EngineBase):
 
     def _copy_segments(self, plan: TransferPlan) -> None:
         """Copy on this worker; a large copy is cut by bytes into consecutive host ranges
-        (`split_segments()`), one per thread, the worker copying the first itself, and
-        written with streaming stores (`copy_segments()`) from ``_STREAM_MIN_BYTES`` on."""
+        (`split_table()`), one per thread, the worker copying the first itself, and
+        written with streaming stores (`copy_table()`) from ``_STREAM_MIN_BYTES`` on."""
         mover = self._mover
-        segments = mover.segments(plan)
+        table = mover.segment_table(plan)
         helpers = self._helpers
         nbytes = mover.nbytes(plan)
         stream = STREAMING and nbytes >= _STREAM_MIN_BYTES
         if helpers is None or nbytes < _PARALLEL_MIN_BYTES:
-            copy_segments(segments, stream=stream)
+            copy_table(table, stream=stream)
             return
-        shares = split_segments(segments, self._copy_threads)
-        futures = [helpers.submit(copy_segments, share, stream=stream) for share in shares[1:]]
+        shares = split_table(table, self._copy_threads)
+        futures = [helpers.submit(copy_table, share, stream=stream) for share in shares[1:]]
         try:
             if shares:
-                copy_segments(shares[0], stream=stream)
+                copy_table(shares[0], stream=stream)
         finally:
             for future in futures:
                 future.result()  # waits for every share; re-raises a helper's failure

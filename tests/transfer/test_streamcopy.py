@@ -1,6 +1,6 @@
 """The streaming copy (``kvoffload._streamcopy``): exact bytes, and when the engine uses it.
 
-`copy_segments(..., stream=True)` runs a batch of copies in one native call with
+`copy_table(..., stream=True)` runs a table of copies in one native call with
 non-temporal stores (the bulk of each copy; a head up to a 64-byte boundary and a tail go
 through ``memcpy``). These tests compare bytes for every size and alignment around those
 boundaries, and check which copies the engine sends through it. Where the optional native
@@ -10,7 +10,7 @@ tested, and in CI on x86-64 its absence is a failure.
 
 from __future__ import annotations
 
-import array
+import ctypes
 import os
 import platform
 import random
@@ -26,7 +26,7 @@ from transfer_helpers import bits, gpu_block, load_plan, make_layout, random_kv,
 from kvoffload.transfer import CompletionPoller, ThreadCopyEngine
 from kvoffload.transfer import gather as gather_module
 from kvoffload.transfer import thread_engine as thread_engine_module
-from kvoffload.transfer.gather import STREAMING, Segment, copy_segments
+from kvoffload.transfer.gather import STREAMING, copy_table
 
 needs_streaming = pytest.mark.skipif(not STREAMING, reason="kvoffload._streamcopy not built")
 
@@ -79,20 +79,23 @@ def test_streaming_copy_writes_exactly_the_segments(
     buf = torch.tensor([rng.randrange(256) for _ in range(total + 64)], dtype=torch.uint8)
     expected = buf.clone()
     base = buf.data_ptr() + shift  # every alignment of the destination and the source
-    segments: list[Segment] = [(base + d, base + s, n) for d, s, n in copies]
+    table = torch.tensor([(base + d, base + s, n) for d, s, n in copies], dtype=torch.int64)
     for d, s, n in copies:
         expected[shift + d : shift + d + n] = expected[shift + s : shift + s + n].clone()
-    copy_segments(segments, stream=True)
+    copy_table(table, stream=True)
     assert torch.equal(buf, expected)
 
 
-def test_without_streaming_copy_segments_copies_the_same(monkeypatch) -> None:
-    # The fallback where the native copy is not built: stream=True is one memmove a piece.
+def test_without_streaming_copy_table_copies_the_same(monkeypatch) -> None:
+    # The fallback where the native copy is not built: stream=True is one memmove a row.
     monkeypatch.setattr(gather_module, "STREAMING", False)
+    monkeypatch.setattr(gather_module, "_streamcopy", None)
     buf = torch.arange(256, dtype=torch.int64).view(torch.uint8)
     expected = buf.clone()
     expected[:100] = expected[1000:1100].clone()
-    copy_segments([(buf.data_ptr(), buf.data_ptr() + 1000, 100)], stream=True)
+    expected[1500:1999] = expected[300:799].clone()
+    p = buf.data_ptr()
+    copy_table(torch.tensor([[p, p + 1000, 100], [p + 1500, p + 300, 499]]), stream=True)
     assert torch.equal(buf, expected)
 
 
@@ -100,11 +103,14 @@ def test_without_streaming_copy_segments_copies_the_same(monkeypatch) -> None:
 def test_the_native_copy_refuses_a_malformed_batch() -> None:
     native = gather_module._streamcopy
     assert native is not None
-    with pytest.raises(ValueError, match="triples"):
-        native.copy(array.array("q", [0, 0]))
-    with pytest.raises(ValueError, match="negative size"):
-        native.copy(array.array("q", [0, 0, -1]))
-    native.copy(array.array("q"))  # an empty batch is nothing to do
+    with pytest.raises(ValueError, match="count >= 0"):
+        native.copy_at(0, 1)
+    with pytest.raises(ValueError, match="count >= 0"):
+        native.copy_at(1, -1)
+    table = torch.tensor([[0, 0, -1]], dtype=torch.int64)
+    with pytest.raises(ValueError, match="negative size -1"):
+        native.copy_at(table.data_ptr(), 1)
+    native.copy_at(0, 0)  # an empty table is nothing to do
 
 
 class _Recorder:
@@ -116,9 +122,10 @@ class _Recorder:
         self.real = real
         self.batches: list[int] = []
 
-    def copy(self, segments: array.array[int]) -> None:
-        self.batches.append(sum(segments[2::3]))
-        self.real.copy(segments)
+    def copy_at(self, address: int, count: int) -> None:
+        rows = (ctypes.c_int64 * (3 * count)).from_address(address)
+        self.batches.append(sum(rows[2::3]))
+        self.real.copy_at(address, count)
 
 
 @needs_streaming
