@@ -15,15 +15,20 @@ it is read or written as one stream, and consecutive CPU ids are one host range.
   A load does the reverse (run copies in, one ``index_copy_`` per layer). ``n`` blocks
   cost ``layers + runs`` launches per chunk, each host copy at least one whole block;
   host order makes the runs as long as the CPU ids allow.
-* **segments** (CPU only): one ``memmove`` per (block, layer, K/V part), straight from
-  source to destination, block after block in host order, pieces that are adjacent on
-  both sides merged into one (one-layer pages of consecutive blocks, for instance). The
-  staged path touches every byte twice, and a per-layer gather (``index_select`` into
-  the host blocks of each layer in turn) strides across the host blocks; measured on a
-  2-core host, host-ordered pieces reach ~0.9-1.0 of a contiguous copy where the
-  per-layer order reaches ~0.65-0.8 and staging ~0.4. Python's share is one
-  ``memmove`` call per piece (under a microsecond against 5-40 us for a 64 KiB piece);
-  the addresses are computed with tensor arithmetic, not per piece.
+* **segments** (CPU only): one copy per (block, layer, K/V part), straight from source
+  to destination, block after block in host order, pieces that are adjacent on both
+  sides merged into one (one-layer pages of consecutive blocks, for instance). The
+  pieces are one int64 table (`BlockMover.segment_table()`), computed with tensor
+  arithmetic, not per piece. A small copy runs one ``memmove`` per piece; a large one
+  (`copy_table()` with ``stream=True``) runs the whole table, or each thread's share of
+  it, in one call of the optional native ``kvoffload._streamcopy`` with streaming
+  (non-temporal) stores. Measured on a 2-core host (docs/benchmarks.md), what limits a
+  large scattered copy is not the scatter or the per-piece dispatch (64 KiB pieces that
+  are contiguous on both sides copy no faster than scattered ones, ~0.57 of one
+  ``memmove`` of the same 512 MiB) but the kind of store: glibc's ``memmove`` streams
+  only above a size (192 MiB there), so a whole copy does and a piece never does, and
+  ordinary stores read each destination line before writing it. The staged path
+  touches every byte twice (~0.4).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import itertools
+import types
 from collections import deque
 from collections.abc import Sequence
 from typing import final
@@ -42,6 +48,7 @@ from kvoffload.layout import KVLayout
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.transfer.plan import TransferPlan
 
+_streamcopy: types.ModuleType | None
 try:
     from kvoffload import _streamcopy
 except ImportError:  # built without a C compiler: one memmove per piece
