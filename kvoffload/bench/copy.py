@@ -40,6 +40,7 @@ from kvoffload.transfer import (
     TransferPlan,
     TransferTask,
 )
+from kvoffload.transfer.gather import STREAMING, BlockMover, copy_segments
 
 __all__ = ["add_parser", "run"]
 
@@ -57,7 +58,10 @@ def add_parser(subparsers: Any) -> None:
         "copy", help="store/load bandwidth vs a contiguous copy", description=__doc__
     )
     p.add_argument(
-        "--blocks", type=int_list, default=[1, 16, 64, 256], help="comma-separated batch sizes"
+        "--blocks",
+        type=int_list,
+        default=[1, 16, 64, 128, 256],
+        help="comma-separated batch sizes (all timed in every repetition)",
     )
     p.add_argument(
         "--reps", type=positive_int, default=5, help="repetitions per measurement (median)"
@@ -71,6 +75,12 @@ def add_parser(subparsers: Any) -> None:
         choices=["segments", "staged"],
         default="segments",
         help="thread engine data path",
+    )
+    p.add_argument(
+        "--pieces",
+        action="store_true",
+        help="also time each plan as one memmove per piece on one thread (the copy without "
+        "streaming stores), side by side (thread engine, segments)",
     )
     p.add_argument("--latency-samples", type=positive_int, default=200)
     p.add_argument("--seed", type=int, default=0)
@@ -118,24 +128,60 @@ async def _main(
         engine = CudaCopyEngine(layout, kv, host)
     else:
         engine = ThreadCopyEngine(layout, kv, host, strategy=args.strategy)
+    pieces = args.pieces and not use_cuda and args.strategy == "segments"
+    mover = BlockMover(layout, kv, host)
     rng = random.Random(args.seed)
     poller = CompletionPoller(lambda task: None, poll_interval_s=0.0002)
     name = "cuda" if use_cuda else f"thread/{args.strategy}"
     print(
         f"engine={name} layout={args.layout} kind={layout.kind} dtype={layout.dtype} "
         f"block={layout.bytes_per_block / 2**20:.2f} MiB "
-        f"per-layer piece={layout.bytes_per_layer_block // 1024} KiB reps={args.reps}"
+        f"per-layer piece={layout.bytes_per_layer_block // 1024} KiB reps={args.reps} "
+        f"streaming={'n/a' if use_cuda else STREAMING}"
     )
     print(
         "ratio: against the faster contiguous copy; 1-thread: against one plain memmove "
-        "(the same on CUDA)"
+        "(the same on CUDA); sizes interleaved in every repetition"
+        + ("; pieces: one memmove per piece on one thread (no streaming)" if pieces else "")
     )
     print(
         f"{'blocks':>6} {'MiB':>7} {'store':>8} {'d2h':>8} {'ratio':>6} {'1-thread':>7} "
-        f"{'load':>8} {'h2d':>8} {'ratio':>6} {'1-thread':>7}   (GB/s)"
+        f"{'load':>8} {'h2d':>8} {'ratio':>6} {'1-thread':>7}"
+        + (f" {'pieces':>6} {'pieces':>6}" if pieces else "")
+        + "   (GB/s)"
     )
     latencies: list[float] = []
     results: list[dict[str, float]] = []
+    contiguous_d2h, contiguous_h2d = _contiguous(max_n * layout.bytes_per_block, device)
+    plans: dict[int, tuple[StorePlan, LoadPlan]] = {}
+    for i, n in enumerate(sizes):
+        g = tuple(rng.sample(range(num_gpu), n))
+        c = tuple(rng.sample(range(num_cpu), n))
+        store = StorePlan(
+            plan_id=2 * i,
+            kind="store",
+            gpu_block_ids=g,
+            cpu_block_ids=c,
+            request_ids=("bench",),
+            block_hashes=(),
+        )
+        load = LoadPlan(
+            plan_id=2 * i + 1,
+            kind="load",
+            gpu_block_ids=g,
+            cpu_block_ids=c,
+            request_ids=("bench",),
+            request_id="bench",
+            num_tokens=0,
+        )
+        plans[n] = (store, load)
+
+    def pieces_s(plan: TransferPlan) -> float:
+        segments = mover.segments(plan)
+        t0 = time.perf_counter()
+        copy_segments(segments)
+        return time.perf_counter() - t0
+
     async with anyio.create_task_group() as tg:
         await tg.start(poller.run)
 
@@ -146,67 +192,61 @@ async def _main(
             await task
             return time.perf_counter() - t0
 
-        plan_id = 0
-        for n in sizes:
-            g = rng.sample(range(num_gpu), n)
-            c = rng.sample(range(num_cpu), n)
-            nbytes = n * layout.bytes_per_block
-            contiguous_d2h, contiguous_h2d = _contiguous(nbytes, device)
-            # Side by side: each repetition times the contiguous copy and the engine's
-            # copy back to back, and the ratio is taken per repetition (then the median).
-            rows: list[tuple[float, ...]] = []
-            for rep in range(args.reps + 1):
-                plan_id += 2
-                d2h_s = contiguous_d2h()
-                store_s = await timed(
-                    StorePlan(
-                        plan_id=plan_id,
-                        kind="store",
-                        gpu_block_ids=tuple(g),
-                        cpu_block_ids=tuple(c),
-                        request_ids=("bench",),
-                        block_hashes=(),
-                    )
-                )
-                h2d_s = contiguous_h2d()
-                load_s = await timed(
-                    LoadPlan(
-                        plan_id=plan_id + 1,
-                        kind="load",
-                        gpu_block_ids=tuple(g),
-                        cpu_block_ids=tuple(c),
-                        request_ids=("bench",),
-                        request_id="bench",
-                        num_tokens=0,
-                    )
-                )
+        # Side by side: every repetition times every size, and for each the contiguous
+        # copy and the engine's copy back to back; a ratio is taken per repetition (then
+        # the median), so a burst of load elsewhere on the machine hits all alike.
+        rows: dict[int, list[tuple[float, ...]]] = {n: [] for n in sizes}
+        for rep in range(args.reps + 1):
+            for n in sizes:
+                store, load = plans[n]
+                nbytes = n * layout.bytes_per_block
+                d2h_s = contiguous_d2h(nbytes)
+                store_s = await timed(store)
+                h2d_s = contiguous_h2d(nbytes)
+                load_s = await timed(load)
+                extra = (pieces_s(store), pieces_s(load)) if pieces else ()
                 if rep:  # the first repetition warms caches and pages up
-                    rows.append((store_s, *d2h_s, load_s, *h2d_s))
-            med = [statistics.median(col) for col in zip(*rows, strict=True)]
+                    rows[n].append((store_s, *d2h_s, load_s, *h2d_s, *extra))
+        for n in sizes:
+            nbytes = n * layout.bytes_per_block
+            med = [statistics.median(col) for col in zip(*rows[n], strict=True)]
 
-            def ratio(ours: int, limit: int, rows: list[tuple[float, ...]] = rows) -> float:
+            def ratio(ours: int, limit: int, rows: list[tuple[float, ...]] = rows[n]) -> float:
                 return statistics.median(row[limit] / row[ours] for row in rows)
 
-            results.append(
-                {
-                    "blocks": n,
-                    "bytes": nbytes,
-                    "store_gbps": _gbps(nbytes, med[0]),
-                    "d2h_gbps": _gbps(nbytes, med[1]),
-                    "store_ratio": ratio(0, 1),
-                    "store_ratio_one_thread": ratio(0, 2),
-                    "load_gbps": _gbps(nbytes, med[3]),
-                    "h2d_gbps": _gbps(nbytes, med[4]),
-                    "load_ratio": ratio(3, 4),
-                    "load_ratio_one_thread": ratio(3, 5),
-                }
-            )
-            print(
+            result = {
+                "blocks": n,
+                "bytes": nbytes,
+                "store_gbps": _gbps(nbytes, med[0]),
+                "d2h_gbps": _gbps(nbytes, med[1]),
+                "store_ratio": ratio(0, 1),
+                "store_ratio_one_thread": ratio(0, 2),
+                "load_gbps": _gbps(nbytes, med[3]),
+                "h2d_gbps": _gbps(nbytes, med[4]),
+                "load_ratio": ratio(3, 4),
+                "load_ratio_one_thread": ratio(3, 5),
+            }
+            line = (
                 f"{n:>6} {nbytes / 2**20:>7.0f} {_gbps(nbytes, med[0]):>8.2f} "
                 f"{_gbps(nbytes, med[1]):>8.2f} {ratio(0, 1):>6.2f} {ratio(0, 2):>7.2f} "
                 f"{_gbps(nbytes, med[3]):>8.2f} {_gbps(nbytes, med[4]):>8.2f} "
                 f"{ratio(3, 4):>6.2f} {ratio(3, 5):>7.2f}"
             )
+            if pieces:
+                result["store_ratio_pieces"] = ratio(6, 1)
+                result["load_ratio_pieces"] = ratio(7, 4)
+                line += f" {ratio(6, 1):>6.2f} {ratio(7, 4):>6.2f}"
+            results.append(result)
+            print(line)
+        print(
+            "side by side, ratio to the contiguous copy: "
+            + "; ".join(
+                f"{r['blocks']} blocks store {r['store_ratio']:.2f} load {r['load_ratio']:.2f}"
+                for r in results
+                if r["blocks"] >= 64
+            )
+        )
+        plan_id = 2 * len(sizes)
         for i in range(args.latency_samples):
             plan_id += 1
             j = i % num_gpu
@@ -238,6 +278,7 @@ async def _main(
             "dtype": layout.dtype,
             "bytes_per_block": layout.bytes_per_block,
             "reps": args.reps,
+            "streaming": None if use_cuda else STREAMING,
             "results": results,
             "wakeup_latency_s": {
                 "samples": len(latencies),
@@ -359,23 +400,26 @@ async def _loop_lag(args: argparse.Namespace) -> int:
 
 
 def _contiguous(
-    nbytes: int, device: torch.device
-) -> tuple[Callable[[], tuple[float, float]], Callable[[], tuple[float, float]]]:
+    max_bytes: int, device: torch.device
+) -> tuple[Callable[[int], tuple[float, float]], Callable[[int], tuple[float, float]]]:
     """Timers of one contiguous device→host and host→device copy of ``nbytes``.
 
-    Each returns ``(best, single)`` seconds for one copy. On CPU ``single`` is one plain
+    Each takes ``nbytes`` (at most ``max_bytes``; the first bytes of one pair of buffers)
+    and returns ``(best, single)`` seconds for one copy. On CPU ``single`` is one plain
     ``memmove`` on one thread and ``best`` the faster of that and torch's ``copy_`` (which
     may use several threads); on CUDA both are the pinned ``copy_``.
     """
     if device.type == "cuda":
-        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(max_bytes, dtype=torch.uint8, device=device)
+        pinned = torch.empty(max_bytes, dtype=torch.uint8, pin_memory=True)
 
-        def timed_cuda(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], tuple[float, float]]:
-            def once() -> tuple[float, float]:
+        def timed_cuda(
+            dst: torch.Tensor, src: torch.Tensor
+        ) -> Callable[[int], tuple[float, float]]:
+            def once(nbytes: int) -> tuple[float, float]:
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                dst.copy_(src, non_blocking=True)
+                dst[:nbytes].copy_(src[:nbytes], non_blocking=True)
                 torch.cuda.synchronize()
                 seconds = time.perf_counter() - t0
                 return seconds, seconds
@@ -383,13 +427,13 @@ def _contiguous(
             return once
 
         return timed_cuda(pinned, dev), timed_cuda(dev, pinned)
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
+    src = torch.empty(max_bytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty(max_bytes, dtype=torch.uint8).fill_(0)
 
-    def timed_cpu(a: torch.Tensor, b: torch.Tensor) -> Callable[[], tuple[float, float]]:
-        def once() -> tuple[float, float]:
+    def timed_cpu(a: torch.Tensor, b: torch.Tensor) -> Callable[[int], tuple[float, float]]:
+        def once(nbytes: int) -> tuple[float, float]:
             t0 = time.perf_counter()
-            a.copy_(b)
+            a[:nbytes].copy_(b[:nbytes])
             t1 = time.perf_counter()
             ctypes.memmove(a.data_ptr(), b.data_ptr(), nbytes)
             t2 = time.perf_counter()

@@ -15,22 +15,29 @@ it is read or written as one stream, and consecutive CPU ids are one host range.
   A load does the reverse (run copies in, one ``index_copy_`` per layer). ``n`` blocks
   cost ``layers + runs`` launches per chunk, each host copy at least one whole block;
   host order makes the runs as long as the CPU ids allow.
-* **segments** (CPU only): one ``memmove`` per (block, layer, K/V part), straight from
-  source to destination, block after block in host order, pieces that are adjacent on
-  both sides merged into one (one-layer pages of consecutive blocks, for instance). The
-  staged path touches every byte twice, and a per-layer gather (``index_select`` into
-  the host blocks of each layer in turn) strides across the host blocks; measured on a
-  2-core host, host-ordered pieces reach ~0.9-1.0 of a contiguous copy where the
-  per-layer order reaches ~0.65-0.8 and staging ~0.4. Python's share is one
-  ``memmove`` call per piece (under a microsecond against 5-40 us for a 64 KiB piece);
-  the addresses are computed with tensor arithmetic, not per piece.
+* **segments** (CPU only): one copy per (block, layer, K/V part), straight from source
+  to destination, block after block in host order, pieces that are adjacent on both
+  sides merged into one (one-layer pages of consecutive blocks, for instance). The
+  pieces are one int64 table (`BlockMover.segment_table()`), computed with tensor
+  arithmetic, not per piece. A small copy runs one ``memmove`` per piece; a large one
+  (`copy_table()` with ``stream=True``) runs the whole table, or each thread's share of
+  it, in one call of the optional native ``kvoffload._streamcopy`` with streaming
+  (non-temporal) stores. Measured on a 2-core host (docs/benchmarks.md), what limits a
+  large scattered copy is not the scatter or the per-piece dispatch (64 KiB pieces that
+  are contiguous on both sides copy no faster than scattered ones, ~0.57 of one
+  ``memmove`` of the same 512 MiB) but the kind of store: glibc's ``memmove`` streams
+  only above a size (192 MiB there), so a whole copy does and a piece never does, and
+  ordinary stores read each destination line before writing it. The staged path
+  touches every byte twice (~0.4).
 """
 
 from __future__ import annotations
 
 import bisect
 import ctypes
+import importlib
 import itertools
+import types
 from collections import deque
 from collections.abc import Sequence
 from typing import final
@@ -42,15 +49,28 @@ from kvoffload.layout import KVLayout
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.transfer.plan import TransferPlan
 
+_streamcopy: types.ModuleType | None
+try:  # a native leaf that imports nothing (by name: it has no .py for the layer check)
+    _streamcopy = importlib.import_module("kvoffload._streamcopy")
+except ImportError:  # built without a C compiler: one memmove per piece
+    _streamcopy = None
+
 __all__ = [
+    "STREAMING",
     "BlockMover",
     "Segment",
     "copy_segments",
+    "copy_table",
     "cpu_runs",
     "host_order",
     "split_segments",
+    "split_table",
     "validate_plan",
 ]
+
+STREAMING: bool = _streamcopy is not None and bool(_streamcopy.STREAMING)
+"""Whether `copy_table()` can write with streaming (non-temporal) stores here: the
+optional native copy ``kvoffload._streamcopy`` is built and the CPU is x86-64."""
 
 Segment = tuple[int, int, int]
 """``(dst_ptr, src_ptr, nbytes)``: one host-memory copy of the segments path."""
@@ -90,43 +110,79 @@ def host_order(plan: TransferPlan) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def copy_segments(segments: Sequence[Segment]) -> None:
-    """Run host-memory copies. ``ctypes.memmove`` releases the GIL during each copy."""
+    """Run host-memory copies, one ``ctypes.memmove`` each (it releases the GIL)."""
     deque(itertools.starmap(ctypes.memmove, segments), maxlen=0)
 
 
-def split_segments(segments: Sequence[Segment], parts: int) -> list[list[Segment]]:
-    """Cut ``segments`` into at most ``parts`` consecutive shares of (nearly) equal bytes.
+def copy_table(table: torch.Tensor, *, stream: bool = False) -> None:
+    """Run the copies of a segment table (`BlockMover.segment_table()` rows).
+
+    Sources and destinations must not overlap.
+
+    Args:
+        table: int64 ``[segments, 3]`` rows of ``(dst_ptr, src_ptr, nbytes)``.
+        stream: write with streaming stores, which skip reading each destination line
+            before writing it (one pass over memory less) and leave the destination out
+            of the cache: for copies larger than the cache. Honoured where `STREAMING`
+            is true (one native call for the whole table, the GIL released throughout);
+            elsewhere, and by default, one ``ctypes.memmove`` per row.
+    """
+    if stream and STREAMING and _streamcopy is not None:
+        rows = table.contiguous()
+        _streamcopy.copy_at(rows.data_ptr(), rows.shape[0])
+        return
+    copy_segments(table.tolist())
+
+
+def split_table(table: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """Cut a segment table into at most ``parts`` consecutive shares of (nearly) equal bytes.
 
     A segment that straddles a boundary between shares is cut there, so even a single
-    large segment is shared. The shares together copy exactly what ``segments`` copies.
+    large segment is shared. The shares together copy exactly what ``table`` copies.
 
     Raises:
         ValueError: ``parts`` is not positive.
     """
     if parts < 1:
         raise ValueError(f"parts must be >= 1, got {parts}")
-    ends = list(itertools.accumulate(size for _, _, size in segments))
+    ends = table[:, 2].cumsum(0).tolist()
     total = ends[-1] if ends else 0
-    shares: list[list[Segment]] = []
-    pos = 0  # the first segment not wholly given out yet
-    head: Segment | None = None  # what is left of ``segments[pos]`` after a cut
+    shares: list[torch.Tensor] = []
+    pos = 0  # the first row not wholly given out yet
+    head: torch.Tensor | None = None  # what is left of ``table[pos]`` after a cut
     for k in range(1, parts + 1):
         target = total * k // parts
-        share: list[Segment] = []
-        end = bisect.bisect_right(ends, target, lo=pos)  # segments[pos:end] end by target
+        pieces: list[torch.Tensor] = []
+        end = bisect.bisect_right(ends, target, lo=pos)  # table[pos:end] end by target
         if end > pos:
-            share.extend(segments[pos:end] if head is None else [head, *segments[pos + 1 : end]])
+            if head is None:
+                pieces.append(table[pos:end])
+            else:
+                pieces += [head.unsqueeze(0), table[pos + 1 : end]]
             head, pos = None, end
-        if pos < len(segments):
-            dst, src, size = segments[pos] if head is None else head
-            start = ends[pos] - size  # byte offset where the rest of segments[pos] begins
+        if pos < len(ends):
+            row = table[pos] if head is None else head
+            size = int(row[2])
+            start = ends[pos] - size  # byte offset where the rest of table[pos] begins
             if target > start:
                 cut = target - start
-                share.append((dst, src, cut))
-                head = (dst + cut, src + cut, size - cut)
-        if share:
-            shares.append(share)
+                pieces.append(torch.tensor([[int(row[0]), int(row[1]), cut]], dtype=torch.int64))
+                head = torch.tensor(
+                    [int(row[0]) + cut, int(row[1]) + cut, size - cut], dtype=torch.int64
+                )
+        if pieces:
+            shares.append(torch.cat(pieces))
     return shares
+
+
+def split_segments(segments: Sequence[Segment], parts: int) -> list[list[Segment]]:
+    """`split_table()` for a list of segments.
+
+    Raises:
+        ValueError: ``parts`` is not positive.
+    """
+    table = torch.tensor(list(segments), dtype=torch.int64).view(-1, 3)
+    return [[(d, s, n) for d, s, n in share.tolist()] for share in split_table(table, parts)]
 
 
 @final
@@ -297,6 +353,15 @@ class BlockMover:
     # -- segments path (CPU) -------------------------------------------------------
 
     def segments(self, plan: TransferPlan) -> list[Segment]:
+        """The host-memory copies that carry out ``plan``, as `Segment` tuples
+        (`segment_table()`'s rows).
+
+        Raises:
+            LayoutMismatchError: the KV tensors are not CPU tensors.
+        """
+        return [(d, s, n) for d, s, n in self.segment_table(plan).tolist()]
+
+    def segment_table(self, plan: TransferPlan) -> torch.Tensor:
         """The host-memory copies that carry out ``plan`` (KV tensors must be on CPU).
 
         In host order (`host_order()`): block after block by CPU id, and within a block
@@ -305,13 +370,18 @@ class BlockMover:
         that are contiguous on both sides are merged into one. The addresses are computed
         with tensor arithmetic, not per segment in Python.
 
+        Returns:
+            An int64 tensor ``[segments, 3]`` of ``(dst_ptr, src_ptr, nbytes)`` rows
+            (`copy_table()` runs it).
+
         Raises:
             LayoutMismatchError: the KV tensors are not CPU tensors.
         """
         if self.device.type != "cpu":
             raise LayoutMismatchError(f"the segments path needs CPU tensors, not {self.device}")
+        i64 = torch.int64
         if not plan.num_blocks:
-            return []
+            return torch.empty((0, 3), dtype=i64)
         gpu_ids, cpu_ids = host_order(plan)
         layer_bytes = self._layer_bytes
         bases = [t.data_ptr() for t in self._tensors]
@@ -325,7 +395,6 @@ class BlockMover:
             far = self._num_gpu * size
             gpu_off = [b + half * far for b in bases for half in (0, 1)]
             host_off = [host_base + i * size for i in range(2 * len(bases))]
-        i64 = torch.int64
         host = torch.tensor(host_off, dtype=i64) + (
             torch.tensor(cpu_ids, dtype=i64) * self._layout.bytes_per_block
         ).unsqueeze(1)
@@ -334,18 +403,16 @@ class BlockMover:
         ).unsqueeze(1)
         dst, src = (host, gpu) if plan.kind == "store" else (gpu, host)
         dst, src = dst.flatten(), src.flatten()
-        sizes: list[int]
         joined = (dst[1:] == dst[:-1] + size) & (src[1:] == src[:-1] + size)
         if bool(joined.any()):
             first = torch.ones(dst.numel(), dtype=torch.bool)
             first[1:] = ~joined
             starts = first.nonzero().flatten()
-            lengths = torch.diff(starts, append=torch.tensor([dst.numel()]))
+            sizes = torch.diff(starts, append=torch.tensor([dst.numel()])) * size
             dst, src = dst[starts], src[starts]
-            sizes = (lengths * size).tolist()
         else:
-            sizes = [size] * dst.numel()
-        return list(zip(dst.tolist(), src.tolist(), sizes, strict=True))
+            sizes = torch.full_like(dst, size)
+        return torch.stack((dst, src, sizes), dim=1)
 
     @staticmethod
     def copy_segments(segments: Sequence[Segment]) -> None:

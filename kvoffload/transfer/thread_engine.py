@@ -23,7 +23,7 @@ from kvoffload.errors import InputTypeError, LayoutMismatchError
 from kvoffload.layout import KVLayout
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.transfer.engine import _EngineBase, _InFlight, check_open
-from kvoffload.transfer.gather import BlockMover, copy_segments, host_order, split_segments
+from kvoffload.transfer.gather import STREAMING, BlockMover, copy_table, host_order, split_table
 from kvoffload.transfer.plan import TransferPlan
 from kvoffload.transfer.task import TransferTask
 
@@ -33,6 +33,10 @@ _log = get_logger("transfer.thread")
 
 _PARALLEL_MIN_BYTES = 4 << 20
 """Copies smaller than this run on the worker alone (splitting costs more than it gains)."""
+
+_STREAM_MIN_BYTES = 16 << 20
+"""Copies of at least this many bytes write with streaming stores where `STREAMING` (the
+destination would not stay in the cache anyway; smaller loads leave it warm for compute)."""
 
 CopyHook = Callable[[TransferPlan], None]
 """Runs in the worker thread right before a copy; raising fails that copy (fault injection,
@@ -72,8 +76,9 @@ class ThreadCopyEngine(_EngineBase):
         layout: the KV layout.
         gpu_kv: the engine's per-layer KV tensors (CPU tensors).
         host: the host buffer.
-        strategy: ``"segments"`` (default; direct ``memmove`` per block and layer in host
-            order, fastest on CPU) or ``"staged"`` (the CUDA engine's gather/scatter
+        strategy: ``"segments"`` (default; direct copies per block and layer in host
+            order, fastest on CPU; from 16 MiB on one native batch with streaming stores
+            where `STREAMING`) or ``"staged"`` (the CUDA engine's gather/scatter
             through a staging buffer).
         staging_blocks: staging capacity in blocks for ``"staged"``.
         copy_hook: run in the worker before each copy; an exception fails the copy.
@@ -205,18 +210,21 @@ class ThreadCopyEngine(_EngineBase):
 
     def _copy_segments(self, plan: TransferPlan) -> None:
         """Copy on this worker; a large copy is cut by bytes into consecutive host ranges
-        (`split_segments()`), one per thread, the worker copying the first itself."""
+        (`split_table()`), one per thread, the worker copying the first itself, and
+        written with streaming stores (`copy_table()`) from ``_STREAM_MIN_BYTES`` on."""
         mover = self._mover
-        segments = mover.segments(plan)
+        table = mover.segment_table(plan)
         helpers = self._helpers
-        if helpers is None or mover.nbytes(plan) < _PARALLEL_MIN_BYTES:
-            copy_segments(segments)
+        nbytes = mover.nbytes(plan)
+        stream = STREAMING and nbytes >= _STREAM_MIN_BYTES
+        if helpers is None or nbytes < _PARALLEL_MIN_BYTES:
+            copy_table(table, stream=stream)
             return
-        shares = split_segments(segments, self._copy_threads)
-        futures = [helpers.submit(copy_segments, share) for share in shares[1:]]
+        shares = split_table(table, self._copy_threads)
+        futures = [helpers.submit(copy_table, share, stream=stream) for share in shares[1:]]
         try:
             if shares:
-                copy_segments(shares[0])
+                copy_table(shares[0], stream=stream)
         finally:
             for future in futures:
                 future.result()  # waits for every share; re-raises a helper's failure

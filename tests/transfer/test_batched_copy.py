@@ -28,11 +28,14 @@ from kvoffload.transfer import (
 )
 from kvoffload.transfer import thread_engine as thread_engine_module
 from kvoffload.transfer.gather import (
+    STREAMING,
     Segment,
     copy_segments,
+    copy_table,
     cpu_runs,
     host_order,
     split_segments,
+    split_table,
 )
 
 _SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -144,6 +147,28 @@ def test_segments_and_their_shares_move_exactly_the_plan(
         assert len(shares) <= parts
         for share in shares:
             copy_segments(share)
+        _check_copied(layout, plan, kv, kv_before, host, host_before)
+    finally:
+        host.close()
+
+
+@pytest.mark.skipif(not STREAMING, reason="kvoffload._streamcopy not built")
+@_SETTINGS
+@given(_cases())
+def test_segment_table_shares_streamed_move_exactly_the_plan(
+    case: tuple[KVLayout, int, int, TransferPlan, int],
+) -> None:
+    # The engine's large-copy path: the table cut into shares, each one streaming batch.
+    layout, num_gpu, num_cpu, plan, parts = case
+    kv = random_kv(layout, num_gpu, seed=plan.plan_id)
+    kv_before = [t.clone() for t in kv]
+    host = HostKVBuffer(layout, num_cpu, pin_memory="never")
+    try:
+        host.raw.copy_(torch.randint(0, 256, (host.nbytes,), dtype=torch.uint8))
+        host_before = host.raw.clone()
+        mover = BlockMover(layout, kv, host)
+        for share in split_table(mover.segment_table(plan), parts):
+            copy_table(share, stream=True)
         _check_copied(layout, plan, kv, kv_before, host, host_before)
     finally:
         host.close()

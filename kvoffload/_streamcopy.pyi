@@ -1,0 +1,3 @@
+STREAMING: int
+
+def copy_at(address: int, count: int, /) -> None: ...

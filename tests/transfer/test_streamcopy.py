@@ -1,0 +1,171 @@
+"""The streaming copy (``kvoffload._streamcopy``): exact bytes, and when the engine uses it.
+
+`copy_table(..., stream=True)` runs a table of copies in one native call with
+non-temporal stores (the bulk of each copy; a head up to a 64-byte boundary and a tail go
+through ``memcpy``). These tests compare bytes for every size and alignment around those
+boundaries, and check which copies the engine sends through it. Where the optional native
+module is not built (no C compiler at install), the streaming tests skip, the fallback is
+tested, and in CI on x86-64 its absence is a failure.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import random
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transfer_helpers import bits, gpu_block, load_plan, make_layout, random_kv, store_plan
+
+from kvoffload.transfer import CompletionPoller, ThreadCopyEngine
+from kvoffload.transfer import gather as gather_module
+from kvoffload.transfer import thread_engine as thread_engine_module
+from kvoffload.transfer.gather import STREAMING, copy_table
+
+needs_streaming = pytest.mark.skipif(not STREAMING, reason="kvoffload._streamcopy not built")
+
+_SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.skipif(
+    not os.environ.get("CI") or platform.machine() not in ("x86_64", "AMD64"),
+    reason="the native copy is required only in CI on x86-64",
+)
+def test_ci_builds_the_streaming_copy() -> None:
+    # The extension is optional at install: without this a broken build would go unseen.
+    assert STREAMING
+
+
+@st.composite
+def _batches(draw: Any) -> tuple[int, list[tuple[int, int, int]]]:
+    """A buffer size and non-overlapping ``(dst_offset, src_offset, size)`` copies in it."""
+    sizes = draw(
+        st.lists(
+            st.one_of(st.integers(0, 70), st.integers(250, 270), st.integers(1000, 5000)),
+            min_size=1,
+            max_size=6,
+        )
+    )
+    gaps = draw(st.lists(st.integers(0, 65), min_size=2 * len(sizes), max_size=2 * len(sizes)))
+    # destinations in the first half, sources in the second: no copy reads what one writes
+    dst_offsets, src_offsets, at_dst, at_src = [], [], 0, 0
+    for i, size in enumerate(sizes):
+        at_dst += gaps[2 * i]
+        at_src += gaps[2 * i + 1]
+        dst_offsets.append(at_dst)
+        src_offsets.append(at_src)
+        at_dst += size
+        at_src += size
+    half = max(at_dst, at_src) + 64
+    order = draw(st.permutations(range(len(sizes))))
+    copies = [(dst_offsets[i], half + src_offsets[i], sizes[i]) for i in order]
+    return 2 * half, copies
+
+
+@needs_streaming
+@_SETTINGS
+@given(_batches(), st.integers(0, 63))
+def test_streaming_copy_writes_exactly_the_segments(
+    batch: tuple[int, list[tuple[int, int, int]]], shift: int
+) -> None:
+    total, copies = batch
+    rng = random.Random(total * 64 + shift)
+    buf = torch.tensor([rng.randrange(256) for _ in range(total + 64)], dtype=torch.uint8)
+    expected = buf.clone()
+    base = buf.data_ptr() + shift  # every alignment of the destination and the source
+    table = torch.tensor([(base + d, base + s, n) for d, s, n in copies], dtype=torch.int64)
+    for d, s, n in copies:
+        expected[shift + d : shift + d + n] = expected[shift + s : shift + s + n].clone()
+    copy_table(table, stream=True)
+    assert torch.equal(buf, expected)
+
+
+def test_without_streaming_copy_table_copies_the_same(monkeypatch) -> None:
+    # The fallback where the native copy is not built: stream=True is one memmove a row.
+    monkeypatch.setattr(gather_module, "STREAMING", False)
+    monkeypatch.setattr(gather_module, "_streamcopy", None)
+    buf = torch.arange(256, dtype=torch.int64).view(torch.uint8)
+    expected = buf.clone()
+    expected[:100] = expected[1000:1100].clone()
+    expected[1500:1999] = expected[300:799].clone()
+    p = buf.data_ptr()
+    copy_table(torch.tensor([[p, p + 1000, 100], [p + 1500, p + 300, 499]]), stream=True)
+    assert torch.equal(buf, expected)
+
+
+@needs_streaming
+def test_the_native_copy_refuses_a_malformed_batch() -> None:
+    native = gather_module._streamcopy
+    assert native is not None
+    with pytest.raises(ValueError, match="count >= 0"):
+        native.copy_at(0, 1)
+    with pytest.raises(ValueError, match="count >= 0"):
+        native.copy_at(1, -1)
+    table = torch.tensor([[0, 0, -1]], dtype=torch.int64)
+    with pytest.raises(ValueError, match="negative size -1"):
+        native.copy_at(table.data_ptr(), 1)
+    native.copy_at(0, 0)  # an empty table is nothing to do
+
+
+class _Recorder:
+    """Stands in for the native module: records each batch, then runs it."""
+
+    STREAMING = 1
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.batches: list[int] = []
+
+    def copy_at(self, address: int, count: int) -> None:
+        rows = (ctypes.c_int64 * (3 * count)).from_address(address)
+        self.batches.append(sum(rows[2::3]))
+        self.real.copy_at(address, count)
+
+
+@needs_streaming
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["blocks_first", "kv_first"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+async def test_large_copies_stream_small_ones_do_not(host_factory, monkeypatch, kind, threads):
+    # 4 layers x 8 KiB pieces, 32 KiB a block; streaming from 16 blocks (512 KiB) on, and
+    # every copy split over the threads.
+    recorder = _Recorder(gather_module._streamcopy)
+    monkeypatch.setattr(gather_module, "_streamcopy", recorder)
+    monkeypatch.setattr(thread_engine_module, "_PARALLEL_MIN_BYTES", 0)
+    layout = make_layout(kind=kind, layers=4, heads=4, head=64, block_size=8)
+    monkeypatch.setattr(thread_engine_module, "_STREAM_MIN_BYTES", 16 * layout.bytes_per_block)
+    n = 48
+    kv = random_kv(layout, n, seed=threads)
+    original = [t.clone() for t in kv]
+    host = host_factory(layout, n)
+    engine = ThreadCopyEngine(layout, kv, host, copy_threads=threads)
+    rng = random.Random(threads)
+    poller = CompletionPoller(lambda t: None, poll_interval_s=0.001)
+    async with anyio.create_task_group() as tg:
+        await tg.start(poller.run)
+        for count, streams in ((15, False), (16, True), (40, True)):
+            src, cpu, dst = (rng.sample(range(n), count) for _ in range(3))
+            for plan in (store_plan(src, cpu), load_plan(dst, cpu)):
+                recorder.batches.clear()
+                task = engine.submit(plan)
+                poller.track(task)
+                await task
+                nbytes = count * layout.bytes_per_block
+                assert sum(recorder.batches) == (nbytes if streams else 0)
+                assert len(recorder.batches) == (threads if streams else 0)
+            for layer in range(layout.num_layers):
+                for a, b in zip(src, dst, strict=True):
+                    assert torch.equal(
+                        bits(gpu_block(layout, kv, layer, b)),
+                        bits(gpu_block(layout, original, layer, a)),
+                    )
+            for t, o in zip(kv, original, strict=True):
+                t.copy_(o)
+        tg.cancel_scope.cancel()
+    await engine.aclose()
