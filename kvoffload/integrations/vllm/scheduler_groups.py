@@ -17,6 +17,7 @@ worker finished copying them, as in the single-group path.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -240,7 +241,7 @@ class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
                     sub,  # type: ignore[arg-type]
                     self._by_name[name].block_size,
                     hash_block_size,
-                    lambda rid, n=name: self._request_hashes(rid, n),
+                    functools.partial(self._request_hashes, group=name),
                 )
 
     def _request_hashes(self, rid: str, group: str) -> tuple[Request, Sequence[BlockHash]] | None:

@@ -101,7 +101,7 @@ class KVOffloadConnectorStats(KVConnectorStats):  # type: ignore[misc]
 
     def reset(self) -> None:
         """Forget every figure."""
-        self.data = {_COUNTERS: {}, _GAUGES: {}}
+        self.data: dict[str, Any] = {_COUNTERS: {}, _GAUGES: {}}
 
     @property
     def counters(self) -> dict[str, dict[str, float]]:
