@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, final
 
@@ -175,21 +175,25 @@ class StatsReporter:
             worker's rank).
     """
 
-    __slots__ = ("_last", "_rank")
+    __slots__ = ("_last", "_previous", "_rank")
 
     def __init__(self, *, rank: int | None = None) -> None:
-        self._rank = [] if rank is None else [str(rank)]
-        self._last: dict[tuple[str, str], float] = {}
+        self._rank: tuple[str, ...] = () if rank is None else (str(rank),)
+        self._last: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._previous: object = None
 
     def take(self, stats: StatisticsParts) -> KVOffloadConnectorStats | None:
         """What changed since the last call (``None``: nothing)."""
+        if stats == self._previous:  # an idle step: compare the snapshots only
+            return None
+        self._previous = stats
         out = KVOffloadConnectorStats()
         last = self._last
-        for spec in METRICS:
-            extra = self._rank if spec.part == "poller" else []
+        for spec in _specs_of(stats):
+            extra = self._rank if spec.part == "poller" else ()
             for labels, value in samples(spec, stats):
-                values = [*labels, *extra]
-                key = (spec.name, json.dumps(values))
+                values = (*labels, *extra)
+                key = (spec.name, values)
                 before = last.get(key)
                 if before == value:
                     continue
@@ -197,10 +201,26 @@ class StatsReporter:
                 if spec.kind == "counter":
                     delta = value - (before or 0)
                     if delta > 0:
-                        out.add(spec, values, delta)
+                        out.add(spec, list(values), delta)
                 else:
-                    out.add(spec, values, value)
+                    out.add(spec, list(values), value)
         return None if out.is_empty() else out
+
+
+_HOLDER: Mapping[str, str] = {"tier": "tiers", "group": "groups"}
+"""The snapshot attribute a part's metrics read, where it is not the part's name."""
+
+_BY_PART: Mapping[str, tuple[MetricSpec, ...]] = {
+    part: tuple(spec for spec in METRICS if _HOLDER.get(spec.part, spec.part) == part)
+    for part in ("pool", "scheduler", "poller", "tiers", "groups")
+}
+
+
+def _specs_of(stats: StatisticsParts) -> Iterator[MetricSpec]:
+    """The metrics of the parts ``stats`` has (none of a missing part)."""
+    for part, specs in _BY_PART.items():
+        if getattr(stats, part) is not None:
+            yield from specs
 
 
 _REGISTERED: list[Any] = []
