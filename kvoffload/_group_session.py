@@ -41,7 +41,6 @@ from kvoffload.request_groups import GroupLanes
 from kvoffload.scheduler import SchedulerStatistics
 from kvoffload.scheduler.groups import GroupedScheduler, GroupStatistics
 from kvoffload.scheduler.misses import MissReason
-from kvoffload.scheduler.stats import add_miss
 from kvoffload.storage.host_buffer import HostKVBuffer, available_host_memory
 from kvoffload.tiers.groups import GroupTiers
 from kvoffload.tiers.stats import TierManagerStatistics
@@ -300,18 +299,8 @@ class GroupSession(Lifecycle):
         hit = self.scheduler.lookup(
             request_id, block_hashes, num_tokens, num_computed_tokens, allow_defer=allow_defer
         )
-        c = self.counters
-        c.lookups += 1
-        if hit is None:
-            c.deferred_lookups += 1
-            return None
-        c.hit_tokens += hit
-        missed = max(0, num_tokens - num_computed_tokens - hit)
-        c.miss_tokens += missed
-        c.prompt_tokens += num_tokens
         reason = self.scheduler.miss_reason(request_id)
-        if reason is not MissReason.NONE:
-            add_miss(c.lookup_misses, c.miss_reason_tokens, reason, missed)
+        self.counters.count_lookup(hit, num_tokens, num_computed_tokens, reason)
         return hit
 
     def miss_reason(self, request_id: str) -> MissReason:

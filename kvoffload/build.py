@@ -174,8 +174,6 @@ REFUSED: dict[EntryPoint, dict[str, str]] = {
         "restore_evicted": _ONE_GROUP_ONLY,
         "max_store_blocks_per_step": _ONE_GROUP_ONLY,
         "store_admission": _ONE_GROUP_ONLY,
-        "enable_events": "vLLM's KV events carry one block size and one hash chain; a model "
-        "with several KV cache groups publishes none for now",
         "hold_blocks_on_finish": _VLLM_NO_HOLDS,
         "hold_max_blocks": _VLLM_NO_HOLDS,
         "hold_max_steps": _VLLM_NO_HOLDS,

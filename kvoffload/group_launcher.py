@@ -22,6 +22,7 @@ from kvoffload.pool.block_pool import PoolStatistics
 from kvoffload.scheduler import SchedulerStatistics
 from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler
 from kvoffload.scheduler.misses import MissReason
+from kvoffload.scheduler.stats import add_miss
 from kvoffload.transfer.engine import CopyEngine
 from kvoffload.transfer.grouped import GroupedTransferPlan, submit_grouped
 from kvoffload.transfer.plan import StorePlan, TransferKind, TransferPlan
@@ -52,6 +53,59 @@ class GroupCounters:
     prompt_tokens: int = 0
     lookup_misses: dict[MissReason, int] = field(default_factory=dict)
     miss_reason_tokens: dict[MissReason, int] = field(default_factory=dict)
+
+    def count_lookup(
+        self, hit: int | None, num_tokens: int, num_computed_tokens: int, reason: MissReason
+    ) -> None:
+        """Count one lookup of `GroupedScheduler.lookup()`: ``hit`` (``None``: "ask
+        again"), the request's tokens and prefix, and the lookup's `MissReason`."""
+        self.lookups += 1
+        if hit is None:
+            self.deferred_lookups += 1
+            return
+        self.hit_tokens += hit
+        missed = max(0, num_tokens - num_computed_tokens - hit)
+        self.miss_tokens += missed
+        self.prompt_tokens += num_tokens
+        if reason is not MissReason.NONE:
+            add_miss(self.lookup_misses, self.miss_reason_tokens, reason, missed)
+
+    def statistics(
+        self, scheduler: GroupedScheduler, *, live_requests: int, in_flight_transfers: int
+    ) -> SchedulerStatistics:
+        """The whole model's counters, as `SchedulerStatistics` (0 where a field has no
+        meaning for groups; per group, see `GroupedScheduler.statistics()`)."""
+        per = scheduler.statistics().values()
+        return SchedulerStatistics(
+            lookups=self.lookups,
+            hit_tokens=self.hit_tokens,
+            miss_tokens=self.miss_tokens,
+            deferred_lookups=self.deferred_lookups,
+            deferrals_bounded=scheduler.deferrals_bounded,
+            store_plans=self.store_plans,
+            stored_blocks=sum(s.stored_blocks for s in per),
+            deferred_blocks=sum(s.deferred_blocks for s in per),
+            deferred_steps=scheduler.deferred_steps,
+            evicted_while_live=0,
+            restored_blocks=0,
+            load_plans=self.load_plans,
+            loaded_blocks=sum(s.loaded_blocks for s in per),
+            failed_stores=self.failed_stores,
+            failed_loads=self.failed_loads,
+            abandoned_transfers=self.abandoned,
+            abandoned_loads=scheduler.abandoned_loads,
+            ignored_completions=sum(s.ignored_completions for s in per),
+            cancelled_plans=sum(s.cancelled_plans for s in per),
+            concurrent_load_blocks=sum(s.concurrent_load_blocks for s in per),
+            bytes_stored=self.bytes_stored,
+            bytes_loaded=self.bytes_loaded,
+            live_requests=live_requests,
+            in_flight_transfers=in_flight_transfers,
+            loaded_tokens=self.loaded_tokens,
+            prompt_tokens=self.prompt_tokens,
+            lookup_misses=dict(self.lookup_misses),
+            miss_reason_tokens=dict(self.miss_reason_tokens),
+        )
 
 
 @final
@@ -212,39 +266,9 @@ class GroupLauncher:
                 self._unpin(name, sub.gpu_block_ids)
 
     def scheduler_statistics(self, live_requests: int) -> SchedulerStatistics:
-        """The whole model's counters, as `SchedulerStatistics` (0 where a field has no
-        meaning for groups); per group, see `GroupedScheduler.statistics()`."""
-        per = self._scheduler.statistics().values()
-        c = self.counters
-        return SchedulerStatistics(
-            lookups=c.lookups,
-            hit_tokens=c.hit_tokens,
-            miss_tokens=c.miss_tokens,
-            deferred_lookups=c.deferred_lookups,
-            deferrals_bounded=self._scheduler.deferrals_bounded,
-            store_plans=c.store_plans,
-            stored_blocks=sum(s.stored_blocks for s in per),
-            deferred_blocks=sum(s.deferred_blocks for s in per),
-            deferred_steps=self._scheduler.deferred_steps,
-            evicted_while_live=0,
-            restored_blocks=0,
-            load_plans=c.load_plans,
-            loaded_blocks=sum(s.loaded_blocks for s in per),
-            failed_stores=c.failed_stores,
-            failed_loads=c.failed_loads,
-            abandoned_transfers=c.abandoned,
-            abandoned_loads=self._scheduler.abandoned_loads,
-            ignored_completions=sum(s.ignored_completions for s in per),
-            cancelled_plans=sum(s.cancelled_plans for s in per),
-            concurrent_load_blocks=sum(s.concurrent_load_blocks for s in per),
-            bytes_stored=c.bytes_stored,
-            bytes_loaded=c.bytes_loaded,
-            live_requests=live_requests,
-            in_flight_transfers=len(self.tasks),
-            loaded_tokens=c.loaded_tokens,
-            prompt_tokens=c.prompt_tokens,
-            lookup_misses=dict(c.lookup_misses),
-            miss_reason_tokens=dict(c.miss_reason_tokens),
+        """The whole model's counters (`GroupCounters.statistics()`)."""
+        return self.counters.statistics(
+            self._scheduler, live_requests=live_requests, in_flight_transfers=len(self.tasks)
         )
 
 

@@ -70,8 +70,11 @@ __all__ = [
     "MetricSpec",
     "OffloaderCollector",
     "Source",
+    "StatisticsParts",
     "StatisticsSource",
     "attribute_docs",
+    "label_names",
+    "samples",
 ]
 
 Part = Literal["pool", "scheduler", "poller", "tiers", "tier", "group"]
@@ -402,28 +405,68 @@ class OffloaderCollector(Collector):
         for spec in METRICS:
             family = self._family(spec)
             for values, stats in snapshots:
-                for labels, value in _samples(spec, stats):
+                for labels, value in samples(spec, stats):
                     family.add_metric([*values, *labels], value)
             yield family
 
     def _family(self, spec: MetricSpec) -> CounterMetricFamily | GaugeMetricFamily:
         name = f"{self._namespace}_{spec.name}"
-        labels = list(self._label_names)
-        if spec.part == "tier":
-            labels += TIER_LABELS
-            if spec.field == "details":
-                labels.append("detail")
-        elif spec.part == "group":
-            labels += GROUP_LABELS
-        if spec.field in _BY_REASON:
-            labels += REASON_LABELS
+        labels = [*self._label_names, *label_names(spec)]
         if spec.kind == "counter":
             return CounterMetricFamily(name, spec.documentation, labels=labels)
         return GaugeMetricFamily(name, spec.documentation, labels=labels)
 
 
-def _samples(spec: MetricSpec, stats: OffloaderStatistics) -> Iterator[tuple[list[str], float]]:
-    """The label values (past the collector's own) and value of each sample of ``spec``."""
+def label_names(spec: MetricSpec) -> list[str]:
+    """The labels of ``spec``'s samples (past a collector's own): `TIER_LABELS` (and
+    ``detail``) for a tier metric, `GROUP_LABELS` for a group metric, then
+    `REASON_LABELS` for a per-reason counter."""
+    labels: list[str] = []
+    if spec.part == "tier":
+        labels += TIER_LABELS
+        if spec.field == "details":
+            labels.append("detail")
+    elif spec.part == "group":
+        labels += GROUP_LABELS
+    if spec.field in _BY_REASON:
+        labels += REASON_LABELS
+    return labels
+
+
+class StatisticsParts(Protocol):
+    """The parts of a statistics snapshot that `samples` reads: `OffloaderStatistics`,
+    or a snapshot where a part is missing (``None``: its metrics have no sample), such as
+    the vLLM connector's scheduler side (no poller) or worker side (only a poller)."""
+
+    @property
+    def pool(self) -> PoolStatistics | None:
+        """The CPU block pool's statistics."""
+        ...
+
+    @property
+    def scheduler(self) -> SchedulerStatistics | None:
+        """The scheduler's statistics."""
+        ...
+
+    @property
+    def poller(self) -> PollerStatistics | None:
+        """The completion poller's statistics."""
+        ...
+
+    @property
+    def tiers(self) -> TierManagerStatistics | None:
+        """The tier manager's statistics (``None`` without tiers)."""
+        ...
+
+    @property
+    def groups(self) -> Mapping[str, GroupStatistics] | None:
+        """Each KV cache group's statistics (``None`` for one group)."""
+        ...
+
+
+def samples(spec: MetricSpec, stats: StatisticsParts) -> Iterator[tuple[list[str], float]]:
+    """The label values (those of `label_names`) and value of each sample of ``spec`` in
+    ``stats``; none where its part is missing or its value is unknown."""
     if spec.part == "tier":
         for tier in stats.tiers.tiers if stats.tiers is not None else ():
             yield from _tier_samples(spec.field, tier)
@@ -437,12 +480,10 @@ def _samples(spec: MetricSpec, stats: OffloaderStatistics) -> Iterator[tuple[lis
             else:
                 yield [name], float(value)
         return
-    if spec.part == "tiers":
-        if stats.tiers is None:
-            return
-        value = getattr(stats.tiers, spec.field)
-    else:
-        value = getattr(getattr(stats, spec.part), spec.field)
+    part = getattr(stats, spec.part)
+    if part is None:
+        return
+    value = getattr(part, spec.field)
     if spec.field in _BY_REASON:
         for reason, count in sorted(value.items()):
             yield [reason.value], float(count)

@@ -213,6 +213,16 @@ class Stepping:
     ``scheduler``, ``side``, `step` and `drain_copies`)."""
 
     scheduler: Scheduler
+    connector_stats: list[dict[str, Any]]
+    """The connector statistics of every step's `SchedulerStats`, as vLLM's loggers get
+    them."""
+
+    def record_stats(self, outputs: dict[int, Any]) -> None:
+        """Keep the connector statistics of a step's engine core outputs."""
+        for eco in outputs.values():
+            stats = eco.scheduler_stats
+            if stats is not None and stats.kv_connector_stats is not None:
+                self.connector_stats.append(stats.kv_connector_stats)
 
     def step(self) -> SchedulerOutput:
         """Schedule, run the workers (loads, forward, stores), and feed back the output."""
@@ -269,6 +279,7 @@ class Harness(Stepping):
             worker.register_kv_caches(dict(zip(names, kv, strict=True)))
             self.workers.append(Worker(worker, kv, rank))
         self.aggregator = KVOutputAggregator(world_size)
+        self.connector_stats = []
         self.outputs: list[SchedulerOutput] = []
         self.loaded_tokens: dict[str, int] = {}
 
@@ -308,6 +319,7 @@ class Harness(Stepping):
             kv_out = KVConnectorOutput(
                 invalid_block_ids=conn.get_block_ids_with_load_errors(),
                 kv_connector_worker_meta=None,
+                kv_connector_stats=conn.get_kv_connector_stats(),  # as vLLM's runner
             )
             report = conn.build_connector_worker_meta()
             if worker.hold_reports:
@@ -329,7 +341,7 @@ class Harness(Stepping):
             )
         merged = self.aggregator.aggregate(runner_outputs)
         assert merged is not None
-        self.scheduler.update_from_output(out, merged)
+        self.record_stats(self.scheduler.update_from_output(out, merged))
         return out
 
     def drain_copies(self) -> None:

@@ -23,6 +23,7 @@ from harness import (
     real_scheduler,
     vllm_config,
 )
+from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -70,7 +71,12 @@ class GroupHarness(Stepping):
     per group) are views of one tensor."""
 
     def __init__(
-        self, model_dir: Path, *, gpu_blocks: int = 64, extra: dict[str, Any] | None = None
+        self,
+        model_dir: Path,
+        *,
+        gpu_blocks: int = 64,
+        extra: dict[str, Any] | None = None,
+        kv_events: bool = False,
     ) -> None:
         config = vllm_config(
             model_dir,
@@ -79,8 +85,11 @@ class GroupHarness(Stepping):
             connector="TestConnector",
             module="harness",
         )
+        if kv_events:
+            config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
         assert not config.scheduler_config.disable_hybrid_kv_cache_manager
         kv = kv_config(gpu_blocks)
+        self.config = config
         self.scheduler = real_scheduler(config, kv)
         side = self.scheduler.connector.scheduler_side  # type: ignore[union-attr]
         assert isinstance(side, GroupedSchedulerSide)
@@ -91,6 +100,7 @@ class GroupHarness(Stepping):
         self.kv = torch.full((gpu_blocks, 2, BLOCK_SIZE, HEADS, HEAD), -1.0)
         self.worker.register_kv_caches({SW_LAYER: self.kv, FULL_LAYER: self.kv})
         self.aggregator = KVOutputAggregator(1)
+        self.connector_stats = []
         self.loads: list[Any] = []
 
     def blocks(self, rid: str) -> tuple[list[int], ...]:
@@ -119,6 +129,7 @@ class GroupHarness(Stepping):
             failed_recving=results.failed_recving,
             invalid_block_ids=conn.get_block_ids_with_load_errors(),
             kv_connector_worker_meta=conn.build_connector_worker_meta(),
+            kv_connector_stats=conn.get_kv_connector_stats(),  # as vLLM's runner
         )
         conn.clear_connector_metadata()
         req_ids = list(out.num_scheduled_tokens)
@@ -130,7 +141,7 @@ class GroupHarness(Stepping):
         )
         merged = self.aggregator.aggregate([runner])
         assert merged is not None
-        self.scheduler.update_from_output(out, merged)
+        self.record_stats(self.scheduler.update_from_output(out, merged))
         self.side.scheduler.check_invariants()
         return out
 

@@ -126,12 +126,18 @@ def policy(make: Make) -> object:
 
 
 def events(make: Make) -> object:
-    conn = make(S)
-    side = conn.scheduler_side
+    """The events each CPU pool keeps for the connector's `take_events()` (which hands
+    vLLM those of blocks whose store it planned: tests_vllm/test_stats_events.py)."""
+    side = make(S).scheduler_side
     assert side is not None
-    pool = _sched(conn).pool
-    pool.publish(pool.allocate(1)[0], chain(1, 9)[0])
-    return len(list(conn.take_events()))
+    sched = side.scheduler
+    if isinstance(sched, OffloadScheduler):
+        pools = [sched.pool]
+    else:
+        pools = [sched.ledger(n).pool for n in sched.statistics()]
+    for pool in pools:
+        pool.publish(pool.allocate(1)[0], chain(1, 9)[0])
+    return [len(pool.take_events()) for pool in pools]
 
 
 def namespace(make: Make) -> object:
@@ -206,7 +212,7 @@ TABLE: dict[str, Decision] = {
     "poll_interval_s": Decision({"poll_interval_s": 0.003}, _both(poll_interval)),
     "model_id": Decision({"model_id": "m"}, _both(namespace)),
     "hash_salt": Decision({"hash_salt": "s"}, _both(namespace)),
-    "enable_events": Decision({"enable_events": True}, {"vllm": events}),
+    "enable_events": Decision({"enable_events": True}, _both(events)),
     "eviction_policy": Decision({"eviction_policy": "arc"}, _both(policy)),
     "store_admission": Decision({"store_admission": "seen_twice"}, {"vllm": stores_per_step}),
     "tiers": Decision({"tiers": [TIER]}, {}),

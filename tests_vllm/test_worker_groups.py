@@ -311,7 +311,6 @@ def test_a_tensor_that_is_not_block_major_pages_is_refused_by_name(
     [
         ({"store_mode": "lazy"}, "store_mode='lazy'"),
         ({"restore_evicted": True}, "restore_evicted=True"),
-        ({"enable_events": True}, "enable_events=True"),
     ],
 )
 def test_single_group_settings_are_refused_for_a_multi_group_model(

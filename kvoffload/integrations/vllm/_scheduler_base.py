@@ -14,7 +14,13 @@ from kvoffload._logging import get_logger
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import ConfigError, InvariantError
 from kvoffload.hashing import BlockHash, BlockHasher
+from kvoffload.integrations.vllm.events import KVEvents
 from kvoffload.integrations.vllm.metadata import KVOffloadWorkerMetadata
+from kvoffload.integrations.vllm.stats import (
+    ConnectorStatistics,
+    KVOffloadConnectorStats,
+    StatsReporter,
+)
 from kvoffload.transfer.plan import TransferPlan
 
 if TYPE_CHECKING:
@@ -100,6 +106,9 @@ class SchedulerSideBase(Generic[E]):
         # build_connector_meta lists them as preempted.
         self._restarted: set[str] = set()
         self.load_failures = 0
+        self._stats = StatsReporter()
+        self.events = KVEvents()
+        """The vLLM view of the blocks stores write (``enable_events``)."""
 
     # -- binding -----------------------------------------------------------------------
 
@@ -195,7 +204,20 @@ class SchedulerSideBase(Generic[E]):
             return False
         return any(pool.blocks[i].ref_cnt == n for i, n in held.items())
 
+    def _hash_block_size(self, default: int) -> int:
+        """The tokens per hash of vLLM's ``request.block_hashes`` (its block pool's)."""
+        pool = self._gpu_pool
+        return int(getattr(pool, "hash_block_size", default) or default)
+
     # -- observation -------------------------------------------------------------------
+
+    def statistics(self) -> ConnectorStatistics:
+        """The side's statistics now (the parts vLLM's metrics read)."""
+        raise NotImplementedError
+
+    def take_stats(self) -> KVOffloadConnectorStats | None:
+        """What changed since the last call, for vLLM's ``get_kv_connector_stats()``."""
+        return self._stats.take(self.statistics())
 
     def in_flight_plan_ids(self) -> list[int]:
         """Plans (on a multi-group model, transfer keys) sent to workers and not reported

@@ -18,6 +18,11 @@ from kvoffload.integrations.vllm.metadata import (
     KVOffloadConnectorMetadata,
     KVOffloadWorkerMetadata,
 )
+from kvoffload.integrations.vllm.stats import (
+    ConnectorStatistics,
+    KVOffloadConnectorStats,
+    StatsReporter,
+)
 from kvoffload.storage import HostKVBuffer
 from kvoffload.transfer import (
     CompletionPoller,
@@ -71,6 +76,7 @@ class WorkerSideBase:
         self._poller = CompletionPoller(self._on_complete, poll_interval_s=config.poll_interval_s)
         self._reports: dict[int, bool] = {}
         self._meta: KVOffloadConnectorMetadata | None = None
+        self._stats = StatsReporter(rank=self.rank)
 
     def _on_complete(self, task: TransferTask) -> None:
         """Account for a finished copy (called by the poller)."""
@@ -144,6 +150,11 @@ class WorkerSideBase:
             return None
         reports, self._reports = self._reports, {}
         return KVOffloadWorkerMetadata({key: {self.rank: ok} for key, ok in reports.items()})
+
+    def take_stats(self) -> KVOffloadConnectorStats | None:
+        """This rank's poller figures that changed since the last call (labelled
+        ``rank``), for vLLM's ``get_kv_connector_stats()``."""
+        return self._stats.take(ConnectorStatistics(poller=self._poller.statistics()))
 
     @property
     def in_flight(self) -> int:

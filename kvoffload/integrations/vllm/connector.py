@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvoffload.build import REFUSED, check_settings, grouped_pool_sizes
 from kvoffload.errors import InvariantError
 from kvoffload.hashing import HashNamespace
+from kvoffload.integrations.vllm.events import events_enabled
 from kvoffload.integrations.vllm.groups import GroupDescription, to_kv_cache_group
 from kvoffload.integrations.vllm.metadata import KVOffloadConnectorMetadata
 from kvoffload.integrations.vllm.scheduler_groups import GroupedSchedulerSide
@@ -31,6 +32,7 @@ from kvoffload.integrations.vllm.setup import (
     refuse_recurrent_hybrid,
     single_group_layout,
 )
+from kvoffload.integrations.vllm.stats import KVOffloadConnectorStats, KVOffloadPromMetrics
 from kvoffload.integrations.vllm.worker_groups import GroupedWorkerSide, WorkerGroup
 from kvoffload.integrations.vllm.worker_side import WorkerSide
 
@@ -38,6 +40,11 @@ if TYPE_CHECKING:
     from vllm.attention.backends.abstract import AttentionMetadata
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -119,6 +126,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.offload_config = offload_config(extra, block_size=vllm_config.cache_config.block_size)
+        if events_enabled(vllm_config) and not self.offload_config.enable_events:
+            # vLLM publishes KV events: the CPU pool's go with them.
+            self.offload_config = self.offload_config.model_copy(update={"enable_events": True})
         self.groups = accepted_groups(kv_cache_config)
         self.scheduler_side: SchedulerSide | GroupedSchedulerSide | None = None
         self.worker_side: WorkerSide | GroupedWorkerSide | None = None
@@ -270,10 +280,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return self._sched().request_finished(request), None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """CPU pool events (with ``enable_events``) for vLLM's event publisher (one
-        full-attention group only; a multi-group model publishes none)."""
-        side = self._sched()
-        return side.take_events() if isinstance(side, SchedulerSide) else ()
+        """The CPU pool's events for vLLM's event publisher, with vLLM's block hashes
+        (on with vLLM's ``kv_events_config.enable_kv_cache_events``, or ``enable_events``;
+        `kvoffload.integrations.vllm.events`)."""
+        return self._sched().take_events()
 
     def reset_cache(self) -> bool:
         """Empty the CPU prefix cache."""
@@ -282,6 +292,32 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def has_pending_block_frees(self) -> bool:
         """Whether a store in flight will free a GPU block when it completes."""
         return self._sched().has_pending_block_frees()
+
+    # -- statistics (both sides) -------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This side's figures since the last call (scheduler: pool, scheduler, groups,
+        tiers; worker: its poller), `kvoffload.integrations.vllm.stats`."""
+        side = self.scheduler_side if self.scheduler_side is not None else self.worker_side
+        return None if side is None else side.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        """Rebuild the statistics vLLM carried as a dict (`KVOffloadConnectorStats`)."""
+        return KVOffloadConnectorStats() if data is None else KVOffloadConnectorStats(data=data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVOffloadPromMetrics:
+        """kvoffload's metrics in vLLM's ``/metrics`` (`KVOffloadPromMetrics`)."""
+        return KVOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- worker side -------------------------------------------------------------------
 

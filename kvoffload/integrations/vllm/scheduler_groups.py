@@ -17,8 +17,9 @@ worker finished copying them, as in the single-group path.
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, final
 
@@ -26,6 +27,7 @@ from kvoffload._logging import get_logger
 from kvoffload.build import build_grouped_scheduler
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import RequestStateError
+from kvoffload.group_launcher import GroupCounters, pool_statistics
 from kvoffload.groups import KVCacheGroup, hit_alignment
 from kvoffload.hashing import BlockHash, BlockHasher
 from kvoffload.integrations.vllm._scheduler_base import (
@@ -36,9 +38,12 @@ from kvoffload.integrations.vllm._scheduler_base import (
     hash_extra,
 )
 from kvoffload.integrations.vllm.metadata import GroupTransfer, KVOffloadConnectorMetadata
+from kvoffload.integrations.vllm.stats import ConnectorStatistics
 from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler
+from kvoffload.transfer.plan import TransferPlan
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -53,6 +58,15 @@ class _Hashes(RequestEntry):
     """One request's block hashes, one hasher per cacheable group."""
 
     hashers: dict[str, BlockHasher]
+
+
+@dataclass(slots=True, eq=False)
+class _Transfer:
+    """One grouped transfer whose parts (one per group) travel under their own keys."""
+
+    parts: int
+    tokens: int = 0
+    ok: bool = True
 
 
 def tables_of(
@@ -103,6 +117,7 @@ class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
             num_gpu_blocks={g.name: num_gpu_blocks for g in self.groups if g.cacheable},
         )
         self._cacheable = [g for g in self.groups if g.cacheable]
+        self._by_name = {g.name: g for g in self.groups}
         self._index = {g.name: i for i, g in enumerate(self.groups)}
         self._names: list[str | None] = [g.name if g.cacheable else None for g in self.groups]
         self._roots = {
@@ -114,6 +129,10 @@ class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
         self._stores: list[GroupTransfer] = []
         self.loaded_tokens = 0
         """Prompt tokens planned to load from the CPU pool (beyond vLLM's own hits)."""
+        self.counters = GroupCounters()
+        """The whole model's counters (as a multi-group `KVOffloader` keeps them)."""
+        self._transfers: dict[tuple[str, int], _Transfer] = {}
+        self._page_bytes = {g.name: g.num_layers * g.bytes_per_layer_block for g in self.groups}
 
     # -- hashing -----------------------------------------------------------------------
 
@@ -162,6 +181,9 @@ class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
         ):
             return 0, False
         hit = sched.lookup(rid, hashes, request.num_tokens, num_computed_tokens)
+        self.counters.count_lookup(
+            hit, request.num_tokens, num_computed_tokens, sched.miss_reason(rid)
+        )
         return hit, bool(hit)
 
     def update_state_after_alloc(
@@ -180,10 +202,13 @@ class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
         if plan is None:
             return
         self.loaded_tokens += num_external_tokens
+        self.counters.load_plans += 1
+        transfer = _Transfer(len(plan.plans), tokens=num_external_tokens)
         for name, sub in plan.plans.items():
             key = next(self._keys)
             self._loads.append(GroupTransfer(key, self._index[name], sub))
             self._tracked[key] = Tracked(sub, [], name)
+            self._transfers[name, sub.plan_id] = transfer
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVOffloadConnectorMetadata:
         """Record what vLLM scheduled in every group, plan this step's stores, and hand
@@ -202,23 +227,69 @@ class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
     def _track_stores(self, plan: GroupedPlan | None) -> None:
         if plan is None:
             return
+        self.counters.store_plans += 1
+        transfer = _Transfer(len(plan.plans))
+        hash_block_size = self._hash_block_size(min(g.block_size for g in self._cacheable))
         for name, sub in plan.plans.items():
             key = next(self._keys)
             self._stores.append(GroupTransfer(key, self._index[name], sub))
             self._tracked[key] = Tracked(sub, self._pin_gpu_blocks(sub.gpu_block_ids), name)
+            self._transfers[name, sub.plan_id] = transfer
+            if self.config.enable_events:
+                self.events.note_store(
+                    self._index[name],
+                    sub,  # type: ignore[arg-type]
+                    self._by_name[name].block_size,
+                    hash_block_size,
+                    functools.partial(self._request_hashes, group=name),
+                )
+
+    def _request_hashes(self, rid: str, group: str) -> tuple[Request, Sequence[BlockHash]] | None:
+        entry = self._requests.get(rid)
+        return None if entry is None else (entry.request, entry.hashers[group].block_hashes)
 
     def _preempt_reported(self, rid: str) -> None:
         if self.scheduler.has_request(rid):
             self.scheduler.preempt(rid)
 
     def _complete(self, tracked: Tracked, ok: bool) -> None:
-        self.scheduler.complete(tracked.group, tracked.plan, ok)
+        group, plan = tracked.group, tracked.plan
+        self.scheduler.complete(group, plan, ok)
+        self._count_part(group, plan, ok)
+        if not ok and plan.kind == "store" and self.config.enable_events:
+            pool = self.scheduler.ledger(group).pool
+            self.events.forget_unstored(
+                self._index[group],
+                plan.block_hashes,  # type: ignore[attr-defined]
+                pool.is_cached,
+            )
+
+    def _count_part(self, group: str, plan: TransferPlan, ok: bool) -> None:
+        """Count one group's part of a transfer; the transfer once all parts ended."""
+        transfer = self._transfers.pop((group, plan.plan_id), None)
+        if transfer is None:
+            return
+        c = self.counters
+        nbytes = len(plan.cpu_block_ids) * self._page_bytes[group]
+        if ok and plan.kind == "store":
+            c.bytes_stored += nbytes
+        elif ok:
+            c.bytes_loaded += nbytes
+        transfer.ok = transfer.ok and ok
+        transfer.parts -= 1
+        if transfer.parts:
+            return
+        if not transfer.ok and plan.kind == "store":
+            c.failed_stores += 1
+        elif not transfer.ok:
+            c.failed_loads += 1
+        else:
+            c.loaded_tokens += transfer.tokens
 
     def request_finished(self, request: Request) -> bool:
         """The request left vLLM, before vLLM frees its blocks: plan its last store point
         now (its GPU blocks stay referenced until the copies end); always ``False``."""
         rid = request.request_id
-        self._requests.pop(rid, None)
         self._restarted.discard(rid)
         sched = self.scheduler
         if sched.has_request(rid):
@@ -226,11 +297,37 @@ class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
                 plan = sched.finish(rid)
             except RequestStateError:  # already finished, its transfers still in flight
                 _log.debug("finish_ignored", request_id=rid)
-                return False
-            self._track_stores(plan)
+                plan = None
+            self._track_stores(plan)  # while the request's hashes are known (events)
+        self._requests.pop(rid, None)
         return False
 
     def reset_cache(self) -> bool:
         """Empty every group's CPU prefix cache (copies in flight publish nothing)."""
         self.scheduler.reset()
         return True
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Every group's pool events as vLLM KV cache events (`KVEvents`: medium
+        ``"CPU"``, the group's vLLM index, vLLM's hashes)."""
+        if not self.config.enable_events:
+            return ()
+        sched = self.scheduler
+        return self.events.translate(
+            (self._index[g.name], event)
+            for g in self._cacheable
+            for event in sched.ledger(g.name).pool.take_events()
+        )
+
+    # -- observation -------------------------------------------------------------------
+
+    def statistics(self) -> ConnectorStatistics:
+        """The pools added up, the whole model's counters, and each group's."""
+        sched = self.scheduler
+        return ConnectorStatistics(
+            pool=pool_statistics(sched),
+            scheduler=self.counters.statistics(
+                sched, live_requests=len(self._requests), in_flight_transfers=len(self._tracked)
+            ),
+            groups=sched.statistics(),
+        )

@@ -29,7 +29,7 @@ from kvoffload.integrations.vllm._scheduler_base import (
     hash_extra,
 )
 from kvoffload.integrations.vllm.metadata import KVOffloadConnectorMetadata
-from kvoffload.pool import AllBlocksCleared, BlockRemoved, BlockStored
+from kvoffload.integrations.vllm.stats import ConnectorStatistics
 from kvoffload.transfer.plan import LoadPlan, StorePlan
 
 if TYPE_CHECKING:
@@ -108,8 +108,6 @@ class SchedulerSide(SchedulerSideBase[_RequestHashes]):
         self._loads: list[LoadPlan] = []
         # Lazy mode: GPU block id -> (vLLM's hash when we saw it computed, our hash).
         self._gpu_hashes: dict[int, tuple[object, BlockHash]] = {}
-        # For KV events: our hash -> (parent hash, token ids) of blocks planned for a store.
-        self._block_tokens: dict[BlockHash, tuple[BlockHash, tuple[int, ...]]] = {}
 
     # -- hashing -----------------------------------------------------------------------
 
@@ -200,7 +198,13 @@ class SchedulerSide(SchedulerSideBase[_RequestHashes]):
             stores = (plan,)
             self._tracked[plan.plan_id] = Tracked(plan, self._pin_gpu_blocks(plan.gpu_block_ids))
             if self.config.enable_events:
-                self._remember_tokens(plan)
+                self.events.note_store(
+                    0,
+                    plan,
+                    self._block_size,
+                    self._hash_block_size(self._block_size),
+                    self._request_hashes,
+                )
         loads, self._loads = tuple(self._loads), []
         return KVOffloadConnectorMetadata(loads=loads, stores=stores)
 
@@ -214,18 +218,9 @@ class SchedulerSide(SchedulerSideBase[_RequestHashes]):
             if vllm_hash is not None:
                 known[gpu_id] = (vllm_hash, block_hash)
 
-    def _remember_tokens(self, plan: StorePlan) -> None:
-        wanted = set(plan.block_hashes)
-        bs = self._block_size
-        for entry in self._requests.values():
-            tokens = entry.request.all_token_ids
-            for i, block_hash in enumerate(entry.hashes):
-                if block_hash in wanted:
-                    parent = entry.hashes[i - 1] if i else self._root
-                    self._block_tokens[block_hash] = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
-                    wanted.discard(block_hash)
-            if not wanted:
-                return
+    def _request_hashes(self, rid: str) -> tuple[Request, Sequence[BlockHash]] | None:
+        entry = self._requests.get(rid)
+        return None if entry is None else (entry.request, entry.hashes)
 
     def _preempt_reported(self, rid: str) -> None:
         sched = self.scheduler
@@ -234,6 +229,8 @@ class SchedulerSide(SchedulerSideBase[_RequestHashes]):
 
     def _complete(self, tracked: Tracked, ok: bool) -> None:
         self.scheduler.complete(tracked.plan, ok)
+        if not ok and isinstance(tracked.plan, StorePlan):
+            self.events.forget_unstored(0, tracked.plan.block_hashes, self.pool.is_cached)
 
     def request_finished(self, request: Request) -> bool:
         """The request left vLLM. Its store copies keep their GPU blocks referenced on
@@ -252,39 +249,19 @@ class SchedulerSide(SchedulerSideBase[_RequestHashes]):
         return True
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """The pool's events as vLLM KV cache events (medium ``"CPU"``)."""
+        """The pool's events as vLLM KV cache events (`KVEvents`: medium ``"CPU"``,
+        group 0, vLLM's hashes)."""
         if not self.config.enable_events:
             return ()
-        from vllm.distributed import kv_events  # noqa: PLC0415
-
-        out: list[KVCacheEvent] = []
-        for event in self.pool.take_events():
-            if isinstance(event, BlockStored):
-                parent, tokens = self._block_tokens.get(event.block_hash, (None, ()))
-                out.append(
-                    kv_events.BlockStored(
-                        block_hashes=[event.block_hash],
-                        parent_block_hash=None if parent == self._root else parent,
-                        token_ids=list(tokens),
-                        block_size=self._block_size,
-                        lora_id=None,
-                        medium=kv_events.MEDIUM_CPU,
-                        lora_name=None,
-                    )
-                )
-            elif isinstance(event, BlockRemoved):
-                self._block_tokens.pop(event.block_hash, None)
-                out.append(
-                    kv_events.BlockRemoved(
-                        block_hashes=[event.block_hash], medium=kv_events.MEDIUM_CPU
-                    )
-                )
-            elif isinstance(event, AllBlocksCleared):
-                self._block_tokens.clear()
-                out.append(kv_events.AllBlocksCleared())
-        return out
+        return self.events.translate((0, event) for event in self.pool.take_events())
 
     # -- observation -------------------------------------------------------------------
+
+    def statistics(self) -> ConnectorStatistics:
+        """The CPU pool's and the scheduler's statistics."""
+        return ConnectorStatistics(
+            pool=self.pool.statistics(), scheduler=self.scheduler.statistics()
+        )
 
     def pinned_gpu_block_ids(self) -> list[int]:
         """GPU blocks referenced by stores in flight (with repetitions)."""

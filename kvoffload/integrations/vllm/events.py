@@ -1,0 +1,185 @@
+"""The connector's KV cache events: the CPU pool's events as vLLM's ``BlockStored`` /
+``BlockRemoved`` / ``AllBlocksCleared``, in the hash format of vLLM's own events.
+
+A KV-aware router indexes vLLM's events by vLLM's block hashes (``request.block_hashes``
+viewed at the group's block size, as `vllm.v1.core.block_pool.BlockPool` publishes them;
+an ``int`` of their low 64 bits with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``). kvoffload
+keys its pool by its own, process-independent hashes, so when a store is planned
+`KVEvents` remembers, per group and kvoffload hash, the vLLM hash of the same block (with
+its parent's, its tokens, its LoRA and its extra keys, as vLLM's event carries them), and
+turns each pool event into the vLLM event of the same block: medium ``"CPU"``, the
+group's index in vLLM's KV cache config. A block's entry lives as long as the pool holds
+it (dropped at its ``BlockRemoved``, or when its store failed).
+
+Both scheduler sides use it: one full-attention group (group index 0) and several
+(each cacheable group by its vLLM index; a hash is remembered per group, so two groups'
+blocks never mix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, final
+
+from kvoffload._logging import get_logger
+from kvoffload.hashing import BlockHash
+from kvoffload.pool import AllBlocksCleared, BlockRemoved, BlockStored, PoolEvent
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.request import Request
+
+    from kvoffload.transfer.plan import StorePlan
+
+__all__ = ["KVEvents", "events_enabled"]
+
+_log = get_logger("integrations.vllm")
+
+
+def events_enabled(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV cache events (``kv_events_config.enable_kv_cache_events``):
+    the connector then hands vLLM its CPU pool's events too."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and events.enable_kv_cache_events)
+
+
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """What vLLM's ``BlockStored`` says of one block, besides the medium and group."""
+
+    block_hash: Any
+    parent: Any
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None
+    lora_name: str | None
+    extra_keys: tuple[Any, ...] | None
+
+
+@final
+class KVEvents:
+    """Remembers the vLLM hash of every block a store plan writes, and translates the
+    pool's events into vLLM's.
+
+    Args:
+        medium: the events' medium (``"CPU"``: kvoffload's CPU pool).
+    """
+
+    __slots__ = ("_blocks", "medium")
+
+    def __init__(self, medium: str = "CPU") -> None:
+        self.medium = medium
+        self._blocks: dict[tuple[int, BlockHash], _Block] = {}
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def note_store(
+        self,
+        group_idx: int,
+        plan: StorePlan,
+        block_size: int,
+        hash_block_size: int,
+        requests: Callable[[str], tuple[Request, Sequence[BlockHash]] | None],
+    ) -> None:
+        """Remember vLLM's view of the blocks ``plan`` stores into group ``group_idx``.
+
+        Args:
+            group_idx: the group's index in vLLM's KV cache config.
+            plan: the store plan (its requests and kvoffload block hashes).
+            block_size: the group's tokens per block.
+            hash_block_size: the tokens per hash of ``request.block_hashes`` (vLLM's
+                ``BlockPool.hash_block_size``).
+            requests: a request id's vLLM request and its kvoffload hashes in this group
+                (``None``: the request is gone; its blocks get no event).
+        """
+        from vllm.v1.core.kv_cache_utils import (  # noqa: PLC0415
+            generate_block_hash_extra_keys,
+            maybe_convert_block_hash,
+            resolve_block_hashes,
+        )
+
+        wanted = {h for h in plan.block_hashes if (group_idx, h) not in self._blocks}
+        for rid in plan.request_ids:
+            if not wanted:
+                return
+            found = requests(rid)
+            if found is None:
+                continue
+            request, hashes = found
+            vllm_hashes = resolve_block_hashes(request.block_hashes, hash_block_size, block_size)
+            tokens = request.all_token_ids
+            lora = request.lora_request
+            # The plan's blocks are the request's latest: look from the end.
+            for i in range(min(len(hashes), len(vllm_hashes)) - 1, -1, -1):
+                ours = hashes[i]
+                if ours not in wanted:
+                    continue
+                wanted.discard(ours)
+                start = i * block_size
+                extra, _ = generate_block_hash_extra_keys(request, start, start + block_size, 0)
+                self._blocks[group_idx, ours] = _Block(
+                    block_hash=maybe_convert_block_hash(vllm_hashes[i]),
+                    parent=maybe_convert_block_hash(vllm_hashes[i - 1]) if i else None,
+                    token_ids=tuple(tokens[start : start + block_size]),
+                    block_size=block_size,
+                    lora_id=lora.adapter_id if lora is not None else None,
+                    lora_name=lora.name if lora is not None else None,
+                    extra_keys=extra,
+                )
+                if not wanted:
+                    return
+
+    def forget_unstored(
+        self, group_idx: int, hashes: Iterable[BlockHash], is_cached: Callable[[BlockHash], bool]
+    ) -> None:
+        """A store failed: forget its blocks the pool does not hold (no event will come)."""
+        for block_hash in hashes:
+            if not is_cached(block_hash):
+                self._blocks.pop((group_idx, block_hash), None)
+
+    def translate(self, events: Iterable[tuple[int, PoolEvent]]) -> list[KVCacheEvent]:
+        """vLLM's events for ``(group index, pool event)`` pairs, in order; one
+        ``AllBlocksCleared`` for a reset of every group. A stored block whose vLLM hash is
+        unknown (its request was gone when the store was planned) gets no event."""
+        from vllm.distributed import kv_events  # noqa: PLC0415
+        from vllm.v1.core.kv_cache_utils import to_event_extra_keys  # noqa: PLC0415
+
+        out: list[KVCacheEvent] = []
+        cleared = False
+        for group_idx, event in events:
+            if isinstance(event, BlockStored):
+                block = self._blocks.get((group_idx, event.block_hash))
+                if block is None:
+                    _log.debug("event_without_vllm_hash", group=group_idx)
+                    continue
+                out.append(
+                    kv_events.BlockStored(
+                        block_hashes=[block.block_hash],
+                        parent_block_hash=block.parent,
+                        token_ids=list(block.token_ids),
+                        block_size=block.block_size,
+                        lora_id=block.lora_id,
+                        medium=self.medium,
+                        lora_name=block.lora_name,
+                        extra_keys=to_event_extra_keys([block.extra_keys]),
+                        group_idx=group_idx,
+                    )
+                )
+            elif isinstance(event, BlockRemoved):
+                block = self._blocks.pop((group_idx, event.block_hash), None)
+                if block is not None:
+                    out.append(
+                        kv_events.BlockRemoved(
+                            block_hashes=[block.block_hash],
+                            medium=self.medium,
+                            group_idx=group_idx,
+                        )
+                    )
+            elif isinstance(event, AllBlocksCleared):
+                self._blocks = {k: v for k, v in self._blocks.items() if k[0] != group_idx}
+                if not cleared:
+                    out.append(kv_events.AllBlocksCleared())
+                    cleared = True
+        return out
