@@ -57,11 +57,17 @@ class GroupStorePlanner:
         """(group, plan id) → who the store plan serves and the cursors before it."""
 
     def scan(
-        self, state: GroupedRequest, name: str, g: KVCacheGroup, final: bool
+        self,
+        state: GroupedRequest,
+        name: str,
+        g: KVCacheGroup,
+        final: bool,
+        passed: list[tuple[int, int]] | None = None,
     ) -> list[tuple[int, int]]:
         """(block index, store point) of the blocks to store for one request and group,
         up to the last point planned; skips null entries and those below the lane's
-        ``valid_from`` (not known to hold its KV), cached and pending blocks."""
+        ``valid_from`` (not known to hold its KV), cached and pending blocks (those two
+        appended to ``passed``, when given: a request's priority raises them)."""
         lane = state.lanes[name]
         ledger = self._ledgers[name]
         is_cached, pending = ledger.pool.is_cached, ledger.pending
@@ -76,6 +82,8 @@ class GroupStorePlanner:
                     counts.skipped_null += 1
                 elif not is_cached(lane.hashes[i]) and lane.hashes[i] not in pending:
                     out.append((i, (i + 1) * g.block_size))
+                elif passed is not None:
+                    passed.append((i, (i + 1) * g.block_size))
             return out
         points = list(store_points(lane.cursor, computed, self._checkpoint))
         last = computed // self._align * self._align
@@ -91,6 +99,8 @@ class GroupStorePlanner:
                     counts.skipped_null += 1
                 elif not is_cached(lane.hashes[i]) and lane.hashes[i] not in pending:
                     out.append((i, point))
+                elif passed is not None:
+                    passed.append((i, point))
         return out
 
     def plan(self, states: Sequence[GroupedRequest], final: bool) -> GroupedPlan | None:
@@ -105,10 +115,13 @@ class GroupStorePlanner:
             rec = StoreRecord([], {})
             free = ledger.pool.num_free
             batch: set[BlockHash] = set()
+            want: dict[BlockHash, int] = {}
             for state in states:
                 lane = state.lanes[name]
-                wanted = self.scan(state, name, g, final)
-                wanted = [w for w in wanted if lane.hashes[w[0]] not in batch]
+                passed: list[tuple[int, int]] | None = [] if state.priority else None
+                scanned = self.scan(state, name, g, final, passed)
+                wanted = [w for w in scanned if lane.hashes[w[0]] not in batch]
+                cut: int | None = None
                 rec.cursors[state.request_id] = lane.cursor
                 room = free - len(hashes)
                 if len(wanted) > room:
@@ -124,6 +137,14 @@ class GroupStorePlanner:
                     _log.debug("store_deferred", group=name, request_id=state.request_id)
                 else:
                     new = self.advance(g, state, final)
+                if passed is not None:
+                    # as with one group: every block the cursor passes gets the priority
+                    prio = state.priority
+                    for i, point in (*scanned, *passed):
+                        if cut is None or point < cut:
+                            h = lane.hashes[i]
+                            if prio > want.get(h, 0):
+                                want[h] = prio
                 for i, point in wanted:
                     entry = lane.table[i]
                     if entry is None or i < lane.valid_from:  # scan() skipped these
@@ -133,6 +154,7 @@ class GroupStorePlanner:
                     gpu.append(entry)
                     rec.blocks.append((state.request_id, i, point))
                 lane.cursor = max(lane.cursor, new)
+            priorities = ledger.prioritize(want, batch) if want else None
             if not hashes:
                 continue
             plan = ledger.open_store(
@@ -142,6 +164,7 @@ class GroupStorePlanner:
                 protect=set(),
                 evicted=[],
                 ends=None,
+                priorities=priorities,
             )
             plans[name] = plan
             self.records[(name, plan.plan_id)] = rec
