@@ -13,7 +13,7 @@ publishes nothing, its references are released).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import replace
 from typing import final
 
@@ -34,9 +34,10 @@ from kvoffload.errors import (
 )
 from kvoffload.group_launcher import GroupLauncher, pool_statistics
 from kvoffload.groups import KVCacheGroup, check_groups, hit_alignment, page_layout
-from kvoffload.hashing import BlockHash, HashNamespace
+from kvoffload.hashing import BlockHash, HashNamespace, hash_prompt
 from kvoffload.pinner import GpuBlockPinner
 from kvoffload.pool.block_pool import PoolEvent, PoolStatistics
+from kvoffload.pool.hints import RetentionHints
 from kvoffload.request_groups import GroupLanes
 from kvoffload.scheduler import SchedulerStatistics
 from kvoffload.scheduler.groups import GroupedScheduler, GroupStatistics
@@ -166,6 +167,10 @@ class GroupSession(Lifecycle):
         """Per cacheable group, its tier stack (when ``config.tiers`` is set)."""
         self.host = None
         """No single host buffer: one per group (`hosts`)."""
+        self.hints: RetentionHints[Mapping[str, Sequence[BlockHash]]] = RetentionHints(
+            self._hint_retain, self.scheduler.release_retained
+        )
+        """The session hints (``retain_for_s``), retained in every group."""
         self.built = True
 
     # -- lifecycle (as `Session`) --------------------------------------------------------
@@ -241,6 +246,10 @@ class GroupSession(Lifecycle):
                     self.poller.poll()
                     if self.poller.in_flight:
                         await anyio.sleep(self.config.poll_interval_s)
+                # retain_prefix() owners and session hints end with the offloader
+                self.hints.clear()
+                for name in self._layouts:
+                    self.scheduler.ledger(name).release_all_retained()
                 if self.group_tiers is not None:
                     await self.group_tiers.aclose()
         finally:
@@ -345,6 +354,10 @@ class GroupSession(Lifecycle):
     def store(self, after: object | None = None) -> list[TransferTask]:
         """Plan and start this step's stores (one grouped transfer, or none)."""
         self.check("store")
+        hints = self.hints
+        if hints:  # lazy expiry; nothing to do while no hint is live
+            hints.expire()
+            hints.retry()
         plan = self.scheduler.plan_stores()
         if plan is None:
             return []
@@ -384,6 +397,7 @@ class GroupSession(Lifecycle):
         `KVOffloader.reset()`); whether nothing is cached or in flight on return."""
         self.check("reset")
         self.scheduler.reset()
+        self.hints.clear()  # the reset released every retained block
         if self.group_tiers is not None:
             self.group_tiers.reset()
         for task in self.launcher.tasks.values():
@@ -391,6 +405,61 @@ class GroupSession(Lifecycle):
         await self.poller.drain()
         stats = self.scheduler.statistics().values()
         return not self.scheduler.num_in_flight and not any(s.cached_cpu_blocks for s in stats)
+
+    # -- retention and session hints (as `Session`'s, in every group) -------------------------
+
+    def hash_prompt(self, token_ids: Sequence[int]) -> dict[str, list[BlockHash]]:
+        """Per cacheable group, the hashes of the prompt's full blocks in its namespace.
+
+        Raises:
+            InputTypeError: a token is not a 64-bit int.
+        """
+        spaces = self.namespaces
+        return {name: hash_prompt(token_ids, bs, spaces[name]) for name, bs, _ in self.lanes}
+
+    def retain(self, block_hashes: Mapping[str, Sequence[BlockHash]], owner: Hashable) -> int:
+        """`KVOffloader.retain_prefix()` of a hashed prompt: how many blocks are retained,
+        all groups together (`GroupedScheduler.retain()`)."""
+        self.check("retain_prefix")
+        return self.scheduler.retain(block_hashes, owner)[0]
+
+    def release_retained(self, owner: Hashable) -> int:
+        """`KVOffloader.release_retained()`, in every group."""
+        self.check("release_retained")
+        return self.scheduler.release_retained(owner)
+
+    def retain_for(
+        self,
+        block_hashes: Mapping[str, Sequence[BlockHash]],
+        retain_for_s: float,
+        session: Hashable,
+    ) -> int:
+        """`SessionHints.retain_for()` of a hashed prompt: blocks retained now."""
+        self.check("retain_for")
+        prefix = {name: tuple(hashes) for name, hashes in block_hashes.items()}
+        return self.hints.hint(session, prefix, retain_for_s)
+
+    def release_hint(self, session: Hashable) -> int:
+        """`SessionHints.release()`."""
+        self.check("release_hint")
+        return self.hints.release(session)
+
+    async def prefetch(self, block_hashes: Mapping[str, Sequence[BlockHash]]) -> int:
+        """`SessionHints.prefetch()`: refused with several groups for now.
+
+        Raises:
+            InvalidInputError: always, naming the groups.
+        """
+        self.check("prefetch")
+        raise InvalidInputError(
+            f"SessionHints.prefetch() works with one KV cache group only for now; this "
+            f"offloader has the groups {self.names}"
+        )
+
+    def _hint_retain(
+        self, block_hashes: Mapping[str, Sequence[BlockHash]], owner: Hashable, fit: bool
+    ) -> tuple[int, bool]:
+        return self.scheduler.retain(block_hashes, owner, fit=fit)
 
     # -- observation -------------------------------------------------------------------------
 

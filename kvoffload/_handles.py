@@ -4,7 +4,7 @@ id and its retention priority.
 The handle is made first and the id reserved last, once nothing can be refused any more:
 the id is the handle's until it finishes, so a second handle for it (a client's retry) is
 refused at the reservation, before either makes a call. With several KV cache groups the
-handle gets the request's per-group lanes and a priority is refused for now.
+handle gets the request's per-group lanes; its priority applies in every group.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvoffload._session import Session
 from kvoffload.config import OffloadConfig
-from kvoffload.errors import InvalidInputError
 from kvoffload.hashing import HashNamespace
 from kvoffload.request import OffloadRequest
 from kvoffload.scheduler.requests import check_request_priority
@@ -61,11 +60,6 @@ def open_handle(  # noqa: PLR0917 - the offloader, its session, then request()'s
     if isinstance(life, Session):
         lanes = None
     else:
-        if priority:
-            raise InvalidInputError(
-                f"request {request_id!r}: priority={priority!r} with several KV cache groups "
-                f"{[x.name for x in life.groups]}: retention priorities are single-group for now"
-            )
         lanes = life.lanes_for(request_id)
         block_size = life.alignment
     handle: OffloadRequest = OffloadRequest._create(
@@ -78,10 +72,10 @@ def open_handle(  # noqa: PLR0917 - the offloader, its session, then request()'s
         lanes=lanes,
     )
     # Last, once nothing can be refused any more (see the module's docstring).
-    if not isinstance(life, Session):
+    if isinstance(life, Session):
+        life.scheduler.reserve(request_id)
+    else:
         life.reserve(request_id)
-        return handle
-    life.scheduler.reserve(request_id)
     if priority:
         life.scheduler.set_priority(request_id, priority)
     return handle

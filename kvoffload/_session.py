@@ -31,7 +31,7 @@ from kvoffload.launcher import TransferLauncher
 from kvoffload.pinner import GpuBlockPinner
 from kvoffload.pool.block import CpuBlock
 from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
-from kvoffload.pool.hints import RetentionHints
+from kvoffload.pool.hints import RetentionHints, leading_runs
 from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.tiers.manager import TierManager
@@ -206,7 +206,9 @@ class Session(Lifecycle):
         self.launcher: TransferLauncher
         self.built = False
         """Whether `pool`, `scheduler` and `launcher` exist."""
-        self.hints = RetentionHints(self._hint_retain, self._hint_release)
+        self.hints: RetentionHints[Sequence[BlockHash]] = RetentionHints(
+            leading_runs(self._hint_retain), self._hint_release
+        )
         """The session hints (``retain_for_s``), retained through the scheduler's ledger."""
         if plan.builds_inline:
             self.build()
@@ -390,7 +392,7 @@ class Session(Lifecycle):
     ) -> int:
         """`KVOffloader.retain_for()` of a hashed prompt: how many blocks are retained now."""
         self.check("retain_for")
-        return self.hints.hint(session, block_hashes, retain_for_s)
+        return self.hints.hint(session, tuple(block_hashes), retain_for_s)
 
     async def prefetch(self, block_hashes: Sequence[BlockHash]) -> int:
         """`SessionHints.prefetch()` of a hashed prompt: leading blocks on CPU on return."""

@@ -151,8 +151,6 @@ REFUSED: dict[EntryPoint, dict[str, str]] = {
         "hold_blocks_on_finish": _NO_HOLDS,
         "hold_max_blocks": _NO_HOLDS,
         "hold_max_steps": _NO_HOLDS,
-        "max_retained_fraction": "retain_prefix() works with one full-attention group only "
-        "for now, and it is the only reader of this bound",
         "max_prefetch_fraction": _NO_PREFETCH_GROUPS,
     },
     "vllm": {

@@ -1,7 +1,8 @@
 """`SessionHints`: what an application tells a `KVOffloader` about the requests to come.
 
 Agent workloads pause for tool calls and come back to the same, longer context. Three
-hints, all single-group (a multi-group offloader refuses them, naming the call):
+hints (with several KV cache groups each retained prefix is exactly what a lookup of it
+needs in every group, `GroupedScheduler.retain()`; ``prefetch`` is single-group for now):
 
 - **retain for a pause** (`SessionHints.retain_for()`, or ``retain_for_s`` on
   `KVOffloader.request()` / `OffloadRequest.finish()`): keep a prefix from eviction for a
@@ -14,23 +15,38 @@ hints, all single-group (a multi-group offloader refuses them, naming the call):
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING, Protocol, final
-
-from kvoffload.hashing import BlockHash
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, final
 
 if TYPE_CHECKING:
-    from kvoffload._session import Session
+    from kvoffload.pool.hints import RetentionHints
 
 __all__ = ["SessionHints"]
 
+P = TypeVar("P")
+"""A hashed prompt: one group's block hashes, or one list per KV cache group."""
+P_co = TypeVar("P_co", covariant=True)
 
-class _Hasher(Protocol):
-    def hash_prompt(self, token_ids: Sequence[int]) -> list[BlockHash]: ...
+
+class _Hasher(Protocol[P_co]):
+    def hash_prompt(self, token_ids: Sequence[int]) -> P_co: ...
+
+
+class _Retention(Protocol[P]):
+    """What the hints call: a `Session` (one group) or a `GroupSession`."""
+
+    @property
+    def hints(self) -> RetentionHints[P]: ...
+    def retain(self, block_hashes: P, owner: Hashable) -> int: ...
+    def release_retained(self, owner: Hashable) -> int: ...
+    def retain_for(self, block_hashes: P, retain_for_s: float, session: Hashable) -> int: ...
+    def release_hint(self, session: Hashable) -> int: ...
+    async def prefetch(self, block_hashes: P) -> int: ...
 
 
 @final
-class SessionHints:
-    """The session hints of one single-group `KVOffloader` (``off.hints``).
+class SessionHints(Generic[P]):
+    """The session hints of one `KVOffloader` (``off.hints``), for one KV cache group
+    or several.
 
     Every call is a step-loop call: on the event loop's thread, while the offloader is
     open (else `ClosedError`, `WrongContextError`).
@@ -38,7 +54,7 @@ class SessionHints:
 
     __slots__ = ("_hasher", "_session")
 
-    def __init__(self, hasher: _Hasher, session: Session) -> None:
+    def __init__(self, hasher: _Hasher[P], session: _Retention[P]) -> None:
         self._hasher = hasher
         self._session = session
 
@@ -49,8 +65,13 @@ class SessionHints:
         every one after it, is not retained (store, then call again); docs/policies.md,
         "Retention priorities". Also `KVOffloader.retain_prefix()`.
 
+        With several KV cache groups, every group retains exactly the blocks a lookup of
+        the longest prefix the groups hold needs (a sliding window's blocks, a recurrent
+        state), each pool within its own bound; the count is all groups' blocks.
+
         Raises:
-            InvalidInputError: over ``max_retained_fraction`` (nothing is retained).
+            InvalidInputError: over ``max_retained_fraction`` (of any group's pool;
+                nothing is retained in any group).
             InputTypeError: ``token_ids`` not a sequence of ints, ``owner`` not hashable.
         """
         return self._session.retain(self._hasher.hash_prompt(token_ids), owner)
@@ -83,9 +104,7 @@ class SessionHints:
         hashes = self._hasher.hash_prompt(token_ids)
         return self._session.retain_for(hashes, retain_for_s, session)
 
-    def retain_hashes_for(
-        self, block_hashes: Sequence[BlockHash], retain_for_s: float, session: Hashable
-    ) -> int:
+    def retain_hashes_for(self, block_hashes: P, retain_for_s: float, session: Hashable) -> int:
         """`retain_for()` of hashes already made (what `OffloadRequest.finish()` calls)."""
         return self._session.retain_for(block_hashes, retain_for_s, session)
 
@@ -104,7 +123,8 @@ class SessionHints:
         that its lookup is a CPU hit; return how many leading full blocks of the prompt
         are in the CPU pool on return.
 
-        Without tiers it returns at once with what the CPU pool holds. The blocks are
+        Without tiers it returns at once with what the CPU pool holds. With several KV
+        cache groups it raises `InvalidInputError` (single-group for now). The blocks are
         taken like a lookup's promotion: free CPU blocks only, never one with a copy in
         flight, nor the prompt's blocks already cached, and all prefetches in flight
         together take at most ``max_prefetch_fraction`` of the pool (a prefetch past that

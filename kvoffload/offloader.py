@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, final, overload
+from typing import TYPE_CHECKING, Any, Literal, final, overload
 
 import torch
 
@@ -156,9 +156,12 @@ class KVOffloader:
         return self._life.tiers
 
     @property
-    def hints(self) -> SessionHints:
-        """Session hints: retain for a pause, release, prefetch (docs/hints.md)."""
-        return SessionHints(self, _single(self, "hints"))
+    def hints(self) -> SessionHints[Any]:
+        """Session hints: retain for a pause, release, prefetch (docs/hints.md); with
+        several KV cache groups, retained in every group."""
+        if self._groups is not None:
+            return SessionHints(self._groups, self._groups)
+        return SessionHints(self, self._session)
 
     @property
     def groups(self) -> tuple[KVCacheGroup, ...] | None:
@@ -248,14 +251,13 @@ class KVOffloader:
         )
 
     def retain_prefix(self, token_ids: Sequence[int], *, owner: Hashable) -> int:
-        """`SessionHints.retain_prefix()`: keep a stored prefix until released."""
-        return SessionHints(self, _single(self, "retain_prefix")).retain_prefix(
-            token_ids, owner=owner
-        )
+        """`SessionHints.retain_prefix()`: keep a stored prefix until released (with
+        several KV cache groups, in every group)."""
+        return self.hints.retain_prefix(token_ids, owner=owner)
 
     def release_retained(self, owner: Hashable) -> int:
         """`SessionHints.release_retained()`."""
-        return SessionHints(self, _single(self, "release_retained")).release_retained(owner)
+        return self.hints.release_retained(owner)
 
     # -- the engine's step loop ----------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from typing import Any, final
 from kvoffload.bench.trace import HASH_ID_MAX, HASH_ID_MIN, read_trace, useful_capacity
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
-from kvoffload.pool.hints import RetentionHints
+from kvoffload.pool.hints import RetentionHints, leading_runs
 from kvoffload.pool.policies import POLICY_NAMES, STATIC_POLICY_NAMES, make_policy
 from kvoffload.pool.policies.admission import make_admission
 from kvoffload.pool.priority import DEFAULT_RETAINED_FRACTION, default_max_retained
@@ -254,7 +254,10 @@ def replay_pool(
         max_retained_blocks=default_max_retained(capacity, retained_fraction),
     )
     held_hints = (
-        RetentionHints(lambda h, o, fit: pool.retain(h, owner=o, fit=fit), pool.release_retained)
+        RetentionHints(
+            leading_runs(lambda h, o, fit: pool.retain(h, owner=o, fit=fit)),
+            pool.release_retained,
+        )
         if hints
         else None
     )

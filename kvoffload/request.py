@@ -97,7 +97,10 @@ class _StepCalls(Protocol):
 
 class _Hints(Protocol):
     def retain_hashes_for(
-        self, block_hashes: Sequence[BlockHash], retain_for_s: float, session: Hashable
+        self,
+        block_hashes: Sequence[BlockHash] | Mapping[str, Sequence[BlockHash]],
+        retain_for_s: float,
+        session: Hashable,
     ) -> int: ...
 
 
@@ -585,8 +588,7 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
             RequestStateError: already finished (also through `KVOffloader.finish()`).
             PinnerError: see above; the request is finished.
             ClosedError: see above; the request is finished.
-            InvalidInputError: a bad ``retain_for_s``, or one with several KV cache
-                groups (hints are single-group); nothing changed.
+            InvalidInputError: a bad ``retain_for_s``; nothing changed.
             InputTypeError: ``session`` is not hashable; nothing changed.
         """
         self._state.check("finish", self._request_id)
@@ -594,11 +596,6 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
             retain_for_s = check_retain_for_s(retain_for_s, self._who)
             session = self._request_id if session is None else session
             check_owner(session, "session")
-            if self._lanes is not None:
-                raise InvalidInputError(
-                    f"{self._who}retain_for_s={retain_for_s!r} with several KV cache "
-                    "groups: session hints are single-group for now"
-                )
         try:
             self._off.finish(self._request_id)
         except (PinnerError, ClosedError, RequestStateError):
@@ -608,4 +605,5 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
             raise
         self._state = self._state.to(HandleState.FINISHED, self._request_id)
         if retain_for_s is not None:
-            self._off.hints.retain_hashes_for(self._hashes, retain_for_s, session)
+            hashes = self._hashes if self._lanes is None else self._lanes.hashes()
+            self._off.hints.retain_hashes_for(hashes, retain_for_s, session)

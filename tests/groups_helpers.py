@@ -44,12 +44,14 @@ class Rig:
         cpu_blocks: int | dict[str, int] = 64,
         gpu_blocks: int = 256,
         checkpoint_tokens: int | None = None,
+        max_retained_blocks: int | None = None,
     ) -> None:
         self.groups = list(groups)
         sizes = cpu_blocks if isinstance(cpu_blocks, dict) else {}
         self.pools = {
             g.name: CpuBlockPool(
-                sizes.get(g.name, cpu_blocks if isinstance(cpu_blocks, int) else 64)
+                sizes.get(g.name, cpu_blocks if isinstance(cpu_blocks, int) else 64),
+                max_retained_blocks=max_retained_blocks,
             )
             for g in groups
             if g.cacheable

@@ -5,10 +5,14 @@ steps, stores (some deferred by tiny pools), completions that succeed, fail or a
 cancelled, lookups and loads, abandoned loads, finishes, preemptions and resets. The
 engine frees the blocks of non-full groups that fall out of its window (null table
 entries) and reuses them, never while a transfer names them; after a load, the entries
-below what it wrote name blocks holding no KV of the request. After every step:
-``check_invariants()`` (per group and cross-group) and the model's checks: every
-published CPU block of every group holds the KV of its key, and every load delivers
-exactly the KV of its (group, position).
+below what it wrote name blocks holding no KV of the request. Requests get retention
+priorities, and prefixes are retained (`GroupedScheduler.retain()`, whole or cut to fit
+the bounds) and released. After every step: ``check_invariants()`` (per group and
+cross-group) and the model's checks: every published CPU block of every group holds the
+KV of its key, every load delivers exactly the KV of its (group, position), a store
+publishes each block with at least its request's priority and a hit is touched with it,
+and every retained prefix holds exactly ``needed(g, N)`` in every group and stays a hit
+of ``N``.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvoffload.groups import KVCacheGroup
+from kvoffload.errors import InvalidInputError
+from kvoffload.groups import KVCacheGroup, needed
 from kvoffload.hashing import BlockHash
+from kvoffload.scheduler.group_loads import find_hit
 from kvoffload.scheduler.groups import GroupedPlan
-from kvoffload.transfer.plan import TransferPlan
+from kvoffload.transfer.plan import StorePlan, TransferPlan
 from tests.groups_helpers import Rig, group
 
 GPU_BLOCKS = 40
@@ -45,6 +51,17 @@ class Flight:
     plan: TransferPlan
     rid: str | None = None  # a load's request
     sibling: set[str] = field(default_factory=set)
+    # a store's blocks: hash -> the priority of the request that planned it, then
+    want: dict[BlockHash, int] = field(default_factory=dict)
+
+
+@dataclass
+class Held:
+    """A retained prefix: its hashes per group and the hit ``n`` it holds."""
+
+    hashes: dict[str, list[BlockHash]]
+    n: int
+    broken: bool = False  # a failed load unpublished one of its blocks (as with one group)
 
 
 class GroupsMachine(RuleBasedStateMachine):
@@ -52,7 +69,13 @@ class GroupsMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.rig = Rig(self.GROUPS, cpu_blocks=10, gpu_blocks=GPU_BLOCKS, checkpoint_tokens=8)
+        self.rig = Rig(
+            self.GROUPS,
+            cpu_blocks=10,
+            gpu_blocks=GPU_BLOCKS,
+            checkpoint_tokens=8,
+            max_retained_blocks=5,
+        )
         self.sched = self.rig.sched
         self.names = [g.name for g in self.GROUPS]
         self.gmap = {g.name: g for g in self.GROUPS}
@@ -62,6 +85,8 @@ class GroupsMachine(RuleBasedStateMachine):
         self.reqs: dict[str, Req] = {}
         self.flights: list[Flight] = []
         self.next_id = 0
+        self.priority: dict[str, int] = {}
+        self.held: dict[str, Held] = {}
 
     # -- the engine's GPU blocks -------------------------------------------------------
 
@@ -98,22 +123,35 @@ class GroupsMachine(RuleBasedStateMachine):
 
     # -- rules -------------------------------------------------------------------------
 
+    def _tokens(self, family: int, variant: int, n: int) -> list[int]:
+        return [family * 1000 + i for i in range(8)] + [
+            family * 1000 + variant * 100 + 500 + i for i in range(n - 8)
+        ]
+
     @precondition(lambda self: len(self.reqs) < 3)
-    @rule(family=st.integers(0, 1), variant=st.integers(0, 1), length=st.integers(2, 4))
-    def new_request(self, family: int, variant: int, length: int) -> None:
+    @rule(
+        family=st.integers(0, 1),
+        variant=st.integers(0, 1),
+        length=st.integers(2, 4),
+        priority=st.sampled_from([0, 0, 1, 3]),
+    )
+    def new_request(self, family: int, variant: int, length: int, priority: int = 0) -> None:
         rid = f"r{self.next_id}"
         self.next_id += 1
         n = length * 8 + 1
-        toks = [family * 1000 + i for i in range(8)] + [
-            family * 1000 + variant * 100 + 500 + i for i in range(n - 8)
-        ]
+        toks = self._tokens(family, variant, n)
         req = Req(toks, self.rig.hashes(toks), {n_: [] for n_ in self.names})
         self.reqs[rid] = req
+        if priority:
+            self.sched.set_priority(rid, priority)
+            self.priority[rid] = priority
         hit = self.sched.lookup(rid, req.hashes, n)
         assert hit % self.sched.hit_alignment == 0
         assert hit <= n - 1
         if hit == 0:
             return
+        for lane in self.sched._requests[rid].lanes.values():  # hits touched with it
+            assert all(b.priority >= priority for b in lane.pin or ())
         tables: dict[str, list[int | None]] = {}
         for name in self.names:
             table: list[int | None] = []
@@ -196,7 +234,12 @@ class GroupsMachine(RuleBasedStateMachine):
     def _fly(self, plan: GroupedPlan | None) -> None:
         if plan is not None:
             for name, sub in plan.plans.items():
-                self.flights.append(Flight(name, sub))
+                rec = self.sched._planner.records[(name, sub.plan_id)]
+                want = {
+                    self.sched._requests[rid].lanes[name].hashes[i]: self.priority.get(rid, 0)
+                    for rid, i, _ in rec.blocks
+                }
+                self.flights.append(Flight(name, sub, want=want))
 
     @precondition(lambda self: self.flights)
     @rule(data=st.data(), outcome=st.sampled_from(["ok", "ok", "fail", "cancel"]))
@@ -217,6 +260,18 @@ class GroupsMachine(RuleBasedStateMachine):
                     else:
                         self.gpu[name][gpu] = self.cpu[name][cpu]
             assert self.sched.complete(name, plan, ok)
+            if ok and isinstance(plan, StorePlan):  # published with the priority
+                pool = self.rig.pools[name]
+                for cpu, key in zip(plan.cpu_block_ids, plan.block_hashes, strict=True):
+                    block = pool.block(cpu)
+                    if block.block_hash == key:
+                        assert block.priority >= f.want.get(key, 0), (name, cpu)
+        if plan.kind == "load" and outcome == "fail":
+            loaded = set(plan.cpu_block_ids)
+            retained = self.rig.pools[name]._retained.held
+            for owner, held in self.held.items():
+                if any(b.block_id in loaded for b in retained(owner)):
+                    held.broken = True
         req = self.reqs.get(f.rid or "")
         if plan.kind != "load" or req is None:
             return
@@ -283,6 +338,57 @@ class GroupsMachine(RuleBasedStateMachine):
     def reset(self, dice: int) -> None:
         if dice == 0:  # rare: a reset empties everything the other rules built
             self.sched.reset()
+            self.held.clear()  # every retained block is released
+
+    @precondition(lambda self: any(not r.loading for r in self.reqs.values()))
+    @rule(data=st.data(), priority=st.integers(0, 4))
+    def set_priority(self, data: st.DataObject, priority: int) -> None:
+        rid = data.draw(st.sampled_from(sorted(k for k, r in self.reqs.items() if not r.loading)))
+        self.sched.set_priority(rid, priority)
+        self.priority[rid] = priority
+
+    @rule(
+        family=st.integers(0, 1),
+        variant=st.integers(0, 1),
+        length=st.integers(1, 4),
+        owner=st.sampled_from(["a", "b", "hint"]),
+    )
+    def retain(self, family: int, variant: int, length: int, owner: str) -> None:
+        """``hint`` retains as a session hint does (its prefix replaced, cut to fit);
+        the others as ``retain_prefix()`` (added to what they hold, or refused whole)."""
+        hashes = self.rig.hashes(self._tokens(family, variant, length * 8))
+        before = {n: p.num_retained for n, p in self.rig.pools.items()}
+        fit = owner == "hint"
+        try:
+            held, whole = self.sched.retain(hashes, owner, fit=fit)
+        except InvalidInputError:
+            assert not fit
+            assert before == {n: p.num_retained for n, p in self.rig.pools.items()}
+            return
+        mine = {n: p._retained.held(owner) for n, p in self.rig.pools.items()}
+        assert held <= sum(len(b) for b in mine.values())
+        if fit or owner not in self.held:
+            n = max(
+                (k for k in range(0, length * 8 + 1, self.sched.hit_alignment)
+                 if all({hashes[g.name][i] for i in needed(g, k)}
+                        == {b.block_hash for b in mine[g.name]} for g in self.GROUPS)),
+                default=None,
+            )  # fmt: skip
+            assert n is not None, "the retained blocks are needed(g, N) for no one N"
+            assert whole == (n == length * 8)
+            self.held[owner] = Held(hashes, n)
+        if owner in self.held and not any(mine.values()):
+            del self.held[owner]
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        owner = data.draw(st.sampled_from(sorted(self.held)))
+        want = sum(len(p._retained.held(owner)) for p in self.rig.pools.values())
+        assert self.sched.release_retained(owner) == want
+        del self.held[owner]
+        for pool in self.rig.pools.values():
+            assert owner not in pool.retained_owners
 
     # -- checks ------------------------------------------------------------------------
 
@@ -294,6 +400,30 @@ class GroupsMachine(RuleBasedStateMachine):
                 block = pool.block(block_id)
                 if block.block_hash is not None:
                     assert self.cpu[name].get(block_id) == block.block_hash, (name, block_id)
+
+    @invariant()
+    def retained_prefixes_stay_hits(self) -> None:
+        for owner, held in self.held.items():
+            for g in self.GROUPS:
+                pool = self.rig.pools[g.name]
+                blocks = pool._retained.held(owner)
+                assert all(b.ref_cnt >= 1 for b in blocks)
+                if held.broken:
+                    continue
+                assert all(b.block_hash is not None for b in blocks)
+                keys = {b.block_hash for b in blocks}
+                assert {held.hashes[g.name][i] for i in needed(g, held.n)} <= keys
+            if held.broken:
+                continue
+            n = find_hit(
+                self.GROUPS,
+                self.rig.pools,
+                held.hashes,
+                held.n + 1,
+                computed=0,
+                align=self.sched.hit_alignment,
+            )
+            assert n >= held.n, (owner, n, held.n)
 
     @invariant()
     def stored_blocks_are_needed_somewhere(self) -> None:

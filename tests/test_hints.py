@@ -11,7 +11,7 @@ from scheduler_helpers import BS, tokens
 
 from kvoffload import InputTypeError, InvalidInputError, KVLayout, KVOffloader, OffloadConfig
 from kvoffload.pool.block_pool import CpuBlockPool
-from kvoffload.pool.hints import HintOwner, RetentionHints
+from kvoffload.pool.hints import HintOwner, RetentionHints, leading_runs
 
 pytestmark = pytest.mark.anyio
 
@@ -210,7 +210,9 @@ def test_hints_on_a_bare_pool_expire_lazily_on_their_clock() -> None:
         pool.publish(block, key)
     pool.free(blocks)
     hints = RetentionHints(
-        lambda h, o, fit: pool.retain(h, owner=o, fit=fit), pool.release_retained, clock=lambda: 0
+        leading_runs(lambda h, o, fit: pool.retain(h, owner=o, fit=fit)),
+        pool.release_retained,
+        clock=lambda: 0,
     )
     assert not hints
     assert hints.hint("s", keys, 5.0, now=0.0) == 3

@@ -247,14 +247,13 @@ async def test_bad_input_names_the_request_the_group_and_the_value() -> None:
                 req.load([0, 1, 2])
         with pytest.raises(InvalidInputError, match=r"lookup\(\).*\['full', 'swa'\]"):
             off.lookup("x", [], 8)
-        for call in (
-            lambda: off.retain_prefix([1, 2], owner="sys"),
-            lambda: off.release_retained("sys"),
-        ):
-            with pytest.raises(InvalidInputError, match=r"retain.*\['full', 'swa'\]"):
-                call()
-        with pytest.raises(InvalidInputError, match=r"'p'.*priority=2.*\['full', 'swa'\]"):
-            off.request("p", [1, 2], priority=2)
+        assert off.retain_prefix([1, 2], owner="sys") == 0  # no full block: nothing held
+        with pytest.raises(InvalidInputError, match=r"'sys' retains no block.*\['full', 'swa'\]"):
+            off.release_retained("sys")
+        with pytest.raises(InvalidInputError, match=r"request 'p': priority must be"):
+            off.request("p", [1, 2], priority=-1)
+        with pytest.raises(InvalidInputError, match=r"prefetch\(\).*\['full', 'swa'\]"):
+            await off.hints.prefetch([1, 2, 3, 4])
         assert off.groups == model.groups
         with off.request("r4", list(range(9))) as req:
             assert off.hash_prompt(list(range(9))) == list(req.block_hashes)

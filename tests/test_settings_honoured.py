@@ -199,9 +199,20 @@ async def hold_released(make_off: Callable[[], KVOffloader], seen: Seen) -> obje
         return len(sched.take_released_holds())
 
 
-async def retained_bound(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+async def retains_a_prefix(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    """What ``retain_prefix()`` holds of a stored prompt (every group's blocks)."""
     async with make_off() as off:
-        return [p.max_retained_blocks for p in _pools(off)]
+        prompt = list(range(9))  # 8 tokens stored: 2 full blocks (and a window of 2)
+        with off.request("r", prompt) as req:
+            req.lookup()
+            table = list(range(req.blocks_for(len(prompt))))
+            req.advance(table if off.groups is None else {g.name: table for g in GROUPS}, 9)
+            off.store()
+        await off.drain()
+        try:
+            return off.retain_prefix(prompt, owner="sys")
+        except InvalidInputError:  # over the bound (0 blocks of 8 by default)
+            return "refused"
 
 
 async def prefetch_bound(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
@@ -272,9 +283,7 @@ TABLE: dict[str, Decision] = {
     "hold_max_steps": Decision(
         {"hold_max_steps": 1}, {"offloader": hold_released}, with_={"hold_blocks_on_finish": True}
     ),
-    "max_retained_fraction": Decision(
-        {"max_retained_fraction": 0.5}, {"offloader": retained_bound}
-    ),
+    "max_retained_fraction": Decision({"max_retained_fraction": 0.5}, _both(retains_a_prefix)),
     "max_prefetch_fraction": Decision(
         {"max_prefetch_fraction": 0.5}, {"offloader": prefetch_bound}, with_={"tiers": "TIER"}
     ),

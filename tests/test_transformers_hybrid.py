@@ -446,3 +446,28 @@ async def test_a_corrupted_cpu_block_of_one_group_changes_the_answer(
         assert second.output_token_ids == expected
     else:
         assert second.output_token_ids != expected
+
+
+async def test_a_session_hint_retains_every_groups_blocks_of_a_hybrid(
+    models: tuple[Any, Any],
+) -> None:
+    """``add_request(retain_for_s=...)`` with a hybrid model's offloader (refused before):
+    the finished request's prefix is retained in every group's pool, then released."""
+    model, _ = models
+    engine = PagedEngine(model, num_gpu_blocks=12, block_size=BS, max_batch_tokens=16)
+    async with offloader_for(engine) as off:
+        engine.attach(off)
+        engine.add_request("a", list(range(1, 18)), max_new_tokens=2, retain_for_s=60, session="s")
+        (res,) = await engine.run_until_done()
+        assert res.error is None, res.error
+        await off.drain()
+        off.store()  # a hint given before the last store completed is retained now
+        assert off.hints.sessions == ("s",)
+        groups = off._groups
+        assert groups is not None
+        pools = [groups.scheduler.ledger(g).pool for g in groups.scheduler.statistics()]
+        assert all(p.num_retained > 0 for p in pools)
+        held = sum(p.num_retained for p in pools)
+        assert off.hints.release("s") == held
+        assert all(p.num_retained == 0 for p in pools)
+        off.check_invariants()

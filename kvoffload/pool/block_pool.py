@@ -433,6 +433,11 @@ class CpuBlockPool:
         """
         return self._retained.retain(block_hashes, owner, self._cached.get, self.touch, fit=fit)
 
+    def retainable(self, block_hashes: Iterable[BlockHash], owner: Hashable) -> int:
+        """How many blocks `retain(block_hashes, owner=owner, fit=True)` would hold now
+        (the published leading run, cut to ``max_retained_blocks``); changes nothing."""
+        return self._retained.retainable(block_hashes, owner, self._cached.get)
+
     def release_retained(self, owner: Hashable) -> int:
         """Drop every reference `retain()` took for ``owner``; return how many blocks.
         Raises `InvalidInputError` if ``owner`` retains nothing (released twice, or never)."""

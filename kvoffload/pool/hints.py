@@ -12,6 +12,10 @@ truthiness test.
 A hint retains the leading run of its prefix that is stored now and fits within the bound
 (a hint is best effort: it is cut, never refused). Blocks whose stores are still in flight
 are picked up later: `retry()` retains the rest of a hint's prefix once it is stored.
+
+The prefix is opaque here (``P``): one group's block hashes, or one list per KV cache group
+(`GroupedScheduler.retain()`); ``retain`` says how many blocks it holds and whether that is
+the whole prefix.
 """
 
 from __future__ import annotations
@@ -19,18 +23,20 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence, Sized
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING, Generic, TypeVar, final
 
 from kvoffload.errors import InvalidInputError
 from kvoffload.pool.retention import check_owner
 
 if TYPE_CHECKING:
     from kvoffload.hashing import BlockHash
-    from kvoffload.pool.block import CpuBlock
 
-__all__ = ["HintOwner", "RetentionHints", "check_retain_for_s"]
+__all__ = ["HintOwner", "RetentionHints", "check_retain_for_s", "leading_runs"]
+
+P = TypeVar("P")
+"""A hint's prefix: what ``retain`` is given (kept as given: pass an immutable one)."""
 
 MAX_RETAIN_FOR_S = 86_400.0 * 365
 """The longest a hint may ask for (a year): longer is a mistake, not a hint."""
@@ -55,6 +61,19 @@ def check_retain_for_s(value: object, who: str = "") -> float:
     return float(value)  # type: ignore[arg-type]
 
 
+def leading_runs(
+    retain: Callable[[Sequence[BlockHash], Hashable, bool], Sized],
+) -> Callable[[Sequence[BlockHash], Hashable, bool], tuple[int, bool]]:
+    """``retain`` of one pool (``(hashes, owner, fit) -> run``, the leading run held) as
+    `RetentionHints` calls it: the prefix is whole once the run is every hash."""
+
+    def held(hashes: Sequence[BlockHash], owner: Hashable, fit: bool) -> tuple[int, bool]:
+        n = len(retain(hashes, owner, fit))
+        return n, n == len(hashes)
+
+    return held
+
+
 @final
 @dataclass(frozen=True, slots=True)
 class HintOwner:
@@ -65,20 +84,22 @@ class HintOwner:
 
 
 @dataclass(slots=True)
-class _Hint:
-    hashes: Sequence[BlockHash]
+class _Hint(Generic[P]):
+    prefix: P
     deadline: float
     complete: bool
     token: int
 
 
 @final
-class RetentionHints:
-    """The live hints of one pool, by session.
+class RetentionHints(Generic[P]):
+    """The live hints of one pool (or of every group's pool), by session.
 
     Args:
-        retain: ``(hashes, owner, fit) -> run``: retain through the pool's one owner of
-            references (a `BlockLedger`'s or a `CpuBlockPool`'s ``retain``).
+        retain: ``(prefix, owner, fit) -> (held, whole)``: retain through the pools' one
+            owner of references (a `BlockLedger`'s or a `CpuBlockPool`'s ``retain``);
+            how many blocks ``owner`` holds for the prefix now, and whether that is the
+            whole prefix.
         release: ``owner -> blocks``: release an owner (``release_retained``).
         clock: seconds, monotonic; `time.monotonic` by default (tests and the trace
             replay drive their own).
@@ -88,14 +109,14 @@ class RetentionHints:
 
     def __init__(
         self,
-        retain: Callable[[Sequence[BlockHash], Hashable, bool], list[CpuBlock]],
+        retain: Callable[[P, Hashable, bool], tuple[int, bool]],
         release: Callable[[Hashable], int],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._retain = retain
         self._release = release
         self.clock = clock
-        self._hints: dict[Hashable, _Hint] = {}
+        self._hints: dict[Hashable, _Hint[P]] = {}
         self._heap: list[tuple[float, int, Hashable]] = []  # (deadline, order, session), lazy
         self._pending: set[Hashable] = set()
         self._order = 0
@@ -120,12 +141,12 @@ class RetentionHints:
     def hint(
         self,
         session: Hashable,
-        block_hashes: Sequence[BlockHash],
+        prefix: P,
         retain_for_s: float,
         *,
         now: float | None = None,
     ) -> int:
-        """Retain the stored leading run of ``block_hashes`` for ``session`` until
+        """Retain the stored leading run of ``prefix`` for ``session`` until
         ``retain_for_s`` seconds from now; replace the session's earlier hint. Return how
         many blocks are retained now (the rest of the prefix is retained by `retry()`
         once stored, within the bound).
@@ -141,11 +162,10 @@ class RetentionHints:
         owner = HintOwner(session)
         if session in self._hints:
             self._drop(session)
-        run = self._retain(block_hashes, owner, True)
+        held, complete = self._retain(prefix, owner, True)
         deadline = now + retain_for_s
-        complete = len(run) == len(block_hashes)
         self._order += 1
-        self._hints[session] = _Hint(tuple(block_hashes), deadline, complete, self._order)
+        self._hints[session] = _Hint(prefix, deadline, complete, self._order)
         if not complete:
             self._pending.add(session)
         heapq.heappush(self._heap, (deadline, self._order, session))
@@ -153,7 +173,7 @@ class RetentionHints:
             live = {h.token for h in self._hints.values()}
             self._heap = [e for e in self._heap if e[1] in live]
             heapq.heapify(self._heap)
-        return len(run)
+        return held
 
     def release(self, session: Hashable) -> int:
         """End ``session``'s hint early: its blocks may be evicted again. Return how many
@@ -188,8 +208,8 @@ class RetentionHints:
         """Retain what each incomplete hint's prefix has stored since (within the bound)."""
         for session in tuple(self._pending):
             hint = self._hints[session]
-            run = self._retain(hint.hashes, HintOwner(session), True)
-            if len(run) == len(hint.hashes):
+            _, complete = self._retain(hint.prefix, HintOwner(session), True)
+            if complete:
                 hint.complete = True
                 self._pending.discard(session)
 

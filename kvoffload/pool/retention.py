@@ -109,12 +109,7 @@ class RetainedBlocks:
             InputTypeError: ``owner`` is not hashable; nothing changed.
         """
         check_owner(owner)
-        run: list[CpuBlock] = []
-        for block_hash in block_hashes:
-            block = get(block_hash)
-            if block is None:
-                break
-            run.append(block)
+        run = _leading_run(block_hashes, get)
         if fit:
             run = self._fit(owner, run)
         new = self._admit(owner, run)
@@ -122,6 +117,16 @@ class RetainedBlocks:
             touch(new)
             self._record(owner, new)
         return run
+
+    def retainable(
+        self,
+        block_hashes: Iterable[BlockHash],
+        owner: Hashable,
+        get: Callable[[BlockHash], CpuBlock | None],
+    ) -> int:
+        """How many blocks `retain()` with ``fit`` would hold for ``owner`` now (the
+        published leading run, cut to the bound); nothing changes."""
+        return len(self._fit(owner, _leading_run(block_hashes, get)))
 
     def _fit(self, owner: Hashable, run: list[CpuBlock]) -> list[CpuBlock]:
         """The longest leading part of ``run`` that ``owner`` may hold within the bound."""
@@ -209,3 +214,16 @@ class RetainedBlocks:
                 raise InvariantError(
                     f"block {held_id} is retained {count} time(s) but has ref_cnt {block.ref_cnt}"
                 )
+
+
+def _leading_run(
+    block_hashes: Iterable[BlockHash], get: Callable[[BlockHash], CpuBlock | None]
+) -> list[CpuBlock]:
+    """The blocks ``get`` finds for ``block_hashes``, up to the first it does not."""
+    run: list[CpuBlock] = []
+    for block_hash in block_hashes:
+        block = get(block_hash)
+        if block is None:
+            break
+        run.append(block)
+    return run

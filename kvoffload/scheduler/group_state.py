@@ -145,6 +145,8 @@ class GroupedRequest:
     deferrals: int = 0
     deferred_since: float = 0.0
     miss_reason: MissReason = MissReason.NONE
+    # the retention priority of its blocks in every group (`PriorityCount.set()`)
+    priority: int = 0
 
 
 @dataclass(slots=True, eq=False)

@@ -9,6 +9,7 @@ from typing import final
 
 from kvoffload.errors import InvariantError
 from kvoffload.groups import KVCacheGroup, needed, store_points
+from kvoffload.hashing import BlockHash
 from kvoffload.scheduler.group_state import (
     GroupCounts,
     GroupedPlan,
@@ -94,11 +95,15 @@ class GroupStorePlanner:
         g: KVCacheGroup,
         wanted: list[tuple[int, int]],
         rec: StoreRecord,
+        *,
+        passed: list[int] | None,
     ) -> int | None:
         """Offer one request's blocks to the group's batch, a store point whole (its new
         blocks first, then its cached ones: `StoreBatch.offer()` keeps the plan from
         evicting those while a block is free); the cursor to keep when a point does not
-        fit (the batch is marked deferred), else ``None``."""
+        fit (the batch is marked deferred), else ``None``. ``passed``, when given, gets
+        the index of every block of the points offered (new or cached: a request's
+        retention priority reaches them all, as with one group)."""
         lane = state.lanes[g.name]
         hashes, table = lane.hashes, lane.table
         get_cached, pending, planned = batch.get_cached, batch.pending, batch.planned
@@ -134,6 +139,8 @@ class GroupStorePlanner:
                 if not batch.offer(hashes[i], entry, rid) and i in fresh:
                     raise InvariantError(f"group {g.name!r}: a store point did not fit")
             rec.blocks.extend((rid, i, point) for i in new)
+            if passed is not None:
+                passed.extend(usable)
             k = end
         return None
 
@@ -148,6 +155,7 @@ class GroupStorePlanner:
             counters = self._counts[name].counters
             batch = StoreBatch(ledger, sys.maxsize)
             rec = StoreRecord([], {})
+            want: dict[BlockHash, int] = {}
             for state in states:
                 lane = state.lanes[name]
                 wanted = self.scan(state, name, g, final)
@@ -158,11 +166,21 @@ class GroupStorePlanner:
                         batch.skipped.append(lane.hashes[usable[0]])
                     continue
                 rec.cursors[state.request_id] = lane.cursor
-                cut = self._offer(batch, state, g, wanted, rec)
+                passed: list[int] | None = [] if state.priority else None
+                cut = self._offer(batch, state, g, wanted, rec, passed=passed)
+                if passed:
+                    prio = state.priority
+                    for i in passed:
+                        h = lane.hashes[i]
+                        if prio > want.get(h, 0):
+                            want[h] = prio
                 new = self.advance(g, state, final) if cut is None else cut
                 lane.cursor = max(lane.cursor, new)
                 batch.end_run()
             batch.count(ledger, counters, group=name)
+            # as with one group (`BlockLedger.prioritize()`): planned blocks are published
+            # with their priority, cached or pending ones raised now
+            priorities = ledger.prioritize(want, batch.planned) if want else None
             if not batch.hashes:
                 continue
             plan = ledger.open_store(
@@ -172,6 +190,7 @@ class GroupStorePlanner:
                 protect=batch.protect,
                 evicted=[],
                 ends=batch.run_ends(),
+                priorities=priorities,
             )
             counters.store_plans += 1
             plans[name] = plan

@@ -20,13 +20,16 @@ group, and applies the rules of `kvoffload.groups`:
 * loads: exactly the blocks of ``needed(g, N)`` above the engine's own prefix;
 * a table naming one GPU block twice is refused, as with one group (`check_distinct()`).
 
+* a request's retention priority applies to its blocks in every group (`set_priority()`),
+  and `retain()` holds exactly the blocks a lookup of a prefix needs, in every group.
+
 A single full-attention model never uses this class: it keeps `OffloadScheduler`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import final
 
 from kvoffload.errors import (
@@ -56,6 +59,7 @@ from kvoffload.scheduler.group_loads import (
     note_load,
     note_prefix,
 )
+from kvoffload.scheduler.group_retain import release_groups, retain_groups
 from kvoffload.scheduler.group_state import (
     GroupCounts,
     GroupedPlan,
@@ -73,7 +77,7 @@ from kvoffload.scheduler.group_stores import GroupStorePlanner
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import DEFER_DEADLINE_S, deferral_spent
 from kvoffload.scheduler.misses import MissReason
-from kvoffload.scheduler.requests import as_int
+from kvoffload.scheduler.requests import PriorityCount, as_int, check_request_priority
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import LoadPlan, TransferPlan
 
@@ -156,6 +160,7 @@ class GroupedScheduler:
         self._checkpoint = checkpoint_tokens
         self._ledgers = {g.name: BlockLedger(pools[g.name]) for g in self._cacheable}
         self._requests: dict[str, GroupedRequest] = {}
+        self._priorities = PriorityCount()
         self._counts = {
             g.name: GroupCounts(Counters(g.block_size, g.bytes_per_block)) for g in self._cacheable
         }
@@ -235,6 +240,36 @@ class GroupedScheduler:
         if state.finished:
             raise RequestStateError(f"request {request_id!r} is finished")
         return state
+
+    def set_priority(self, request_id: str, priority: int) -> None:
+        """Give ``request_id`` (registered on first use) a retention priority, as
+        `OffloadScheduler.set_priority()` does, in every group: its blocks are published
+        and its hits touched with it in each group's pool.
+
+        Raises:
+            InvalidInputError: not an int in [0, `MAX_PRIORITY`] (InputTypeError: a float).
+            RequestStateError: the request is finished.
+        """
+        priority = check_request_priority(request_id, priority)
+        self._priorities.set(self._state(request_id), priority)
+
+    def retain(
+        self, block_hashes: GroupHashes, owner: Hashable, *, fit: bool = False
+    ) -> tuple[int, bool]:
+        """Retain a prefix's blocks in every group for ``owner`` until
+        `release_retained()`: exactly what a lookup of it needs (`retain_groups()`).
+
+        Returns:
+            The blocks held for it, all groups together, and whether that is the whole
+            prefix.
+        """
+        return retain_groups(
+            self._cacheable, self._ledgers, block_hashes, owner, align=self._align, fit=fit
+        )
+
+    def release_retained(self, owner: Hashable) -> int:
+        """Release what ``owner`` retains in every group (`release_groups()`)."""
+        return release_groups(self._ledgers, owner)
 
     def update(
         self,
@@ -346,7 +381,7 @@ class GroupedScheduler:
             state.miss_reason = MissReason.IN_FLIGHT
             return None
         for name, (start, pinned) in hits.items():
-            self._ledgers[name].pin(pinned)
+            self._ledgers[name].pin(pinned, state.priority)
             state.lanes[name].pin, state.lanes[name].pin_start = pinned, start
             state.hit, state.hit_from = n, num_computed_tokens
         if self.extension is not None:
@@ -534,6 +569,7 @@ class GroupedScheduler:
     def _drop_if_done(self, state: GroupedRequest) -> None:
         if state.finished and not state.in_flight:
             del self._requests[state.request_id]
+            self._priorities.drop(state)
 
     # -- completion ------------------------------------------------------------------------
 
@@ -613,6 +649,7 @@ class GroupedScheduler:
             InvariantError: naming the group and the breach.
         """
         check_ledgers(self._ledgers, self._requests.values(), self._loads)
+        self._priorities.check(self._requests.values())
         self._planner.check_invariants()
         groups = {g.name: g for g in self._cacheable}
         for state in self._requests.values():

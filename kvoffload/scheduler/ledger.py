@@ -15,7 +15,7 @@ are "being filled": DESIGN.md invariants 2 and 3).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import final
 
@@ -174,6 +174,19 @@ class BlockLedger:
                 self.priorities[block_hash] = priority
         elif (block := self._pool.get_cached(block_hash)) is not None:
             self._pool.raise_priority(block, priority)
+
+    def prioritize(
+        self, want: Mapping[BlockHash, int], planned: Collection[BlockHash]
+    ) -> dict[BlockHash, int]:
+        """A store's priorities: ``want`` maps each block a store scan passed for a
+        request with a priority to the highest such priority. Those not ``planned`` (being
+        filled by an earlier plan, or published) are raised now (`raise_priority()`); the
+        planned ones are returned, for `open_store()` to publish them with."""
+        raise_priority = self.raise_priority
+        for block_hash, priority in want.items():
+            if block_hash not in planned:
+                raise_priority(block_hash, priority)
+        return {h: p for h, p in want.items() if h in planned}
 
     def retain(
         self, block_hashes: Sequence[BlockHash], owner: Hashable, *, fit: bool = False

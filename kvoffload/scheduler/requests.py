@@ -9,8 +9,8 @@ from __future__ import annotations
 import operator
 import warnings
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Sequence
-from typing import Any, NoReturn, final
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Any, NoReturn, Protocol, final
 
 from kvoffload._logging import get_logger
 from kvoffload.errors import (
@@ -29,6 +29,8 @@ from kvoffload.transfer.plan import TransferPlan
 
 __all__ = [
     "FINISHED_IDS_REMEMBERED",
+    "Prioritized",
+    "PriorityCount",
     "RequestTable",
     "as_int",
     "check_distinct",
@@ -104,6 +106,41 @@ def check_request_priority(request_id: str, priority: object) -> int:
             f"got {priority!r}"
         )
     return priority
+
+
+class Prioritized(Protocol):
+    """A request's state that carries a retention priority (one group's or several's)."""
+
+    priority: int
+
+
+@final
+class PriorityCount:
+    """How many requests have a retention priority other than 0: the one place a
+    request's priority is set, for one group's `RequestTable` and for the requests of a
+    `GroupedScheduler` alike. While the count is 0 the store planners do no priority
+    work at all."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def set(self, state: Prioritized, priority: int) -> None:
+        """Give ``state`` ``priority`` (checked by `check_request_priority()`)."""
+        self.count += (priority != 0) - (state.priority != 0)
+        state.priority = priority
+
+    def drop(self, state: Prioritized) -> None:
+        """``state``'s request is forgotten."""
+        if state.priority:
+            self.count -= 1
+
+    def check(self, states: Iterable[Prioritized]) -> None:
+        """Raise `InvariantError` unless the count is that of ``states``."""
+        counted = sum(1 for state in states if state.priority)
+        if counted != self.count:
+            raise InvariantError(f"{counted} requests have a priority, {self.count} counted")
 
 
 def _out_of_range(g: int, j: int, rid: str, limit: int | None) -> NoReturn:
@@ -189,8 +226,8 @@ class RequestTable:
         self._restore_evicted = restore_evicted
         self._block_size = block_size
         self._warned_unhashed = False
-        self.prioritized = 0
-        """Registered requests whose priority is not 0 (while 0, stores pay nothing)."""
+        self.priorities = PriorityCount()
+        """Counts the registered requests whose priority is not 0."""
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -290,14 +327,17 @@ class RequestTable:
         state = self.known(request_id)
         if state is None:
             state = self.register(request_id)
-        self.prioritized += (priority != 0) - (state.priority != 0)
-        state.priority = priority
+        self.priorities.set(state, priority)
+
+    @property
+    def prioritized(self) -> int:
+        """Registered requests whose priority is not 0 (while 0, stores pay nothing)."""
+        return self.priorities.count
 
     def drop(self, state: RequestOffloadState) -> None:
         """Forget a finished request (its last transfer completed)."""
         del self.requests[state.request_id]
-        if state.priority:
-            self.prioritized -= 1
+        self.priorities.drop(state)
         _log.debug("request_dropped", request_id=state.request_id)
 
     def drop_if_done(self, state: RequestOffloadState) -> None:
@@ -429,11 +469,7 @@ class RequestTable:
             live_refs.update(Counter(state.block_hashes[: state.num_stored_blocks]))
         if unclaimed:
             raise InvariantError(f"{len(unclaimed)} pins in the ledger belong to no request")
-        prioritized = sum(1 for state in self.requests.values() if state.priority)
-        if prioritized != self.prioritized:
-            raise InvariantError(
-                f"{prioritized} requests have a priority, {self.prioritized} counted"
-            )
+        self.priorities.check(self.requests.values())
         return live_refs, held
 
     def detach(self, plan: TransferPlan) -> None:

@@ -299,12 +299,7 @@ class StorePlanner:
                 for block_hash in state.block_hashes[start : state.num_stored_blocks]:
                     if priority > want.get(block_hash, 0):
                         want[block_hash] = priority
-        planned = batch.planned
-        raise_priority = self._ledger.raise_priority
-        for block_hash, priority in want.items():
-            if block_hash not in planned:
-                raise_priority(block_hash, priority)
-        return {h: p for h, p in want.items() if h in planned}
+        return self._ledger.prioritize(want, batch.planned)
 
     def _scan_eager(self, batch: StoreBatch, hold_done: list[RequestOffloadState]) -> None:
         # The hot loop: StoreBatch.offer() inlined, with its state in locals. The count

@@ -34,7 +34,7 @@ import torch
 from transformers import AttentionInterface
 
 from kvoffload.config import KVLayout
-from kvoffload.errors import ConfigError, InvalidInputError
+from kvoffload.errors import ConfigError
 from kvoffload.groups import KVCacheGroup
 from kvoffload.hashing import BlockHasher, HashNamespace
 from kvoffload.integrations.transformers.allocator import GpuBlockAllocator
@@ -313,8 +313,8 @@ class PagedEngine:
         Raises:
             ValueError: an id in use, an empty prompt, a token outside the vocabulary, a
                 ``max_new_tokens`` below 1, or a request that can never fit the cache;
-                a ``retain_for_s`` that is not a number of seconds in (0, one year], or
-                one with an offloader of several KV cache groups (`InvalidInputError`).
+                a ``retain_for_s`` that is not a number of seconds in (0, one year]
+                (`InvalidInputError`).
             InputTypeError: ``session`` is not hashable.
         """
         off = self._calls.off
@@ -344,11 +344,6 @@ class PagedEngine:
             )
         hint = None
         if retain_for_s is not None:
-            if off is not None and off.groups is not None:
-                raise InvalidInputError(
-                    f"request {request_id!r}: retain_for_s={retain_for_s!r} with several KV "
-                    "cache groups: session hints are single-group for now"
-                )
             check_owner(session, "session")
             hint = (check_retain_for_s(retain_for_s, f"request {request_id!r}: "), session)
         hasher = None if off is not None else BlockHasher(self._root, self._block_size)
