@@ -176,5 +176,5 @@ def test_pools_small_enough_to_defer_every_group_give_identical_tokens(
     assert _same_logprobs(run, base)
     for index in range(4):  # every group's pool ran full: its stores were deferred
         stats = run.group_stats[f"g{index}"]
-        assert stats.deferred_stores > 0
+        assert stats.deferred_blocks > 0
         assert stats.stored_blocks > 0
