@@ -37,6 +37,7 @@ __all__ = [
     "MAX_LOOKUP_DEFERRALS",
     "LoadPlanner",
     "LookupExtension",
+    "block_miss_reason",
     "deferral_spent",
     "lookup_defers",
 ]
@@ -116,6 +117,25 @@ class LookupExtension(Protocol):
         """The longest a request's lookups may answer "ask again" in a row while this
         storage brings its blocks in (the time its promotions may take)."""
         ...
+
+
+def block_miss_reason(
+    ledger: BlockLedger,
+    block_hash: BlockHash,
+    below: Callable[[BlockHash], MissReason | None] | None,
+) -> MissReason:
+    """Why a pool (its ``ledger``) could not serve ``block_hash`` to a lookup: its copy
+    into the pool in flight (`MissReason.IN_FLIGHT`), else what the storage below says
+    (``below``: the tiers' `LookupExtension.miss_reason`, ``None`` without tiers), else
+    what the pool's `MissMemory` remembers. The one rule for one group and for each
+    group of several."""
+    if block_hash in ledger.pending:
+        return _IN_FLIGHT
+    if below is not None:
+        reason = below(block_hash)
+        if reason is not None:
+            return reason
+    return ledger.misses.reason(block_hash)
 
 
 @final
@@ -249,16 +269,10 @@ class LoadPlanner:
             return _NONE
         if end >= limit:
             return MissReason.LAST_TOKEN if limit < len(block_hashes) else MissReason.BOUNDARY
-        block_hash = block_hashes[end]
-        ledger = self._ledger
-        if block_hash in ledger.pending:
-            return _IN_FLIGHT
         extension = self.extension
-        if extension is not None:
-            reason = extension.miss_reason(block_hash)
-            if reason is not None:
-                return reason
-        return ledger.misses.reason(block_hash)
+        return block_miss_reason(
+            self._ledger, block_hashes[end], None if extension is None else extension.miss_reason
+        )
 
     def _defer(self, state: RequestOffloadState, deferrals: int) -> None:
         """Answer "ask again": one more in the request's run of them."""
