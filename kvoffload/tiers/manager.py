@@ -340,6 +340,11 @@ class TierManager:
             promotion_errors=promoter.errors,
             promotions_in_flight=promoter.in_flight,
             refs_held=sum(self._ledger.tier_refs().values()),
+            prefetches=promoter.prefetches,
+            prefetches_completed=promoter.prefetches_completed,
+            prefetches_cancelled=promoter.prefetches_cancelled,
+            prefetch_blocks_promoted=promoter.prefetch_promoted,
+            prefetches_bounded=promoter.prefetch_bounded,
         )
 
     def check_invariants(self) -> None:

@@ -75,6 +75,9 @@ class Promoter(TierPart):
         errors: promotions that ended on an unexpected error.
         in_flight: promotions running now.
         prefetches: prefetches started (`prefetch()` calls that had a tier to read).
+        prefetches_completed: prefetches that ran to their end (not cancelled).
+        prefetches_cancelled: prefetches cancelled while they ran.
+        prefetch_promoted: blocks prefetches published in the CPU pool.
         prefetch_blocks: CPU blocks prefetches hold now (at most ``max_prefetch_blocks``).
         prefetch_bounded: prefetches that took fewer blocks than they wanted (or none)
             because prefetches in flight held ``max_prefetch_blocks`` already.
@@ -94,7 +97,10 @@ class Promoter(TierPart):
         "no_space",
         "prefetch_blocks",
         "prefetch_bounded",
+        "prefetch_promoted",
         "prefetches",
+        "prefetches_cancelled",
+        "prefetches_completed",
         "promotions",
     )
 
@@ -136,6 +142,9 @@ class Promoter(TierPart):
         self.prefetches = 0
         self.prefetch_blocks = 0
         self.prefetch_bounded = 0
+        self.prefetch_promoted = 0
+        self.prefetches_completed = 0
+        self.prefetches_cancelled = 0
 
     def close(self) -> None:
         """Promotions still running publish nothing."""
@@ -228,7 +237,12 @@ class Promoter(TierPart):
             self._jobs.setdefault(block_hash, job)
         self.prefetches += 1
         self.in_flight += 1
-        await self._promote(job)
+        try:
+            await self._promote(job)
+        except anyio.get_cancelled_exc_class():
+            self.prefetches_cancelled += 1
+            raise
+        self.prefetches_completed += 1
         return len(self._cached_run(block_hashes))
 
     def prefetch_cached(self, block_hashes: Sequence[BlockHash]) -> int:
@@ -322,6 +336,8 @@ class Promoter(TierPart):
             if done:
                 self._landed[block_hash] = block
                 self._tier_of(sources, i).promoted += 1
+                if job.prefetch:
+                    self.prefetch_promoted += 1
         while len(self._landed) > max(1, self._pool.num_blocks // 4):
             self._landed.popitem(last=False)
 
