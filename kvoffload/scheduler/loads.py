@@ -106,6 +106,13 @@ class LookupExtension(Protocol):
         """
         ...
 
+    def hit_sources(self, pinned: Sequence[CpuBlock]) -> dict[str, int] | None:
+        """Of a lookup's CPU hit ``pinned`` (asked before `extend_lookup()`), how many
+        blocks this storage brought into the pool from each of its parts (a tier, by
+        name) since a lookup last pinned them; ``None`` when none: the whole hit was
+        in the pool already."""
+        ...
+
     def miss_reason(self, block_hash: BlockHash) -> MissReason | None:
         """Why this storage could not bring ``block_hash`` in for a lookup that missed
         it on CPU (`MissReason.IN_FLIGHT`: its promotion runs; `MissReason.TIER_FAILED`),
@@ -215,6 +222,8 @@ class LoadPlanner:
         if not state.admitted:
             state.admitted = True
             counters.prompt_tokens += num_tokens
+        if state.tier_hits is not None:
+            state.tier_hits = None
         if no_read or start >= limit:
             missed = num_tokens - num_computed_tokens
             counters.miss_tokens += missed
@@ -248,9 +257,13 @@ class LoadPlanner:
         missed = num_tokens - num_computed_tokens - hit_tokens
         counters.miss_tokens += missed
         extension = self.extension
-        deferred = extension is not None and extension.extend_lookup(
-            block_hashes, end, limit, hits, allow_defer=allow_defer
-        )
+        deferred = False
+        if extension is not None:
+            if hits:
+                state.tier_hits = extension.hit_sources(hits)
+            deferred = extension.extend_lookup(
+                block_hashes, end, limit, hits, allow_defer=allow_defer
+            )
         state.miss_reason = reason = self._reason(block_hashes, end, limit, missed)
         if reason is not _NONE:
             counters.missed(reason, missed)

@@ -127,7 +127,9 @@ class Promoter(TierPart):
         )
         self._jobs: dict[BlockHash, _Promotion] = {}
         self._absent: OrderedDict[BlockHash, float] = OrderedDict()
-        self._landed: OrderedDict[BlockHash, CpuBlock] = OrderedDict()
+        # Blocks promotions published, and the tier each came from, until a lookup pins
+        # them (`hit_sources()`); bounded to a quarter of the pool.
+        self._landed: OrderedDict[BlockHash, tuple[CpuBlock, str]] = OrderedDict()
         # Hashes a tier recently failed on (a timeout, an error, a failed check), for
         # `miss_reason()`; bounded like the absent set.
         self._failed: OrderedDict[BlockHash, None] = OrderedDict()
@@ -259,6 +261,19 @@ class Promoter(TierPart):
             run.append(block)
         return run
 
+    def hit_sources(self, pinned: Sequence[CpuBlock]) -> dict[str, int] | None:
+        """See `TierManager.hit_sources()`."""
+        landed = self._landed
+        if not landed:
+            return None
+        served: dict[str, int] = {}
+        for block in pinned:
+            block_hash = block.block_hash
+            got = landed.get(block_hash) if block_hash is not None else None
+            if got is not None and got[0] is block:
+                served[got[1]] = served.get(got[1], 0) + 1
+        return served or None
+
     def is_promoting(self, block_hash: BlockHash) -> bool:
         """Whether a promotion covering ``block_hash`` is in flight."""
         return block_hash in self._jobs
@@ -334,8 +349,9 @@ class Promoter(TierPart):
             promotion.wanted, promotion.blocks, published, strict=True
         ):
             if done:
-                self._landed[block_hash] = block
-                self._tier_of(sources, i).promoted += 1
+                tier = self._tier_of(sources, i)
+                self._landed[block_hash] = (block, tier.tier.name)
+                tier.promoted += 1
                 if job.prefetch:
                     self.prefetch_promoted += 1
         while len(self._landed) > max(1, self._pool.num_blocks // 4):
@@ -373,7 +389,7 @@ class Promoter(TierPart):
                     return None
                 wanted = wanted[:room]
         protect = {b for b in job.protect if b.block_hash is not None}
-        protect.update(b for h, b in self._landed.items() if b.block_hash == h)
+        protect.update(b for h, (b, _) in self._landed.items() if b.block_hash == h)
         promotion = ledger.open_promotion(wanted, protect)
         if promotion is None:
             self.no_space += 1
