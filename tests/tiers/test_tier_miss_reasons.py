@@ -345,3 +345,28 @@ async def test_groups_a_block_that_failed_its_check_reads_tier_failed(tmp_path: 
         await grouped_settle(off)
         assert t.lookup("d", TURN2, "rec") is R.TIER_FAILED
         t.check()
+
+
+async def test_the_handle_says_which_tier_brought_a_hit_in(tmp_path: Path) -> None:
+    kv = make_kv()
+    async with KVOffloader(config([disk(tmp_path / "kv.bin")]), kv) as off:
+        prompt, _ = await stored_and_written(off, kv)
+        assert await off.reset()  # only the tier holds the prompt now
+        with off.request("b", prompt) as req:
+            assert req.lookup(allow_defer=True) is None  # the tier is asked
+            assert req.tier_hit_tokens == {}
+        await settle(off)
+        with off.request("c", prompt) as req:
+            assert req.lookup() == 4 * BS
+            assert req.tier_hit_tokens == {"d": 4 * BS}  # promoted for this lookup
+            assert req.miss_reason is R.BOUNDARY  # the one-token tail is not a block
+        with off.request("d", prompt) as req:
+            assert req.lookup() == 4 * BS
+            assert req.tier_hit_tokens == {}  # in the CPU pool since
+        # A prefetch brings it in for the next lookup, which names the tier too.
+        assert await off.reset()
+        assert await off.hints.prefetch(prompt) == 4
+        with off.request("e", prompt[: 2 * BS + 1]) as req:
+            assert req.lookup() == 2 * BS
+            assert req.tier_hit_tokens == {"d": 2 * BS}
+        off.check_invariants()
