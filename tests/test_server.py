@@ -199,7 +199,15 @@ async def test_concurrent_conversations_match_the_engine_in_process() -> None:
         "failed": 0,
         "live": 0,
         "rejected": 0,
+        # the turns' prompts by source and their miss reasons, as the answers said
+        "prompt_tokens_by_source": {
+            "gpu_cache": summary.gpu_cached_tokens,
+            "cpu_pool": summary.loaded_tokens,
+            "computed": summary.prompt_tokens - summary.gpu_cached_tokens - summary.loaded_tokens,
+        },
+        "miss_reasons": summary.miss_reasons,
     }
+    assert sum(summary.miss_reasons.values()) == 9
     families = {f.name: f for f in text_string_to_metric_families(metrics)}
     loaded = families["kvoffload_scheduler_loaded_blocks"].samples[0].value
     assert loaded * BLOCK == summary.loaded_tokens
@@ -472,7 +480,20 @@ async def test_text_prompts_go_through_the_byte_tokenizer() -> None:
             )
         ).json()
     assert by_text["choices"][0]["token_ids"] == by_ids["choices"][0]["token_ids"]
-    assert by_text["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    assert by_text["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 4,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+        # 4 tokens: one block, which holds the last token (never loaded)
+        "kvoffload": {
+            "gpu_cache": 0,
+            "cpu_pool": 0,
+            "tiers": {},
+            "computed": 4,
+            "miss_reason": "last_token",
+        },
+    }
     assert by_text["object"] == "text_completion"
     timings = by_text["kvoffload"]
     assert set(timings) >= {"ttft_s", "load_wait_s", "forward_s", "loaded_tokens"}
