@@ -290,6 +290,11 @@ METRICS: tuple[MetricSpec, ...] = (
     _c("tiers", "promotion_errors", "promotion_errors"),
     _g("tiers", "promotions_in_flight", "promotions_in_flight"),
     _g("tiers", "refs_held", "held_refs"),
+    _c("tiers", "prefetches", "prefetches"),
+    _c("tiers", "prefetches_completed", "prefetches_completed"),
+    _c("tiers", "prefetches_cancelled", "prefetches_cancelled"),
+    _c("tiers", "prefetch_blocks_promoted", "prefetch_promoted_blocks"),
+    _c("tiers", "prefetches_bounded", "prefetches_bounded"),
     # -- each tier (TierStatistics), labelled tier and kind --
     _g("tier", "healthy", "healthy"),
     _g("tier", "writable", "writable"),

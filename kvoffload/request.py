@@ -238,6 +238,7 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         "_reported",
         "_request_id",
         "_state",
+        "_tier_hits",
         "_tokens",
         "_who",
     )
@@ -271,6 +272,7 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         self._num_computed = num_computed_tokens
         self._hit = 0
         self._miss: MissReason | None = None
+        self._tier_hits: Mapping[str, int] = {}
         self._reported = 0  # hashes given to update so far
         self._state = HandleState.LIVE
         self.extend(prompt_token_ids)
@@ -365,6 +367,16 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         return self._miss
 
     @property
+    def tier_hit_tokens(self) -> Mapping[str, int]:
+        """Of the last `lookup()`'s hit, the tokens a secondary tier (by its name)
+        promoted into the CPU pool for it, after an earlier lookup of it answered "ask
+        again" or a prefetch brought them; the rest of `hit_tokens` was in the CPU pool
+        already. Empty without tiers, with several KV cache groups, and before a lookup.
+        """
+        bs = self._block_size
+        return {name: blocks * bs for name, blocks in self._tier_hits.items()}
+
+    @property
     def finished(self) -> bool:
         """Whether the request is finished: `finish()` was called (also when it raised
         `PinnerError` or `ClosedError`), or the ``with`` block was left."""
@@ -431,7 +443,9 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
             hit = self._off.lookup(
                 self._request_id, self._hashes, len(self._tokens), prefix, allow_defer=allow_defer
             )
-            self._miss = self._off.scheduler.request_state(rid).miss_reason
+            state = self._off.scheduler.request_state(rid)
+            self._miss = state.miss_reason
+            self._tier_hits = {} if state.tier_hits is None else dict(state.tier_hits)
         self._engine_prefix = prefix
         self._hit = hit or 0
         self._num_computed = max(self._num_computed, prefix)

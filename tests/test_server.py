@@ -199,7 +199,15 @@ async def test_concurrent_conversations_match_the_engine_in_process() -> None:
         "failed": 0,
         "live": 0,
         "rejected": 0,
+        # the turns' prompts by source and their miss reasons, as the answers said
+        "prompt_tokens_by_source": {
+            "gpu_cache": summary.gpu_cached_tokens,
+            "cpu_pool": summary.loaded_tokens,
+            "computed": summary.prompt_tokens - summary.gpu_cached_tokens - summary.loaded_tokens,
+        },
+        "miss_reasons": summary.miss_reasons,
     }
+    assert sum(summary.miss_reasons.values()) == 9
     families = {f.name: f for f in text_string_to_metric_families(metrics)}
     loaded = families["kvoffload_scheduler_loaded_blocks"].samples[0].value
     assert loaded * BLOCK == summary.loaded_tokens
@@ -472,7 +480,20 @@ async def test_text_prompts_go_through_the_byte_tokenizer() -> None:
             )
         ).json()
     assert by_text["choices"][0]["token_ids"] == by_ids["choices"][0]["token_ids"]
-    assert by_text["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    assert by_text["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 4,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+        # 4 tokens: one block, which holds the last token (never loaded)
+        "kvoffload": {
+            "gpu_cache": 0,
+            "cpu_pool": 0,
+            "tiers": {},
+            "computed": 4,
+            "miss_reason": "last_token",
+        },
+    }
     assert by_text["object"] == "text_completion"
     timings = by_text["kvoffload"]
     assert set(timings) >= {"ttft_s", "load_wait_s", "forward_s", "loaded_tokens"}
@@ -813,3 +834,84 @@ def test_the_command_line_refuses_a_negative_load_deadline(
         app_module.main(["--load-deadline-s", "-1"])
     assert exit_info.value.code == 2
     assert "--load-deadline-s must be >= 0, got -1.0" in capsys.readouterr().err
+
+
+async def test_usage_and_stats_say_where_each_prompt_token_came_from(tmp_path: Path) -> None:
+    """Each completion's usage names its cached tokens by source and its miss reason,
+    and /stats adds them up: checked against what this test expects of each request."""
+    tier = {"kind": "disk", "name": "d", "path": str(tmp_path / "kv.bin"), "capacity_bytes": "4MiB"}
+    config = OffloadConfig(block_size=BLOCK, num_cpu_blocks=64, model_id="tiny-test", tiers=[tier])
+    # 12 GPU blocks: a 45-token prompt takes them all, evicting every other prompt's.
+    app = app_module.create_app(tiny_engine(num_gpu_blocks=12), config)
+    prompt = list(range(1, 5 * BLOCK + 2))  # 21 tokens: 5 full blocks and one token
+    fillers = [list(range(100 + 50 * i, 145 + 50 * i)) for i in range(2)]
+    expected_total = {"gpu_cache": 0, "cpu_pool": 0, "d": 0, "computed": 0}
+    reasons: dict[str, int] = {}
+    async with serving(app) as (url, _server), httpx.AsyncClient(base_url=url) as client:
+        off: KVOffloader = app.state.server.offloader
+
+        async def complete(tokens: list[int], want: dict[str, Any]) -> None:
+            response = await client.post(
+                "/v1/completions", json={"prompt": tokens, "max_tokens": 2}
+            )
+            assert response.status_code == 200, response.text
+            body = response.json()
+            usage = body["usage"]
+            cached = want["gpu_cache"] + want["cpu_pool"] + want["d"]
+            assert usage["prompt_tokens"] == len(tokens)
+            assert usage["prompt_tokens_details"] == {"cached_tokens": cached}
+            tiers = {"d": {"kind": "disk", "tokens": want["d"]}} if want["d"] else {}
+            breakdown = {
+                "gpu_cache": want["gpu_cache"],
+                "cpu_pool": want["cpu_pool"],
+                "tiers": tiers,
+                "computed": len(tokens) - cached,
+                "miss_reason": want["reason"],
+            }
+            assert usage["kvoffload"] == breakdown
+            assert body["kvoffload"]["cached_tokens_by_source"] == breakdown
+            assert body["kvoffload"]["miss_reason"] == want["reason"]
+            for source in ("gpu_cache", "cpu_pool", "d"):
+                expected_total[source] += want[source]
+            expected_total["computed"] += len(tokens) - cached
+            reasons[want["reason"]] = reasons.get(want["reason"], 0) + 1
+
+        async def written_down() -> None:
+            await off.drain()
+            assert off.tiers is not None
+            for _ in range(500):
+                tier_stats = off.tiers.statistics()
+                if tier_stats.refs_held == 0 and not tier_stats.tiers[0].writes_held:
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError("the write-down did not end")
+
+        nothing = {"gpu_cache": 0, "cpu_pool": 0, "d": 0}
+        await complete(prompt, {**nothing, "reason": "never_stored"})
+        await complete(fillers[0], {**nothing, "reason": "never_stored"})
+        # The GPU cache lost the prompt; the CPU pool has its 5 blocks (the last token
+        # is computed: the hit stops at the whole blocks, a boundary).
+        await complete(prompt, {**nothing, "cpu_pool": 20, "reason": "boundary"})
+        await complete(prompt, {**nothing, "gpu_cache": 20, "reason": "boundary"})
+        await complete(fillers[1], {**nothing, "reason": "never_stored"})
+        await written_down()
+        assert await off.reset()  # the CPU pool forgets it; the disk tier keeps it
+        await complete(prompt, {**nothing, "d": 20, "reason": "boundary"})
+
+        body = await stats(client)
+        assert body["prompt_tokens"] == {
+            "gpu_cache": expected_total["gpu_cache"],
+            "cpu_pool": expected_total["cpu_pool"],
+            "tiers": {"d": {"kind": "disk", "tokens": expected_total["d"]}},
+            "computed": expected_total["computed"],
+        }
+        assert body["requests_by_miss_reason"] == reasons
+        engine = body["engine"]
+        assert engine["tier_loaded_tokens"] == {"d": 20}
+        assert engine["loaded_tokens"] == 40
+        # The offloader counts every lookup (a request asked again while its tier
+        # promotion ran counts again): each reason seen here is among them.
+        by_reason = body["lookup_misses"]["by_reason"]
+        assert set(reasons) - {"none"} <= set(by_reason)
+        assert "by_group" not in body["lookup_misses"]
+    assert_whole(app)

@@ -63,7 +63,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_loop import EngineLoop, Event, ServerClosed, ShutdownReport
+from engine_loop import EngineLoop, Event, ServerClosed, ShutdownReport, prompt_sources
 
 from kvoffload import KVOffloader, OffloadConfig
 from kvoffload.errors import KvOffloadError
@@ -196,6 +196,8 @@ class ServerState:
     """Asks the HTTP server to shut down (`bind_server` sets it)."""
     failure: BaseException | None = None
     """What ended the step loop, when it failed."""
+    tier_kinds: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The offloader's secondary tiers: name -> kind (``disk``, ``redis`` ...)."""
 
 
 def _not_running(state: ServerState) -> str:
@@ -442,8 +444,8 @@ async def _stream(
             if event.ttft_s is not None:
                 state.ttft.observe(event.ttft_s)
             final = _chunk(state, cid, "", [], event.finish_reason)
-            final["usage"] = _usage(event)
-            final["kvoffload"] = _timings(event)
+            final["usage"] = _usage(state, event)
+            final["kvoffload"] = _timings(state, event)
             yield _sse(final)
     if not ended:  # ended by the server during a step: the engine had no result yet
         message = "the server shut down before the request ended"
@@ -469,16 +471,37 @@ def _chunk(
     }
 
 
-def _usage(r: GenerationResult) -> dict[str, int]:
+def _usage(state: ServerState, r: GenerationResult) -> dict[str, Any]:
+    """OpenAI's usage, with ``prompt_tokens_details.cached_tokens`` (the prompt tokens a
+    cache served: the GPU prefix cache and kvoffload) and kvoffload's breakdown."""
     n = len(r.output_token_ids)
     return {
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": n,
         "total_tokens": r.prompt_tokens + n,
+        "prompt_tokens_details": {"cached_tokens": r.gpu_cached_tokens + r.loaded_tokens},
+        "kvoffload": _sources(state, r),
     }
 
 
-def _timings(r: GenerationResult) -> dict[str, Any]:
+def _sources(state: ServerState, r: GenerationResult) -> dict[str, Any]:
+    """The prompt's tokens by source (`prompt_sources`, each tier with its kind) and the
+    `MissReason` value of the lookup that admitted it."""
+    sources = prompt_sources(r)
+    tiers = {
+        name: {"kind": state.tier_kinds.get(name, "unknown"), "tokens": n}
+        for name, n in sorted(r.tier_tokens.items())
+    }
+    return {
+        "gpu_cache": sources["gpu_cache"],
+        "cpu_pool": sources["cpu_pool"],
+        "tiers": tiers,
+        "computed": sources["computed"],
+        "miss_reason": r.miss_reason,
+    }
+
+
+def _timings(state: ServerState, r: GenerationResult) -> dict[str, Any]:
     return {
         "request_id": r.request_id,
         "ttft_s": r.ttft_s,
@@ -489,14 +512,16 @@ def _timings(r: GenerationResult) -> dict[str, Any]:
         "loaded_tokens": r.loaded_tokens,
         "computed_tokens": r.computed_tokens,
         "preemptions": r.preemptions,
+        "cached_tokens_by_source": _sources(state, r),
+        "miss_reason": r.miss_reason,
     }
 
 
 def _body(state: ServerState, cid: str, r: GenerationResult) -> dict[str, Any]:
     text = state.tokenizer.decode(r.output_token_ids)
     body = _chunk(state, cid, text, list(r.output_token_ids), r.finish_reason)
-    body["usage"] = _usage(r)
-    body["kvoffload"] = _timings(r)
+    body["usage"] = _usage(state, r)
+    body["kvoffload"] = _timings(state, r)
     return body
 
 
@@ -535,11 +560,33 @@ async def stats(request: Request) -> Response:
     if state.loop is None:
         return _error(503, _not_running(state))
     off = state.offloader
+    stats = off.statistics() if off is not None else None
+    loop = state.loop.statistics()
+    by_source = loop.prompt_tokens_by_source
+    misses: dict[str, Any] | None = None
+    if stats is not None:
+        misses = {"by_reason": {r.value: n for r, n in stats.scheduler.lookup_misses.items()}}
+        if stats.groups is not None:
+            misses["by_group"] = {
+                g: {r.value: n for r, n in gs.lookup_misses.items()}
+                for g, gs in stats.groups.items()
+            }
     return JSONResponse(
         {
-            "offloader": dataclasses.asdict(off.statistics()) if off is not None else None,
+            "offloader": dataclasses.asdict(stats) if stats is not None else None,
             "engine": dataclasses.asdict(state.engine.statistics()),
-            "server": {**dataclasses.asdict(state.loop.statistics()), "rejected": state.rejected},
+            "server": {**dataclasses.asdict(loop), "rejected": state.rejected},
+            "prompt_tokens": {
+                "gpu_cache": by_source.get("gpu_cache", 0),
+                "cpu_pool": by_source.get("cpu_pool", 0),
+                "tiers": {
+                    name: {"kind": kind, "tokens": by_source.get(f"tier:{name}", 0)}
+                    for name, kind in state.tier_kinds.items()
+                },
+                "computed": by_source.get("computed", 0),
+            },
+            "requests_by_miss_reason": dict(loop.miss_reasons),
+            "lookup_misses": misses,
         }
     )
 
@@ -596,6 +643,8 @@ def create_app(
                 stack.callback(engine.attach, None)
                 registry.register(OffloaderCollector(off))
             state.offloader, state.loop = off, loop
+            tiers = off.statistics().tiers if off is not None else None
+            state.tier_kinds = {t.name: t.kind for t in tiers.tiers} if tiers else {}
 
             async def run_loop(*, task_status: anyio.abc.TaskStatus[None]) -> None:
                 try:

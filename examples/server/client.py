@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
@@ -46,6 +46,10 @@ class TurnResult:
     gpu_cached_tokens: int
     loaded_tokens: int
     computed_tokens: int
+    tier_tokens: int = 0
+    """Of ``loaded_tokens``, those a secondary tier promoted for this request."""
+    miss_reason: str | None = None
+    """Why the cached prefix stopped where it did (a `MissReason` value)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +67,8 @@ class Summary:
     ttft_p90_s: float
     ttft_p99_s: float
     later_turns_ttft_p50_s: float | None
+    tier_tokens: int = 0
+    miss_reasons: dict[str, int] = field(default_factory=dict)
 
 
 async def complete(
@@ -127,6 +133,11 @@ async def conversation(
                 gpu_cached_tokens=int(info.get("gpu_cached_tokens", 0)),
                 loaded_tokens=int(info.get("loaded_tokens", 0)),
                 computed_tokens=int(info.get("computed_tokens", 0)),
+                tier_tokens=sum(
+                    int(t["tokens"])
+                    for t in info.get("cached_tokens_by_source", {}).get("tiers", {}).values()
+                ),
+                miss_reason=info.get("miss_reason"),
             )
         )
         prompt += output
@@ -151,6 +162,10 @@ def summarize(results: Sequence[TurnResult]) -> Summary:
     loaded = sum(r.loaded_tokens for r in results)
     ttfts = [r.ttft_s for r in results]
     later = [r.ttft_s for r in results if r.turn > 0]
+    reasons: dict[str, int] = {}
+    for r in results:
+        if r.miss_reason is not None:
+            reasons[r.miss_reason] = reasons.get(r.miss_reason, 0) + 1
     return Summary(
         requests=len(results),
         prompt_tokens=prompt,
@@ -163,6 +178,8 @@ def summarize(results: Sequence[TurnResult]) -> Summary:
         ttft_p90_s=_percentile(ttfts, 0.9),
         ttft_p99_s=_percentile(ttfts, 0.99),
         later_turns_ttft_p50_s=statistics.median(later) if later else None,
+        tier_tokens=sum(r.tier_tokens for r in results),
+        miss_reasons=reasons,
     )
 
 
@@ -226,7 +243,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"prompt tokens: {summary.prompt_tokens:,} = {summary.gpu_cached_tokens:,} GPU cache "
         f"+ {summary.loaded_tokens:,} loaded from CPU + {summary.computed_tokens:,} computed"
     )
+    if summary.tier_tokens:
+        print(f"  of those loaded, promoted from a tier first: {summary.tier_tokens:,}")
     print(f"hit rate: {summary.hit_rate:.3f} (from CPU: {summary.cpu_hit_rate:.3f})")
+    if summary.miss_reasons:
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(summary.miss_reasons.items()))
+        print(f"requests by miss reason: {reasons}")
     print(
         f"TTFT p50 {summary.ttft_p50_s * 1e3:.1f} ms, p90 {summary.ttft_p90_s * 1e3:.1f} ms, "
         f"p99 {summary.ttft_p99_s * 1e3:.1f} ms"

@@ -25,7 +25,7 @@ import itertools
 import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 import anyio.abc
@@ -42,15 +42,38 @@ class ServerClosed(Exception):
     """The loop no longer takes requests (the server is shutting down)."""
 
 
+def prompt_sources(r: GenerationResult) -> dict[str, int]:
+    """Where ``r``'s prompt tokens came from: ``gpu_cache`` (the engine's prefix cache),
+    ``cpu_pool`` (loaded from kvoffload's CPU pool, where they were already),
+    ``tier:<name>`` (loaded from the CPU pool after that secondary tier promoted them for
+    this request) and ``computed`` (the rest); they add up to ``r.prompt_tokens``."""
+    tiers = sum(r.tier_tokens.values())
+    sources = {"gpu_cache": r.gpu_cached_tokens, "cpu_pool": r.loaded_tokens - tiers}
+    for name, n in sorted(r.tier_tokens.items()):
+        sources[f"tier:{name}"] = n
+    sources["computed"] = r.prompt_tokens - r.gpu_cached_tokens - r.loaded_tokens
+    return sources
+
+
 @dataclass(frozen=True, slots=True)
 class LoopStatistics:
-    """Counters of an `EngineLoop`: requests by how they ended."""
+    """Counters of an `EngineLoop`: requests by how they ended, and the completed
+    requests' prompt tokens by source and their lookups' miss reasons.
+
+    Attributes:
+        prompt_tokens_by_source: over the completed requests, `prompt_sources()` added
+            up (what their ``usage`` said).
+        miss_reasons: completed requests by the `MissReason` value of the lookup that
+            admitted each (``GenerationResult.miss_reason``; ``none``: nothing missed).
+    """
 
     submitted: int
     completed: int
     aborted: int
     failed: int
     live: int
+    prompt_tokens_by_source: dict[str, int] = field(default_factory=dict)
+    miss_reasons: dict[str, int] = field(default_factory=dict)
 
 
 class EngineLoop:
@@ -67,6 +90,8 @@ class EngineLoop:
         self._wake = anyio.Event()
         self._closed = False
         self._submitted = self._completed = self._aborted = self._failed = 0
+        self._sources: dict[str, int] = {}
+        self._reasons: dict[str, int] = {}
 
     @asynccontextmanager
     async def submit(
@@ -160,6 +185,11 @@ class EngineLoop:
                 self._aborted += 1
             else:
                 self._completed += 1
+                for source, n in prompt_sources(result).items():
+                    self._sources[source] = self._sources.get(source, 0) + n
+                if result.miss_reason is not None:
+                    reason = result.miss_reason
+                    self._reasons[reason] = self._reasons.get(reason, 0) + 1
             send.send_nowait(result)
             send.close()
 
@@ -171,6 +201,8 @@ class EngineLoop:
             aborted=self._aborted,
             failed=self._failed,
             live=len(self._streams),
+            prompt_tokens_by_source=dict(self._sources),
+            miss_reasons=dict(self._reasons),
         )
 
 

@@ -3,7 +3,8 @@ cross-group checks."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import functools
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, final
 
@@ -14,7 +15,7 @@ from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.pool.free_queue import CpuBlock
 from kvoffload.scheduler.group_state import GroupCounts, GroupedRequest
 from kvoffload.scheduler.ledger import BlockLedger
-from kvoffload.scheduler.loads import abandon_loads, lookup_defers
+from kvoffload.scheduler.loads import abandon_loads, block_miss_reason, lookup_defers
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.transfer.plan import LoadPlan
 
@@ -45,6 +46,12 @@ class GroupLookupExtension(Protocol):
         """A lookup of ``num_tokens`` found ``hit`` tokens valid for every group (the
         engine's prefix when none); start what brings in the blocks of a longer hit.
         Nothing it starts may change this lookup's answer."""
+        ...
+
+    def miss_reason(self, group: str, block_hash: BlockHash) -> MissReason | None:
+        """Why ``group``'s tiers did not bring ``block_hash`` in (`MissReason.IN_FLIGHT`:
+        its promotion runs; `MissReason.TIER_FAILED`), or ``None`` when they know no
+        reason (as `LookupExtension.miss_reason` for one group)."""
         ...
 
 
@@ -240,10 +247,17 @@ class HitStops:
         self._checkpoint = checkpoint
 
     def stop(
-        self, lanes: Mapping[str, Sequence[BlockHash]], n: int, num_tokens: int, computed: int
+        self,
+        lanes: Mapping[str, Sequence[BlockHash]],
+        n: int,
+        num_tokens: int,
+        computed: int,
+        extension: GroupLookupExtension | None = None,
     ) -> MissReason:
         """The reason `find_hit()`'s hit ``n`` (over a prefix of ``computed`` tokens,
-        of a prompt of ``num_tokens``) stopped there; counted for the group blamed."""
+        of a prompt of ``num_tokens``) stopped there; counted for the group blamed. A
+        block a group lacks is classified by `block_miss_reason()`, asking that group's
+        tiers (``extension``) as one group asks its own."""
         if n >= num_tokens:
             return MissReason.NONE
         step = n + self._align
@@ -252,7 +266,10 @@ class HitStops:
         gaps: list[tuple[MissReason, str]] = []
         for g in self._groups:
             ledger = self._ledgers[g.name]
-            reason = _gap(g, ledger, lanes[g.name], step, computed, self._checkpoint, num_tokens)
+            below = None if extension is None else functools.partial(extension.miss_reason, g.name)
+            reason = _gap(
+                g, ledger, lanes[g.name], step, computed, self._checkpoint, num_tokens, below
+            )
             if reason is not None:
                 gaps.append((reason, g.name))
         if not gaps:  # every group holds the step (a window the hit search passed over)
@@ -273,6 +290,7 @@ def _gap(  # noqa: PLR0917 - one group's view of one step
     computed: int,
     checkpoint: int,
     num_tokens: int,
+    below: Callable[[BlockHash], MissReason | None] | None,
 ) -> MissReason | None:
     """Why group ``g`` lacks a block a hit at ``step`` needs (``None``: it lacks none).
     A group that stores at checkpoints is asked about the next checkpoint in the
@@ -288,12 +306,10 @@ def _gap(  # noqa: PLR0917 - one group's view of one step
             point = -(-step // checkpoint) * checkpoint
             if point > num_tokens - 1:
                 return MissReason.BOUNDARY  # the group stores its state at checkpoints
-            return _gap(g, ledger, hashes, point, computed, checkpoint, num_tokens) or (
+            return _gap(g, ledger, hashes, point, computed, checkpoint, num_tokens, below) or (
                 MissReason.BOUNDARY
             )
-        if block_hash in ledger.pending:
-            return MissReason.IN_FLIGHT
-        return ledger.misses.reason(block_hash)
+        return block_miss_reason(ledger, block_hash, below)
     return None
 
 

@@ -386,7 +386,9 @@ class GroupedScheduler:
             state.hit, state.hit_from = n, num_computed_tokens
         if self.extension is not None:
             self.extension.extend_grouped_lookup(lanes, n, num_tokens)
-        state.miss_reason = self._stops.stop(lanes, n, num_tokens, num_computed_tokens)
+        state.miss_reason = self._stops.stop(
+            lanes, n, num_tokens, num_computed_tokens, self.extension
+        )
         return n - num_computed_tokens
 
     def miss_reason(self, request_id: str) -> MissReason:

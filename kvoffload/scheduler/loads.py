@@ -38,6 +38,7 @@ __all__ = [
     "LoadPlanner",
     "LookupExtension",
     "abandon_loads",
+    "block_miss_reason",
     "deferral_spent",
     "lookup_defers",
 ]
@@ -143,6 +144,13 @@ class LookupExtension(Protocol):
         """
         ...
 
+    def hit_sources(self, pinned: Sequence[CpuBlock]) -> dict[str, int] | None:
+        """Of a lookup's CPU hit ``pinned`` (asked before `extend_lookup()`), how many
+        blocks this storage brought into the pool from each of its parts (a tier, by
+        name) since a lookup last pinned them; ``None`` when none: the whole hit was
+        in the pool already."""
+        ...
+
     def miss_reason(self, block_hash: BlockHash) -> MissReason | None:
         """Why this storage could not bring ``block_hash`` in for a lookup that missed
         it on CPU (`MissReason.IN_FLIGHT`: its promotion runs; `MissReason.TIER_FAILED`),
@@ -154,6 +162,25 @@ class LookupExtension(Protocol):
         """The longest a request's lookups may answer "ask again" in a row while this
         storage brings its blocks in (the time its promotions may take)."""
         ...
+
+
+def block_miss_reason(
+    ledger: BlockLedger,
+    block_hash: BlockHash,
+    below: Callable[[BlockHash], MissReason | None] | None,
+) -> MissReason:
+    """Why a pool (its ``ledger``) could not serve ``block_hash`` to a lookup: its copy
+    into the pool in flight (`MissReason.IN_FLIGHT`), else what the storage below says
+    (``below``: the tiers' `LookupExtension.miss_reason`, ``None`` without tiers), else
+    what the pool's `MissMemory` remembers. The one rule for one group and for each
+    group of several."""
+    if block_hash in ledger.pending:
+        return _IN_FLIGHT
+    if below is not None:
+        reason = below(block_hash)
+        if reason is not None:
+            return reason
+    return ledger.misses.reason(block_hash)
 
 
 @final
@@ -233,6 +260,8 @@ class LoadPlanner:
         if not state.admitted:
             state.admitted = True
             counters.prompt_tokens += num_tokens
+        if state.tier_hits is not None:
+            state.tier_hits = None
         if no_read or start >= limit:
             missed = num_tokens - num_computed_tokens
             counters.miss_tokens += missed
@@ -266,9 +295,13 @@ class LoadPlanner:
         missed = num_tokens - num_computed_tokens - hit_tokens
         counters.miss_tokens += missed
         extension = self.extension
-        deferred = extension is not None and extension.extend_lookup(
-            block_hashes, end, limit, hits, allow_defer=allow_defer
-        )
+        deferred = False
+        if extension is not None:
+            if hits:
+                state.tier_hits = extension.hit_sources(hits)
+            deferred = extension.extend_lookup(
+                block_hashes, end, limit, hits, allow_defer=allow_defer
+            )
         state.miss_reason = reason = self._reason(block_hashes, end, limit, missed)
         if reason is not _NONE:
             counters.missed(reason, missed)
@@ -287,16 +320,10 @@ class LoadPlanner:
             return _NONE
         if end >= limit:
             return MissReason.LAST_TOKEN if limit < len(block_hashes) else MissReason.BOUNDARY
-        block_hash = block_hashes[end]
-        ledger = self._ledger
-        if block_hash in ledger.pending:
-            return _IN_FLIGHT
         extension = self.extension
-        if extension is not None:
-            reason = extension.miss_reason(block_hash)
-            if reason is not None:
-                return reason
-        return ledger.misses.reason(block_hash)
+        return block_miss_reason(
+            self._ledger, block_hashes[end], None if extension is None else extension.miss_reason
+        )
 
     def _defer(self, state: RequestOffloadState, deferrals: int) -> None:
         """Answer "ask again": one more in the request's run of them."""

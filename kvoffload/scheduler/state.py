@@ -83,6 +83,9 @@ class RequestOffloadState:
             answer); bounded, see `LoadPlanner`.
         deferred_since: the scheduler clock's time of the first of those answers.
         miss_reason: why its last lookup's hit stopped where it did (`MissReason`).
+        tier_hits: of its last lookup's hit, the blocks a secondary tier (by name)
+            promoted into the CPU pool just before (``None``: none; the rest of the hit
+            was in the pool).
     """
 
     request_id: str
@@ -103,6 +106,7 @@ class RequestOffloadState:
     deferrals: int = 0
     deferred_since: float = 0.0
     miss_reason: MissReason = MissReason.NONE
+    tier_hits: dict[str, int] | None = None
 
     @property
     def finished(self) -> bool:

@@ -35,6 +35,7 @@ from kvoffload.config import DiskTierSettings, OffloadConfig
 from kvoffload.errors import ConfigError
 from kvoffload.groups import KVCacheGroup, needed
 from kvoffload.hashing import BlockHash, HashNamespace
+from kvoffload.scheduler.misses import MissReason
 from kvoffload.tier_config import AnyTierSettings
 from kvoffload.tiers.build import build_tier
 from kvoffload.tiers.manager import TierManager
@@ -218,6 +219,11 @@ class GroupTiers:
                 # Where the full groups' CPU blocks end (a finish point, likely): its window
                 # or snapshot, in a promotion of its own (its absence stops nothing else).
                 self._promote(g.name, hashes, _blocks_of(g, [reach], len(hashes)))
+
+    def miss_reason(self, group: str, block_hash: BlockHash) -> MissReason | None:
+        """Why ``group``'s tiers did not bring ``block_hash`` in (see
+        `TierManager.miss_reason()`)."""
+        return self.managers[group].miss_reason(block_hash)
 
     def _full_reach(self, lanes: Mapping[str, Sequence[BlockHash]], hit: int, cap: int) -> int:
         """The longest aligned prefix every full group holds on CPU from ``hit`` on (``hit``

@@ -319,6 +319,14 @@ class TierManager:
         """Whether a promotion covering ``block_hash`` is in flight."""
         return self._promoter.is_promoting(block_hash)
 
+    def hit_sources(self, pinned: Sequence[CpuBlock]) -> dict[str, int] | None:
+        """Of a lookup's CPU hit ``pinned``, how many blocks each tier (by name) promoted
+        into the pool since a lookup last pinned them (see `LookupExtension`); ``None``
+        when none was: the whole hit was in the CPU pool."""
+        if not self._tiers:
+            return None
+        return self._promoter.hit_sources(pinned)
+
     def miss_reason(self, block_hash: BlockHash) -> MissReason | None:
         """Why the tiers did not bring ``block_hash`` in (see `LookupExtension`):
         ``IN_FLIGHT`` while its promotion runs, ``TIER_FAILED`` when a recent read of it
@@ -340,6 +348,11 @@ class TierManager:
             promotion_errors=promoter.errors,
             promotions_in_flight=promoter.in_flight,
             refs_held=sum(self._ledger.tier_refs().values()),
+            prefetches=promoter.prefetches,
+            prefetches_completed=promoter.prefetches_completed,
+            prefetches_cancelled=promoter.prefetches_cancelled,
+            prefetch_blocks_promoted=promoter.prefetch_promoted,
+            prefetches_bounded=promoter.prefetch_bounded,
         )
 
     def check_invariants(self) -> None:

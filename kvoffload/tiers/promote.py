@@ -75,6 +75,9 @@ class Promoter(TierPart):
         errors: promotions that ended on an unexpected error.
         in_flight: promotions running now.
         prefetches: prefetches started (`prefetch()` calls that had a tier to read).
+        prefetches_completed: prefetches that ran to their end (not cancelled).
+        prefetches_cancelled: prefetches cancelled while they ran.
+        prefetch_promoted: blocks prefetches published in the CPU pool.
         prefetch_blocks: CPU blocks prefetches hold now (at most ``max_prefetch_blocks``).
         prefetch_bounded: prefetches that took fewer blocks than they wanted (or none)
             because prefetches in flight held ``max_prefetch_blocks`` already.
@@ -94,7 +97,10 @@ class Promoter(TierPart):
         "no_space",
         "prefetch_blocks",
         "prefetch_bounded",
+        "prefetch_promoted",
         "prefetches",
+        "prefetches_cancelled",
+        "prefetches_completed",
         "promotions",
     )
 
@@ -121,7 +127,9 @@ class Promoter(TierPart):
         )
         self._jobs: dict[BlockHash, _Promotion] = {}
         self._absent: OrderedDict[BlockHash, float] = OrderedDict()
-        self._landed: OrderedDict[BlockHash, CpuBlock] = OrderedDict()
+        # Blocks promotions published, and the tier each came from, until a lookup pins
+        # them (`hit_sources()`); bounded to a quarter of the pool.
+        self._landed: OrderedDict[BlockHash, tuple[CpuBlock, str]] = OrderedDict()
         # Hashes a tier recently failed on (a timeout, an error, a failed check), for
         # `miss_reason()`; bounded like the absent set.
         self._failed: OrderedDict[BlockHash, None] = OrderedDict()
@@ -136,6 +144,9 @@ class Promoter(TierPart):
         self.prefetches = 0
         self.prefetch_blocks = 0
         self.prefetch_bounded = 0
+        self.prefetch_promoted = 0
+        self.prefetches_completed = 0
+        self.prefetches_cancelled = 0
 
     def close(self) -> None:
         """Promotions still running publish nothing."""
@@ -228,7 +239,12 @@ class Promoter(TierPart):
             self._jobs.setdefault(block_hash, job)
         self.prefetches += 1
         self.in_flight += 1
-        await self._promote(job)
+        try:
+            await self._promote(job)
+        except anyio.get_cancelled_exc_class():
+            self.prefetches_cancelled += 1
+            raise
+        self.prefetches_completed += 1
         return len(self._cached_run(block_hashes))
 
     def prefetch_cached(self, block_hashes: Sequence[BlockHash]) -> int:
@@ -244,6 +260,19 @@ class Promoter(TierPart):
                 break
             run.append(block)
         return run
+
+    def hit_sources(self, pinned: Sequence[CpuBlock]) -> dict[str, int] | None:
+        """See `TierManager.hit_sources()`."""
+        landed = self._landed
+        if not landed:
+            return None
+        served: dict[str, int] = {}
+        for block in pinned:
+            block_hash = block.block_hash
+            got = landed.get(block_hash) if block_hash is not None else None
+            if got is not None and got[0] is block:
+                served[got[1]] = served.get(got[1], 0) + 1
+        return served or None
 
     def is_promoting(self, block_hash: BlockHash) -> bool:
         """Whether a promotion covering ``block_hash`` is in flight."""
@@ -320,8 +349,11 @@ class Promoter(TierPart):
             promotion.wanted, promotion.blocks, published, strict=True
         ):
             if done:
-                self._landed[block_hash] = block
-                self._tier_of(sources, i).promoted += 1
+                tier = self._tier_of(sources, i)
+                self._landed[block_hash] = (block, tier.tier.name)
+                tier.promoted += 1
+                if job.prefetch:
+                    self.prefetch_promoted += 1
         while len(self._landed) > max(1, self._pool.num_blocks // 4):
             self._landed.popitem(last=False)
 
@@ -357,7 +389,7 @@ class Promoter(TierPart):
                     return None
                 wanted = wanted[:room]
         protect = {b for b in job.protect if b.block_hash is not None}
-        protect.update(b for h, b in self._landed.items() if b.block_hash == h)
+        protect.update(b for h, (b, _) in self._landed.items() if b.block_hash == h)
         promotion = ledger.open_promotion(wanted, protect)
         if promotion is None:
             self.no_space += 1

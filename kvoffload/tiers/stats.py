@@ -95,6 +95,14 @@ class TierManagerStatistics:
             published).
         promotions_in_flight: promotions running now.
         refs_held: CPU block references the tier manager holds now.
+        prefetches: prefetches started (``off.hints.prefetch()`` calls that asked a tier).
+        prefetches_completed: prefetches that ran to their end, whatever they found.
+        prefetches_cancelled: prefetches cancelled while they ran (nothing of the read
+            in progress published, every CPU block they took released).
+        prefetch_blocks_promoted: blocks prefetches brought from a tier into the CPU pool.
+        prefetches_bounded: prefetches that took fewer blocks than they wanted (or none)
+            because prefetches in flight held their share of the pool
+            (``max_prefetch_fraction``).
     """
 
     tiers: tuple[TierStatistics, ...]
@@ -104,3 +112,8 @@ class TierManagerStatistics:
     promotion_errors: int
     promotions_in_flight: int
     refs_held: int
+    prefetches: int = 0
+    prefetches_completed: int = 0
+    prefetches_cancelled: int = 0
+    prefetch_blocks_promoted: int = 0
+    prefetches_bounded: int = 0

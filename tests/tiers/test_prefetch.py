@@ -9,6 +9,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from tier_helpers import (
     BS,
     check,
@@ -23,6 +24,7 @@ from tier_helpers import (
 
 from kvoffload.errors import InvalidInputError
 from kvoffload.groups import KVCacheGroup
+from kvoffload.metrics import OffloaderCollector
 from kvoffload.offloader import KVOffloader
 from kvoffload.testing import CopyFaults
 from kvoffload.tiers.manager import TierManager
@@ -214,5 +216,57 @@ async def test_several_groups_refuse_a_prefetch() -> None:
     )
     kv = {g.name: make_kv() for g in groups}
     async with KVOffloader(config([]), kv, groups=groups) as off:
-        with pytest.raises(InvalidInputError, match=r"hints.*\['full', 'swa'\]"):
+        with pytest.raises(InvalidInputError, match=r"prefetch.*\['full', 'swa'\]"):
             await off.hints.prefetch(tokens(1, 2))
+
+
+async def test_prefetch_counters_and_metrics_agree_with_a_tally(tmp_path: Path) -> None:
+    kv = make_kv()
+    cfg = config([disk(tmp_path / "kv.bin")], max_prefetch_fraction=0.25)  # 4 of 16
+    async with KVOffloader(cfg, kv) as off:
+        registry = CollectorRegistry()
+        registry.register(OffloaderCollector(off.statistics))
+        tiers = manager(off)
+        want = {"started": 0, "completed": 0, "cancelled": 0, "promoted": 0, "bounded": 0}
+        promoted_before = tier_stats(off).blocks_promoted
+
+        a, b, c = tokens(7, 3), tokens(8, 3), tokens(9, 5)
+        for rid, prompt in (("a", a), ("b", b), ("c", c)):
+            await compute_and_store(off, kv, rid, prompt, range(len(prompt) // BS))
+        await settle(off)
+        await scan(off, kv, 100, 6)
+        assert not any(off.pool.is_cached(off.hash_prompt(p)[0]) for p in (a, b, c))
+
+        assert await off.hints.prefetch(a) == 3  # all of it comes back
+        want.update(started=1, completed=1, promoted=3)
+        assert await off.hints.prefetch(a) == 3  # all on CPU already: nothing started
+        with anyio.CancelScope() as scope:  # b: cancelled while it reads
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(off.hints.prefetch, b)
+                while tiers.prefetch_blocks == 0:
+                    await anyio.lowlevel.checkpoint()
+                scope.cancel()
+        want.update(started=2, cancelled=1)
+        assert await off.hints.prefetch(c) == 4  # the bound lets 4 of its 5 blocks in
+        want.update(started=3, completed=2, promoted=7, bounded=1)
+        check(off)
+
+        stats = tiers.statistics()
+        got = {
+            "started": stats.prefetches,
+            "completed": stats.prefetches_completed,
+            "cancelled": stats.prefetches_cancelled,
+            "promoted": stats.prefetch_blocks_promoted,
+            "bounded": stats.prefetches_bounded,
+        }
+        assert got == want
+        assert tier_stats(off).blocks_promoted - promoted_before == want["promoted"]
+        for name, key in (
+            ("prefetches", "started"),
+            ("prefetches_completed", "completed"),
+            ("prefetches_cancelled", "cancelled"),
+            ("prefetch_promoted_blocks", "promoted"),
+            ("prefetches_bounded", "bounded"),
+        ):
+            value = registry.get_sample_value(f"kvoffload_tiers_{name}_total")
+            assert value == want[key], name

@@ -128,9 +128,12 @@ class _Batcher:
             r.tables = tables
             r.num_cached_blocks = cached
             r.num_computed = cached * bs + hit
+            r.tier_hit, reason = calls.explain(r, hit)
             if r.result.ttft_s is None:  # a first admission, not a re-admission
                 r.result.gpu_cached_tokens = cached * bs
                 r.result.loaded_tokens = hit
+                r.result.tier_tokens = dict(r.tier_hit)
+                r.result.miss_reason = reason
             self._counters.gpu_cached += cached * bs
             if hit:
                 r.load_task = calls.load(r)
@@ -187,8 +190,10 @@ class _Batcher:
     def _recompute(self, r: _Req) -> None:
         """``r`` computes what its load was to bring."""
         r.num_computed = r.num_cached_blocks * self._block_size
+        r.tier_hit = {}
         if r.result.ttft_s is None:
             r.result.loaded_tokens = 0
+            r.result.tier_tokens = {}
         held = [b for b in r.rec_table if b is not None]
         if held and self._rec is not None:  # a snapshot that did not arrive
             self.allocators[self._rec].free(held)
@@ -226,6 +231,9 @@ class _Batcher:
                         continue
                     task.result()  # a failed load raises here
                 self._counters.loaded += r.num_computed - r.num_cached_blocks * bs
+                tier_loaded = self._counters.tier_loaded
+                for name, n in r.tier_hit.items():
+                    tier_loaded[name] = tier_loaded.get(name, 0) + n
                 self._loaded(r)
             except TransferError:
                 # Recompute what failed to load; the blocks are the request's own.

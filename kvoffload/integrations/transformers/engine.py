@@ -399,6 +399,7 @@ class PagedEngine:
             pinner_errors=c.pinner_errors,
             allocator=self.allocator.statistics(),
             abandoned_loads=c.abandoned_loads,
+            tier_loaded_tokens=dict(c.tier_loaded),
         )
 
     def check_invariants(self) -> None:

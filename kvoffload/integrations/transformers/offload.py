@@ -26,6 +26,7 @@ from kvoffload._logging import get_logger
 from kvoffload.errors import ClosedError, KvOffloadError, PinnerError
 from kvoffload.integrations.transformers.state import _Counters, _Req
 from kvoffload.offloader import KVOffloader
+from kvoffload.scheduler.misses import MissReason
 from kvoffload.transfer.task import TransferTask
 
 __all__: list[str] = []
@@ -99,6 +100,19 @@ class _OffloadCalls:
             num_computed_tokens=num_computed_tokens,
             allow_defer=defer,
         )
+
+    def explain(self, r: _Req, hit: int) -> tuple[dict[str, int], str | None]:
+        """Of the hit of ``r``'s last `lookup()` (``hit`` tokens), the tokens each tier
+        promoted for it, and that lookup's `MissReason` value (``None``: no handle;
+        ``"not_read"``: the request no longer loads)."""
+        handle = r.handle
+        if handle is None:
+            return {}, None
+        if r.no_load:
+            return {}, MissReason.NOT_READ.value
+        reason = handle.miss_reason
+        tiers = {name: n for name, n in handle.tier_hit_tokens.items() if n} if hit else {}
+        return tiers, None if reason is None else reason.value
 
     def load(self, r: _Req) -> TransferTask | None:
         """Start loading the last lookup's hit into ``r``'s table.

@@ -23,6 +23,12 @@ class GenerationResult:
         computed_tokens: prompt tokens the model computed (the rest came from a cache).
         gpu_cached_tokens: prompt tokens taken from the engine's GPU prefix cache.
         loaded_tokens: prompt tokens loaded from kvoffload's CPU pool.
+        tier_tokens: of ``loaded_tokens``, those a secondary tier (by its name) promoted
+            into the CPU pool for this request (the request's first lookup waited for
+            them, or a prefetch brought them); the rest was in the CPU pool already.
+        miss_reason: why the cached prefix (GPU cache and CPU pool) stopped where it did:
+            the `MissReason` value of the lookup that admitted the request (``None``
+            without an offloader); docs/misses.md.
         ttft_s: seconds from `PagedEngine.add_request` to the first token
             (``None`` when none was produced).
         total_s: seconds from `PagedEngine.add_request` to the end.
@@ -47,6 +53,8 @@ class GenerationResult:
     computed_tokens: int = 0
     gpu_cached_tokens: int = 0
     loaded_tokens: int = 0
+    tier_tokens: dict[str, int] = field(default_factory=dict)
+    miss_reason: str | None = None
     ttft_s: float | None = None
     total_s: float = 0.0
     load_wait_s: float = 0.0
@@ -95,6 +103,9 @@ class EngineStatistics:
         abandoned_loads: loads given up at ``load_deadline_s`` (their tokens were
             recomputed in other GPU blocks; the late copy's blocks were reused only once
             it ended).
+        tier_loaded_tokens: of ``loaded_tokens``, those a secondary tier (by its name)
+            promoted into the CPU pool for the request that loaded them
+            (`GenerationResult.tier_tokens`, counted as the loads complete).
     """
 
     steps: int
@@ -109,3 +120,4 @@ class EngineStatistics:
     pinner_errors: int
     allocator: AllocatorStatistics
     abandoned_loads: int = 0
+    tier_loaded_tokens: dict[str, int] = field(default_factory=dict)

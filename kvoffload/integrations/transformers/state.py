@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvoffload.hashing import BlockHash, BlockHasher
 from kvoffload.integrations.transformers.recurrent import RecurrentState
@@ -44,6 +44,7 @@ class _Req:
         "state",
         "t0",
         "tables",
+        "tier_hit",
         "tokens",
     )
 
@@ -63,6 +64,7 @@ class _Req:
         self.rec_table: list[int | None] = []
         self.num_computed = 0
         self.num_cached_blocks = 0  # blocks registered in the GPU prefix cache
+        self.tier_hit: dict[str, int] = {}  # of the hit being loaded: tokens by tier
         self.load_task: TransferTask | None = None
         self.aborted = False
         self.no_load = False  # a load of it was abandoned: it computes from now on
@@ -106,3 +108,4 @@ class _Counters:
     abandoned_loads: int = 0
     finish_errors: int = 0
     pinner_errors: int = 0
+    tier_loaded: dict[str, int] = field(default_factory=dict)
