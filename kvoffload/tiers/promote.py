@@ -30,6 +30,7 @@ import anyio.to_thread
 from kvoffload._logging import get_logger
 from kvoffload.hashing import BlockHash
 from kvoffload.scheduler.misses import MissReason
+from kvoffload.tier_config import AnyTierSettings, RedisClusterTierSettings
 from kvoffload.tiers.health import TierPart
 from kvoffload.tiers.ops import probe, read_verified
 
@@ -39,7 +40,14 @@ if TYPE_CHECKING:
     from kvoffload.scheduler.ledger import BlockLedger, Promotion
     from kvoffload.tiers.health import TierHealth, TierState
 
-__all__ = ["Promoter", "promotion_deadline_s"]
+__all__ = [
+    "ABSENT_MAX",
+    "ABSENT_TTL_S",
+    "PROMOTION_MAX_BLOCKS",
+    "Promoter",
+    "promotion_deadline_s",
+    "tiers_defer_deadline_s",
+]
 
 _log = get_logger("tiers")
 
@@ -47,12 +55,35 @@ _ABSENT_TTL_S = 1.0
 """How long a probe that found nothing keeps lookups from probing the same block again."""
 _ABSENT_MAX = 4096
 _PROMOTION_MAX_BLOCKS = 256
+PROMOTION_MAX_BLOCKS = _PROMOTION_MAX_BLOCKS
+"""Most blocks one promotion reads (the rest of a longer prompt waits for the next)."""
+ABSENT_TTL_S = _ABSENT_TTL_S
+ABSENT_MAX = _ABSENT_MAX
 
 
 def promotion_deadline_s(operation_s: float, max_batch: int) -> float:
     """The longest one promotion from a tier may take: its probe and its reads (one per
     ``max_batch`` of at most 256 blocks), each within ``operation_s``."""
     return operation_s * (1 + -(-_PROMOTION_MAX_BLOCKS // max_batch))
+
+
+def tiers_defer_deadline_s(settings: Sequence[AnyTierSettings]) -> float:
+    """The longest a request's lookups may answer "ask again" in a row while a promotion
+    from these tiers runs: the longest one promotion may take from any of them (its probe
+    and its reads, each within the tier's lookup budget: a cluster tier's
+    ``lookup_budget_ms``, any other tier's ``op_timeout_s``); 0 without tiers."""
+    return max(
+        (
+            promotion_deadline_s(
+                s.lookup_budget_ms / 1000
+                if isinstance(s, RedisClusterTierSettings)
+                else s.op_timeout_s,
+                s.max_batch_blocks,
+            )
+            for s in settings
+        ),
+        default=0.0,
+    )
 
 
 @dataclass(slots=True, eq=False)
