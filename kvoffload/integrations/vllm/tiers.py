@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, final
 
 from kvoffload._logging import get_logger
 from kvoffload.hashing import BlockHash
+from kvoffload.scheduler.loads import DEFER_DEADLINE_S
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.tier_config import AnyTierSettings, DiskTierSettings
 from kvoffload.tiers.build import build_tier
@@ -170,6 +171,7 @@ class VllmTierStatistics:
 class _Probe:
     probe: TierProbe
     protect: tuple[CpuBlock, ...]
+    started: float
     runs: dict[int, int] = field(default_factory=dict)
 
 
@@ -204,6 +206,9 @@ class SchedulerTiers:
         self._pool = scheduler.pool
         self._world_size = world_size
         self._deadline = tiers_defer_deadline_s(settings)
+        # A probe unanswered for as long as a lookup may defer is dropped (the scheduler's
+        # own bound is the longer of its default and the tiers' budget).
+        self._stale_s = max(DEFER_DEADLINE_S, self._deadline)
         self._keys = 0
         self._probing: dict[BlockHash, _Probe] = {}  # first hash -> its probe
         self._probes: dict[int, _Probe] = {}
@@ -239,10 +244,15 @@ class SchedulerTiers:
             return False
         first = block_hashes[end]
         probe = self._probing.get(first)
+        if probe is not None and time.monotonic() - probe.started >= self._stale_s:
+            # Unanswered past the budget (a rank that never reports): a miss, and no
+            # later request waits for it again.
+            self._drop_probe(probe)
+            probe = None
         if probe is None and first not in self._ledger.pending and not self._is_absent(first):
             self._keys += 1
             hashes = tuple(block_hashes[end : min(limit, end + PROMOTION_MAX_BLOCKS)])
-            probe = _Probe(TierProbe(self._keys, hashes), tuple(pinned))
+            probe = _Probe(TierProbe(self._keys, hashes), tuple(pinned), time.monotonic())
             self._probing[first] = probe
             self._probes[probe.probe.key] = probe
             self._out_probes.append(probe.probe)
@@ -299,15 +309,23 @@ class SchedulerTiers:
             if len(probe.runs) >= self._world_size:
                 del self._probes[key]
                 self._probed(probe)
-        for key, ranks in reads.items():
+        for key, goods in reads.items():
             read = self._reads.get(key)
             if read is None:
                 continue
-            for rank, good in ranks.items():
+            for rank, good in goods.items():
                 read.good[rank] = tuple(good)
             if len(read.good) >= self._world_size:
                 del self._reads[key]
                 self._read_done(read)
+
+    def _drop_probe(self, probe: _Probe) -> None:
+        """Forget an unanswered probe (its answers are ignored) and skip its first block
+        for a while."""
+        first = probe.probe.hashes[0]
+        del self._probing[first]
+        self._probes.pop(probe.probe.key, None)
+        self._remember(self._absent, first, time.monotonic() + ABSENT_TTL_S)
 
     def _probed(self, probe: _Probe) -> None:
         hashes = probe.probe.hashes
@@ -419,7 +437,8 @@ class WorkerTiers:
         return self._bridge
 
     def _view(self, tensor: torch.Tensor) -> memoryview:
-        return memoryview(tensor.numpy()).cast("B")
+        array: Any = tensor.numpy()
+        return memoryview(array).cast("B")
 
     def submit(self, probes: Sequence[TierProbe], reads: Sequence[TierRead]) -> None:
         """Start the step's probes and reads on the bridge (never waits)."""
