@@ -147,6 +147,13 @@ def namespace(make: Make) -> object:
     return dict(roots) if roots is not None else side._root  # type: ignore[union-attr]
 
 
+def tiers_built(make: Make) -> object:
+    side = make(S).scheduler_side
+    assert side is not None
+    tiers = getattr(side, "tiers", None)
+    return None if tiers is None else tiers.defer_deadline_s
+
+
 def poll_interval(make: Make) -> object:
     conn = make(W)
     try:
@@ -215,7 +222,7 @@ TABLE: dict[str, Decision] = {
     "enable_events": Decision({"enable_events": True}, _both(events)),
     "eviction_policy": Decision({"eviction_policy": "arc"}, _both(policy)),
     "store_admission": Decision({"store_admission": "seen_twice"}, {"vllm": stores_per_step}),
-    "tiers": Decision({"tiers": [TIER]}, {}),
+    "tiers": Decision({"tiers": [TIER]}, {"vllm": tiers_built}),
     "hold_blocks_on_finish": Decision({"hold_blocks_on_finish": True}, {}),
     "hold_max_blocks": Decision({"hold_max_blocks": 1}, {}),
     "hold_max_steps": Decision({"hold_max_steps": 1}, {}),
@@ -253,9 +260,19 @@ def test_each_field_is_honoured_or_refused(name: str, path: EntryPoint, model_di
     assert before != after, f"{name}={decision.value} had no effect on {path} ({before!r})"
 
 
-def test_tiers_are_refused_before_the_model_loads(model_dir: Path) -> None:
+def test_tiers_pass_the_check_before_the_model_loads(model_dir: Path) -> None:
+    """``tiers`` are honoured with one full-attention group, so the check made before the
+    groups are known lets them through (several groups refuse them when built)."""
     vllm = vllm_config(model_dir, {**BASE, "tiers": [TIER]}, num_gpu_blocks=NUM_BLOCKS)
-    with pytest.raises(ConfigError, match=r"the vLLM connector cannot honour tiers=\[d\]"):
+    TestConnector.get_required_kvcache_layout(vllm)
+
+
+def test_a_tier_setting_no_tier_accepts_stops_start_up_before_the_model_loads(
+    model_dir: Path,
+) -> None:
+    bad = {**TIER, "capacity_bytes": "lots"}
+    vllm = vllm_config(model_dir, {**BASE, "tiers": [bad]}, num_gpu_blocks=NUM_BLOCKS)
+    with pytest.raises(ConfigError, match=r"tiers\.0\.disk\.capacity_bytes"):
         TestConnector.get_required_kvcache_layout(vllm)
 
 

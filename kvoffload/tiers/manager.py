@@ -35,11 +35,11 @@ from kvoffload.errors import InvariantError
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.priority import default_max_retained
 from kvoffload.scheduler.misses import MissReason
-from kvoffload.tier_config import AnyTierSettings, RedisClusterTierSettings
+from kvoffload.tier_config import AnyTierSettings
 from kvoffload.tiers.base import SecondaryTier
 from kvoffload.tiers.cascade import Cascade
 from kvoffload.tiers.health import TierHealth, TierState
-from kvoffload.tiers.promote import Promoter, promotion_deadline_s
+from kvoffload.tiers.promote import Promoter, tiers_defer_deadline_s
 from kvoffload.tiers.stats import TierManagerStatistics
 
 if TYPE_CHECKING:
@@ -118,18 +118,7 @@ class TierManager:
         # A lookup may wait for a promotion as long as one may take: a probe and its
         # reads, each within the tier's own bound (a cluster tier's lookup_budget_ms,
         # any other tier's op_timeout_s).
-        self._defer_deadline = max(
-            (
-                promotion_deadline_s(
-                    s.lookup_budget_ms / 1000
-                    if isinstance(s, RedisClusterTierSettings)
-                    else s.op_timeout_s,
-                    s.max_batch_blocks,
-                )
-                for _, s in tiers
-            ),
-            default=0.0,
-        )
+        self._defer_deadline = tiers_defer_deadline_s([s for _, s in tiers])
         self._health = TierHealth(self._ledger)
         self._cascade = Cascade(
             self._tiers,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, final
 
@@ -30,6 +30,7 @@ import anyio.to_thread
 from kvoffload._logging import get_logger
 from kvoffload.hashing import BlockHash
 from kvoffload.scheduler.misses import MissReason
+from kvoffload.tier_config import AnyTierSettings, RedisClusterTierSettings
 from kvoffload.tiers.health import TierPart
 from kvoffload.tiers.ops import probe, read_verified
 
@@ -39,20 +40,107 @@ if TYPE_CHECKING:
     from kvoffload.scheduler.ledger import BlockLedger, Promotion
     from kvoffload.tiers.health import TierHealth, TierState
 
-__all__ = ["Promoter", "promotion_deadline_s"]
+__all__ = [
+    "ABSENT_MAX",
+    "ABSENT_TTL_S",
+    "PROMOTION_MAX_BLOCKS",
+    "LandedBlocks",
+    "Promoter",
+    "promotion_deadline_s",
+    "tiers_defer_deadline_s",
+]
 
 _log = get_logger("tiers")
+
+
+@final
+class LandedBlocks:
+    """Blocks a promotion published into the CPU pool, by hash, with the tier that sent
+    them, until a lookup pins them (its hit then counts them for that tier: the
+    ``hit_sources()`` of a `LookupExtension`). Bounded to a quarter of the pool, oldest
+    forgotten first. One rule for the tier manager and the vLLM connector's tiers.
+    """
+
+    __slots__ = ("_landed", "_limit")
+
+    def __init__(self, num_blocks: int) -> None:
+        self._landed: OrderedDict[BlockHash, tuple[CpuBlock, str]] = OrderedDict()
+        self._limit = max(1, num_blocks // 4)
+
+    def __len__(self) -> int:
+        return len(self._landed)
+
+    def add(self, block_hash: BlockHash, block: CpuBlock, source: str) -> None:
+        """``block`` was published under ``block_hash`` by the tier named ``source``."""
+        landed = self._landed
+        landed[block_hash] = (block, source)
+        while len(landed) > self._limit:
+            landed.popitem(last=False)
+
+    def sources(self, pinned: Sequence[CpuBlock]) -> dict[str, int] | None:
+        """Of a lookup's CPU hit ``pinned``, how many blocks each tier brought in
+        since a lookup last pinned them; ``None`` when none did."""
+        landed = self._landed
+        if not landed:
+            return None
+        served: dict[str, int] = {}
+        for block in pinned:
+            block_hash = block.block_hash
+            got = landed.get(block_hash) if block_hash is not None else None
+            if got is not None and got[0] is block:
+                served[got[1]] = served.get(got[1], 0) + 1
+        return served or None
+
+    def forget(self, pinned: Sequence[CpuBlock]) -> None:
+        """A lookup pinned these: later hits on them are the CPU pool's."""
+        landed = self._landed
+        if landed:
+            for block in pinned:
+                if block.block_hash is not None:
+                    landed.pop(block.block_hash, None)
+
+    def still_published(self) -> Iterator[CpuBlock]:
+        """The landed blocks that still hold the hash they landed under."""
+        return (b for h, (b, _) in self._landed.items() if b.block_hash == h)
+
+    def clear(self) -> None:
+        """Forget every block (the CPU cache was reset)."""
+        self._landed.clear()
+
 
 _ABSENT_TTL_S = 1.0
 """How long a probe that found nothing keeps lookups from probing the same block again."""
 _ABSENT_MAX = 4096
 _PROMOTION_MAX_BLOCKS = 256
+PROMOTION_MAX_BLOCKS = _PROMOTION_MAX_BLOCKS
+"""Most blocks one promotion reads (the rest of a longer prompt waits for the next)."""
+ABSENT_TTL_S = _ABSENT_TTL_S
+ABSENT_MAX = _ABSENT_MAX
 
 
 def promotion_deadline_s(operation_s: float, max_batch: int) -> float:
     """The longest one promotion from a tier may take: its probe and its reads (one per
     ``max_batch`` of at most 256 blocks), each within ``operation_s``."""
     return operation_s * (1 + -(-_PROMOTION_MAX_BLOCKS // max_batch))
+
+
+def tiers_defer_deadline_s(settings: Sequence[AnyTierSettings]) -> float:
+    """The longest a request's lookups may answer "ask again" in a row while a promotion
+    from these tiers runs: the longest one promotion may take from any of them (its probe
+    and its reads, each within the tier's lookup budget: a cluster tier's
+    ``lookup_budget_ms``, any other tier's ``op_timeout_s``); 0 without tiers."""
+    return max(
+        (
+            promotion_deadline_s(
+                s.lookup_budget_ms / 1000
+                if isinstance(s, RedisClusterTierSettings)
+                else s.op_timeout_s,
+                s.max_batch_blocks,
+            )
+            for s in settings
+        ),
+        default=0.0,
+    )
 
 
 @dataclass(slots=True, eq=False)
@@ -128,8 +216,8 @@ class Promoter(TierPart):
         self._jobs: dict[BlockHash, _Promotion] = {}
         self._absent: OrderedDict[BlockHash, float] = OrderedDict()
         # Blocks promotions published, and the tier each came from, until a lookup pins
-        # them (`hit_sources()`); bounded to a quarter of the pool.
-        self._landed: OrderedDict[BlockHash, tuple[CpuBlock, str]] = OrderedDict()
+        # them (`hit_sources()`).
+        self._landed = LandedBlocks(pool.num_blocks)
         # Hashes a tier recently failed on (a timeout, an error, a failed check), for
         # `miss_reason()`; bounded like the absent set.
         self._failed: OrderedDict[BlockHash, None] = OrderedDict()
@@ -179,11 +267,7 @@ class Promoter(TierPart):
     ) -> bool:
         """Start a promotion of what follows a CPU hit, in ``task_group`` (see
         `TierManager.extend_lookup()`); ``True``: the lookup should ask again later."""
-        landed = self._landed
-        if landed:
-            for block in pinned:
-                if block.block_hash is not None:
-                    landed.pop(block.block_hash, None)
+        self._landed.forget(pinned)
         if end >= limit:
             return False
         first = block_hashes[end]
@@ -263,16 +347,7 @@ class Promoter(TierPart):
 
     def hit_sources(self, pinned: Sequence[CpuBlock]) -> dict[str, int] | None:
         """See `TierManager.hit_sources()`."""
-        landed = self._landed
-        if not landed:
-            return None
-        served: dict[str, int] = {}
-        for block in pinned:
-            block_hash = block.block_hash
-            got = landed.get(block_hash) if block_hash is not None else None
-            if got is not None and got[0] is block:
-                served[got[1]] = served.get(got[1], 0) + 1
-        return served or None
+        return self._landed.sources(pinned)
 
     def is_promoting(self, block_hash: BlockHash) -> bool:
         """Whether a promotion covering ``block_hash`` is in flight."""
@@ -350,12 +425,10 @@ class Promoter(TierPart):
         ):
             if done:
                 tier = self._tier_of(sources, i)
-                self._landed[block_hash] = (block, tier.tier.name)
+                self._landed.add(block_hash, block, tier.tier.name)
                 tier.promoted += 1
                 if job.prefetch:
                     self.prefetch_promoted += 1
-        while len(self._landed) > max(1, self._pool.num_blocks // 4):
-            self._landed.popitem(last=False)
 
     def _close(self, job: _Promotion, promotion: Promotion, ok: list[bool] | None) -> list[bool]:
         if job.prefetch:
@@ -389,7 +462,7 @@ class Promoter(TierPart):
                     return None
                 wanted = wanted[:room]
         protect = {b for b in job.protect if b.block_hash is not None}
-        protect.update(b for h, (b, _) in self._landed.items() if b.block_hash == h)
+        protect.update(self._landed.still_published())
         promotion = ledger.open_promotion(wanted, protect)
         if promotion is None:
             self.no_space += 1

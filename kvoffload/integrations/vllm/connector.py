@@ -70,6 +70,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     groups (sliding window, chunked, recurrent state, full) is driven by kvoffload's
     `GroupedScheduler` (`GroupedSchedulerSide`, `GroupedWorkerSide`).
 
+    With one full-attention group, ``tiers`` (disk, Redis, Redis Cluster, as for
+    `KVOffloader`) sit below the CPU pool: stored blocks are written down by the workers,
+    and a lookup that misses on CPU promotes what the tiers hold
+    (`kvoffload.integrations.vllm.tiers`).
+
     Args:
         vllm_config: vLLM's configuration (its ``kv_transfer_config`` names this class).
         role: scheduler or worker.
@@ -77,9 +82,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     Raises:
         ConfigError: an unknown or invalid setting, a setting the connector cannot
-            honour for this model (`kvoffload.build.check_settings()`: ``tiers`` always,
-            and more with several groups), or a model with a group the connector cannot
-            offload (named, with its kind and why).
+            honour for this model (`kvoffload.build.check_settings()`: ``tiers`` with
+            several groups, and more), a tier's settings that its tier refuses, or a
+            model with a group the connector cannot offload (named, with its kind and
+            why).
 
     The class is not final: vLLM instantiates whatever class the configuration names, and
     tests subclass it to choose a worker's rank (`_worker_rank`) or to inject copy
@@ -102,8 +108,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
         Raises:
             ConfigError: as `offload_config` (the key named, the valid keys listed), a
-                setting the connector cannot honour for any model (``tiers``, finish
-                holds, ...: `kvoffload.build.REFUSED`), or such a hybrid with the hybrid
+                setting the connector cannot honour for any model (finish holds,
+                ...: `kvoffload.build.REFUSED`), or such a hybrid with the hybrid
                 manager off (its architecture named).
         """
         transfer = vllm_config.kv_transfer_config
@@ -145,10 +151,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return
         check_settings(self.offload_config, "vllm")
         self.layout, layer_names, opaque = single_group_layout(kv_cache_config)
+        namespace = HashNamespace.from_layout(
+            self.layout, model_id=model_id, salt=self.offload_config.hash_salt
+        )
         if role == KVConnectorRole.SCHEDULER:
-            namespace = HashNamespace.from_layout(
-                self.layout, model_id=model_id, salt=self.offload_config.hash_salt
-            )
             self.scheduler_side = SchedulerSide(
                 self.offload_config, self.layout, namespace, world_size=world_size
             )
@@ -161,6 +167,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 rank=self._worker_rank(),
                 copy_hook=self._copy_hook(),
                 opaque=opaque,
+                namespace=bytes(namespace.root),
+                world_size=world_size,
             )
 
     def _init_grouped(

@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvoffload.integrations.vllm.tiers import TierProbe, TierRead
 from kvoffload.transfer.plan import LoadPlan, StorePlan, TransferPlan
 
 __all__ = ["GroupTransfer", "KVOffloadConnectorMetadata", "KVOffloadWorkerMetadata"]
@@ -55,6 +56,8 @@ class KVOffloadConnectorMetadata(KVConnectorMetadata):
         async_loads: whether vLLM waits for ``group_loads`` asynchronously (workers
             report each request whose loads ended, and whether one failed, in
             ``get_transfer_results``); always so for a multi-group model.
+        tier_probes: ask the tiers how many of these blocks they hold (`TierProbe`).
+        tier_reads: read these blocks from the tiers into CPU blocks (`TierRead`).
     """
 
     loads: tuple[LoadPlan, ...] = ()
@@ -62,6 +65,8 @@ class KVOffloadConnectorMetadata(KVConnectorMetadata):
     group_loads: tuple[GroupTransfer, ...] = ()
     group_stores: tuple[GroupTransfer, ...] = ()
     async_loads: bool = False
+    tier_probes: tuple[TierProbe, ...] = ()
+    tier_reads: tuple[TierRead, ...] = ()
 
 
 @final
@@ -71,9 +76,13 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
 
     Attributes:
         reports: ``plan_id -> {rank: ok}``; ``ok`` is whether that rank's copy succeeded.
+        tier_probes: ``probe key -> {rank: blocks its tiers hold}`` (a leading run).
+        tier_reads: ``read key -> {rank: per block, read and verified}``.
     """
 
     reports: dict[int, dict[int, bool]] = field(default_factory=dict)
+    tier_probes: dict[int, dict[int, int]] = field(default_factory=dict)
+    tier_reads: dict[int, dict[int, tuple[bool, ...]]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVOffloadWorkerMetadata:
         """Merge another worker's report into a new one (a rank reporting a plan twice
@@ -89,4 +98,10 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
             into = merged.setdefault(plan_id, {})
             for rank, ok in ranks.items():
                 into[rank] = into.get(rank, True) and ok
-        return KVOffloadWorkerMetadata(merged)
+        probes = {key: dict(ranks) for key, ranks in self.tier_probes.items()}
+        for key, runs in other.tier_probes.items():
+            probes.setdefault(key, {}).update(runs)
+        reads = {key: dict(ranks) for key, ranks in self.tier_reads.items()}
+        for key, goods in other.tier_reads.items():
+            reads.setdefault(key, {}).update(goods)
+        return KVOffloadWorkerMetadata(merged, probes, reads)

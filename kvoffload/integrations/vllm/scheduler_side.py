@@ -28,8 +28,12 @@ from kvoffload.integrations.vllm._scheduler_base import (
     grow_hashes,
     hash_extra,
 )
-from kvoffload.integrations.vllm.metadata import KVOffloadConnectorMetadata
+from kvoffload.integrations.vllm.metadata import (
+    KVOffloadConnectorMetadata,
+    KVOffloadWorkerMetadata,
+)
 from kvoffload.integrations.vllm.stats import ConnectorStatistics
+from kvoffload.integrations.vllm.tiers import SchedulerTiers, check_tier_settings
 from kvoffload.transfer.plan import LoadPlan, StorePlan
 
 if TYPE_CHECKING:
@@ -37,6 +41,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["SchedulerSide"]
@@ -83,8 +88,12 @@ class SchedulerSide(SchedulerSideBase[_RequestHashes]):
         namespace: what block hashes are namespaced by.
         world_size: workers that copy every plan (tensor and pipeline parallel ranks).
 
+    With ``config.tiers``, lookups that miss on CPU ask the workers' tiers
+    (`SchedulerTiers`, in `tiers`).
+
     Raises:
-        ConfigError: the pool size does not fit the layout.
+        ConfigError: the pool size does not fit the layout, or a tier's settings are
+            refused by the tier (named).
         HostMemoryError: the pool's bookkeeping exceeds the memory left (see
             `kvoffload.build.check_host_memory()`).
     """
@@ -108,6 +117,12 @@ class SchedulerSide(SchedulerSideBase[_RequestHashes]):
         self._loads: list[LoadPlan] = []
         # Lazy mode: GPU block id -> (vLLM's hash when we saw it computed, our hash).
         self._gpu_hashes: dict[int, tuple[object, BlockHash]] = {}
+        self.tiers: SchedulerTiers | None = None
+        if config.tiers:
+            check_tier_settings(
+                config.tiers, namespace=bytes(self._root), block_nbytes=layout.bytes_per_block
+            )
+            self.tiers = SchedulerTiers(self.scheduler, config.tiers, world_size=world_size)
 
     # -- hashing -----------------------------------------------------------------------
 
@@ -206,7 +221,25 @@ class SchedulerSide(SchedulerSideBase[_RequestHashes]):
                     self._request_hashes,
                 )
         loads, self._loads = tuple(self._loads), []
-        return KVOffloadConnectorMetadata(loads=loads, stores=stores)
+        if self.tiers is None:
+            return KVOffloadConnectorMetadata(loads=loads, stores=stores)
+        probes, reads = self.tiers.take_work()
+        return KVOffloadConnectorMetadata(
+            loads=loads, stores=stores, tier_probes=probes, tier_reads=reads
+        )
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Complete the plans every worker reported; hand the tiers' answers to
+        `SchedulerTiers` (probes answered, promotions read)."""
+        super().update_connector_output(connector_output)
+        meta = connector_output.kv_connector_worker_meta
+        tiers = self.tiers
+        if (
+            tiers is not None
+            and isinstance(meta, KVOffloadWorkerMetadata)
+            and (meta.tier_probes or meta.tier_reads)
+        ):
+            tiers.on_reports(meta.tier_probes, meta.tier_reads)
 
     def _remember_gpu_hashes(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
         pool = self._gpu_pool
@@ -229,8 +262,11 @@ class SchedulerSide(SchedulerSideBase[_RequestHashes]):
 
     def _complete(self, tracked: Tracked, ok: bool) -> None:
         self.scheduler.complete(tracked.plan, ok)
-        if not ok and isinstance(tracked.plan, StorePlan):
-            self.events.forget_unstored(0, tracked.plan.block_hashes, self.pool.is_cached)
+        plan = tracked.plan
+        if not ok and isinstance(plan, StorePlan):
+            self.events.forget_unstored(0, plan.block_hashes, self.pool.is_cached)
+        if ok and self.tiers is not None and isinstance(plan, StorePlan):
+            self.tiers.forget_absent(plan.block_hashes)
 
     def request_finished(self, request: Request) -> bool:
         """The request left vLLM. Its store copies keep their GPU blocks referenced on
@@ -246,6 +282,8 @@ class SchedulerSide(SchedulerSideBase[_RequestHashes]):
         """Empty the CPU prefix cache (copies in flight publish nothing)."""
         self.scheduler.reset()
         self._gpu_hashes.clear()
+        if self.tiers is not None:
+            self.tiers.reset()
         return True
 
     def take_events(self) -> Iterable[KVCacheEvent]:

@@ -18,9 +18,14 @@ from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import LayoutMismatchError
 from kvoffload.integrations.vllm._worker_base import WorkerSideBase, worker_rank
+from kvoffload.integrations.vllm.metadata import (
+    KVOffloadConnectorMetadata,
+    KVOffloadWorkerMetadata,
+)
 from kvoffload.integrations.vllm.pages import page_views
+from kvoffload.integrations.vllm.tiers import WorkerTiers, rank_namespace, rank_tier_settings
 from kvoffload.storage import HostKVBuffer
-from kvoffload.transfer import CopyEngine, TransferStatus, TransferTask
+from kvoffload.transfer import CopyEngine, StorePlan, TransferStatus, TransferTask
 
 if TYPE_CHECKING:
     from kvoffload.transfer.thread_engine import CopyHook
@@ -87,6 +92,14 @@ class WorkerSide(WorkerSideBase):
         copy_hook: for `ThreadCopyEngine`, run before each copy (fault injection).
         opaque: move pages as bytes (``layout`` is an `opaque_layout`: an MLA latent,
             K/V of two head sizes) through `page_views` instead of `layer_views`.
+        namespace: the root of the scheduler side's hash namespace (the tiers' keys are
+            under `rank_namespace` of it).
+        world_size: ranks in all (each keeps its shard in the tiers under its own
+            namespace when there are several).
+
+    With ``config.tiers``, `register_kv_caches` opens this rank's tiers (`WorkerTiers`,
+    in `tiers`): stored blocks are written down, and the scheduler side's probes and
+    promotions run there.
     """
 
     def __init__(
@@ -99,8 +112,13 @@ class WorkerSide(WorkerSideBase):
         rank: int | None = None,
         copy_hook: CopyHook | None = None,
         opaque: bool = False,
+        namespace: bytes = b"",
+        world_size: int = 1,
     ) -> None:
         super().__init__(config, num_gpu_blocks, rank=rank, copy_hook=copy_hook)
+        self._namespace = namespace
+        self._world_size = world_size
+        self.tiers: WorkerTiers | None = None
         self.opaque = opaque
         self.layout = layout
         self.layer_names = list(layer_names)
@@ -122,6 +140,8 @@ class WorkerSide(WorkerSideBase):
         num_cpu_blocks = self.config.resolve_num_cpu_blocks(self.layout)
         self.host = self._host_buffer(self.layout, num_cpu_blocks)
         self.engine = self._copy_engine(self.layout, views, self.host)
+        if self.config.tiers:
+            self.tiers = self._open_tiers(self.host)
         _log.info(
             "vllm_worker_ready",
             rank=self.rank,
@@ -130,10 +150,46 @@ class WorkerSide(WorkerSideBase):
             bytes_per_block=self.layout.bytes_per_block,
         )
 
+    def _open_tiers(self, host: HostKVBuffer) -> WorkerTiers:
+        from kvoffload.tiers.bridge import TierBridge  # noqa: PLC0415
+
+        settings = rank_tier_settings(self.config.tiers, self.rank, self._world_size)
+        bridge = TierBridge.from_settings(
+            settings,
+            namespace=rank_namespace(self._namespace, self.rank, self._world_size),
+            block_nbytes=self.layout.bytes_per_block,
+            name=f"kvoffload-vllm-tiers-{self.rank}",
+        )
+        staging = max(s.max_queued_writes for s in settings)
+        return WorkerTiers(bridge, host, staging_blocks=staging)
+
+    def bind(self, meta: KVOffloadConnectorMetadata) -> None:
+        """Remember the step's plans; start its tier probes and reads."""
+        super().bind(meta)
+        if self.tiers is not None and (meta.tier_probes or meta.tier_reads):
+            self.tiers.submit(meta.tier_probes, meta.tier_reads)
+
+    def take_reports(self) -> KVOffloadWorkerMetadata | None:
+        """This rank's finished copies, probes and tier reads since the last call."""
+        meta = super().take_reports()
+        if self.tiers is None:
+            return meta
+        probes, reads = self.tiers.take()
+        if not probes and not reads:
+            return meta
+        if meta is None:
+            meta = KVOffloadWorkerMetadata()
+        rank = self.rank
+        meta.tier_probes = {key: {rank: run} for key, run in probes.items()}
+        meta.tier_reads = {key: {rank: good} for key, good in reads.items()}
+        return meta
+
     def _on_complete(self, task: TransferTask) -> None:
         ok = task.status is TransferStatus.DONE
         plan = task.plan
         self._report(plan.plan_id, ok)
+        if ok and self.tiers is not None and isinstance(plan, StorePlan):
+            self.tiers.on_stored(plan)
         if plan.kind == "load":
             if ok:
                 self.bytes_loaded += task.nbytes
@@ -178,6 +234,9 @@ class WorkerSide(WorkerSideBase):
     def shutdown(self) -> None:
         """Wait for the copies in flight, then release the engine and the host buffer."""
         self.wait_idle()
+        tiers, self.tiers = self.tiers, None
+        if tiers is not None:
+            tiers.close()
         engine, self.engine = self.engine, None
         host, self.host = self.host, None
         self._release(engine, host)

@@ -1,0 +1,196 @@
+"""The connector's tiers (``tiers`` in ``kv_connector_extra_config``) with vLLM's real
+`Scheduler` and simulated workers (`harness.Harness`): a prompt one engine stored is
+promoted from a persistent disk tier by the next one (probe pending: "ask again";
+promotion read and verified: loaded), a corrupted block is never served, and a tier that
+never answers holds no request beyond the lookup budget (the CPU hit is answered).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import BLOCK_SIZE, Harness, kv_cache_config, make_request, vllm_config
+
+from kvoffload.integrations.vllm import tiers as vllm_tiers
+from kvoffload.integrations.vllm.tiers import SchedulerTiers, WorkerTiers
+from kvoffload.tiers.disk_layout import DiskLayout
+
+DISK_BYTES = 4 << 20
+PREFIX_BLOCKS = 4
+
+
+def prompt(prefix_blocks: int, tail: int, seed: int) -> list[int]:
+    shared = [(7 * i) % 500 + 2 for i in range(prefix_blocks * BLOCK_SIZE)]
+    return shared + [(seed * 31 + i) % 500 + 2 for i in range(tail)]
+
+
+def disk(path: Path, **more: Any) -> dict[str, Any]:
+    return {"kind": "disk", "path": str(path), "capacity_bytes": DISK_BYTES, "persist": True,
+            **more}  # fmt: skip
+
+
+@contextmanager
+def engine(model_dir: Path, tiers: list[dict[str, Any]], *, world: int = 1) -> Iterator[Harness]:
+    """A scheduler and ``world`` workers; the workers' tiers are closed (write-downs
+    drained) on exit, as vLLM's shutdown does."""
+    config = vllm_config(
+        model_dir,
+        {"num_cpu_blocks": 32, "tiers": tiers},
+        num_gpu_blocks=64,
+        world_size=world,
+        connector="TestConnector",
+        module="harness",
+    )
+    h = Harness(config, kv_cache_config(64), world_size=world)
+    try:
+        yield h
+    finally:
+        for w in h.workers:
+            w.connector.shutdown()
+
+
+def sched_tiers(h: Harness) -> SchedulerTiers:
+    tiers = h.side.tiers  # type: ignore[union-attr]
+    assert isinstance(tiers, SchedulerTiers)
+    return tiers
+
+
+def step_until(h: Harness, done: Callable[[], bool], *, max_steps: int = 2000) -> int:
+    """Step (empty steps too: vLLM's engine loop does) until ``done()``; the steps taken."""
+    for n in range(max_steps):
+        if done():
+            return n
+        h.step()
+        time.sleep(0.002)
+    raise AssertionError("condition not reached")
+
+
+def first_engine(model_dir: Path, tiers: list[dict[str, Any]], *, world: int = 1) -> int:
+    """Run a prompt of ``PREFIX_BLOCKS`` full blocks and write it down; its bytes per block."""
+    with engine(model_dir, tiers, world=world) as h:
+        a = make_request("a", prompt(PREFIX_BLOCKS, 5, seed=1), max_tokens=2)
+        h.run(a)
+        h.settle()
+        assert h.side.scheduler.statistics().stored_blocks >= PREFIX_BLOCKS  # type: ignore[union-attr]
+        return h.side.layout.bytes_per_block  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_next_engine_promotes_a_prompt_from_the_disk_tier(
+    model_dir: Path, tmp_path: Path, world: int
+) -> None:
+    tiers = [disk(tmp_path / "kv.bin")]
+    first_engine(model_dir, tiers, world=world)
+    if world == 2:  # each rank keeps its shard in a file of its own
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["kv.bin.rank0", "kv.bin.rank1"]
+
+    with engine(model_dir, tiers, world=world) as h:
+        b = make_request("b", prompt(PREFIX_BLOCKS, 7, seed=2), max_tokens=2)
+        h.scheduler.add_request(b)
+        out = h.step()
+        # The CPU pool is empty: the tiers are probed and the lookup says "ask again".
+        assert "b" not in out.num_scheduled_tokens
+        assert sched_tiers(h).statistics().probes == 1
+        step_until(h, lambda: "b" in h.outputs[-1].num_scheduled_tokens)
+        out = h.outputs[-1]
+        # Only the tail is computed; the prefix came from the disk tier through the pool.
+        assert out.num_scheduled_tokens["b"] == len(b.prompt_token_ids) - 4 * BLOCK_SIZE
+        assert h.loaded_tokens["b"] == PREFIX_BLOCKS * BLOCK_SIZE
+        assert h.wrong_slots(b) == []  # every rank got its own shard back
+        # the hit names the tier its blocks came from (the miss reasons' sources)
+        state = h.side.scheduler.request_state("b")  # type: ignore[union-attr]
+        assert state.tier_hits == {"disk0": PREFIX_BLOCKS}
+        stats = sched_tiers(h).statistics()
+        assert stats.promotions == 1
+        assert stats.blocks_promoted == PREFIX_BLOCKS
+        assert stats.blocks_failed == 0
+        assert h.side.scheduler.statistics().deferred_lookups >= 1  # type: ignore[union-attr]
+        step_until(h, b.is_finished)
+        h.settle()
+        h.check()
+        for w in h.workers:
+            wt = w.connector.worker_side.tiers  # type: ignore[union-attr]
+            assert isinstance(wt, WorkerTiers)
+            assert wt.blocks_read == PREFIX_BLOCKS
+
+
+def corrupt_every_slot(path: Path, block_nbytes: int) -> int:
+    layout = DiskLayout(DISK_BYTES, block_nbytes=block_nbytes, namespace=b"\0" * 32, name="t")
+    size = path.stat().st_size
+    hit = 0
+    with open(path, "r+b") as f:
+        for slot in range(layout.num_slots):
+            at = layout.offset(slot) + 100
+            if at >= size:
+                break
+            f.seek(at)
+            old = f.read(16)
+            f.seek(at)
+            f.write(bytes(b ^ 0xA5 for b in old))
+            hit += 1
+    return hit
+
+
+@pytest.mark.parametrize(("world", "corrupt"), [(1, "kv.bin"), (2, "kv.bin.rank1")])
+def test_a_corrupted_block_is_a_miss_never_served(
+    model_dir: Path, tmp_path: Path, world: int, corrupt: str
+) -> None:
+    """With two ranks only rank 1's file is corrupted: rank 0 reads its shard fine, but a
+    block is published only when every rank read it."""
+    path = tmp_path / "kv.bin"
+    nbytes = first_engine(model_dir, [disk(path)], world=world)
+    assert corrupt_every_slot(tmp_path / corrupt, nbytes) >= PREFIX_BLOCKS
+
+    with engine(model_dir, [disk(path)], world=world) as h:
+        b = make_request("b", prompt(PREFIX_BLOCKS, 7, seed=2), max_tokens=2)
+        h.scheduler.add_request(b)
+        step_until(h, lambda: "b" in h.outputs[-1].num_scheduled_tokens if h.outputs else False)
+        out = h.outputs[-1]
+        # The promotion read blocks that failed their check: nothing published, the
+        # lookup answered the (empty) CPU hit and vLLM computes the whole prompt.
+        assert out.num_scheduled_tokens["b"] == len(b.prompt_token_ids)
+        assert "b" not in h.loaded_tokens
+        stats = sched_tiers(h).statistics()
+        assert stats.blocks_promoted == 0
+        assert stats.blocks_failed >= 1
+        assert h.wrong_slots(b) == []
+        step_until(h, b.is_finished)
+        wt = h.workers[-1].connector.worker_side.tiers  # type: ignore[union-attr]
+        assert isinstance(wt, WorkerTiers)
+        (tier,) = wt.statistics()
+        assert tier.failed_checks >= 1
+        h.settle()
+        h.check()
+
+
+def test_a_tier_that_never_answers_delays_no_request_beyond_the_budget(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Probes sent to the workers are never answered (a tier stuck forever): the lookup
+    asks again until the budget is spent, then answers the CPU hit, which is loaded."""
+    tiers = [disk(tmp_path / "kv.bin", op_timeout_s=0.05, max_batch_blocks=256)]
+    with engine(model_dir, tiers) as h:
+        c = make_request("c", prompt(2, 3, seed=3), max_tokens=1)
+        h.run(c)  # two prefix blocks reach the CPU pool
+        h.settle()
+        assert h.scheduler.reset_prefix_cache()
+        monkeypatch.setattr(vllm_tiers.WorkerTiers, "submit", lambda *a, **k: None)
+
+        b = make_request("b", prompt(PREFIX_BLOCKS, 7, seed=2), max_tokens=2)
+        h.scheduler.add_request(b)
+        waited = step_until(h, lambda: "b" in h.outputs[-1].num_scheduled_tokens)
+        assert waited >= 1  # asked again while the probe was out
+        stats = h.side.scheduler.statistics()  # type: ignore[union-attr]
+        assert stats.deferrals_bounded == 1
+        assert h.loaded_tokens["b"] == 2 * BLOCK_SIZE  # the CPU hit, no more
+        # The unanswered probe is dropped at the budget: no later request waits for it.
+        assert sched_tiers(h).statistics().probes_in_flight == 0
+        assert h.wrong_slots(b) == []
+        step_until(h, b.is_finished)
+        h.settle()
+        h.check()
