@@ -161,8 +161,6 @@ class GroupSession(Lifecycle):
         self.counters = self.launcher.counters
         self._live: set[str] = set()
         self._init_lifecycle()
-        self.tiers = None
-        """No single tier manager: one per group (`group_tiers`)."""
         self.group_tiers: GroupTiers | None = None
         """Per cacheable group, its tier stack (when ``config.tiers`` is set)."""
         self.host = None
@@ -172,6 +170,12 @@ class GroupSession(Lifecycle):
         )
         """The session hints (``retain_for_s``), retained in every group."""
         self.built = True
+
+    @property
+    def tiers(self) -> GroupTiers | None:
+        """The tiers' front (`GroupTiers`: one tier manager per group), when
+        ``config.tiers`` is set and the session is open."""
+        return self.group_tiers
 
     # -- lifecycle (as `Session`) --------------------------------------------------------
 

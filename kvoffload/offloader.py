@@ -29,7 +29,7 @@ from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
 from kvoffload.request import OffloadRequest
 from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
 from kvoffload.storage.host_buffer import HostKVBuffer
-from kvoffload.tiers.manager import TierManager
+from kvoffload.tiers.front import TierFront
 from kvoffload.tiers.stats import TierManagerStatistics
 from kvoffload.transfer.engine import CopyEngine
 from kvoffload.transfer.poller import PollerStatistics
@@ -151,8 +151,11 @@ class KVOffloader:
     # -- properties --------------------------------------------------------------------------
 
     @property
-    def tiers(self) -> TierManager | None:
-        """The tier manager, when ``config.tiers`` is set (for inspection)."""
+    def tiers(self) -> TierFront | None:
+        """The secondary tiers, when ``config.tiers`` is set (for inspection): the
+        `TierManager`, or with several KV cache groups `GroupTiers` (one manager per
+        group, the same read API over the whole model, each group's manager in
+        ``managers``). See `TierFront`."""
         return self._life.tiers
 
     @property

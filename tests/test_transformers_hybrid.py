@@ -8,6 +8,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -471,3 +472,47 @@ async def test_a_session_hint_retains_every_groups_blocks_of_a_hybrid(
         assert off.hints.release("s") == held
         assert all(p.num_retained == 0 for p in pools)
         off.check_invariants()
+
+
+async def test_a_hybrid_prefix_in_a_disk_tier_is_loaded_after_the_cpu_pool_was_emptied(
+    models: tuple[Any, Any], tmp_path: Any
+) -> None:
+    """With a disk tier, ``off.tiers`` is the groups' tier front, so the engine's lookups
+    may answer "ask again": after the CPU pool was emptied, the repeated prompt's lookup
+    waits for every group's promotion and loads the prefix from the tier (loaded tokens
+    > 0) instead of computing it, and the answer equals the stock model's."""
+    model, ref = models
+    engine = PagedEngine(model, num_gpu_blocks=12, block_size=BS, max_batch_tokens=16)
+    disk = {"kind": "disk", "path": str(tmp_path / "kv.bin"), "capacity_bytes": "8MiB"}
+    cfg = OffloadConfig(**{**offload_config().model_dump(), "tiers": [disk]})
+    gen = torch.Generator().manual_seed(13)
+    prompt = torch.randint(0, VOCAB, (22,), generator=gen).tolist()
+    filler = torch.randint(0, VOCAB, (40,), generator=gen).tolist()
+    async with KVOffloader(
+        cfg, engine.offload_kv, groups=engine.kv_groups, pinner=engine.pinners
+    ) as off:
+        engine.attach(off)
+        tiers = off.tiers
+        assert tiers is not None
+        engine.add_request("t1", prompt, max_new_tokens=4)
+        (first,) = await engine.run_until_done()
+        engine.add_request("filler", filler, max_new_tokens=2)  # evicts t1 from the GPU
+        await engine.run_until_done()
+        await off.drain()
+        while tiers.statistics().refs_held:  # every group's write-downs landed
+            await anyio.sleep(0.01)
+        assert {t.name for t in tiers.tiers} == {f"disk0.{g.name}" for g in engine.kv_groups}
+        assert all(t.blocks_written for t in tiers.statistics().tiers)
+        assert await off.reset()  # the CPU pool is empty; the tier keeps every group's blocks
+        turn2 = [*prompt, *first.output_token_ids, 7, 8, 9]
+        engine.add_request("t2", turn2, max_new_tokens=4)
+        (second,) = await engine.run_until_done()
+        await off.drain()
+        stats = tiers.statistics()
+        assert stats.deferred_lookups > 0
+        assert all(t.blocks_promoted > 0 for t in stats.tiers)
+        tiers.check_invariants()
+        off.check_invariants()
+    assert second.error is None, second.error
+    assert second.loaded_tokens >= 16
+    assert second.output_token_ids == reference(ref, turn2, 4)

@@ -41,11 +41,33 @@ class GroupLookupExtension(Protocol):
     """What a grouped lookup asks of the storage below the CPU pools (the groups' tiers)."""
 
     def extend_grouped_lookup(
-        self, lanes: Mapping[str, Sequence[BlockHash]], hit: int, num_tokens: int
+        self,
+        lanes: Mapping[str, Sequence[BlockHash]],
+        hit: int,
+        num_tokens: int,
+        pinned: Mapping[str, Sequence[CpuBlock]],
     ) -> None:
         """A lookup of ``num_tokens`` found ``hit`` tokens valid for every group (the
-        engine's prefix when none); start what brings in the blocks of a longer hit.
-        Nothing it starts may change this lookup's answer."""
+        engine's prefix when none), the CPU blocks ``pinned`` per group; start what brings
+        in the blocks of a longer hit (never evicting ``pinned``: the lookup may let
+        them go at once, to ask again). Nothing it starts may change this lookup's
+        answer; whether to ask again is `lookup_defers_grouped()`'s, with `promoting`."""
+        ...
+
+    def promoting(self, group: str, block_hash: BlockHash) -> bool:
+        """Whether a promotion of ``group``'s tiers covering ``block_hash`` is in flight
+        (probing, or reading into CPU blocks)."""
+        ...
+
+    def lookup_deferred(self) -> None:
+        """A lookup answered "ask again" while a promotion ran (counted in the tiers'
+        ``deferred_lookups``, as one group's tiers count theirs)."""
+        ...
+
+    @property
+    def defer_deadline_s(self) -> float:
+        """The longest a request's lookups may answer "ask again" in a row while the
+        tiers bring blocks in (as `LookupExtension.defer_deadline_s`)."""
         ...
 
     def miss_reason(self, group: str, block_hash: BlockHash) -> MissReason | None:
@@ -376,11 +398,13 @@ def lookup_defers_grouped(  # noqa: PLR0917 - the lookup's state, in its order
     longer: int,
     num_tokens: int,
     computed: int,
+    promoting: Callable[[str, BlockHash], bool] | None = None,
 ) -> bool:
     """Whether a grouped lookup answers "ask again later": `lookup_defers()` (the
     single-group rule) says so for some group's pool, given the blocks of that group's
     hit (``hits``, as `hit_blocks()`) and those it lacks for the next longer hit,
-    ``longer`` tokens."""
+    ``longer`` tokens; with ``promoting`` (the tiers' `GroupLookupExtension.promoting`),
+    a block a promotion of that group's tiers is bringing in counts as being filled."""
     for g in groups:
         ledger = ledgers[g.name]
         hashes = lanes[g.name]
@@ -390,7 +414,8 @@ def lookup_defers_grouped(  # noqa: PLR0917 - the lookup's state, in its order
             if span.stop <= len(hashes):
                 get = ledger.pool.get_cached
                 nxt = [hashes[i] for i in span if get(hashes[i]) is None]
-        if lookup_defers(ledger, nxt, hits[g.name][1] if g.name in hits else ()):
+        below = None if promoting is None else functools.partial(promoting, g.name)
+        if lookup_defers(ledger, nxt, hits[g.name][1] if g.name in hits else (), below):
             return True
     return False
 

@@ -75,7 +75,7 @@ from kvoffload.scheduler.group_state import (
 )
 from kvoffload.scheduler.group_stores import GroupStorePlanner
 from kvoffload.scheduler.ledger import BlockLedger
-from kvoffload.scheduler.loads import DEFER_DEADLINE_S, deferral_spent
+from kvoffload.scheduler.loads import deferral_deadline, deferral_spent
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.requests import PriorityCount, as_int, check_request_priority
 from kvoffload.scheduler.stats import Counters
@@ -364,32 +364,58 @@ class GroupedScheduler:
             self._cacheable, pools, lanes, num_tokens, computed=num_computed_tokens, align=align
         )
         hits = hit_blocks(self._cacheable, self._ledgers, lanes, n, num_computed_tokens)
+        extension = self.extension
         deferrals, state.deferrals = state.deferrals, 0
-        if (
-            allow_defer
-            and deferrals
-            and deferral_spent(deferrals, self.clock() - state.deferred_since, DEFER_DEADLINE_S)
-        ):
-            allow_defer = False
-            self.deferrals_bounded += 1
+        if allow_defer and deferrals:
+            deadline = deferral_deadline(None if extension is None else extension.defer_deadline_s)
+            if deferral_spent(deferrals, self.clock() - state.deferred_since, deadline):
+                allow_defer = False
+                self.deferrals_bounded += 1
+        longer = n + align
         if allow_defer and lookup_defers_grouped(
-            self._cacheable, self._ledgers, lanes, hits, n + align, num_tokens, num_computed_tokens
+            self._cacheable, self._ledgers, lanes, hits, longer, num_tokens, num_computed_tokens
         ):
-            state.deferrals = deferrals + 1
-            if not deferrals:
-                state.deferred_since = self.clock()
-            state.miss_reason = MissReason.IN_FLIGHT
+            self._defer(state, deferrals)
             return None
         for name, (start, pinned) in hits.items():
             self._ledgers[name].pin(pinned, state.priority)
             state.lanes[name].pin, state.lanes[name].pin_start = pinned, start
             state.hit, state.hit_from = n, num_computed_tokens
-        if self.extension is not None:
-            self.extension.extend_grouped_lookup(lanes, n, num_tokens)
-        state.miss_reason = self._stops.stop(
-            lanes, n, num_tokens, num_computed_tokens, self.extension
-        )
+        if extension is not None:
+            extension.extend_grouped_lookup(
+                lanes, n, num_tokens, {name: blocks for name, (_, blocks) in hits.items()}
+            )
+            # A promotion of a block a longer hit lacks runs (maybe started just now): ask
+            # again once it landed, as one group's lookup does. A longer hit is the next
+            # aligned one, or the next store point (where a window or a state is kept).
+            step = self.checkpoint_tokens
+            point = (n // step + 1) * step
+            if allow_defer and any(
+                lookup_defers_grouped(
+                    self._cacheable,
+                    self._ledgers,
+                    lanes,
+                    hits,
+                    at,
+                    num_tokens,
+                    num_computed_tokens,
+                    extension.promoting,
+                )
+                for at in ((longer,) if point == longer else (longer, point))
+            ):
+                self.release(request_id)
+                extension.lookup_deferred()
+                self._defer(state, deferrals)
+                return None
+        state.miss_reason = self._stops.stop(lanes, n, num_tokens, num_computed_tokens, extension)
         return n - num_computed_tokens
+
+    def _defer(self, state: GroupedRequest, deferrals: int) -> None:
+        """Answer "ask again": one more in the request's run of them (nothing pinned)."""
+        state.deferrals = deferrals + 1
+        if not deferrals:
+            state.deferred_since = self.clock()
+        state.miss_reason = MissReason.IN_FLIGHT
 
     def miss_reason(self, request_id: str) -> MissReason:
         """The `MissReason` of ``request_id``'s last lookup (`UnknownRequestError`: none)."""

@@ -39,6 +39,7 @@ __all__ = [
     "LookupExtension",
     "abandon_loads",
     "block_miss_reason",
+    "deferral_deadline",
     "deferral_spent",
     "lookup_defers",
 ]
@@ -66,23 +67,40 @@ def deferral_spent(deferrals: int, elapsed: float, deadline: float) -> bool:
     return deferrals >= MAX_LOOKUP_DEFERRALS or elapsed >= deadline
 
 
+def deferral_deadline(below_s: float | None) -> float:
+    """The deadline of a request's run of "ask again" answers, one group or several:
+    `DEFER_DEADLINE_S`, or ``below_s`` (the tiers' `LookupExtension.defer_deadline_s`;
+    ``None`` without tiers) when longer."""
+    return DEFER_DEADLINE_S if below_s is None else max(DEFER_DEADLINE_S, below_s)
+
+
 def lookup_defers(
-    ledger: BlockLedger, next_hashes: Sequence[BlockHash], hits: Sequence[CpuBlock]
+    ledger: BlockLedger,
+    next_hashes: Sequence[BlockHash],
+    hits: Sequence[CpuBlock],
+    promoting: Callable[[BlockHash], bool] | None = None,
 ) -> bool:
     """The rule of ``lookup_or_defer``, for one pool: whether a lookup whose hit is the
     blocks ``hits`` should answer "ask again later".
 
     Yes when a block of the hit is being loaded for another request (its GPU copy will
     serve this one), or when the blocks the next longer hit lacks, ``next_hashes``, are
-    there and every one is being stored (the longer hit is there once they land). With
-    several KV cache groups each group's pool is asked and the lookup defers when any
-    says yes (`GroupedScheduler.lookup()`).
+    there and every one is being filled: stored or promoted into the pool (in the
+    ledger's pending hashes), or, with ``promoting``, named by a promotion that is still
+    probing its tier (the longer hit is there once they land). One group asks its tiers
+    after this (`LookupExtension.extend_lookup()` answers for the promotion it starts);
+    with several KV cache groups each group's pool is asked, with that group's tiers as
+    ``promoting``, and the lookup defers when any says yes (`GroupedScheduler.lookup()`).
     """
     loading = ledger.loading
     if loading and any(b.block_id in loading for b in hits):
         return True
+    if not next_hashes:
+        return False
     pending = ledger.pending
-    return bool(next_hashes) and all(h in pending for h in next_hashes)
+    if promoting is None:
+        return all(h in pending for h in next_hashes)
+    return all(h in pending or promoting(h) for h in next_hashes)
 
 
 def abandon_loads(
@@ -334,9 +352,8 @@ class LoadPlanner:
     def _defer_spent(self, state: RequestOffloadState, deferrals: int) -> bool:
         """Whether the request's run of "ask again" answers reached its bound
         (`deferral_spent()`; the tiers' deadline when longer than `DEFER_DEADLINE_S`)."""
-        deadline = DEFER_DEADLINE_S
-        if self.extension is not None:
-            deadline = max(deadline, self.extension.defer_deadline_s)
+        extension = self.extension
+        deadline = deferral_deadline(None if extension is None else extension.defer_deadline_s)
         return deferral_spent(deferrals, self.clock() - state.deferred_since, deadline)
 
     def plan_load(self, rid: str, gpu_block_ids: Sequence[int], num_tokens: int) -> LoadPlan | None:

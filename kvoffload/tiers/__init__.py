@@ -17,6 +17,7 @@ from kvoffload.tiers.bridge import TierBridge, engine_namespace
 from kvoffload.tiers.build import build_tier
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.format import HEADER_SIZE, BlockHeader, encode_header, verify_block
+from kvoffload.tiers.front import TierFront
 from kvoffload.tiers.manager import TierManager
 from kvoffload.tiers.stats import TierManagerStatistics, TierStatistics
 
@@ -32,6 +33,7 @@ __all__ = [
     "SecondaryTier",
     "TierManager",
     "TierBridge",
+    "TierFront",
     "TierManagerStatistics",
     "TierSettings",
     "TierStatistics",

@@ -13,10 +13,13 @@ server and ``key_prefix`` (the namespace is part of every key).
 * Promotions: after every grouped lookup (`GroupedScheduler.lookup()`), each group's
   tiers are asked for the blocks a longer hit needs that its CPU pool lacks
   (`extend_grouped_lookup()`): a full group the run after its CPU blocks, up to the
-  prompt; the other kinds the blocks of ``needed(g, P)`` for the store points ``P`` (the
-  multiples of ``checkpoint_tokens``) past the hit, and, in a promotion of its own, those
-  of ``needed(g, R)`` where ``R`` is where the full groups' CPU blocks end (a request's
-  finish point, once the full groups' blocks are back). Promotions land asynchronously, each
+  prompt; the other kinds the blocks of ``needed(g, P)`` for each store point ``P`` (the
+  multiples of ``checkpoint_tokens``) past the hit, and those of ``needed(g, R)`` where
+  ``R`` is where the full groups' CPU blocks end (a request's finish point, once the full
+  groups' blocks are back), each point in a promotion of its own (a point its tier lacks
+  stops no other). A lookup that may wait (``allow_defer``) answers "ask again" while a
+  promotion of a block its next longer hit lacks runs in any group
+  (`GroupedScheduler.lookup()`). Promotions land asynchronously, each
   in its own group's pool; the hit stays the largest ``N`` valid for **every** group with
   CPU-resident blocks only, so a promotion that landed in one group and not (yet) in
   another is never part of a hit.
@@ -37,6 +40,7 @@ from kvoffload.groups import KVCacheGroup, needed
 from kvoffload.hashing import BlockHash, HashNamespace
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.tier_config import AnyTierSettings
+from kvoffload.tiers.base import SecondaryTier
 from kvoffload.tiers.build import build_tier
 from kvoffload.tiers.manager import TierManager
 from kvoffload.tiers.stats import TierManagerStatistics
@@ -123,7 +127,7 @@ class GroupTiers:
             disk tier is below one slot (naming the tier and the group).
     """
 
-    __slots__ = ("_align", "_checkpoint", "_groups", "_ledgers", "managers")
+    __slots__ = ("_align", "_checkpoint", "_deferred", "_groups", "_ledgers", "managers")
 
     def __init__(
         self,
@@ -135,6 +139,7 @@ class GroupTiers:
         self._groups = [g for g in scheduler.groups if g.cacheable]
         self._checkpoint = scheduler.checkpoint_tokens
         self._align = scheduler.hit_alignment
+        self._deferred = 0
         self._ledgers = {g.name: scheduler.ledger(g.name) for g in self._groups}
         need = {
             n: ledger.pool.num_blocks * hosts[n].layout.bytes_per_block
@@ -165,6 +170,7 @@ class GroupTiers:
                 scheduler=_GroupPart(self._ledgers[g.name]),
                 host=hosts[g.name],
                 namespace=root,
+                max_prefetch_fraction=config.max_prefetch_fraction,
             )
         scheduler.extension = self
 
@@ -195,7 +201,11 @@ class GroupTiers:
         self.managers[group].on_stored(plan)
 
     def extend_grouped_lookup(
-        self, lanes: Mapping[str, Sequence[BlockHash]], hit: int, num_tokens: int
+        self,
+        lanes: Mapping[str, Sequence[BlockHash]],
+        hit: int,
+        num_tokens: int,
+        pinned: Mapping[str, Sequence[CpuBlock]],
     ) -> None:
         """A grouped lookup found ``hit`` tokens (pinned): ask each group's tiers for the
         blocks a longer hit needs that its CPU pool lacks (see the module docstring).
@@ -204,6 +214,8 @@ class GroupTiers:
             lanes: per cacheable group, the lookup's block hashes.
             hit: the lookup's ``N`` (the engine's prefix when nothing was found).
             num_tokens: the prompt's length (a hit is at most ``num_tokens - 1``).
+            pinned: per group, the hit's CPU blocks: no promotion evicts them (the lookup
+                may release them at once, to ask again).
         """
         cap = max(0, num_tokens - 1)
         step = self._checkpoint
@@ -211,14 +223,25 @@ class GroupTiers:
         reach = self._full_reach(lanes, hit, cap)
         for g in self._groups:
             hashes = lanes[g.name]
+            keep = pinned.get(g.name, ())
             if g.kind == "full":
-                self._promote(g.name, hashes, range(hit // g.block_size, cap // g.block_size))
+                span = range(hit // g.block_size, cap // g.block_size)
+                self._promote(g.name, hashes, span, keep)
                 continue
-            self._promote(g.name, hashes, _blocks_of(g, points, len(hashes)))
-            if reach > hit and reach % step:
-                # Where the full groups' CPU blocks end (a finish point, likely): its window
-                # or snapshot, in a promotion of its own (its absence stops nothing else).
-                self._promote(g.name, hashes, _blocks_of(g, [reach], len(hashes)))
+            # Each point's window or snapshot in a promotion of its own: a point the tier
+            # lacks (its window slid past before it was stored) stops no other one; and
+            # where the full groups' CPU blocks end (a finish point, likely).
+            ends = [*points, reach] if reach > hit and reach % step else points
+            for p in ends:
+                self._promote(g.name, hashes, _blocks_of(g, [p], len(hashes)), keep)
+
+    def promoting(self, group: str, block_hash: BlockHash) -> bool:
+        """Whether a promotion of ``group``'s tiers covering ``block_hash`` is in flight."""
+        return self.managers[group].is_promoting(block_hash)
+
+    def lookup_deferred(self) -> None:
+        """A grouped lookup answered "ask again" while a promotion ran."""
+        self._deferred += 1
 
     def miss_reason(self, group: str, block_hash: BlockHash) -> MissReason | None:
         """Why ``group``'s tiers did not bring ``block_hash`` in (see
@@ -239,12 +262,18 @@ class GroupTiers:
             reach = i * g.block_size if reach is None else min(reach, i * g.block_size)
         return hit if reach is None else reach // self._align * self._align
 
-    def _promote(self, group: str, hashes: Sequence[BlockHash], want: Iterable[int]) -> None:
+    def _promote(
+        self,
+        group: str,
+        hashes: Sequence[BlockHash],
+        want: Iterable[int],
+        keep: Sequence[CpuBlock] = (),
+    ) -> None:
         """Ask ``group``'s tiers for the blocks ``want`` from the first not on CPU on (the
-        run's blocks already on CPU are protected from the promotion's evictions)."""
+        run's blocks already on CPU, and ``keep``, are protected from its evictions)."""
         get = self._ledgers[group].pool.get_cached
         order = [i for i in want if i < len(hashes)]
-        cached: list[CpuBlock] = []
+        cached: list[CpuBlock] = list(keep)
         for k, i in enumerate(order):
             block = get(hashes[i])
             if block is None:
@@ -255,7 +284,34 @@ class GroupTiers:
                 return
             cached.append(block)
 
-    # -- observation -------------------------------------------------------------------------
+    # -- observation (`TierFront`) ------------------------------------------------------------
+
+    @property
+    def tiers(self) -> tuple[SecondaryTier, ...]:
+        """Every group's tiers, group by group (each named ``<tier>.<group>``)."""
+        return tuple(t for m in self.managers.values() for t in m.tiers)
+
+    @property
+    def defer_deadline_s(self) -> float:
+        """The longest of the groups' `TierManager.defer_deadline_s`: a grouped lookup
+        waits for the promotions of every group."""
+        return max((m.defer_deadline_s for m in self.managers.values()), default=0.0)
+
+    @property
+    def max_prefetch_blocks(self) -> int:
+        """The groups' prefetch bounds added up (each group's pool keeps its own,
+        ``max_prefetch_fraction`` of it)."""
+        return sum(m.max_prefetch_blocks for m in self.managers.values())
+
+    @property
+    def prefetch_blocks(self) -> int:
+        """CPU blocks prefetches in flight hold now, all groups together."""
+        return sum(m.prefetch_blocks for m in self.managers.values())
+
+    def is_promoting(self, block_hash: BlockHash) -> bool:
+        """Whether a promotion covering ``block_hash`` is in flight in some group (a hash
+        is keyed by its group's namespace: it names one group's block)."""
+        return any(m.is_promoting(block_hash) for m in self.managers.values())
 
     def group_statistics(self) -> dict[str, TierManagerStatistics]:
         """Per cacheable group, its tier manager's statistics."""
@@ -263,13 +319,15 @@ class GroupTiers:
 
     def statistics(self) -> TierManagerStatistics:
         """Every group's tiers (each named ``<tier>.<group>``), group by group, and the
-        promotion counters added up over the groups."""
+        promotion counters added up over the groups (``deferred_lookups``: the grouped
+        lookups that answered "ask again" while a promotion ran)."""
         parts = list(self.group_statistics().values())
         sums = {
             f.name: sum(getattr(p, f.name) for p in parts)
             for f in dataclasses.fields(TierManagerStatistics)
             if f.name != "tiers"
         }
+        sums["deferred_lookups"] += self._deferred
         return TierManagerStatistics(tiers=tuple(t for p in parts for t in p.tiers), **sums)
 
     def check_invariants(self) -> None:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import errno
 import uuid
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
+import anyio
 import anyio.to_thread
 import pytest
 from test_offloader_groups import BS, Model, Tables, groups_of, serve
@@ -20,6 +21,7 @@ from kvoffload.errors import IntegrityError
 from kvoffload.hashing import BlockHasher
 from kvoffload.tiers import ops
 from kvoffload.tiers.base import BlockWrite
+from kvoffload.tiers.promote import Promoter
 from kvoffload.tiers.stats import TierManagerStatistics, TierStatistics
 
 pytestmark = pytest.mark.anyio
@@ -305,3 +307,109 @@ async def test_a_failing_tier_of_one_group_gives_no_hit_and_corrupts_nothing(
         monkeypatch.undo()
         await wait_until(lambda: tier_stats(off)["rec"].healthy)
         off.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["sliding", "recurrent"])
+async def test_off_tiers_is_the_groups_tier_front(kind: str, tmp_path: Path) -> None:
+    """``off.tiers`` with several groups: the same read API as one group's tier manager,
+    over the whole model (every group's tiers, the counters added up, every group's
+    invariants, a promotion in flight in any group)."""
+    model = Model(groups_of(kind))
+    alloc = Tables(model)
+    cfg = tiered(tmp_path / "kv.bin").model_copy(update={"max_prefetch_fraction": 0.25})
+    async with KVOffloader(cfg, model.kv, groups=model.groups) as off:
+        front = off.tiers
+        assert front is not None
+        session = off._groups
+        assert session is not None
+        assert session.group_tiers is front
+        managers = session.group_tiers.managers
+        assert [t.name for t in front.tiers] == [f"d.{g.name}" for g in model.groups]
+        assert (
+            front.max_prefetch_blocks
+            == sum(m.max_prefetch_blocks for m in managers.values())
+            == sum(s.num_cpu_blocks // 4 for s in off.statistics().groups.values())
+        )  # type: ignore[union-attr]
+        assert front.defer_deadline_s == max(m.defer_deadline_s for m in managers.values()) > 0
+        await serve(off, model, alloc, "a", TURN1)
+        await settle(off)
+        assert front.statistics() == tiers_of(off)
+        front.check_invariants()
+        assert await off.reset()
+        hashes = session.hash_prompt(TURN2)
+        assert probe(off, "b", TURN2) == 0
+        assert front.is_promoting(hashes["full"][0])
+        assert front.prefetch_blocks == 0
+        await settle(off)
+        assert not front.is_promoting(hashes["full"][0])
+        assert front.statistics().promotions >= 2
+
+
+@pytest.mark.parametrize("kind", ["sliding", "recurrent"])
+async def test_a_grouped_lookup_asks_again_while_a_promotion_runs(
+    kind: str, tmp_path: Path
+) -> None:
+    """``lookup(allow_defer=True)`` with several groups: "ask again" while the promotions
+    of the blocks a longer hit needs run (the lookup that started them included), then
+    the whole hit from CPU; counted in the tiers' ``deferred_lookups``."""
+    model = Model(groups_of(kind))
+    alloc = Tables(model)
+    async with KVOffloader(tiered(tmp_path / "kv.bin"), model.kv, groups=model.groups) as off:
+        await serve(off, model, alloc, "a", TURN1)
+        await settle(off)
+        assert await off.reset()
+        model.wipe()
+        with off.request("b", TURN2) as req:
+            assert req.lookup(allow_defer=True) is None  # the lookup started the promotions
+            off.check_invariants()
+            await settle(off)
+            hit = req.lookup(allow_defer=True)
+            assert hit == 16
+            tables = alloc.new(req.blocks_for(len(TURN2)))
+            task = req.load(tables)
+            assert task is not None
+            await task
+            model.check(tables, TURN2, hit)
+        assert tiers_of(off).deferred_lookups == 1
+        await settle(off)
+
+
+async def test_a_grouped_lookup_asks_again_at_most_until_the_tiers_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A promotion whose probe never answers: a grouped lookup asks again until the
+    groups' tiers' deadline (their `defer_deadline_s`, longer than one second here), then
+    answers with what is on CPU (counted in ``deferrals_bounded``); nothing leaks."""
+    release = anyio.Event()
+    real_probe = Promoter._probe
+
+    async def stuck(self: Promoter, *args: Any) -> Any:
+        await release.wait()
+        return await real_probe(self, *args)
+
+    model = Model(groups_of("sliding"))
+    alloc = Tables(model)
+    cfg = tiered(tmp_path / "kv.bin", op_timeout_s=3)
+    now = [50.0]
+    async with KVOffloader(cfg, model.kv, groups=model.groups) as off:
+        session = off._groups
+        assert session is not None
+        assert off.tiers is not None
+        session.scheduler.clock = lambda: now[0]
+        deadline = off.tiers.defer_deadline_s
+        assert deadline > 1.0  # longer than the deadline without tiers
+        await serve(off, model, alloc, "a", TURN1)
+        await settle(off)
+        assert await off.reset()
+        monkeypatch.setattr(Promoter, "_probe", stuck)
+        with off.request("b", TURN2) as req:
+            assert req.lookup(allow_defer=True) is None
+            now[0] += deadline - 0.5
+            assert req.lookup(allow_defer=True) is None
+            now[0] += 0.5
+            assert req.lookup(allow_defer=True) == 0  # what is on CPU: nothing
+            assert session.scheduler.deferrals_bounded == 1
+            assert off.tiers.is_promoting(session.hash_prompt(TURN2)["full"][0])
+        release.set()
+        await settle(off)
+        assert tiers_of(off).refs_held == 0
