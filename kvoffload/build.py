@@ -146,8 +146,6 @@ REFUSED: dict[EntryPoint, dict[str, str]] = {
         "store_mode": _ONE_GROUP_ONLY,
         "lazy_offload_blocks": "a setting of store_mode='lazy', which " + _ONE_GROUP_ONLY[2:],
         "restore_evicted": _ONE_GROUP_ONLY,
-        "max_store_blocks_per_step": _ONE_GROUP_ONLY,
-        "store_admission": _ONE_GROUP_ONLY,
         "hold_blocks_on_finish": _NO_HOLDS,
         "hold_max_blocks": _NO_HOLDS,
         "hold_max_steps": _NO_HOLDS,
@@ -356,15 +354,17 @@ def build_grouped_scheduler(
     With ``config.cpu_bytes``, the bytes are split by need (`split_capacity()`: a
     group's ``cpu_bytes`` or ``cpu_share`` overrides its share); with
     ``config.num_cpu_blocks``, every cacheable group gets that many blocks. Each pool
-    takes ``config.eviction_policy`` and ``config.enable_events``. ``checkpoint_tokens``
+    takes ``config.eviction_policy`` and ``config.enable_events``; the scheduler takes
+    ``config.max_store_blocks_per_step`` and ``config.store_admission`` (per group pool:
+    `GroupedScheduler`). ``checkpoint_tokens``
     (default ``config.checkpoint_tokens``, then `default_checkpoint_tokens()`) spaces the
     store points. The group code is imported here, on first use: a single-group model
     never loads it.
 
     Raises:
         ConfigError: a group would get less than one block, the overrides exceed
-            ``cpu_bytes``, or the groups or ``checkpoint_tokens`` are refused by
-            `GroupedScheduler`.
+            ``cpu_bytes``, or the groups, ``checkpoint_tokens`` or
+            ``max_store_blocks_per_step`` are refused by `GroupedScheduler`.
     """
     from kvoffload.groups import default_checkpoint_tokens  # noqa: PLC0415
     from kvoffload.scheduler.groups import GroupedScheduler  # noqa: PLC0415
@@ -376,7 +376,11 @@ def build_grouped_scheduler(
     sizes = grouped_pool_sizes(config, groups, checkpoint_tokens)
     pools = {name: make_pool(config, n) for name, n in sizes.items()}
     return GroupedScheduler(
-        groups, pools, checkpoint_tokens=checkpoint_tokens, num_gpu_blocks=num_gpu_blocks
+        groups,
+        pools,
+        checkpoint_tokens=checkpoint_tokens,
+        num_gpu_blocks=num_gpu_blocks,
+        config=config,
     )
 
 

@@ -1,9 +1,10 @@
 """One full-attention group through `OffloadScheduler` and two full-attention groups of the
 same geometry through `GroupedScheduler` run one seeded random workload (shared prefixes,
 lookups that defer, loads, stores each step, completions in random order and some failing,
-finishes, preemptions, a pool small enough to evict and defer): every lookup gives the same
-hit, every step plans the same blocks, each group's pool holds what the one pool holds, and
-each group counts what the one scheduler counts."""
+finishes, preemptions, a pool small enough to evict and defer), also with a per-step store
+limit and an admission filter: every lookup gives the same hit, every step plans the same
+blocks, each group's pool holds what the one pool holds, and each group counts what the one
+scheduler counts."""
 
 from __future__ import annotations
 
@@ -64,12 +65,16 @@ class Req:
 class Pair:
     """The two schedulers, driven with the same calls."""
 
-    def __init__(self) -> None:
-        config = OffloadConfig(block_size=BS, num_cpu_blocks=CPU_BLOCKS)
+    def __init__(self, **settings: object) -> None:
+        config = OffloadConfig.model_validate(
+            {"block_size": BS, "num_cpu_blocks": CPU_BLOCKS, **settings}
+        )
         self.one = OffloadScheduler(config, CpuBlockPool(CPU_BLOCKS))
         self.one._loads.clock = lambda: 0.0
         groups = [group(n, "full", BS) for n in NAMES]
-        self.grouped = GroupedScheduler(groups, {n: CpuBlockPool(CPU_BLOCKS) for n in NAMES})
+        self.grouped = GroupedScheduler(
+            groups, {n: CpuBlockPool(CPU_BLOCKS) for n in NAMES}, config=config
+        )
         self.grouped.clock = lambda: 0.0
         self.in_flight: list[tuple[TransferPlan, GroupedPlan]] = []
         self.gpu_ids = itertools.count()
@@ -130,9 +135,11 @@ def admit(pair: Pair, req: Req, rng: random.Random, log: list[object]) -> None:
         req.computed = 0
 
 
-def run(seed: int, steps: int = 70) -> tuple[list[object], SchedulerStatistics, int]:
+def run(
+    seed: int, steps: int = 70, **settings: object
+) -> tuple[list[object], SchedulerStatistics, int]:
     rng = random.Random(seed)
-    pair = Pair()
+    pair = Pair(**settings)
     prefixes = [[rng.randrange(1000) for _ in range(rng.choice((8, 12, 16, 24)))] for _ in range(3)]
     reqs: dict[str, Req] = {}
     log: list[object] = []
@@ -200,6 +207,24 @@ def run(seed: int, steps: int = 70) -> tuple[list[object], SchedulerStatistics, 
 @pytest.mark.parametrize("seed", range(50))
 def test_two_full_groups_behave_as_one(seed: int) -> None:
     run(seed)
+
+
+# The store settings with their one-group meaning: a per-step limit small enough to cut
+# steps, and an admission filter that refuses a block's first offer.
+STORE_SETTINGS = {"max_store_blocks_per_step": 3, "store_admission": "seen_twice"}
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_two_full_groups_behave_as_one_with_the_store_settings(seed: int) -> None:
+    run(seed, **STORE_SETTINGS)
+
+
+def test_the_store_settings_take_effect_in_the_workload() -> None:
+    """The settings change what the workload stores (so the comparison above sees them)."""
+    for seed in range(5):
+        _, plain, _ = run(seed)
+        _, limited, _ = run(seed, **STORE_SETTINGS)
+        assert limited.stored_blocks < plain.stored_blocks, seed
 
 
 def test_the_workload_evicts_defers_and_hits() -> None:

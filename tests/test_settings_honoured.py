@@ -147,6 +147,17 @@ async def stores_per_step(make_off: Callable[[], KVOffloader], seen: Seen) -> ob
         return stored_now(_sched(off), "r", 4)
 
 
+async def group_stores_per_step(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    """Blocks each group's plan holds for a request of 4 computed blocks per group."""
+    async with make_off() as off:
+        assert off._groups is not None
+        sched = off._groups.scheduler
+        tables: dict[str, list[int | None]] = {g.name: list(range(4)) for g in GROUPS}
+        sched.update("r", tables, {g.name: chain(4) for g in GROUPS}, 4 * BS)
+        plan = sched.plan_stores()
+        return {} if plan is None else {n: p.num_blocks for n, p in plan.plans.items()}
+
+
 async def host_buffer_request(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
     async with make_off():
         return [(c["pin_memory"], c["pin_chunk_bytes"]) for c in seen.calls]
@@ -252,7 +263,8 @@ TABLE: dict[str, Decision] = {
     ),
     "restore_evicted": Decision({"restore_evicted": True}, {"offloader": restores_evicted}),
     "max_store_blocks_per_step": Decision(
-        {"max_store_blocks_per_step": 2}, {"offloader": stores_per_step}
+        {"max_store_blocks_per_step": 2},
+        {"offloader": stores_per_step, "offloader_groups": group_stores_per_step},
     ),
     "pin_memory": Decision({"pin_memory": "never"}, _both(host_buffer_request)),
     "pin_chunk_bytes": Decision({"pin_chunk_bytes": 1 << 21}, _both(host_buffer_request)),
@@ -261,7 +273,10 @@ TABLE: dict[str, Decision] = {
     "hash_salt": Decision({"hash_salt": "s"}, _both(namespace)),
     "enable_events": Decision({"enable_events": True}, _both(events)),
     "eviction_policy": Decision({"eviction_policy": "arc"}, _both(policy)),
-    "store_admission": Decision({"store_admission": "seen_twice"}, {"offloader": stores_per_step}),
+    "store_admission": Decision(
+        {"store_admission": "seen_twice"},
+        {"offloader": stores_per_step, "offloader_groups": group_stores_per_step},
+    ),
     "tiers": Decision({"tiers": "TIER"}, _both(tiers)),
     "hold_blocks_on_finish": Decision(
         {"hold_blocks_on_finish": True}, {"offloader": held_on_finish}

@@ -187,6 +187,8 @@ class StoreRecord:
     # (request id, block index, store point, cursor before) per block; cursors per request
     blocks: list[tuple[str, int, int]]
     cursors: dict[str, int]
+    # hashes the admission filter refused while the plan was built (undone on cancel)
+    refused: tuple[BlockHash, ...] = ()
 
 
 def table_changes(

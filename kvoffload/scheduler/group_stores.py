@@ -1,14 +1,18 @@
 """The store planning of `GroupedScheduler`: per group, which blocks of which store
-points to copy, deferral when a group's pool is full, and the records that undo a plan."""
+points to copy, deferral when a group's pool is full or its step limit is reached, the
+admission filter, and the records that undo a plan."""
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from typing import final
 
-from kvoffload.errors import InvariantError
+from kvoffload.errors import ConfigError, InvariantError
 from kvoffload.groups import KVCacheGroup, needed, store_points
+from kvoffload.hashing import BlockHash
+from kvoffload.pool.policies.admission import AdmissionFilter, AlwaysAdmit, make_admission
 from kvoffload.scheduler.group_state import (
     GroupCounts,
     GroupedPlan,
@@ -19,7 +23,37 @@ from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.stores import StoreBatch
 from kvoffload.transfer.plan import TransferPlan
 
-__all__ = ["GroupStorePlanner"]
+__all__ = ["GroupStorePlanner", "check_store_limit", "point_blocks"]
+
+
+def point_blocks(g: KVCacheGroup, align: int) -> int:
+    """The most blocks one store point of ``g`` needs (a point is a multiple of ``align``,
+    `needed()` there): one for a full or recurrent group, the window's blocks for a
+    sliding window, and for chunked attention the most blocks a point reaches above its
+    chunk's start."""
+    if g.kind == "sliding_window" and g.window is not None:
+        return -(-(g.window - 1) // g.block_size)
+    if g.kind == "chunked" and g.chunk is not None:
+        return (g.chunk - math.gcd(g.chunk, align)) // g.block_size
+    return 1
+
+
+def check_store_limit(groups: Sequence[KVCacheGroup], limit: int, align: int) -> None:
+    """Refuse a ``max_store_blocks_per_step`` below what one store point of a group needs:
+    a point is planned whole or deferred, so such a point would be deferred forever.
+
+    Raises:
+        ConfigError: naming the setting, the group, its kind and the blocks needed.
+    """
+    for g in groups:
+        need = point_blocks(g, align)
+        if need > limit:
+            raise ConfigError(
+                f"max_store_blocks_per_step={limit!r}: group {g.name!r} ({g.kind}) needs "
+                f"{need} blocks for one store point, planned whole in one step (a point is "
+                f"stored whole or deferred), so it could never be stored; set it to at "
+                f"least {need}"
+            )
 
 
 @final
@@ -33,6 +67,9 @@ class GroupStorePlanner:
         requests: the scheduler's requests by id (read, and their ``in_flight`` marked).
         align: the hit alignment.
         checkpoint: tokens between store points.
+        limit: ``max_store_blocks_per_step``, per group pool and plan (``None``: none);
+            `check_store_limit()` refuses one below a group's store point.
+        admission: ``store_admission``, a filter per group pool (hashes differ per group).
     """
 
     def __init__(
@@ -44,7 +81,16 @@ class GroupStorePlanner:
         *,
         align: int,
         checkpoint: int,
+        limit: int | None = None,
+        admission: str = "always",
     ) -> None:
+        if limit is not None:
+            check_store_limit(cacheable, limit, align)
+        self._limit = sys.maxsize if limit is None else limit
+        filters = {g.name: make_admission(admission) for g in cacheable}
+        self._admissions: dict[str, AdmissionFilter] = {
+            name: f for name, f in filters.items() if not isinstance(f, AlwaysAdmit)
+        }
         self._cacheable = cacheable
         self._ledgers = ledgers
         self._counts = counts
@@ -98,12 +144,16 @@ class GroupStorePlanner:
         """Offer one request's blocks to the group's batch, a store point whole (its new
         blocks first, then its cached ones: `StoreBatch.offer()` keeps the plan from
         evicting those while a block is free); the cursor to keep when a point does not
-        fit (the batch is marked deferred), else ``None``."""
+        fit (the batch is marked deferred), else ``None``. A point that fits asks the
+        group's admission filter about each new block; a refused one is not stored (the
+        cursor passes it, as with one group)."""
         lane = state.lanes[g.name]
         hashes, table = lane.hashes, lane.table
         get_cached, pending, planned = batch.get_cached, batch.pending, batch.planned
         rid = state.request_id
         counts = self._counts[g.name]
+        admission = self._admissions.get(g.name)
+        admit = admission.admit if admission is not None else None
         k = 0
         while k < len(wanted):
             point = wanted[k][1]
@@ -126,6 +176,12 @@ class GroupStorePlanner:
                     return point // g.block_size - 1
                 return (point - 1) // self._checkpoint * self._checkpoint
             counts.skipped_null += (end - k) - len(usable)
+            if admit is not None:  # OffloadConfig.store_admission, block by block
+                refused = [i for i in new if not admit(hashes[i])]
+                if refused:
+                    batch.refused.extend(hashes[i] for i in refused)
+                    new = [i for i in new if i not in refused]
+                    usable = [i for i in usable if i not in refused]
             fresh = set(new)
             for i in new + [i for i in usable if i not in fresh]:
                 entry = table[i]
@@ -146,7 +202,7 @@ class GroupStorePlanner:
             name = g.name
             ledger = self._ledgers[name]
             counters = self._counts[name].counters
-            batch = StoreBatch(ledger, sys.maxsize)
+            batch = StoreBatch(ledger, self._limit)
             rec = StoreRecord([], {})
             for state in states:
                 lane = state.lanes[name]
@@ -175,6 +231,7 @@ class GroupStorePlanner:
             )
             counters.store_plans += 1
             plans[name] = plan
+            rec.refused = tuple(batch.refused)
             self.records[(name, plan.plan_id)] = rec
             for rid in plan.request_ids:
                 self._requests[rid].in_flight.add((name, plan.plan_id))
@@ -191,9 +248,13 @@ class GroupStorePlanner:
             return computed // self._align * self._align
         return computed // self._checkpoint * self._checkpoint
 
-    def cancel(self, group: str, plan_id: int, current: bool) -> None:
-        """A store plan was cancelled: its requests' cursors go back (if ``current``)."""
+    def cancel(self, group: str, plan_id: int, hashes: Sequence[BlockHash], current: bool) -> None:
+        """A store plan of ``hashes`` was cancelled: the admission filter forgets its
+        offers, its requests' cursors go back (if ``current``)."""
         store = self.records.pop((group, plan_id))
+        admission = self._admissions.get(group)
+        if admission is not None:
+            admission.undo(hashes, store.refused)
         if not current:
             return
         for rid, old in store.cursors.items():

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import final
 
+from kvoffload.config import OffloadConfig
 from kvoffload.errors import (
     ConfigError,
     InvalidInputError,
@@ -129,13 +130,19 @@ class GroupedScheduler:
             (``None``: `default_checkpoint_tokens()`).
         num_gpu_blocks: per group name, the engine's GPU block count, a positive int
             (table entries must lie in ``[0, n)``; a group not named accepts any id >= 0).
+        config: the store settings it honours, with their one-group meaning, per group
+            pool: ``max_store_blocks_per_step`` (each group's plan of one call holds at
+            most that many blocks, so one full group and two identical ones plan alike)
+            and ``store_admission`` (one filter per group). ``None``: no limit, every
+            block admitted.
 
     Call it from one thread; every method is synchronous. A refused call changes nothing.
 
     Raises:
         ConfigError: groups `check_groups()` refuses, a cacheable group without a pool of
             its own, a GPU block count not a positive int or for no group, or a
-            ``checkpoint_tokens`` not a positive int multiple of the alignment.
+            ``checkpoint_tokens`` not a positive int multiple of the alignment, or a
+            ``max_store_blocks_per_step`` below the blocks of a group's store point.
     """
 
     def __init__(
@@ -145,6 +152,7 @@ class GroupedScheduler:
         *,
         checkpoint_tokens: int | None = None,
         num_gpu_blocks: Mapping[str, int] | None = None,
+        config: OffloadConfig | None = None,
     ) -> None:
         self._groups = tuple(groups)
         self._cacheable = tuple(g for g in groups if g.cacheable)
@@ -175,6 +183,8 @@ class GroupedScheduler:
             self._requests,
             align=self._align,
             checkpoint=checkpoint_tokens,
+            limit=None if config is None else config.max_store_blocks_per_step,
+            admission="always" if config is None else config.store_admission,
         )
 
     def __repr__(self) -> str:
@@ -544,7 +554,7 @@ class GroupedScheduler:
         counters.cancelled_plans += 1
         if plan.kind == "store":
             counters.store_plans -= 1
-            self._planner.cancel(group, plan.plan_id, rec.epoch == ledger.epoch)
+            self._planner.cancel(group, plan.plan_id, rec.hashes, rec.epoch == ledger.epoch)
         else:
             counters.load_plans -= 1
             ledger.unpin(rec.blocks)

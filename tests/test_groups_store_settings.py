@@ -1,0 +1,136 @@
+"""The store settings with several KV cache groups, on full + sliding window and full +
+recurrent: ``max_store_blocks_per_step`` (per group pool and plan) and ``store_admission``
+(one filter per group) take effect as with one group, and a limit below a group's store
+point is refused naming the setting, the group and its kind."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kvoffload import KVOffloader
+from kvoffload.config import OffloadConfig
+from kvoffload.errors import ConfigError
+from kvoffload.groups import KVCacheGroup
+from kvoffload.layout import KVLayout
+from tests.groups_helpers import Rig, group
+
+BS = 4
+CHECKPOINT = 8
+SHAPES = {
+    "full+swa": [group("full", "full", BS), group("swa", "sliding_window", BS, window=9)],
+    "full+recurrent": [group("full", "full", BS), group("rec", "recurrent", BS)],
+}
+_ids = itertools.count()
+
+
+def config(**settings: object) -> OffloadConfig:
+    return OffloadConfig.model_validate({"num_cpu_blocks": 64, **settings})
+
+
+def rig(shape: str, **settings: object) -> Rig:
+    return Rig(SHAPES[shape], checkpoint_tokens=CHECKPOINT, config=config(**settings))
+
+
+def run_request(r: Rig, rid: str, n_tokens: int, seed: int = 0) -> None:
+    """Register ``rid`` with ``n_tokens`` computed (tokens depend on ``seed`` only)."""
+    toks = [seed * 1000 + i for i in range(n_tokens)]
+    tables: dict[str, list[int | None]] = {
+        g.name: [next(_ids) % 256 for _ in range(n_tokens // g.block_size)] for g in r.groups
+    }
+    r.sched.update(rid, tables, r.hashes(toks), n_tokens)
+
+
+def drain_steps(r: Rig, steps: int) -> list[dict[str, int]]:
+    """Plan and complete ``steps`` store steps; blocks planned per group per step."""
+    out = []
+    for _ in range(steps):
+        plan = r.sched.plan_stores()
+        out.append({} if plan is None else {n: p.num_blocks for n, p in plan.plans.items()})
+        r.run(plan)
+        r.sched.check_invariants()
+    return out
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_step_limit_bounds_each_groups_plan_and_defers_the_rest(shape: str) -> None:
+    limited, free = rig(shape, max_store_blocks_per_step=3), rig(shape)
+    for r in (limited, free):
+        run_request(r, "a", 32)
+    steps = drain_steps(limited, 4)
+    assert all(n <= 3 for step in steps for n in step.values()), steps
+    assert steps[0] != drain_steps(free, 1)[0]  # the limit cut the first step
+    stats = limited.sched.statistics()
+    assert stats["full"].deferred_blocks > 0
+    assert stats["full"].deferred_steps > 0
+    # every block is stored in the end, as without the limit
+    drain_steps(limited, 2)
+    want = free.sched.statistics()
+    got = limited.sched.statistics()
+    for name in want:
+        assert got[name].stored_blocks == want[name].stored_blocks, name
+    # and the lookup finds the whole prefix
+    toks = list(range(33))
+    assert limited.sched.lookup("b", limited.hashes(toks), 33) == 32
+    assert free.sched.lookup("b", free.hashes(toks), 33) == 32
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_admission_stores_a_block_the_second_time_it_is_offered(shape: str) -> None:
+    r = rig(shape, store_admission="seen_twice")
+    run_request(r, "a", 32)
+    assert r.sched.plan_stores() is None  # every block offered once: refused
+    r.sched.finish("a")
+    toks = list(range(33))
+    assert r.sched.lookup("x", r.hashes(toks), 33) == 0
+    run_request(r, "b", 32)  # the same tokens: offered a second time
+    plan = r.sched.plan_stores()
+    assert plan is not None
+    assert set(plan.plans) == {g.name for g in r.groups}
+    r.run(plan)
+    r.sched.check_invariants()
+    assert r.sched.lookup("y", r.hashes(toks), 33) == 32
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_cancelled_store_gives_its_admissions_back(shape: str) -> None:
+    """Regression: a cancelled grouped store must undo its admission offers, else its
+    blocks (admitted, so forgotten by the filter) are refused when planned again."""
+    r = rig(shape, store_admission="seen_twice")
+    run_request(r, "a", 16)
+    assert r.sched.plan_stores() is None
+    r.sched.finish("a")
+    run_request(r, "b", 16)
+    plan = r.sched.plan_stores()
+    assert plan is not None
+    for name, sub in plan.plans.items():
+        assert r.sched.cancel(name, sub)
+    again = r.sched.plan_stores()
+    assert again is not None
+    assert {n: p.num_blocks for n, p in again.plans.items()} == {
+        n: p.num_blocks for n, p in plan.plans.items()
+    }
+
+
+def test_a_limit_below_a_store_point_is_refused_naming_the_group() -> None:
+    with pytest.raises(ConfigError, match=r"max_store_blocks_per_step=1: group 'swa' "
+                       r"\(sliding_window\) needs 2 blocks for one store point"):  # fmt: skip
+        rig("full+swa", max_store_blocks_per_step=1)
+    rig("full+swa", max_store_blocks_per_step=2)
+    rig("full+recurrent", max_store_blocks_per_step=1)  # one block per point
+    chunked = [group("full", "full", BS), group("ch", "chunked", BS, chunk=16)]
+    with pytest.raises(ConfigError, match=r"group 'ch' \(chunked\) needs 3 blocks"):
+        Rig(chunked, checkpoint_tokens=CHECKPOINT, config=config(max_store_blocks_per_step=2))
+
+
+def test_the_offloader_refuses_such_a_limit_when_built() -> None:
+    lay = KVLayout(num_layers=2, num_kv_heads=1, head_size=4, dtype="float32", block_size=BS)
+    groups = [
+        KVCacheGroup.from_layout(lay, name="full"),
+        KVCacheGroup.from_layout(lay, name="swa", kind="sliding_window", window=9),
+    ]
+    kv = {g.name: [torch.zeros(lay.tensor_shape(16)) for _ in range(2)] for g in groups}
+    with pytest.raises(ConfigError, match=r"max_store_blocks_per_step=1: group 'swa'"):
+        KVOffloader(config(max_store_blocks_per_step=1, num_cpu_blocks=8), kv, groups=groups)
