@@ -145,7 +145,6 @@ REFUSED: dict[EntryPoint, dict[str, str]] = {
     "offloader_groups": {
         "store_mode": _ONE_GROUP_ONLY,
         "lazy_offload_blocks": "a setting of store_mode='lazy', which " + _ONE_GROUP_ONLY[2:],
-        "restore_evicted": _ONE_GROUP_ONLY,
         "hold_blocks_on_finish": _NO_HOLDS,
         "hold_max_blocks": _NO_HOLDS,
         "hold_max_steps": _NO_HOLDS,

@@ -38,6 +38,8 @@ COUNTERS = (
     "concurrent_load_blocks",
     "cancelled_plans",
     "ignored_completions",
+    "evicted_while_live",
+    "restored_blocks",
 )
 
 
@@ -219,12 +221,19 @@ def test_two_full_groups_behave_as_one_with_the_store_settings(seed: int) -> Non
     run(seed, **STORE_SETTINGS)
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_two_full_groups_behave_as_one_restoring_evicted_blocks(seed: int) -> None:
+    run(seed, restore_evicted=True)
+
+
 def test_the_store_settings_take_effect_in_the_workload() -> None:
     """The settings change what the workload stores (so the comparison above sees them)."""
     for seed in range(5):
         _, plain, _ = run(seed)
         _, limited, _ = run(seed, **STORE_SETTINGS)
         assert limited.stored_blocks < plain.stored_blocks, seed
+    restored = sum(run(seed, restore_evicted=True)[1].restored_blocks for seed in range(10))
+    assert restored
 
 
 def test_the_workload_evicts_defers_and_hits() -> None:

@@ -142,6 +142,22 @@ async def restores_evicted(make_off: Callable[[], KVOffloader], seen: Seen) -> o
         return 0 if plan is None else plan.num_blocks
 
 
+async def group_restores_evicted(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    """As `restores_evicted`, per group: blocks stored again after b evicted a's."""
+    async with make_off() as off:
+        assert off._groups is not None
+        sched = off._groups.scheduler
+        for rid, seed in (("a", 1), ("b", 2)):
+            table: list[int | None] = list(range(seed * 8, seed * 8 + 8))
+            tables = {g.name: table for g in GROUPS}
+            sched.update(rid, tables, {g.name: chain(8, seed) for g in GROUPS}, 8 * BS)
+            plan = sched.plan_stores()
+            assert plan is not None
+            sched.complete_all(plan, True)
+        plan = sched.plan_stores()
+        return 0 if plan is None else plan.num_blocks
+
+
 async def stores_per_step(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
     async with make_off() as off:
         return stored_now(_sched(off), "r", 4)
@@ -261,7 +277,10 @@ TABLE: dict[str, Decision] = {
     "lazy_offload_blocks": Decision(
         {"lazy_offload_blocks": 2}, {"offloader": lazy_window}, with_={"store_mode": "lazy"}
     ),
-    "restore_evicted": Decision({"restore_evicted": True}, {"offloader": restores_evicted}),
+    "restore_evicted": Decision(
+        {"restore_evicted": True},
+        {"offloader": restores_evicted, "offloader_groups": group_restores_evicted},
+    ),
     "max_store_blocks_per_step": Decision(
         {"max_store_blocks_per_step": 2},
         {"offloader": stores_per_step, "offloader_groups": group_stores_per_step},
@@ -371,12 +390,12 @@ def test_a_groups_block_size_is_accepted_when_every_group_has_it() -> None:
 
 
 def test_every_refused_field_is_named_at_once() -> None:
-    config = OffloadConfig(**BASE, store_mode="lazy", restore_evicted=True, hold_max_steps=3)
+    config = OffloadConfig(**BASE, store_mode="lazy", lazy_offload_blocks=2, hold_max_steps=3)
     with pytest.raises(ConfigError) as info:
         make(config, "offloader_groups")
     message = str(info.value)
     assert "KVOffloader with several KV cache groups cannot honour" in message
-    for named in ("store_mode='lazy'", "restore_evicted=True", "hold_max_steps=3"):
+    for named in ("store_mode='lazy'", "lazy_offload_blocks=2", "hold_max_steps=3"):
         assert named in message
 
 

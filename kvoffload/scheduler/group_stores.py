@@ -13,10 +13,12 @@ from kvoffload.errors import ConfigError, InvariantError
 from kvoffload.groups import KVCacheGroup, needed, store_points
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.policies.admission import AdmissionFilter, AlwaysAdmit, make_admission
+from kvoffload.scheduler._counts import count_down, count_up
 from kvoffload.scheduler.group_state import (
     GroupCounts,
     GroupedPlan,
     GroupedRequest,
+    Lane,
     StoreRecord,
 )
 from kvoffload.scheduler.ledger import BlockLedger
@@ -70,6 +72,8 @@ class GroupStorePlanner:
         limit: ``max_store_blocks_per_step``, per group pool and plan (``None``: none);
             `check_store_limit()` refuses one below a group's store point.
         admission: ``store_admission``, a filter per group pool (hashes differ per group).
+        restore: ``restore_evicted``: a live request's blocks evicted from a group's pool
+            are stored again from its GPU blocks (`StorePlanner`'s rule, per group).
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class GroupStorePlanner:
         checkpoint: int,
         limit: int | None = None,
         admission: str = "always",
+        restore: bool = False,
     ) -> None:
         if limit is not None:
             check_store_limit(cacheable, limit, align)
@@ -99,6 +104,59 @@ class GroupStorePlanner:
         self._checkpoint = checkpoint
         self.records: dict[tuple[str, int], StoreRecord] = {}
         """(group, plan id) → who the store plan serves and the cursors before it."""
+        self._restore = restore
+        self.live_refs: dict[str, dict[BlockHash, int]] = {g.name: {} for g in cacheable}
+        """Per group, hash → live lanes whose cursor passed it (`Lane.live`)."""
+        self.restore_needed = dict.fromkeys(self.live_refs, False)
+        """Per group, whether a live request's block was evicted since the last restore."""
+
+    # -- live blocks -------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """The cache was reset: nothing evicted is waiting to be stored again."""
+        for name in self.restore_needed:
+            self.restore_needed[name] = False
+
+    def forget(self, state: GroupedRequest) -> None:
+        """``state``'s cursors went back to 0 (finish, preemption, reset): its blocks are
+        not live any more."""
+        for name, lane in state.lanes.items():
+            self._drop_live(name, lane, 0)
+
+    def _drop_live(self, name: str, lane: Lane, keep: int) -> None:
+        live, refs, hashes = lane.live, self.live_refs[name], lane.hashes
+        for i, _ in live[keep:]:
+            count_down(refs, hashes[i])
+        del live[keep:]
+
+    def _restore_scan(
+        self, batch: StoreBatch, name: str, states: Sequence[GroupedRequest], rec: StoreRecord
+    ) -> None:
+        """Offer again the live blocks of ``states`` in group ``name`` (``restore_evicted``,
+        as `StorePlanner`'s restore scan: cached or pending ones are skipped; when no CPU
+        block is left the rest waits, the flag stays set)."""
+        before = len(batch.hashes)
+        counters = self._counts[name].counters
+        for state in states:
+            lane = state.lanes[name]
+            table, hashes, rid = lane.table, lane.hashes, state.request_id
+            for i, point in lane.live:
+                entry = table[i] if i < len(table) else None
+                if entry is None or i < lane.valid_from:
+                    continue  # the engine no longer holds it
+                n = len(batch.hashes)
+                if not batch.offer(hashes[i], entry, rid):
+                    batch.deferred = 1
+                    batch.deferred_request = rid
+                    batch.skipped.append(hashes[i])
+                    batch.end_run()
+                    counters.restored_blocks += len(batch.hashes) - before
+                    return
+                if len(batch.hashes) > n:
+                    rec.blocks.append((rid, i, point))
+            batch.end_run()
+        counters.restored_blocks += len(batch.hashes) - before
+        self.restore_needed[name] = False
 
     def scan(
         self, state: GroupedRequest, name: str, g: KVCacheGroup, final: bool
@@ -176,6 +234,10 @@ class GroupStorePlanner:
                     return point // g.block_size - 1
                 return (point - 1) // self._checkpoint * self._checkpoint
             counts.skipped_null += (end - k) - len(usable)
+            refs = self.live_refs[g.name]
+            for i in usable:
+                lane.live.append((i, point))
+                count_up(refs, hashes[i])
             if admit is not None:  # OffloadConfig.store_admission, block by block
                 refused = [i for i in new if not admit(hashes[i])]
                 if refused:
@@ -196,7 +258,9 @@ class GroupStorePlanner:
     def plan(self, states: Sequence[GroupedRequest], final: bool) -> GroupedPlan | None:
         """One store plan per group for ``states``: their store points up to their computed
         length (and that length itself when ``final``), a point whole or deferred with every
-        later one and every later request's (as one group defers: `StoreBatch`)."""
+        later one and every later request's (as one group defers: `StoreBatch`). A step
+        (not ``final``) first stores again the live blocks evicted from a group's pool,
+        with ``restore_evicted``."""
         plans: dict[str, TransferPlan] = {}
         for g in self._cacheable:
             name = g.name
@@ -204,6 +268,8 @@ class GroupStorePlanner:
             counters = self._counts[name].counters
             batch = StoreBatch(ledger, self._limit)
             rec = StoreRecord([], {})
+            if self._restore and self.restore_needed[name] and not final:
+                self._restore_scan(batch, name, states, rec)
             for state in states:
                 lane = state.lanes[name]
                 wanted = self.scan(state, name, g, final)
@@ -214,6 +280,7 @@ class GroupStorePlanner:
                         batch.skipped.append(lane.hashes[usable[0]])
                     continue
                 rec.cursors[state.request_id] = lane.cursor
+                rec.lives[state.request_id] = len(lane.live)
                 cut = self._offer(batch, state, g, wanted, rec)
                 new = self.advance(g, state, final) if cut is None else cut
                 lane.cursor = max(lane.cursor, new)
@@ -221,14 +288,20 @@ class GroupStorePlanner:
             batch.count(ledger, counters, group=name)
             if not batch.hashes:
                 continue
+            evicted: list[BlockHash] = []
             plan = ledger.open_store(
                 batch.hashes,
                 batch.gpu_ids,
                 tuple(dict.fromkeys(r for r, _, _ in rec.blocks)),
                 protect=batch.protect,
-                evicted=[],
+                evicted=evicted,
                 ends=batch.run_ends(),
             )
+            refs = self.live_refs[name]
+            for block_hash in evicted:
+                if block_hash in refs:
+                    counters.evicted_while_live += 1
+                    self.restore_needed[name] = True
             counters.store_plans += 1
             plans[name] = plan
             rec.refused = tuple(batch.refused)
@@ -255,6 +328,8 @@ class GroupStorePlanner:
         admission = self._admissions.get(group)
         if admission is not None:
             admission.undo(hashes, store.refused)
+        if self._restore:
+            self.restore_needed[group] = True  # the plan may have held re-stores
         if not current:
             return
         for rid, old in store.cursors.items():
@@ -262,15 +337,24 @@ class GroupStorePlanner:
             if state is not None and not state.finished:
                 lane = state.lanes[group]
                 lane.cursor = min(lane.cursor, old)
+                self._drop_live(group, lane, store.lives[rid])
 
     def check_invariants(self) -> None:
-        """Every block of a store in flight lies in ``needed(g, point)`` of its point, and
-        the records are the ledgers' store plans.
+        """Every block of a store in flight lies in ``needed(g, point)`` of its point, the
+        records are the ledgers' store plans, and the live counts are the lanes'.
 
         Raises:
             InvariantError: naming the group and the breach.
         """
         groups = {g.name: g for g in self._cacheable}
+        for name, refs in self.live_refs.items():
+            want: dict[BlockHash, int] = {}
+            for state in self._requests.values():
+                lane = state.lanes[name]
+                for i, _ in lane.live:
+                    count_up(want, lane.hashes[i])
+            if want != refs:
+                raise InvariantError(f"group {name!r}: live block counts disagree with the lanes")
         for name, ledger in self._ledgers.items():
             kinds = {rec.plan.plan_id for rec in ledger.plans() if rec.plan.kind == "store"}
             if {p for g, p in self.records if g == name} != kinds:

@@ -133,8 +133,9 @@ class GroupedScheduler:
         config: the store settings it honours, with their one-group meaning, per group
             pool: ``max_store_blocks_per_step`` (each group's plan of one call holds at
             most that many blocks, so one full group and two identical ones plan alike)
-            and ``store_admission`` (one filter per group). ``None``: no limit, every
-            block admitted.
+            and ``store_admission`` (one filter per group), and ``restore_evicted`` (a
+            live request's blocks evicted from a group's pool are stored again from its
+            GPU blocks). ``None``: no limit, every block admitted, nothing restored.
 
     Call it from one thread; every method is synchronous. A refused call changes nothing.
 
@@ -185,7 +186,9 @@ class GroupedScheduler:
             checkpoint=checkpoint_tokens,
             limit=None if config is None else config.max_store_blocks_per_step,
             admission="always" if config is None else config.store_admission,
+            restore=config is not None and config.restore_evicted,
         )
+        self._check_all_entries = config is not None and config.restore_evicted
 
     def __repr__(self) -> str:
         return (
@@ -274,7 +277,14 @@ class GroupedScheduler:
         existing = self._requests.get(request_id)
         if existing is not None and existing.finished:
             raise RequestStateError(f"request {request_id!r} is finished")
-        changes = table_changes(self._cacheable, self._limits, request_id, existing, tables)
+        changes = table_changes(
+            self._cacheable,
+            self._limits,
+            request_id,
+            existing,
+            tables,
+            every_entry=self._check_all_entries,
+        )
         probe = existing or GroupedRequest(request_id, {g.name: Lane() for g in self._cacheable})
         check_hashes(self._cacheable, request_id, probe, block_hashes)
         state = self._state(request_id)
@@ -472,6 +482,7 @@ class GroupedScheduler:
         self.release(request_id)
         plan = self._plan([state], final=True)
         state.finished = True
+        self._planner.forget(state)
         self._drop_if_done(state)
         return plan
 
@@ -486,6 +497,7 @@ class GroupedScheduler:
         """
         state = self._live(request_id)
         self.release(request_id)
+        self._planner.forget(state)
         for lane in state.lanes.values():
             lane.table, lane.cursor, lane.valid_from = [], 0, 0
             lane.ids = set()
@@ -500,8 +512,10 @@ class GroupedScheduler:
         """
         for state in self._requests.values():
             self.release(state.request_id)
+            self._planner.forget(state)
             for lane in state.lanes.values():
                 lane.cursor = 0
+        self._planner.reset()
         for ledger in self._ledgers.values():
             ledger.reset()
         return not self.num_in_flight
