@@ -124,7 +124,6 @@ _GROUPS_ONLY = (
     "it spaces the store points of a model with several KV cache groups; one "
     "full-attention group stores every full block"
 )
-_NO_HOLDS = "finish holds (hold_blocks_on_finish) work with one full-attention group only for now"
 _VLLM_NO_HOLDS = (
     "vLLM frees a finished request's GPU blocks at once (request_finished), so the "
     "connector cannot hold them (hold_blocks_on_finish) for now"
@@ -145,9 +144,6 @@ REFUSED: dict[EntryPoint, dict[str, str]] = {
     "offloader_groups": {
         "store_mode": _ONE_GROUP_ONLY,
         "lazy_offload_blocks": "a setting of store_mode='lazy', which " + _ONE_GROUP_ONLY[2:],
-        "hold_blocks_on_finish": _NO_HOLDS,
-        "hold_max_blocks": _NO_HOLDS,
-        "hold_max_steps": _NO_HOLDS,
         "max_retained_fraction": "retain_prefix() works with one full-attention group only "
         "for now, and it is the only reader of this bound",
         "max_prefetch_fraction": _NO_PREFETCH_GROUPS,

@@ -6,7 +6,8 @@ group's pinner, every part is submitted to its group's copy engine as one `Trans
 copy ended each part is completed in the `GroupedScheduler` with the same outcome (a
 failure in any part fails them all: nothing is published, every reference is released)
 and its GPU blocks are unpinned. A raising ``unpin`` is kept and raised once, as
-`PinnerError`, by the next step-loop call.
+`PinnerError`, by the next step-loop call. Blocks a finished request holds in each group
+(``hold_blocks_on_finish``) are pinned and unpinned here too.
 """
 
 from __future__ import annotations
@@ -136,6 +137,35 @@ class GroupLauncher:
         self.poller.track(task)
         return task
 
+    def hold(self, request_id: str, held: Mapping[str, Sequence[int]]) -> None:
+        """Pin the blocks a finished request holds in each group until their stores are
+        planned.
+
+        Raises:
+            PinnerError: a pinner's ``pin`` raised; the hold is cancelled (what was
+                pinned is unpinned).
+        """
+        pinned: list[tuple[str, Sequence[int]]] = []
+        try:
+            for name, ids in held.items():
+                pinner = self._pinners.get(name)
+                if pinner is not None:
+                    pinner.pin(ids)
+                    pinned.append((name, ids))
+        except Exception as exc:
+            for name, ids in pinned:
+                self._unpin(name, ids)
+            self._scheduler.cancel_hold(request_id)
+            raise PinnerError(
+                f"the GpuBlockPinner's pin raised for the blocks request {request_id!r} "
+                f"holds on finish in groups {sorted(held)}: {exc!r}"
+            ) from exc
+
+    def unpin_released_holds(self) -> None:
+        """Unpin the held blocks the scheduler let go of since the last call."""
+        for name, ids in self._scheduler.take_released_holds().items():
+            self._unpin(name, ids)
+
     def _undo(self, plan: GroupedPlan, pinned: Sequence[tuple[str, Sequence[int]]]) -> None:
         for name, ids in pinned:
             self._unpin(name, ids)
@@ -212,6 +242,8 @@ class GroupLauncher:
             bytes_loaded=c.bytes_loaded,
             live_requests=live_requests,
             in_flight_transfers=len(self.tasks),
+            held_blocks=sum(s.held_blocks for s in per),
+            hold_expired_blocks=sum(s.hold_expired_blocks for s in per),
             loaded_tokens=c.loaded_tokens,
             prompt_tokens=c.prompt_tokens,
             lookup_misses=dict(c.lookup_misses),

@@ -331,6 +331,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _c("group", "concurrent_load_blocks", "concurrent_load_blocks"),
     _c("group", "evicted_while_live", "evicted_while_live_blocks"),
     _c("group", "restored_blocks", "restored_blocks"),
+    _g("group", "held_blocks", "held_blocks"),
+    _c("group", "hold_expired_blocks", "hold_expired_blocks"),
 )
 """Every exported metric, in exposition order. Names and kinds are fixed here; each help
 text is the field's entry in its statistics class's docstring (`attribute_docs`)."""

@@ -40,6 +40,8 @@ COUNTERS = (
     "ignored_completions",
     "evicted_while_live",
     "restored_blocks",
+    "held_blocks",
+    "hold_expired_blocks",
 )
 
 
@@ -142,6 +144,7 @@ def run(
 ) -> tuple[list[object], SchedulerStatistics, int]:
     rng = random.Random(seed)
     pair = Pair(**settings)
+    holds = bool(settings.get("hold_blocks_on_finish"))
     prefixes = [[rng.randrange(1000) for _ in range(rng.choice((8, 12, 16, 24)))] for _ in range(3)]
     reqs: dict[str, Req] = {}
     log: list[object] = []
@@ -164,6 +167,9 @@ def run(
             pair.one.update(req.rid, req.table, one_h, req.computed)
             pair.grouped.update(req.rid, pair.tables(req), grouped_h, req.computed)
         pair.pair(pair.one.plan_stores(), pair.grouped.plan_stores(), f"step {step} stores")
+        released = pair.one.take_released_holds()
+        greleased = pair.grouped.take_released_holds()
+        assert all(greleased.get(n, []) == released for n in NAMES), (step, "released holds")
         # completions in random order, some failing, some later
         rng.shuffle(pair.in_flight)
         keep: list[tuple[TransferPlan, GroupedPlan]] = []
@@ -183,9 +189,12 @@ def run(
             caught_up = state.num_stored_blocks >= min(req.computed // BS, len(req.table))
             done = req.computed >= len(req.tokens)
             r = rng.random()
-            if caught_up and (done or r < 0.05):
-                pair.one.finish(req.rid)
+            if (caught_up or holds) and (done or r < 0.05):
+                held = list(pair.one.finish(req.rid))
                 assert pair.grouped.finish(req.rid) is None, req.rid
+                gheld = pair.grouped.held_blocks(req.rid)
+                assert all(gheld.get(n, []) == held for n in NAMES), (req.rid, held, gheld)
+                log.append(("held", req.rid, len(held)))
                 del reqs[req.rid]
             elif r > 0.95:
                 pair.one.preempt(req.rid)
@@ -226,6 +235,16 @@ def test_two_full_groups_behave_as_one_restoring_evicted_blocks(seed: int) -> No
     run(seed, restore_evicted=True)
 
 
+HOLDS = {"hold_blocks_on_finish": True, "hold_max_blocks": 5, "hold_max_steps": 1}
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_two_full_groups_behave_as_one_holding_blocks_on_finish(seed: int) -> None:
+    """Requests finish also before their blocks are all stored: each group holds what
+    one group holds (within the budget), and releases it at the same step."""
+    run(seed, **HOLDS)
+
+
 def test_the_store_settings_take_effect_in_the_workload() -> None:
     """The settings change what the workload stores (so the comparison above sees them)."""
     for seed in range(5):
@@ -234,6 +253,13 @@ def test_the_store_settings_take_effect_in_the_workload() -> None:
         assert limited.stored_blocks < plain.stored_blocks, seed
     restored = sum(run(seed, restore_evicted=True)[1].restored_blocks for seed in range(10))
     assert restored
+    held = expired = 0
+    for seed in range(30):
+        log, stats, _ = run(seed, **HOLDS)
+        held += sum(e[2] for e in log if isinstance(e, tuple) and e[0] == "held")
+        expired += stats.hold_expired_blocks
+    assert held
+    assert expired
 
 
 def test_the_workload_evicts_defers_and_hits() -> None:
@@ -242,8 +268,8 @@ def test_the_workload_evicts_defers_and_hits() -> None:
     hits = asks = evictions = deferred = failed = 0
     for seed in range(10):
         log, stats, evicted = run(seed)
-        hits += sum(1 for e in log if isinstance(e, tuple) and e[2])
-        asks += sum(1 for e in log if isinstance(e, tuple) and e[2] is None)
+        hits += sum(1 for e in log if isinstance(e, tuple) and e[0] == "lookup" and e[2])
+        asks += sum(1 for e in log if isinstance(e, tuple) and e[0] == "lookup" and e[2] is None)
         evictions += evicted
         deferred += stats.deferred_blocks
         failed += stats.failed_stores + stats.failed_loads

@@ -6,15 +6,17 @@ point is refused naming the setting, the group and its kind."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import pytest
 import torch
 
 from kvoffload import KVOffloader
 from kvoffload.config import OffloadConfig
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, PinnerError
 from kvoffload.groups import KVCacheGroup
 from kvoffload.layout import KVLayout
+from kvoffload.pinner import RefCountPinner
 from tests.groups_helpers import Rig, group
 
 BS = 4
@@ -197,3 +199,198 @@ def test_restore_reads_the_table_as_it_is_now(shape: str) -> None:
         assert 1 not in sub.gpu_block_ids  # the old id of a changed entry: never read
     r.run(plan)
     r.sched.check_invariants()
+
+
+# -- finish holds --------------------------------------------------------------------------
+
+
+def hold_rig(shape: str, **settings: object) -> tuple[Rig, dict[str, list[int | None]]]:
+    """Request "a" of 32 tokens whose first step stores only part (each pool: 4 blocks, 2
+    for a recurrent group; the first plan is left in flight), then finished."""
+    groups = SHAPES[shape]
+    sizes = {g.name: 2 if g.kind == "recurrent" else 4 for g in groups}
+    r = Rig(
+        groups,
+        cpu_blocks=sizes,
+        checkpoint_tokens=CHECKPOINT,
+        config=config(num_cpu_blocks=4, hold_blocks_on_finish=True, **settings),
+    )
+    tables: dict[str, list[int | None]] = {g.name: list(range(8)) for g in groups}
+    r.sched.update("a", tables, r.hashes(list(range(32))), 32)
+    return r, tables
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_finish_holds_each_groups_unstored_points_until_a_plan_reads_them(shape: str) -> None:
+    r, _tables = hold_rig(shape)
+    first = r.sched.plan_stores()  # the pools fill up: the rest is deferred
+    assert first is not None
+    assert r.sched.finish("a") is None  # held, not planned at finish
+    held = r.sched.held_blocks("a")
+    assert held["full"] == [4, 5, 6, 7]
+    other = next(g for g in r.groups if g.kind != "full")
+    assert held[other.name]  # its last points: the window's blocks, or the snapshots
+    stats = r.sched.statistics()
+    assert {n: s.held_blocks for n, s in stats.items()} == {n: len(i) for n, i in held.items()}
+    r.sched.check_invariants()
+    assert r.sched.plan_stores() is None  # every pool block is in flight: still held
+    assert r.sched.take_released_holds() == {}
+    r.run(first)
+    plan = r.sched.plan_stores()  # now the held points are planned
+    assert plan is not None
+    assert plan.plans["full"].gpu_block_ids == (4, 5, 6, 7)
+    assert r.sched.take_released_holds() == held
+    r.sched.check_invariants()
+    r.run(plan)
+    assert not r.sched.has_request("a")
+    r.sched.check_invariants()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_hold_is_given_up_after_hold_max_steps(shape: str) -> None:
+    r, _ = hold_rig(shape, hold_max_steps=1)
+    first = r.sched.plan_stores()
+    r.sched.finish("a")
+    held = r.sched.held_blocks("a")
+    assert r.sched.plan_stores() is None  # deferred (call 2: within the step)
+    assert r.sched.take_released_holds() == {}
+    assert r.sched.plan_stores() is None  # call 3: given up unstored
+    assert r.sched.take_released_holds() == held
+    stats = r.sched.statistics()
+    assert {n: s.hold_expired_blocks for n, s in stats.items()} == {
+        n: len(i) for n, i in held.items()
+    }
+    assert all(s.held_blocks == 0 for s in stats.values())
+    r.run(first)
+    assert not r.sched.has_request("a")
+    r.sched.check_invariants()
+
+
+def test_hold_max_blocks_bounds_each_group_at_whole_store_points() -> None:
+    r, _ = hold_rig("full+swa", hold_max_blocks=3)
+    r.sched.plan_stores()
+    r.sched.finish("a")
+    held = r.sched.held_blocks("a")
+    assert held["full"] == [4, 5, 6]  # a prefix within the budget, as one group
+    assert len(held["swa"]) == 2  # one store point (2 blocks); the next would be 4
+    r.sched.check_invariants()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_cancelled_plan_gives_the_hold_it_ended_back(shape: str) -> None:
+    r, _ = hold_rig(shape)
+    first = r.sched.plan_stores()
+    assert first is not None
+    r.sched.finish("a")
+    held = r.sched.held_blocks("a")
+    r.run(first)
+    plan = r.sched.plan_stores()
+    assert plan is not None
+    assert r.sched.held_blocks("a") == {}
+    for name, sub in plan.plans.items():
+        assert r.sched.cancel(name, sub)
+    # the engine was not told yet: the hold is back, and planned again
+    assert r.sched.held_blocks("a") == held
+    r.sched.check_invariants()
+    again = r.sched.plan_stores()
+    assert again is not None
+    assert {n: p.gpu_block_ids for n, p in again.plans.items()} == {
+        n: p.gpu_block_ids for n, p in plan.plans.items()
+    }
+    assert r.sched.take_released_holds() == held
+    r.run(again)
+    r.sched.check_invariants()
+
+
+class Pinner:
+    """A `RefCountPinner` whose ``pin`` raises (pinning nothing) while ``refuse``."""
+
+    def __init__(self) -> None:
+        self.inner = RefCountPinner()
+        self.refuse = False
+
+    def pin(self, gpu_block_ids: Sequence[int]) -> None:
+        if self.refuse:
+            raise RuntimeError("no")
+        self.inner.pin(gpu_block_ids)
+
+    def unpin(self, gpu_block_ids: Sequence[int]) -> None:
+        self.inner.unpin(gpu_block_ids)
+
+    def is_pinned(self, gpu_block_id: int) -> bool:
+        return self.inner.is_pinned(gpu_block_id)
+
+    @property
+    def num_pinned(self) -> int:
+        return self.inner.num_pinned
+
+
+def _offloader(**settings: object) -> tuple[KVOffloader, dict[str, Pinner]]:
+    lay = KVLayout(num_layers=2, num_kv_heads=1, head_size=4, dtype="float32", block_size=BS)
+    groups = [
+        KVCacheGroup.from_layout(lay, name="full"),
+        KVCacheGroup.from_layout(lay, name="swa", kind="sliding_window", window=9),
+    ]
+    kv = {g.name: [torch.zeros(lay.tensor_shape(16)) for _ in range(2)] for g in groups}
+    pinners = {g.name: Pinner() for g in groups}
+    cfg = config(num_cpu_blocks=4, hold_blocks_on_finish=True, checkpoint_tokens=8, **settings)
+    return KVOffloader(cfg, kv, groups=groups, pinner=pinners), pinners
+
+
+@pytest.mark.anyio
+async def test_the_offloader_pins_held_blocks_until_their_store_is_planned() -> None:
+    off, pinners = _offloader()
+    async with off:
+        tables: dict[str, list[int | None]] = {"full": list(range(6)), "swa": list(range(6))}
+        req = off.request("a", list(range(25)))
+        req.lookup()
+        req.advance(tables, 24)
+        off.store()  # the pools (4 blocks each) are full: the rest deferred
+        req.finish()
+        assert pinners["full"].is_pinned(4)
+        assert pinners["full"].is_pinned(5)
+        assert off.statistics().scheduler.held_blocks > 0
+        await off.drain()
+        assert pinners["full"].is_pinned(5)  # held: the store that read them is to come
+        off.store()
+        await off.drain()
+        assert all(p.num_pinned == 0 for p in pinners.values())
+        stats = off.statistics().scheduler
+        assert stats.held_blocks == 0
+        assert stats.stored_blocks == 4 + 4 + 2 + 2  # a step: 4 each; then the holds
+
+
+@pytest.mark.anyio
+async def test_a_hold_the_pinner_refuses_is_cancelled() -> None:
+    off, pinners = _offloader()
+    async with off:
+        tables: dict[str, list[int | None]] = {"full": list(range(6)), "swa": list(range(6))}
+        req = off.request("a", list(range(25)))
+        req.lookup()
+        req.advance(tables, 24)
+        off.store()
+
+        refusing = pinners["swa"]
+        refusing.refuse = True
+        with pytest.raises(PinnerError, match=r"holds on finish"):
+            req.finish()
+        refusing.refuse = False
+        assert off.statistics().scheduler.held_blocks == 0
+        assert not pinners["full"].is_pinned(4)
+        await off.drain()
+        off.store()
+        await off.drain()
+        assert all(p.num_pinned == 0 for p in pinners.values())
+
+
+@pytest.mark.anyio
+async def test_closing_the_offloader_releases_the_holds() -> None:
+    off, pinners = _offloader()
+    async with off:
+        tables: dict[str, list[int | None]] = {"full": list(range(6)), "swa": list(range(6))}
+        req = off.request("a", list(range(25)))
+        req.lookup()
+        req.advance(tables, 24)
+        off.store()
+        req.finish()
+    assert all(p.num_pinned == 0 for p in pinners.values())

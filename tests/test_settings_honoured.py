@@ -226,6 +226,32 @@ async def hold_released(make_off: Callable[[], KVOffloader], seen: Seen) -> obje
         return len(sched.take_released_holds())
 
 
+def _grouped_stored_now(off: KVOffloader, n: int) -> Any:
+    """As `stored_now()` on every group: a request of ``n`` computed blocks per group."""
+    assert off._groups is not None
+    sched = off._groups.scheduler
+    tables: dict[str, list[int | None]] = {g.name: list(range(n)) for g in GROUPS}
+    sched.update("r", tables, {g.name: chain(n) for g in GROUPS}, n * BS)
+    sched.plan_stores()
+    return sched
+
+
+async def group_held_on_finish(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        sched = _grouped_stored_now(off, 11)  # the full group: 8 planned, 3 deferred
+        sched.finish("r")
+        return {name: len(ids) for name, ids in sched.held_blocks("r").items()}
+
+
+async def group_hold_released(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        sched = _grouped_stored_now(off, 11)
+        sched.finish("r")
+        sched.plan_stores()
+        sched.plan_stores()
+        return {name: len(ids) for name, ids in sched.take_released_holds().items()}
+
+
 async def retained_bound(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
     async with make_off() as off:
         return [p.max_retained_blocks for p in _pools(off)]
@@ -298,13 +324,18 @@ TABLE: dict[str, Decision] = {
     ),
     "tiers": Decision({"tiers": "TIER"}, _both(tiers)),
     "hold_blocks_on_finish": Decision(
-        {"hold_blocks_on_finish": True}, {"offloader": held_on_finish}
+        {"hold_blocks_on_finish": True},
+        {"offloader": held_on_finish, "offloader_groups": group_held_on_finish},
     ),
     "hold_max_blocks": Decision(
-        {"hold_max_blocks": 1}, {"offloader": held_on_finish}, with_={"hold_blocks_on_finish": True}
+        {"hold_max_blocks": 1},
+        {"offloader": held_on_finish, "offloader_groups": group_held_on_finish},
+        with_={"hold_blocks_on_finish": True},
     ),
     "hold_max_steps": Decision(
-        {"hold_max_steps": 1}, {"offloader": hold_released}, with_={"hold_blocks_on_finish": True}
+        {"hold_max_steps": 1},
+        {"offloader": hold_released, "offloader_groups": group_hold_released},
+        with_={"hold_blocks_on_finish": True},
     ),
     "max_retained_fraction": Decision(
         {"max_retained_fraction": 0.5}, {"offloader": retained_bound}
@@ -390,12 +421,12 @@ def test_a_groups_block_size_is_accepted_when_every_group_has_it() -> None:
 
 
 def test_every_refused_field_is_named_at_once() -> None:
-    config = OffloadConfig(**BASE, store_mode="lazy", lazy_offload_blocks=2, hold_max_steps=3)
+    config = OffloadConfig(**BASE, store_mode="lazy", lazy_offload_blocks=2)
     with pytest.raises(ConfigError) as info:
         make(config, "offloader_groups")
     message = str(info.value)
     assert "KVOffloader with several KV cache groups cannot honour" in message
-    for named in ("store_mode='lazy'", "lazy_offload_blocks=2", "hold_max_steps=3"):
+    for named in ("store_mode='lazy'", "lazy_offload_blocks=2"):
         assert named in message
 
 

@@ -3,6 +3,7 @@ per group), and the checks of its per-group inputs."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import final
@@ -95,6 +96,10 @@ class GroupStatistics:
         evicted_while_live: the group's blocks evicted while a live request's cursor had
             passed them.
         restored_blocks: such blocks stored again (``restore_evicted=True``).
+        held_blocks: the group's GPU blocks finished requests hold now
+            (``hold_blocks_on_finish``).
+        hold_expired_blocks: the group's held GPU blocks given up unstored after
+            ``hold_max_steps``.
     """
 
     stored_blocks: int
@@ -118,6 +123,8 @@ class GroupStatistics:
     concurrent_load_blocks: int = 0
     evicted_while_live: int = 0
     restored_blocks: int = 0
+    held_blocks: int = 0
+    hold_expired_blocks: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -135,6 +142,10 @@ class Lane:
     # KV (stored, cached, in flight or refused by admission): the blocks `restore_evicted`
     # stores again, and whose hashes count as live (`evicted_while_live`)
     live: list[tuple[int, int]] = field(default_factory=list)
+    # a finished request's hold (`hold_blocks_on_finish`): the GPU blocks this lane holds
+    # until a store plan reads them, and the tokens its stores stop at
+    held: list[int] = field(default_factory=list)
+    stop: int = sys.maxsize
     # table entries below this index are not known to hold this request's KV (below the
     # engine's prefix's needed blocks, or below a window, chunk or state a load landed
     # above them): never stored, whatever the engine's table names there
@@ -154,6 +165,13 @@ class GroupedRequest:
     deferrals: int = 0
     deferred_since: float = 0.0
     miss_reason: MissReason = MissReason.NONE
+    # the ``plan_stores`` call after which a hold is given up (`HeldBlocks.deadline()`)
+    hold_deadline: int = 0
+
+    @property
+    def holding(self) -> bool:
+        """Whether the (finished) request holds GPU blocks in some group."""
+        return any(lane.held for lane in self.lanes.values())
 
 
 @dataclass(slots=True, eq=False)
@@ -164,8 +182,9 @@ class GroupCounts:
     counters: Counters
     skipped_null: int = 0
 
-    def snapshot(self, ledger: BlockLedger) -> GroupStatistics:
-        """These counters and ``ledger``'s pool, as `GroupStatistics`."""
+    def snapshot(self, ledger: BlockLedger, held: int = 0) -> GroupStatistics:
+        """These counters, ``ledger``'s pool and the ``held`` GPU blocks, as
+        `GroupStatistics`."""
         pool = ledger.pool
         c = self.counters
         return GroupStatistics(
@@ -190,6 +209,8 @@ class GroupCounts:
             concurrent_load_blocks=c.concurrent_load_blocks,
             evicted_while_live=c.evicted_while_live,
             restored_blocks=c.restored_blocks,
+            held_blocks=held,
+            hold_expired_blocks=c.hold_expired_blocks,
         )
 
 
@@ -202,6 +223,9 @@ class StoreRecord:
     lives: dict[str, int] = field(default_factory=dict)
     # hashes the admission filter refused while the plan was built (undone on cancel)
     refused: tuple[BlockHash, ...] = ()
+    # holds the plan ended (request id, held ids, cursor and live blocks before): a cancel
+    # gives them back (`HeldBlocks.give_back()`)
+    holds: list[tuple[str, list[int], int, list[tuple[int, int]]]] = field(default_factory=list)
 
 
 def table_changes(

@@ -21,6 +21,7 @@ from kvoffload.scheduler.group_state import (
     Lane,
     StoreRecord,
 )
+from kvoffload.scheduler.holds import HeldBlocks
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.stores import StoreBatch
 from kvoffload.transfer.plan import TransferPlan
@@ -74,6 +75,8 @@ class GroupStorePlanner:
         admission: ``store_admission``, a filter per group pool (hashes differ per group).
         restore: ``restore_evicted``: a live request's blocks evicted from a group's pool
             are stored again from its GPU blocks (`StorePlanner`'s rule, per group).
+        holds: with ``hold_blocks_on_finish``, each group's `HeldBlocks` (the one-group
+            rules of finish holds, per group pool); ``None``: no holds.
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class GroupStorePlanner:
         limit: int | None = None,
         admission: str = "always",
         restore: bool = False,
+        holds: Mapping[str, HeldBlocks] | None = None,
     ) -> None:
         if limit is not None:
             check_store_limit(cacheable, limit, align)
@@ -109,6 +113,83 @@ class GroupStorePlanner:
         """Per group, hash → live lanes whose cursor passed it (`Lane.live`)."""
         self.restore_needed = dict.fromkeys(self.live_refs, False)
         """Per group, whether a live request's block was evicted since the last restore."""
+        self.holds = holds
+        """Per group, the GPU blocks finished requests hold (``None``: no holds)."""
+        self.plan_calls = 0
+        """``plan_stores`` calls so far (the clock of finish holds)."""
+
+    # -- finish holds --------------------------------------------------------------------------
+
+    def begin_hold(self, state: GroupedRequest) -> None:
+        """``state`` finished: each lane holds the GPU blocks of the store points it
+        computed and did not plan yet, whole points from its cursor within its group's
+        `HeldBlocks.room()` (as one group holds a prefix within ``hold_max_blocks``); its
+        stores stop there (`Lane.stop`), and the next ``plan_stores`` plans them. A lane
+        that holds nothing stores nothing more."""
+        holds = self.holds
+        if holds is None:
+            return
+        for g in self._cacheable:
+            name = g.name
+            lane = state.lanes[name]
+            book = holds[name]
+            room = book.room()
+            held: list[int] = []
+            stop = lane.cursor if g.kind != "full" else lane.cursor * g.block_size
+            wanted = self.scan(state, name, g, True)
+            k = 0
+            while k < len(wanted):
+                point = wanted[k][1]
+                end = k
+                while end < len(wanted) and wanted[end][1] == point:
+                    end += 1
+                ids = [lane.table[i] for i, _ in wanted[k:end] if i >= 0]
+                if len(held) + len(ids) > room:
+                    break
+                held.extend(e for e in ids if e is not None)
+                stop = point
+                k = end
+            lane.stop = stop
+            if held:
+                lane.held = held
+                book.take(held)
+        if state.holding:
+            state.hold_deadline = next(iter(holds.values())).deadline(self.plan_calls)
+
+    def end_hold(
+        self, state: GroupedRequest, name: str, *, report: bool = True, expired: bool = False
+    ) -> None:
+        """``state``'s lane of group ``name`` is planned or given up: release its hold."""
+        if self.holds is None:
+            raise InvariantError(f"request {state.request_id!r}: a hold without holds")
+        lane = state.lanes[name]
+        held, lane.held = lane.held, []
+        self.holds[name].end(held, report=report, expired=expired)
+        self.drop_live(name, lane, 0)
+
+    def _end_holds(
+        self,
+        name: str,
+        ended: list[tuple[GroupedRequest, bool]],
+        plan: TransferPlan | None,
+        rec: StoreRecord,
+    ) -> None:
+        """End the holds of group ``name`` a plan finished or that expired (after the
+        plan evicted what it did, in scan order, as `FinishHolds.end_planned()`); a plan
+        that reads a request's held blocks records how to give its hold back if
+        cancelled."""
+        for state, expired in ended:
+            lane = state.lanes[name]
+            rid = state.request_id
+            if plan is not None and not expired and rid in plan.request_ids:
+                rec.holds.append((rid, lane.held, rec.cursors[rid], lane.live[:]))
+            self.end_hold(state, name, expired=expired)
+
+    def expire(self, state: GroupedRequest, *, report: bool = True) -> None:
+        """Give every lane's hold of ``state`` up unstored (``hold_expired_blocks``)."""
+        for name, lane in state.lanes.items():
+            if lane.held:
+                self.end_hold(state, name, report=report, expired=True)
 
     # -- live blocks -------------------------------------------------------------------------
 
@@ -121,9 +202,10 @@ class GroupStorePlanner:
         """``state``'s cursors went back to 0 (finish, preemption, reset): its blocks are
         not live any more."""
         for name, lane in state.lanes.items():
-            self._drop_live(name, lane, 0)
+            self.drop_live(name, lane, 0)
 
-    def _drop_live(self, name: str, lane: Lane, keep: int) -> None:
+    def drop_live(self, name: str, lane: Lane, keep: int) -> None:
+        """Only the first ``keep`` of ``lane``'s live blocks stay live."""
         live, refs, hashes = lane.live, self.live_refs[name], lane.hashes
         for i, _ in live[keep:]:
             count_down(refs, hashes[i])
@@ -138,6 +220,8 @@ class GroupStorePlanner:
         before = len(batch.hashes)
         counters = self._counts[name].counters
         for state in states:
+            if state.finished:
+                continue  # only live requests' blocks are restored
             lane = state.lanes[name]
             table, hashes, rid = lane.table, lane.hashes, state.request_id
             for i, point in lane.live:
@@ -167,7 +251,7 @@ class GroupStorePlanner:
         ``valid_from``: not known to hold the request's KV)."""
         lane = state.lanes[name]
         limit = min(len(lane.table), len(lane.hashes))
-        computed = state.num_computed_tokens
+        computed = min(state.num_computed_tokens, lane.stop)
         valid = lane.valid_from  # an entry below it is treated as None
         table = lane.table
         bs = g.block_size
@@ -270,9 +354,16 @@ class GroupStorePlanner:
             rec = StoreRecord([], {})
             if self._restore and self.restore_needed[name] and not final:
                 self._restore_scan(batch, name, states, rec)
+            # holds this plan ends once it is made (expired: given up unstored), in order
+            ended: list[tuple[GroupedRequest, bool]] = []
             for state in states:
                 lane = state.lanes[name]
-                wanted = self.scan(state, name, g, final)
+                fin = final or state.finished  # a hold: its last point too
+                if state.finished and self.plan_calls > state.hold_deadline:
+                    if lane.held:  # hold_max_steps passed
+                        ended.append((state, True))
+                    continue
+                wanted = self.scan(state, name, g, fin)
                 if batch.deferred:
                     usable = [i for i, _ in wanted if i >= 0]
                     if usable:
@@ -282,11 +373,14 @@ class GroupStorePlanner:
                 rec.cursors[state.request_id] = lane.cursor
                 rec.lives[state.request_id] = len(lane.live)
                 cut = self._offer(batch, state, g, wanted, rec)
-                new = self.advance(g, state, final) if cut is None else cut
+                new = self.advance(g, state, fin) if cut is None else cut
+                if cut is None and lane.held:  # every held point planned
+                    ended.append((state, False))
                 lane.cursor = max(lane.cursor, new)
                 batch.end_run()
             batch.count(ledger, counters, group=name)
             if not batch.hashes:
+                self._end_holds(name, ended, None, rec)
                 continue
             evicted: list[BlockHash] = []
             plan = ledger.open_store(
@@ -305,6 +399,7 @@ class GroupStorePlanner:
             counters.store_plans += 1
             plans[name] = plan
             rec.refused = tuple(batch.refused)
+            self._end_holds(name, ended, plan, rec)
             self.records[(name, plan.plan_id)] = rec
             for rid in plan.request_ids:
                 self._requests[rid].in_flight.add((name, plan.plan_id))
@@ -312,7 +407,7 @@ class GroupStorePlanner:
 
     def advance(self, g: KVCacheGroup, state: GroupedRequest, final: bool) -> int:
         lane = state.lanes[g.name]
-        computed = state.num_computed_tokens
+        computed = min(state.num_computed_tokens, lane.stop)
         if g.kind == "full":
             return max(
                 lane.cursor, min(len(lane.table), len(lane.hashes), computed // g.block_size)
@@ -330,14 +425,24 @@ class GroupStorePlanner:
             admission.undo(hashes, store.refused)
         if self._restore:
             self.restore_needed[group] = True  # the plan may have held re-stores
+        if self.holds is not None:
+            book = self.holds[group]
+            for rid, held, cursor, live in store.holds:
+                state = self._requests.get(rid)
+                if state is not None and book.give_back(held):
+                    lane = state.lanes[group]
+                    lane.held, lane.cursor = held, cursor
+                    for i, point in live:
+                        lane.live.append((i, point))
+                        count_up(self.live_refs[group], lane.hashes[i])
         if not current:
             return
         for rid, old in store.cursors.items():
             state = self._requests.get(rid)
-            if state is not None and not state.finished:
+            if state is not None and (not state.finished or state.lanes[group].held):
                 lane = state.lanes[group]
                 lane.cursor = min(lane.cursor, old)
-                self._drop_live(group, lane, store.lives[rid])
+                self.drop_live(group, lane, store.lives[rid])
 
     def check_invariants(self) -> None:
         """Every block of a store in flight lies in ``needed(g, point)`` of its point, the
@@ -355,6 +460,11 @@ class GroupStorePlanner:
                     count_up(want, lane.hashes[i])
             if want != refs:
                 raise InvariantError(f"group {name!r}: live block counts disagree with the lanes")
+            held = sum(len(s.lanes[name].held) for s in self._requests.values())
+            if self.holds is not None and held != self.holds[name].total:
+                raise InvariantError(
+                    f"group {name!r}: held GPU blocks {held}, counted {self.holds[name].total}"
+                )
         for name, ledger in self._ledgers.items():
             kinds = {rec.plan.plan_id for rec in ledger.plans() if rec.plan.kind == "store"}
             if {p for g, p in self.records if g == name} != kinds:
