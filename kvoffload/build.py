@@ -56,6 +56,7 @@ __all__ = [
     "check_host_memory",
     "check_settings",
     "grouped_pool_sizes",
+    "lazy_refusal",
     "plan_core",
 ]
 
@@ -120,6 +121,31 @@ _ONE_GROUP_ONLY = (
     "a model with several KV cache groups stores eagerly, at its store points; this "
     "setting works with one full-attention group only for now"
 )
+_LAZY_BY_KIND = {
+    "full": "KVOffloader.store(gpu_cache=) takes one eviction order of one block table, "
+    "and a hit needs every group's blocks of a prefix, which one group's order does not "
+    "give (lazy stores work with one full-attention group only for now)",
+    "sliding_window": "it stores only the blocks of needed(g, P) at each store point, "
+    "and a walk of single GPU blocks in eviction order has no store point (a block "
+    "alone gives no hit)",
+    "chunked": "it stores only the blocks of needed(g, P) at each store point, and a "
+    "walk of single GPU blocks in eviction order has no store point (a block alone "
+    "gives no hit)",
+    "recurrent": "its state is one snapshot per checkpoint, overwritten in place as the "
+    "request runs: there is no eviction order of its blocks to walk",
+}
+"""Why a lazy store (``store_mode="lazy"``) cannot serve each kind of group."""
+
+
+def lazy_refusal(groups: Sequence[KVCacheGroup]) -> str:
+    """Why ``store_mode="lazy"`` is refused for these groups, group by group."""
+    return "; ".join(
+        f"group {g.name!r} ({g.kind}): {_LAZY_BY_KIND[g.kind]}"
+        for g in groups
+        if g.kind in _LAZY_BY_KIND
+    )
+
+
 _GROUPS_ONLY = (
     "it spaces the store points of a model with several KV cache groups; one "
     "full-attention group stores every full block"
@@ -197,7 +223,8 @@ def check_settings(
     """Refuse the settings ``entry_point`` cannot honour (`REFUSED`), unless at their default.
 
     With ``groups`` (``offloader_groups``), a ``block_size`` other than the default must
-    be every cacheable group's (each group has its own; `KVCacheGroup.block_size`).
+    be every cacheable group's (each group has its own; `KVCacheGroup.block_size`), and
+    a lazy store's refusal says why for each group's kind (`lazy_refusal()`).
     ``refused`` checks only those of ``entry_point``'s fields (a check made before the
     model is known).
 
@@ -207,6 +234,13 @@ def check_settings(
     fields = OffloadConfig.model_fields
     if refused is None:
         refused = REFUSED[entry_point]
+    if groups and "store_mode" in refused:  # say why for each group
+        lazy = lazy_refusal(groups)
+        refused = {
+            **refused,
+            "store_mode": f"lazy stores walk one eviction order of GPU blocks: {lazy}",
+            "lazy_offload_blocks": "a setting of store_mode='lazy', refused with these groups",
+        }
     wrong = [
         f"{_shown(config, name)} ({why})"
         for name, why in refused.items()

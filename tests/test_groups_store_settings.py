@@ -6,12 +6,14 @@ point is refused naming the setting, the group and its kind."""
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Sequence
 
 import pytest
 import torch
 
 from kvoffload import KVOffloader
+from kvoffload.build import check_settings
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import ConfigError, PinnerError
 from kvoffload.groups import KVCacheGroup
@@ -394,3 +396,31 @@ async def test_closing_the_offloader_releases_the_holds() -> None:
         off.store()
         req.finish()
     assert all(p.num_pinned == 0 for p in pinners.values())
+
+
+# -- lazy stores: refused, with the reason of each group's kind ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("shape", "reason"),
+    [
+        ("full+swa", r"group 'swa' \(sliding_window\): it stores only the blocks of needed"),
+        ("full+recurrent", r"group 'rec' \(recurrent\): its state is one snapshot per checkpoint"),
+    ],
+)
+def test_lazy_stores_are_refused_naming_each_group_and_why(shape: str, reason: str) -> None:
+    for settings in ({"store_mode": "lazy"}, {"store_mode": "lazy", "lazy_offload_blocks": 2}):
+        with pytest.raises(ConfigError) as info:
+            check_settings(config(**settings), "offloader_groups", groups=SHAPES[shape])
+        message = str(info.value)
+        assert "store_mode='lazy'" in message
+        assert "KVOffloader with several KV cache groups" in message
+        assert re.search(r"group 'full' \(full\): KVOffloader.store\(gpu_cache=\)", message)
+        assert re.search(reason, message)
+    with pytest.raises(ConfigError, match=r"lazy_offload_blocks=2 \(a setting of store_mode"):
+        check_settings(config(lazy_offload_blocks=2), "offloader_groups", groups=SHAPES[shape])
+
+
+def test_the_offloader_refuses_lazy_stores_naming_the_groups() -> None:
+    with pytest.raises(ConfigError, match=r"store_mode='lazy' .*group 'swa' \(sliding_window\)"):
+        _offloader(store_mode="lazy")
