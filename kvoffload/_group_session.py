@@ -244,6 +244,8 @@ class GroupSession(Lifecycle):
         self._state = _State.CLOSING
         try:
             with anyio.CancelScope(shield=True):
+                self.scheduler.release_all_holds()
+                self.launcher.unpin_released_holds()
                 for engine in self.engines.values():
                     await engine.aclose()
                 while self.poller.in_flight:
@@ -363,10 +365,13 @@ class GroupSession(Lifecycle):
             hints.expire()
             hints.retry()
         plan = self.scheduler.plan_stores()
-        if plan is None:
-            return []
-        self.counters.store_plans += 1
-        return [self.launcher.launch(plan, after)]
+        try:
+            if plan is None:
+                return []
+            self.counters.store_plans += 1
+            return [self.launcher.launch(plan, after)]
+        finally:
+            self.launcher.unpin_released_holds()
 
     def release(self, request_id: str) -> None:
         """Drop the lookup's pins in every group."""
@@ -382,13 +387,17 @@ class GroupSession(Lifecycle):
 
     def finish(self, request_id: str) -> None:
         """Store the request's last point now (its GPU blocks stay pinned through each
-        group's pinner until copied) and give up its id."""
+        group's pinner until copied) and give up its id; with ``hold_blocks_on_finish``,
+        pin the blocks it holds instead (see `GroupedScheduler.finish()`)."""
         self.check("finish", pinner_error=False)
         self._live.discard(request_id)
         if self.scheduler.has_request(request_id):
             plan = self.scheduler.finish(request_id)
             if plan is not None:
                 self.launcher.launch(plan, None)
+            held = self.scheduler.held_blocks(request_id)
+            if held:
+                self.launcher.hold(request_id, held)
         self.check("finish")
 
     async def drain(self) -> None:
@@ -402,6 +411,7 @@ class GroupSession(Lifecycle):
         self.check("reset")
         self.scheduler.reset()
         self.hints.clear()  # the reset released every retained block
+        self.launcher.unpin_released_holds()
         if self.group_tiers is not None:
             self.group_tiers.reset()
         for task in self.launcher.tasks.values():

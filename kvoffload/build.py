@@ -56,6 +56,7 @@ __all__ = [
     "check_host_memory",
     "check_settings",
     "grouped_pool_sizes",
+    "lazy_refusal",
     "plan_core",
 ]
 
@@ -120,11 +121,35 @@ _ONE_GROUP_ONLY = (
     "a model with several KV cache groups stores eagerly, at its store points; this "
     "setting works with one full-attention group only for now"
 )
+_LAZY_BY_KIND = {
+    "full": "KVOffloader.store(gpu_cache=) takes one eviction order of one block table, "
+    "and a hit needs every group's blocks of a prefix, which one group's order does not "
+    "give (lazy stores work with one full-attention group only for now)",
+    "sliding_window": "it stores only the blocks of needed(g, P) at each store point, "
+    "and a walk of single GPU blocks in eviction order has no store point (a block "
+    "alone gives no hit)",
+    "chunked": "it stores only the blocks of needed(g, P) at each store point, and a "
+    "walk of single GPU blocks in eviction order has no store point (a block alone "
+    "gives no hit)",
+    "recurrent": "its state is one snapshot per checkpoint, overwritten in place as the "
+    "request runs: there is no eviction order of its blocks to walk",
+}
+"""Why a lazy store (``store_mode="lazy"``) cannot serve each kind of group."""
+
+
+def lazy_refusal(groups: Sequence[KVCacheGroup]) -> str:
+    """Why ``store_mode="lazy"`` is refused for these groups, group by group."""
+    return "; ".join(
+        f"group {g.name!r} ({g.kind}): {_LAZY_BY_KIND[g.kind]}"
+        for g in groups
+        if g.kind in _LAZY_BY_KIND
+    )
+
+
 _GROUPS_ONLY = (
     "it spaces the store points of a model with several KV cache groups; one "
     "full-attention group stores every full block"
 )
-_NO_HOLDS = "finish holds (hold_blocks_on_finish) work with one full-attention group only for now"
 _VLLM_NO_HOLDS = (
     "vLLM frees a finished request's GPU blocks at once (request_finished), so the "
     "connector cannot hold them (hold_blocks_on_finish) for now"
@@ -146,12 +171,6 @@ REFUSED: dict[EntryPoint, dict[str, str]] = {
     "offloader_groups": {
         "store_mode": _ONE_GROUP_ONLY,
         "lazy_offload_blocks": "a setting of store_mode='lazy', which " + _ONE_GROUP_ONLY[2:],
-        "restore_evicted": _ONE_GROUP_ONLY,
-        "max_store_blocks_per_step": _ONE_GROUP_ONLY,
-        "store_admission": _ONE_GROUP_ONLY,
-        "hold_blocks_on_finish": _NO_HOLDS,
-        "hold_max_blocks": _NO_HOLDS,
-        "hold_max_steps": _NO_HOLDS,
         "max_prefetch_fraction": _NO_PREFETCH_GROUPS,
     },
     "vllm": {
@@ -200,7 +219,8 @@ def check_settings(
     """Refuse the settings ``entry_point`` cannot honour (`REFUSED`), unless at their default.
 
     With ``groups`` (``offloader_groups``), a ``block_size`` other than the default must
-    be every cacheable group's (each group has its own; `KVCacheGroup.block_size`).
+    be every cacheable group's (each group has its own; `KVCacheGroup.block_size`), and
+    a lazy store's refusal says why for each group's kind (`lazy_refusal()`).
     ``refused`` checks only those of ``entry_point``'s fields (a check made before the
     model is known).
 
@@ -210,6 +230,13 @@ def check_settings(
     fields = OffloadConfig.model_fields
     if refused is None:
         refused = REFUSED[entry_point]
+    if groups and "store_mode" in refused:  # say why for each group
+        lazy = lazy_refusal(groups)
+        refused = {
+            **refused,
+            "store_mode": f"lazy stores walk one eviction order of GPU blocks: {lazy}",
+            "lazy_offload_blocks": "a setting of store_mode='lazy', refused with these groups",
+        }
     wrong = [
         f"{_shown(config, name)} ({why})"
         for name, why in refused.items()
@@ -352,15 +379,17 @@ def build_grouped_scheduler(
     With ``config.cpu_bytes``, the bytes are split by need (`split_capacity()`: a
     group's ``cpu_bytes`` or ``cpu_share`` overrides its share); with
     ``config.num_cpu_blocks``, every cacheable group gets that many blocks. Each pool
-    takes ``config.eviction_policy`` and ``config.enable_events``. ``checkpoint_tokens``
+    takes ``config.eviction_policy`` and ``config.enable_events``; the scheduler takes
+    ``config.max_store_blocks_per_step`` and ``config.store_admission`` (per group pool:
+    `GroupedScheduler`). ``checkpoint_tokens``
     (default ``config.checkpoint_tokens``, then `default_checkpoint_tokens()`) spaces the
     store points. The group code is imported here, on first use: a single-group model
     never loads it.
 
     Raises:
         ConfigError: a group would get less than one block, the overrides exceed
-            ``cpu_bytes``, or the groups or ``checkpoint_tokens`` are refused by
-            `GroupedScheduler`.
+            ``cpu_bytes``, or the groups, ``checkpoint_tokens`` or
+            ``max_store_blocks_per_step`` are refused by `GroupedScheduler`.
     """
     from kvoffload.groups import default_checkpoint_tokens  # noqa: PLC0415
     from kvoffload.scheduler.groups import GroupedScheduler  # noqa: PLC0415
@@ -372,7 +401,11 @@ def build_grouped_scheduler(
     sizes = grouped_pool_sizes(config, groups, checkpoint_tokens)
     pools = {name: make_pool(config, n) for name, n in sizes.items()}
     return GroupedScheduler(
-        groups, pools, checkpoint_tokens=checkpoint_tokens, num_gpu_blocks=num_gpu_blocks
+        groups,
+        pools,
+        checkpoint_tokens=checkpoint_tokens,
+        num_gpu_blocks=num_gpu_blocks,
+        config=config,
     )
 
 

@@ -6,7 +6,8 @@ group's pinner, every part is submitted to its group's copy engine as one `Trans
 copy ended each part is completed in the `GroupedScheduler` with the same outcome (a
 failure in any part fails them all: nothing is published, every reference is released)
 and its GPU blocks are unpinned. A raising ``unpin`` is kept and raised once, as
-`PinnerError`, by the next step-loop call.
+`PinnerError`, by the next step-loop call. Blocks a finished request holds in each group
+(``hold_blocks_on_finish``) are pinned and unpinned here too.
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ class GroupCounters:
             stored_blocks=sum(s.stored_blocks for s in per),
             deferred_blocks=sum(s.deferred_blocks for s in per),
             deferred_steps=scheduler.deferred_steps,
-            evicted_while_live=0,
-            restored_blocks=0,
+            evicted_while_live=sum(s.evicted_while_live for s in per),
+            restored_blocks=sum(s.restored_blocks for s in per),
             load_plans=self.load_plans,
             loaded_blocks=sum(s.loaded_blocks for s in per),
             failed_stores=self.failed_stores,
@@ -101,6 +102,8 @@ class GroupCounters:
             bytes_loaded=self.bytes_loaded,
             live_requests=live_requests,
             in_flight_transfers=in_flight_transfers,
+            held_blocks=sum(s.held_blocks for s in per),
+            hold_expired_blocks=sum(s.hold_expired_blocks for s in per),
             loaded_tokens=self.loaded_tokens,
             prompt_tokens=self.prompt_tokens,
             lookup_misses=dict(self.lookup_misses),
@@ -215,6 +218,35 @@ class GroupLauncher:
             name: tuple(b for p in plans for b in p.gpu_block_ids)
             for name, plans in abandoned.items()
         }
+
+    def hold(self, request_id: str, held: Mapping[str, Sequence[int]]) -> None:
+        """Pin the blocks a finished request holds in each group until their stores are
+        planned.
+
+        Raises:
+            PinnerError: a pinner's ``pin`` raised; the hold is cancelled (what was
+                pinned is unpinned).
+        """
+        pinned: list[tuple[str, Sequence[int]]] = []
+        try:
+            for name, ids in held.items():
+                pinner = self._pinners.get(name)
+                if pinner is not None:
+                    pinner.pin(ids)
+                    pinned.append((name, ids))
+        except Exception as exc:
+            for name, ids in pinned:
+                self._unpin(name, ids)
+            self._scheduler.cancel_hold(request_id)
+            raise PinnerError(
+                f"the GpuBlockPinner's pin raised for the blocks request {request_id!r} "
+                f"holds on finish in groups {sorted(held)}: {exc!r}"
+            ) from exc
+
+    def unpin_released_holds(self) -> None:
+        """Unpin the held blocks the scheduler let go of since the last call."""
+        for name, ids in self._scheduler.take_released_holds().items():
+            self._unpin(name, ids)
 
     def _undo(self, plan: GroupedPlan, pinned: Sequence[tuple[str, Sequence[int]]]) -> None:
         for name, ids in pinned:

@@ -337,6 +337,10 @@ METRICS: tuple[MetricSpec, ...] = (
     _c("group", "ignored_completions", "ignored_completions"),
     _c("group", "cancelled_plans", "cancelled_plans"),
     _c("group", "concurrent_load_blocks", "concurrent_load_blocks"),
+    _c("group", "evicted_while_live", "evicted_while_live_blocks"),
+    _c("group", "restored_blocks", "restored_blocks"),
+    _g("group", "held_blocks", "held_blocks"),
+    _c("group", "hold_expired_blocks", "hold_expired_blocks"),
 )
 """Every exported metric, in exposition order. Names and kinds are fixed here; each help
 text is the field's entry in its statistics class's docstring (`attribute_docs`)."""

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvoffload.config import OffloadConfig
 from kvoffload.groups import KVCacheGroup
 from kvoffload.hashing import BlockHasher
 from kvoffload.pool.block_pool import CpuBlockPool
@@ -45,6 +46,7 @@ class Rig:
         gpu_blocks: int = 256,
         checkpoint_tokens: int | None = None,
         max_retained_blocks: int | None = None,
+        config: OffloadConfig | None = None,
     ) -> None:
         self.groups = list(groups)
         sizes = cpu_blocks if isinstance(cpu_blocks, dict) else {}
@@ -61,6 +63,7 @@ class Rig:
             self.pools,
             checkpoint_tokens=checkpoint_tokens,
             num_gpu_blocks={g.name: gpu_blocks for g in groups},
+            config=config,
         )
         self.gpu = {g.name: torch.zeros(2, gpu_blocks, PAGE, dtype=torch.uint8) for g in groups}
         self.cpu = {

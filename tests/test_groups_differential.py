@@ -1,9 +1,10 @@
 """One full-attention group through `OffloadScheduler` and two full-attention groups of the
 same geometry through `GroupedScheduler` run one seeded random workload (shared prefixes,
 lookups that defer, loads, stores each step, completions in random order and some failing,
-finishes, preemptions, a pool small enough to evict and defer): every lookup gives the same
-hit, every step plans the same blocks, each group's pool holds what the one pool holds, and
-each group counts what the one scheduler counts."""
+finishes, preemptions, a pool small enough to evict and defer), also with a per-step store
+limit and an admission filter: every lookup gives the same hit, every step plans the same
+blocks, each group's pool holds what the one pool holds, and each group counts what the one
+scheduler counts."""
 
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ COUNTERS = (
     "concurrent_load_blocks",
     "cancelled_plans",
     "ignored_completions",
+    "evicted_while_live",
+    "restored_blocks",
+    "held_blocks",
+    "hold_expired_blocks",
 )
 
 
@@ -64,12 +69,16 @@ class Req:
 class Pair:
     """The two schedulers, driven with the same calls."""
 
-    def __init__(self) -> None:
-        config = OffloadConfig(block_size=BS, num_cpu_blocks=CPU_BLOCKS)
+    def __init__(self, **settings: object) -> None:
+        config = OffloadConfig.model_validate(
+            {"block_size": BS, "num_cpu_blocks": CPU_BLOCKS, **settings}
+        )
         self.one = OffloadScheduler(config, CpuBlockPool(CPU_BLOCKS))
         self.one._loads.clock = lambda: 0.0
         groups = [group(n, "full", BS) for n in NAMES]
-        self.grouped = GroupedScheduler(groups, {n: CpuBlockPool(CPU_BLOCKS) for n in NAMES})
+        self.grouped = GroupedScheduler(
+            groups, {n: CpuBlockPool(CPU_BLOCKS) for n in NAMES}, config=config
+        )
         self.grouped.clock = lambda: 0.0
         self.in_flight: list[tuple[TransferPlan, GroupedPlan]] = []
         self.gpu_ids = itertools.count()
@@ -130,9 +139,12 @@ def admit(pair: Pair, req: Req, rng: random.Random, log: list[object]) -> None:
         req.computed = 0
 
 
-def run(seed: int, steps: int = 70) -> tuple[list[object], SchedulerStatistics, int]:
+def run(
+    seed: int, steps: int = 70, **settings: object
+) -> tuple[list[object], SchedulerStatistics, int]:
     rng = random.Random(seed)
-    pair = Pair()
+    pair = Pair(**settings)
+    holds = bool(settings.get("hold_blocks_on_finish"))
     prefixes = [[rng.randrange(1000) for _ in range(rng.choice((8, 12, 16, 24)))] for _ in range(3)]
     reqs: dict[str, Req] = {}
     log: list[object] = []
@@ -155,6 +167,9 @@ def run(seed: int, steps: int = 70) -> tuple[list[object], SchedulerStatistics, 
             pair.one.update(req.rid, req.table, one_h, req.computed)
             pair.grouped.update(req.rid, pair.tables(req), grouped_h, req.computed)
         pair.pair(pair.one.plan_stores(), pair.grouped.plan_stores(), f"step {step} stores")
+        released = pair.one.take_released_holds()
+        greleased = pair.grouped.take_released_holds()
+        assert all(greleased.get(n, []) == released for n in NAMES), (step, "released holds")
         # completions in random order, some failing, some later
         rng.shuffle(pair.in_flight)
         keep: list[tuple[TransferPlan, GroupedPlan]] = []
@@ -174,9 +189,12 @@ def run(seed: int, steps: int = 70) -> tuple[list[object], SchedulerStatistics, 
             caught_up = state.num_stored_blocks >= min(req.computed // BS, len(req.table))
             done = req.computed >= len(req.tokens)
             r = rng.random()
-            if caught_up and (done or r < 0.05):
-                pair.one.finish(req.rid)
+            if (caught_up or holds) and (done or r < 0.05):
+                held = list(pair.one.finish(req.rid))
                 assert pair.grouped.finish(req.rid) is None, req.rid
+                gheld = pair.grouped.held_blocks(req.rid)
+                assert all(gheld.get(n, []) == held for n in NAMES), (req.rid, held, gheld)
+                log.append(("held", req.rid, len(held)))
                 del reqs[req.rid]
             elif r > 0.95:
                 pair.one.preempt(req.rid)
@@ -202,14 +220,56 @@ def test_two_full_groups_behave_as_one(seed: int) -> None:
     run(seed)
 
 
+# The store settings with their one-group meaning: a per-step limit small enough to cut
+# steps, and an admission filter that refuses a block's first offer.
+STORE_SETTINGS = {"max_store_blocks_per_step": 3, "store_admission": "seen_twice"}
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_two_full_groups_behave_as_one_with_the_store_settings(seed: int) -> None:
+    run(seed, **STORE_SETTINGS)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_two_full_groups_behave_as_one_restoring_evicted_blocks(seed: int) -> None:
+    run(seed, restore_evicted=True)
+
+
+HOLDS = {"hold_blocks_on_finish": True, "hold_max_blocks": 5, "hold_max_steps": 1}
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_two_full_groups_behave_as_one_holding_blocks_on_finish(seed: int) -> None:
+    """Requests finish also before their blocks are all stored: each group holds what
+    one group holds (within the budget), and releases it at the same step."""
+    run(seed, **HOLDS)
+
+
+def test_the_store_settings_take_effect_in_the_workload() -> None:
+    """The settings change what the workload stores (so the comparison above sees them)."""
+    for seed in range(5):
+        _, plain, _ = run(seed)
+        _, limited, _ = run(seed, **STORE_SETTINGS)
+        assert limited.stored_blocks < plain.stored_blocks, seed
+    restored = sum(run(seed, restore_evicted=True)[1].restored_blocks for seed in range(10))
+    assert restored
+    held = expired = 0
+    for seed in range(30):
+        log, stats, _ = run(seed, **HOLDS)
+        held += sum(e[2] for e in log if isinstance(e, tuple) and e[0] == "held")
+        expired += stats.hold_expired_blocks
+    assert held
+    assert expired
+
+
 def test_the_workload_evicts_defers_and_hits() -> None:
     """The workload reaches what it is meant to compare: hits, "ask again" answers,
     deferred stores, failed copies and evictions."""
     hits = asks = evictions = deferred = failed = 0
     for seed in range(10):
         log, stats, evicted = run(seed)
-        hits += sum(1 for e in log if isinstance(e, tuple) and e[2])
-        asks += sum(1 for e in log if isinstance(e, tuple) and e[2] is None)
+        hits += sum(1 for e in log if isinstance(e, tuple) and e[0] == "lookup" and e[2])
+        asks += sum(1 for e in log if isinstance(e, tuple) and e[0] == "lookup" and e[2] is None)
         evictions += evicted
         deferred += stats.deferred_blocks
         failed += stats.failed_stores + stats.failed_loads

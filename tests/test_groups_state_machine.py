@@ -13,6 +13,8 @@ KV of its key, every load delivers exactly the KV of its (group, position), a st
 publishes each block with at least its request's priority and a hit is touched with it,
 and every retained prefix holds exactly ``needed(g, N)`` in every group and stays a hit
 of ``N``.
+Each mix also runs with the store settings on (a per-step limit, an admission filter,
+``restore_evicted``, finish holds: the engine frees a held block only once released).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvalidInputError
 from kvoffload.groups import KVCacheGroup, needed
 from kvoffload.hashing import BlockHash
@@ -66,6 +69,7 @@ class Held:
 
 class GroupsMachine(RuleBasedStateMachine):
     GROUPS: tuple[KVCacheGroup, ...] = ()
+    CONFIG: OffloadConfig | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -75,6 +79,7 @@ class GroupsMachine(RuleBasedStateMachine):
             gpu_blocks=GPU_BLOCKS,
             checkpoint_tokens=8,
             max_retained_blocks=5,
+            config=self.CONFIG,
         )
         self.sched = self.rig.sched
         self.names = [g.name for g in self.GROUPS]
@@ -101,7 +106,21 @@ class GroupsMachine(RuleBasedStateMachine):
         return None
 
     def _give_back(self, name: str, table: list[int | None]) -> None:
-        self.free[name].extend(b for b in table if b is not None)
+        # reused first: a block freed too early is overwritten at once
+        self.free[name][:0] = [b for b in table if b is not None]
+
+    def _finished(self, rid: str, req: Req) -> None:
+        """The engine frees a finished request's blocks, but those it holds only once
+        released (`take_released_holds()`)."""
+        held = self.sched.held_blocks(rid)
+        for name in self.names:
+            keep = set(held.get(name, ()))
+            self._give_back(name, [b for b in req.tables[name] if b not in keep])
+        self._released()
+
+    def _released(self) -> None:
+        for name, ids in self.sched.take_released_holds().items():
+            self._give_back(name, list(ids))
 
     def _grow(self, req: Req, computed: int) -> bool:
         """Allocate (and fill) the blocks up to ``computed``, null old non-full blocks."""
@@ -217,8 +236,7 @@ class GroupsMachine(RuleBasedStateMachine):
         if plan is not None:
             for name, sub in plan.plans.items():
                 self._finish_flight(Flight(name, sub), "ok")
-        for name in self.names:
-            self._give_back(name, req.tables[name])
+        self._finished(rid, req)
 
     @precondition(lambda self: any(not r.loading for r in self.reqs.values()))
     @rule(data=st.data(), tokens=st.integers(1, 16), store=st.booleans())
@@ -240,6 +258,7 @@ class GroupsMachine(RuleBasedStateMachine):
                     for rid, i, _ in rec.blocks
                 }
                 self.flights.append(Flight(name, sub, want=want))
+        self._released()
 
     @precondition(lambda self: self.flights)
     @rule(data=st.data(), outcome=st.sampled_from(["ok", "ok", "fail", "cancel"]))
@@ -319,8 +338,7 @@ class GroupsMachine(RuleBasedStateMachine):
         req = self.reqs.pop(rid)
         if self.sched.has_request(rid):
             self._fly(self.sched.finish(rid))
-        for name in self.names:
-            self._give_back(name, req.tables[name])
+        self._finished(rid, req)
 
     @precondition(lambda self: any(not r.loading for r in self.reqs.values()))
     @rule(data=st.data())
@@ -339,6 +357,7 @@ class GroupsMachine(RuleBasedStateMachine):
         if dice == 0:  # rare: a reset empties everything the other rules built
             self.sched.reset()
             self.held.clear()  # every retained block is released
+            self._released()
 
     @precondition(lambda self: any(not r.loading for r in self.reqs.values()))
     @rule(data=st.data(), priority=st.integers(0, 4))
@@ -453,6 +472,35 @@ class FullChunkedMachine(GroupsMachine):
     GROUPS = (group("attn", "full", 4), group("loc", "chunked", 2, chunk=4))
 
 
+STORE_SETTINGS = OffloadConfig(
+    num_cpu_blocks=10,
+    max_store_blocks_per_step=3,
+    store_admission="seen_twice",
+    restore_evicted=True,
+    hold_blocks_on_finish=True,
+    hold_max_blocks=6,
+    hold_max_steps=2,
+)
+
+
+class FullSlidingSettingsMachine(FullSlidingMachine):
+    CONFIG = STORE_SETTINGS
+
+
+class FullRecurrentSettingsMachine(FullRecurrentMachine):
+    CONFIG = STORE_SETTINGS
+
+
+class FullChunkedSettingsMachine(FullChunkedMachine):
+    CONFIG = STORE_SETTINGS
+
+
+TestFullSlidingSettings = FullSlidingSettingsMachine.TestCase
+TestFullSlidingSettings.settings = _SETTINGS
+TestFullRecurrentSettings = FullRecurrentSettingsMachine.TestCase
+TestFullRecurrentSettings.settings = _SETTINGS
+TestFullChunkedSettings = FullChunkedSettingsMachine.TestCase
+TestFullChunkedSettings.settings = _SETTINGS
 TestFullSliding = FullSlidingMachine.TestCase
 TestFullSliding.settings = _SETTINGS
 TestFullRecurrent = FullRecurrentMachine.TestCase

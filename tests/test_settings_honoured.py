@@ -142,9 +142,36 @@ async def restores_evicted(make_off: Callable[[], KVOffloader], seen: Seen) -> o
         return 0 if plan is None else plan.num_blocks
 
 
+async def group_restores_evicted(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    """As `restores_evicted`, per group: blocks stored again after b evicted a's."""
+    async with make_off() as off:
+        assert off._groups is not None
+        sched = off._groups.scheduler
+        for rid, seed in (("a", 1), ("b", 2)):
+            table: list[int | None] = list(range(seed * 8, seed * 8 + 8))
+            tables = {g.name: table for g in GROUPS}
+            sched.update(rid, tables, {g.name: chain(8, seed) for g in GROUPS}, 8 * BS)
+            plan = sched.plan_stores()
+            assert plan is not None
+            sched.complete_all(plan, True)
+        plan = sched.plan_stores()
+        return 0 if plan is None else plan.num_blocks
+
+
 async def stores_per_step(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
     async with make_off() as off:
         return stored_now(_sched(off), "r", 4)
+
+
+async def group_stores_per_step(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    """Blocks each group's plan holds for a request of 4 computed blocks per group."""
+    async with make_off() as off:
+        assert off._groups is not None
+        sched = off._groups.scheduler
+        tables: dict[str, list[int | None]] = {g.name: list(range(4)) for g in GROUPS}
+        sched.update("r", tables, {g.name: chain(4) for g in GROUPS}, 4 * BS)
+        plan = sched.plan_stores()
+        return {} if plan is None else {n: p.num_blocks for n, p in plan.plans.items()}
 
 
 async def host_buffer_request(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
@@ -197,6 +224,32 @@ async def hold_released(make_off: Callable[[], KVOffloader], seen: Seen) -> obje
         sched.plan_stores()
         sched.plan_stores()
         return len(sched.take_released_holds())
+
+
+def _grouped_stored_now(off: KVOffloader, n: int) -> Any:
+    """As `stored_now()` on every group: a request of ``n`` computed blocks per group."""
+    assert off._groups is not None
+    sched = off._groups.scheduler
+    tables: dict[str, list[int | None]] = {g.name: list(range(n)) for g in GROUPS}
+    sched.update("r", tables, {g.name: chain(n) for g in GROUPS}, n * BS)
+    sched.plan_stores()
+    return sched
+
+
+async def group_held_on_finish(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        sched = _grouped_stored_now(off, 11)  # the full group: 8 planned, 3 deferred
+        sched.finish("r")
+        return {name: len(ids) for name, ids in sched.held_blocks("r").items()}
+
+
+async def group_hold_released(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        sched = _grouped_stored_now(off, 11)
+        sched.finish("r")
+        sched.plan_stores()
+        sched.plan_stores()
+        return {name: len(ids) for name, ids in sched.take_released_holds().items()}
 
 
 async def retains_a_prefix(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
@@ -261,9 +314,13 @@ TABLE: dict[str, Decision] = {
     "lazy_offload_blocks": Decision(
         {"lazy_offload_blocks": 2}, {"offloader": lazy_window}, with_={"store_mode": "lazy"}
     ),
-    "restore_evicted": Decision({"restore_evicted": True}, {"offloader": restores_evicted}),
+    "restore_evicted": Decision(
+        {"restore_evicted": True},
+        {"offloader": restores_evicted, "offloader_groups": group_restores_evicted},
+    ),
     "max_store_blocks_per_step": Decision(
-        {"max_store_blocks_per_step": 2}, {"offloader": stores_per_step}
+        {"max_store_blocks_per_step": 2},
+        {"offloader": stores_per_step, "offloader_groups": group_stores_per_step},
     ),
     "pin_memory": Decision({"pin_memory": "never"}, _both(host_buffer_request)),
     "pin_chunk_bytes": Decision({"pin_chunk_bytes": 1 << 21}, _both(host_buffer_request)),
@@ -272,16 +329,24 @@ TABLE: dict[str, Decision] = {
     "hash_salt": Decision({"hash_salt": "s"}, _both(namespace)),
     "enable_events": Decision({"enable_events": True}, _both(events)),
     "eviction_policy": Decision({"eviction_policy": "arc"}, _both(policy)),
-    "store_admission": Decision({"store_admission": "seen_twice"}, {"offloader": stores_per_step}),
+    "store_admission": Decision(
+        {"store_admission": "seen_twice"},
+        {"offloader": stores_per_step, "offloader_groups": group_stores_per_step},
+    ),
     "tiers": Decision({"tiers": "TIER"}, _both(tiers)),
     "hold_blocks_on_finish": Decision(
-        {"hold_blocks_on_finish": True}, {"offloader": held_on_finish}
+        {"hold_blocks_on_finish": True},
+        {"offloader": held_on_finish, "offloader_groups": group_held_on_finish},
     ),
     "hold_max_blocks": Decision(
-        {"hold_max_blocks": 1}, {"offloader": held_on_finish}, with_={"hold_blocks_on_finish": True}
+        {"hold_max_blocks": 1},
+        {"offloader": held_on_finish, "offloader_groups": group_held_on_finish},
+        with_={"hold_blocks_on_finish": True},
     ),
     "hold_max_steps": Decision(
-        {"hold_max_steps": 1}, {"offloader": hold_released}, with_={"hold_blocks_on_finish": True}
+        {"hold_max_steps": 1},
+        {"offloader": hold_released, "offloader_groups": group_hold_released},
+        with_={"hold_blocks_on_finish": True},
     ),
     "max_retained_fraction": Decision({"max_retained_fraction": 0.5}, _both(retains_a_prefix)),
     "max_prefetch_fraction": Decision(
@@ -365,12 +430,12 @@ def test_a_groups_block_size_is_accepted_when_every_group_has_it() -> None:
 
 
 def test_every_refused_field_is_named_at_once() -> None:
-    config = OffloadConfig(**BASE, store_mode="lazy", restore_evicted=True, hold_max_steps=3)
+    config = OffloadConfig(**BASE, store_mode="lazy", lazy_offload_blocks=2)
     with pytest.raises(ConfigError) as info:
         make(config, "offloader_groups")
     message = str(info.value)
     assert "KVOffloader with several KV cache groups cannot honour" in message
-    for named in ("store_mode='lazy'", "restore_evicted=True", "hold_max_steps=3"):
+    for named in ("store_mode='lazy'", "lazy_offload_blocks=2"):
         assert named in message
 
 

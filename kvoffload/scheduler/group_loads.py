@@ -338,13 +338,13 @@ def _gap(  # noqa: PLR0917 - one group's view of one step
 def check_request(groups: Mapping[str, KVCacheGroup], state: GroupedRequest, align: int) -> None:
     """A request's pins cover exactly ``load_range(g, N)`` in every group for its one
     aligned hit ``N`` (none without a hit); a finished request is kept only while its
-    transfers run.
+    transfers run or it holds GPU blocks (``hold_blocks_on_finish``).
 
     Raises:
         InvariantError: naming the request, the group and the breach.
     """
     rid = state.request_id
-    if state.finished and not state.in_flight:
+    if state.finished and not state.in_flight and not state.holding:
         raise InvariantError(f"finished request {rid!r} kept")
     if state.hit is None:
         if any(lane.pin is not None for lane in state.lanes.values()):

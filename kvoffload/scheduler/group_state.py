@@ -3,6 +3,7 @@ per group), and the checks of its per-group inputs."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import final
@@ -92,6 +93,13 @@ class GroupStatistics:
         cancelled_plans: the group's plans undone because their launch raised.
         concurrent_load_blocks: blocks planned for a load while another load of the same
             CPU block was in flight.
+        evicted_while_live: the group's blocks evicted while a live request's cursor had
+            passed them.
+        restored_blocks: such blocks stored again (``restore_evicted=True``).
+        held_blocks: the group's GPU blocks finished requests hold now
+            (``hold_blocks_on_finish``).
+        hold_expired_blocks: the group's held GPU blocks given up unstored after
+            ``hold_max_steps``.
     """
 
     stored_blocks: int
@@ -113,6 +121,10 @@ class GroupStatistics:
     ignored_completions: int = 0
     cancelled_plans: int = 0
     concurrent_load_blocks: int = 0
+    evicted_while_live: int = 0
+    restored_blocks: int = 0
+    held_blocks: int = 0
+    hold_expired_blocks: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -126,6 +138,14 @@ class Lane:
     cursor: int = 0
     pin: list[CpuBlock] | None = None
     pin_start: int = 0
+    # (block index, store point) of every block the cursor passed that held the request's
+    # KV (stored, cached, in flight or refused by admission): the blocks `restore_evicted`
+    # stores again, and whose hashes count as live (`evicted_while_live`)
+    live: list[tuple[int, int]] = field(default_factory=list)
+    # a finished request's hold (`hold_blocks_on_finish`): the GPU blocks this lane holds
+    # until a store plan reads them, and the tokens its stores stop at
+    held: list[int] = field(default_factory=list)
+    stop: int = sys.maxsize
     # table entries below this index are not known to hold this request's KV (below the
     # engine's prefix's needed blocks, or below a window, chunk or state a load landed
     # above them): never stored, whatever the engine's table names there
@@ -147,6 +167,13 @@ class GroupedRequest:
     miss_reason: MissReason = MissReason.NONE
     # the retention priority of its blocks in every group (`PriorityCount.set()`)
     priority: int = 0
+    # the ``plan_stores`` call after which a hold is given up (`HeldBlocks.deadline()`)
+    hold_deadline: int = 0
+
+    @property
+    def holding(self) -> bool:
+        """Whether the (finished) request holds GPU blocks in some group."""
+        return any(lane.held for lane in self.lanes.values())
 
 
 @dataclass(slots=True, eq=False)
@@ -157,8 +184,9 @@ class GroupCounts:
     counters: Counters
     skipped_null: int = 0
 
-    def snapshot(self, ledger: BlockLedger) -> GroupStatistics:
-        """These counters and ``ledger``'s pool, as `GroupStatistics`."""
+    def snapshot(self, ledger: BlockLedger, held: int = 0) -> GroupStatistics:
+        """These counters, ``ledger``'s pool and the ``held`` GPU blocks, as
+        `GroupStatistics`."""
         pool = ledger.pool
         c = self.counters
         return GroupStatistics(
@@ -181,6 +209,10 @@ class GroupCounts:
             ignored_completions=c.ignored_completions,
             cancelled_plans=c.cancelled_plans,
             concurrent_load_blocks=c.concurrent_load_blocks,
+            evicted_while_live=c.evicted_while_live,
+            restored_blocks=c.restored_blocks,
+            held_blocks=held,
+            hold_expired_blocks=c.hold_expired_blocks,
         )
 
 
@@ -189,6 +221,13 @@ class StoreRecord:
     # (request id, block index, store point, cursor before) per block; cursors per request
     blocks: list[tuple[str, int, int]]
     cursors: dict[str, int]
+    # per request, the length of its lane's ``live`` before the plan
+    lives: dict[str, int] = field(default_factory=dict)
+    # hashes the admission filter refused while the plan was built (undone on cancel)
+    refused: tuple[BlockHash, ...] = ()
+    # holds the plan ended (request id, held ids, cursor and live blocks before): a cancel
+    # gives them back (`HeldBlocks.give_back()`)
+    holds: list[tuple[str, list[int], int, list[tuple[int, int]]]] = field(default_factory=list)
 
 
 def table_changes(
@@ -197,6 +236,8 @@ def table_changes(
     rid: str,
     state: GroupedRequest | None,
     tables: GroupTables,
+    *,
+    every_entry: bool = False,
 ) -> dict[str, tuple[bool, list[int | None]]]:
     """`update()`'s check of one table per cacheable group, in O(new entries) where it
     can: per group, ``(True, entries to append to its lane's table)``, or ``(False,
@@ -205,7 +246,9 @@ def table_changes(
     As one group (`RequestTable.new_table_entries()`): a table whose entries a store may
     still read (a full group's from its cursor on, every entry of the other kinds) are
     unchanged and that only grew has its new entries checked with `fresh_ids()`; any
-    other table is checked in full by `check_tables()`."""
+    other table is checked in full by `check_tables()`. With ``every_entry``
+    (``restore_evicted``: a store may read any entry again) a full group's entries are
+    compared from the first, as with one group."""
     out: dict[str, tuple[bool, list[int | None]]] = {}
     full: list[KVCacheGroup] = []
     for g in cacheable:
@@ -216,7 +259,7 @@ def table_changes(
             continue
         old = lane.table
         n_old = len(old)
-        start = min(lane.cursor, n_old - 1) if g.kind == "full" else 0
+        start = min(lane.cursor, n_old - 1) if g.kind == "full" and not every_entry else 0
         if len(table) < n_old or table[start:n_old] != old[start:]:
             full.append(g)
             continue

@@ -1,26 +1,62 @@
 """The store planning of `GroupedScheduler`: per group, which blocks of which store
-points to copy, deferral when a group's pool is full, and the records that undo a plan."""
+points to copy, deferral when a group's pool is full or its step limit is reached, the
+admission filter, and the records that undo a plan."""
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from typing import final
 
-from kvoffload.errors import InvariantError
+from kvoffload.errors import ConfigError, InvariantError
 from kvoffload.groups import KVCacheGroup, needed, store_points
 from kvoffload.hashing import BlockHash
+from kvoffload.pool.policies.admission import AdmissionFilter, AlwaysAdmit, make_admission
+from kvoffload.scheduler._counts import count_down, count_up
 from kvoffload.scheduler.group_state import (
     GroupCounts,
     GroupedPlan,
     GroupedRequest,
+    Lane,
     StoreRecord,
 )
+from kvoffload.scheduler.holds import HeldBlocks
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.stores import StoreBatch
 from kvoffload.transfer.plan import TransferPlan
 
-__all__ = ["GroupStorePlanner"]
+__all__ = ["GroupStorePlanner", "check_store_limit", "point_blocks"]
+
+
+def point_blocks(g: KVCacheGroup, align: int) -> int:
+    """The most blocks one store point of ``g`` needs (a point is a multiple of ``align``,
+    `needed()` there): one for a full or recurrent group, the window's blocks for a
+    sliding window, and for chunked attention the most blocks a point reaches above its
+    chunk's start."""
+    if g.kind == "sliding_window" and g.window is not None:
+        return -(-(g.window - 1) // g.block_size)
+    if g.kind == "chunked" and g.chunk is not None:
+        return (g.chunk - math.gcd(g.chunk, align)) // g.block_size
+    return 1
+
+
+def check_store_limit(groups: Sequence[KVCacheGroup], limit: int, align: int) -> None:
+    """Refuse a ``max_store_blocks_per_step`` below what one store point of a group needs:
+    a point is planned whole or deferred, so such a point would be deferred forever.
+
+    Raises:
+        ConfigError: naming the setting, the group, its kind and the blocks needed.
+    """
+    for g in groups:
+        need = point_blocks(g, align)
+        if need > limit:
+            raise ConfigError(
+                f"max_store_blocks_per_step={limit!r}: group {g.name!r} ({g.kind}) needs "
+                f"{need} blocks for one store point, planned whole in one step (a point is "
+                f"stored whole or deferred), so it could never be stored; set it to at "
+                f"least {need}"
+            )
 
 
 @final
@@ -34,6 +70,13 @@ class GroupStorePlanner:
         requests: the scheduler's requests by id (read, and their ``in_flight`` marked).
         align: the hit alignment.
         checkpoint: tokens between store points.
+        limit: ``max_store_blocks_per_step``, per group pool and plan (``None``: none);
+            `check_store_limit()` refuses one below a group's store point.
+        admission: ``store_admission``, a filter per group pool (hashes differ per group).
+        restore: ``restore_evicted``: a live request's blocks evicted from a group's pool
+            are stored again from its GPU blocks (`StorePlanner`'s rule, per group).
+        holds: with ``hold_blocks_on_finish``, each group's `HeldBlocks` (the one-group
+            rules of finish holds, per group pool); ``None``: no holds.
     """
 
     def __init__(
@@ -45,7 +88,18 @@ class GroupStorePlanner:
         *,
         align: int,
         checkpoint: int,
+        limit: int | None = None,
+        admission: str = "always",
+        restore: bool = False,
+        holds: Mapping[str, HeldBlocks] | None = None,
     ) -> None:
+        if limit is not None:
+            check_store_limit(cacheable, limit, align)
+        self._limit = sys.maxsize if limit is None else limit
+        filters = {g.name: make_admission(admission) for g in cacheable}
+        self._admissions: dict[str, AdmissionFilter] = {
+            name: f for name, f in filters.items() if not isinstance(f, AlwaysAdmit)
+        }
         self._cacheable = cacheable
         self._ledgers = ledgers
         self._counts = counts
@@ -54,6 +108,139 @@ class GroupStorePlanner:
         self._checkpoint = checkpoint
         self.records: dict[tuple[str, int], StoreRecord] = {}
         """(group, plan id) → who the store plan serves and the cursors before it."""
+        self._restore = restore
+        self.live_refs: dict[str, dict[BlockHash, int]] = {g.name: {} for g in cacheable}
+        """Per group, hash → live lanes whose cursor passed it (`Lane.live`)."""
+        self.restore_needed = dict.fromkeys(self.live_refs, False)
+        """Per group, whether a live request's block was evicted since the last restore."""
+        self.holds = holds
+        """Per group, the GPU blocks finished requests hold (``None``: no holds)."""
+        self.plan_calls = 0
+        """``plan_stores`` calls so far (the clock of finish holds)."""
+
+    # -- finish holds --------------------------------------------------------------------------
+
+    def begin_hold(self, state: GroupedRequest) -> None:
+        """``state`` finished: each lane holds the GPU blocks of the store points it
+        computed and did not plan yet, whole points from its cursor within its group's
+        `HeldBlocks.room()` (as one group holds a prefix within ``hold_max_blocks``); its
+        stores stop there (`Lane.stop`), and the next ``plan_stores`` plans them. A lane
+        that holds nothing stores nothing more."""
+        holds = self.holds
+        if holds is None:
+            return
+        for g in self._cacheable:
+            name = g.name
+            lane = state.lanes[name]
+            book = holds[name]
+            room = book.room()
+            held: list[int] = []
+            stop = lane.cursor if g.kind != "full" else lane.cursor * g.block_size
+            wanted = self.scan(state, name, g, True)
+            k = 0
+            while k < len(wanted):
+                point = wanted[k][1]
+                end = k
+                while end < len(wanted) and wanted[end][1] == point:
+                    end += 1
+                ids = [lane.table[i] for i, _ in wanted[k:end] if i >= 0]
+                if len(held) + len(ids) > room:
+                    break
+                held.extend(e for e in ids if e is not None)
+                stop = point
+                k = end
+            lane.stop = stop
+            if held:
+                lane.held = held
+                book.take(held)
+        if state.holding:
+            state.hold_deadline = next(iter(holds.values())).deadline(self.plan_calls)
+
+    def end_hold(
+        self, state: GroupedRequest, name: str, *, report: bool = True, expired: bool = False
+    ) -> None:
+        """``state``'s lane of group ``name`` is planned or given up: release its hold."""
+        if self.holds is None:
+            raise InvariantError(f"request {state.request_id!r}: a hold without holds")
+        lane = state.lanes[name]
+        held, lane.held = lane.held, []
+        self.holds[name].end(held, report=report, expired=expired)
+        self.drop_live(name, lane, 0)
+
+    def _end_holds(
+        self,
+        name: str,
+        ended: list[tuple[GroupedRequest, bool]],
+        plan: TransferPlan | None,
+        rec: StoreRecord,
+    ) -> None:
+        """End the holds of group ``name`` a plan finished or that expired (after the
+        plan evicted what it did, in scan order, as `FinishHolds.end_planned()`); a plan
+        that reads a request's held blocks records how to give its hold back if
+        cancelled."""
+        for state, expired in ended:
+            lane = state.lanes[name]
+            rid = state.request_id
+            if plan is not None and not expired and rid in plan.request_ids:
+                rec.holds.append((rid, lane.held, rec.cursors[rid], lane.live[:]))
+            self.end_hold(state, name, expired=expired)
+
+    def expire(self, state: GroupedRequest, *, report: bool = True) -> None:
+        """Give every lane's hold of ``state`` up unstored (``hold_expired_blocks``)."""
+        for name, lane in state.lanes.items():
+            if lane.held:
+                self.end_hold(state, name, report=report, expired=True)
+
+    # -- live blocks -------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """The cache was reset: nothing evicted is waiting to be stored again."""
+        for name in self.restore_needed:
+            self.restore_needed[name] = False
+
+    def forget(self, state: GroupedRequest) -> None:
+        """``state``'s cursors went back to 0 (finish, preemption, reset): its blocks are
+        not live any more."""
+        for name, lane in state.lanes.items():
+            self.drop_live(name, lane, 0)
+
+    def drop_live(self, name: str, lane: Lane, keep: int) -> None:
+        """Only the first ``keep`` of ``lane``'s live blocks stay live."""
+        live, refs, hashes = lane.live, self.live_refs[name], lane.hashes
+        for i, _ in live[keep:]:
+            count_down(refs, hashes[i])
+        del live[keep:]
+
+    def _restore_scan(
+        self, batch: StoreBatch, name: str, states: Sequence[GroupedRequest], rec: StoreRecord
+    ) -> None:
+        """Offer again the live blocks of ``states`` in group ``name`` (``restore_evicted``,
+        as `StorePlanner`'s restore scan: cached or pending ones are skipped; when no CPU
+        block is left the rest waits, the flag stays set)."""
+        before = len(batch.hashes)
+        counters = self._counts[name].counters
+        for state in states:
+            if state.finished:
+                continue  # only live requests' blocks are restored
+            lane = state.lanes[name]
+            table, hashes, rid = lane.table, lane.hashes, state.request_id
+            for i, point in lane.live:
+                entry = table[i] if i < len(table) else None
+                if entry is None or i < lane.valid_from:
+                    continue  # the engine no longer holds it
+                n = len(batch.hashes)
+                if not batch.offer(hashes[i], entry, rid):
+                    batch.deferred = 1
+                    batch.deferred_request = rid
+                    batch.skipped.append(hashes[i])
+                    batch.end_run()
+                    counters.restored_blocks += len(batch.hashes) - before
+                    return
+                if len(batch.hashes) > n:
+                    rec.blocks.append((rid, i, point))
+            batch.end_run()
+        counters.restored_blocks += len(batch.hashes) - before
+        self.restore_needed[name] = False
 
     def scan(
         self, state: GroupedRequest, name: str, g: KVCacheGroup, final: bool
@@ -64,7 +251,7 @@ class GroupStorePlanner:
         ``valid_from``: not known to hold the request's KV)."""
         lane = state.lanes[name]
         limit = min(len(lane.table), len(lane.hashes))
-        computed = state.num_computed_tokens
+        computed = min(state.num_computed_tokens, lane.stop)
         valid = lane.valid_from  # an entry below it is treated as None
         table = lane.table
         bs = g.block_size
@@ -101,14 +288,18 @@ class GroupStorePlanner:
         """Offer one request's blocks to the group's batch, a store point whole (its new
         blocks first, then its cached ones: `StoreBatch.offer()` keeps the plan from
         evicting those while a block is free); the cursor to keep when a point does not
-        fit (the batch is marked deferred), else ``None``. ``passed``, when given, gets
-        the index of every block of the points offered (new or cached: a request's
-        retention priority reaches them all, as with one group)."""
+        fit (the batch is marked deferred), else ``None``. A point that fits asks the
+        group's admission filter about each new block; a refused one is not stored (the
+        cursor passes it, as with one group). ``passed``, when given, gets the index of
+        every block of the points offered (new or cached: a request's retention priority
+        reaches them all, as with one group)."""
         lane = state.lanes[g.name]
         hashes, table = lane.hashes, lane.table
         get_cached, pending, planned = batch.get_cached, batch.pending, batch.planned
         rid = state.request_id
         counts = self._counts[g.name]
+        admission = self._admissions.get(g.name)
+        admit = admission.admit if admission is not None else None
         k = 0
         while k < len(wanted):
             point = wanted[k][1]
@@ -131,6 +322,16 @@ class GroupStorePlanner:
                     return point // g.block_size - 1
                 return (point - 1) // self._checkpoint * self._checkpoint
             counts.skipped_null += (end - k) - len(usable)
+            refs = self.live_refs[g.name]
+            for i in usable:
+                lane.live.append((i, point))
+                count_up(refs, hashes[i])
+            if admit is not None:  # OffloadConfig.store_admission, block by block
+                refused = [i for i in new if not admit(hashes[i])]
+                if refused:
+                    batch.refused.extend(hashes[i] for i in refused)
+                    new = [i for i in new if i not in refused]
+                    usable = [i for i in usable if i not in refused]
             fresh = set(new)
             for i in new + [i for i in usable if i not in fresh]:
                 entry = table[i]
@@ -147,18 +348,29 @@ class GroupStorePlanner:
     def plan(self, states: Sequence[GroupedRequest], final: bool) -> GroupedPlan | None:
         """One store plan per group for ``states``: their store points up to their computed
         length (and that length itself when ``final``), a point whole or deferred with every
-        later one and every later request's (as one group defers: `StoreBatch`)."""
+        later one and every later request's (as one group defers: `StoreBatch`). A step
+        (not ``final``) first stores again the live blocks evicted from a group's pool,
+        with ``restore_evicted``."""
         plans: dict[str, TransferPlan] = {}
         for g in self._cacheable:
             name = g.name
             ledger = self._ledgers[name]
             counters = self._counts[name].counters
-            batch = StoreBatch(ledger, sys.maxsize)
+            batch = StoreBatch(ledger, self._limit)
             rec = StoreRecord([], {})
             want: dict[BlockHash, int] = {}
+            if self._restore and self.restore_needed[name] and not final:
+                self._restore_scan(batch, name, states, rec)
+            # holds this plan ends once it is made (expired: given up unstored), in order
+            ended: list[tuple[GroupedRequest, bool]] = []
             for state in states:
                 lane = state.lanes[name]
-                wanted = self.scan(state, name, g, final)
+                fin = final or state.finished  # a hold: its last point too
+                if state.finished and self.plan_calls > state.hold_deadline:
+                    if lane.held:  # hold_max_steps passed
+                        ended.append((state, True))
+                    continue
+                wanted = self.scan(state, name, g, fin)
                 if batch.deferred:
                     usable = [i for i, _ in wanted if i >= 0]
                     if usable:
@@ -166,6 +378,7 @@ class GroupStorePlanner:
                         batch.skipped.append(lane.hashes[usable[0]])
                     continue
                 rec.cursors[state.request_id] = lane.cursor
+                rec.lives[state.request_id] = len(lane.live)
                 passed: list[int] | None = [] if state.priority else None
                 cut = self._offer(batch, state, g, wanted, rec, passed=passed)
                 if passed:
@@ -174,7 +387,9 @@ class GroupStorePlanner:
                         h = lane.hashes[i]
                         if prio > want.get(h, 0):
                             want[h] = prio
-                new = self.advance(g, state, final) if cut is None else cut
+                new = self.advance(g, state, fin) if cut is None else cut
+                if cut is None and lane.held:  # every held point planned
+                    ended.append((state, False))
                 lane.cursor = max(lane.cursor, new)
                 batch.end_run()
             batch.count(ledger, counters, group=name)
@@ -182,18 +397,27 @@ class GroupStorePlanner:
             # with their priority, cached or pending ones raised now
             priorities = ledger.prioritize(want, batch.planned) if want else None
             if not batch.hashes:
+                self._end_holds(name, ended, None, rec)
                 continue
+            evicted: list[BlockHash] = []
             plan = ledger.open_store(
                 batch.hashes,
                 batch.gpu_ids,
                 tuple(dict.fromkeys(r for r, _, _ in rec.blocks)),
                 protect=batch.protect,
-                evicted=[],
+                evicted=evicted,
                 ends=batch.run_ends(),
                 priorities=priorities,
             )
+            refs = self.live_refs[name]
+            for block_hash in evicted:
+                if block_hash in refs:
+                    counters.evicted_while_live += 1
+                    self.restore_needed[name] = True
             counters.store_plans += 1
             plans[name] = plan
+            rec.refused = tuple(batch.refused)
+            self._end_holds(name, ended, plan, rec)
             self.records[(name, plan.plan_id)] = rec
             for rid in plan.request_ids:
                 self._requests[rid].in_flight.add((name, plan.plan_id))
@@ -201,7 +425,7 @@ class GroupStorePlanner:
 
     def advance(self, g: KVCacheGroup, state: GroupedRequest, final: bool) -> int:
         lane = state.lanes[g.name]
-        computed = state.num_computed_tokens
+        computed = min(state.num_computed_tokens, lane.stop)
         if g.kind == "full":
             return max(
                 lane.cursor, min(len(lane.table), len(lane.hashes), computed // g.block_size)
@@ -210,25 +434,55 @@ class GroupStorePlanner:
             return computed // self._align * self._align
         return computed // self._checkpoint * self._checkpoint
 
-    def cancel(self, group: str, plan_id: int, current: bool) -> None:
-        """A store plan was cancelled: its requests' cursors go back (if ``current``)."""
+    def cancel(self, group: str, plan_id: int, hashes: Sequence[BlockHash], current: bool) -> None:
+        """A store plan of ``hashes`` was cancelled: the admission filter forgets its
+        offers, its requests' cursors go back (if ``current``)."""
         store = self.records.pop((group, plan_id))
+        admission = self._admissions.get(group)
+        if admission is not None:
+            admission.undo(hashes, store.refused)
+        if self._restore:
+            self.restore_needed[group] = True  # the plan may have held re-stores
+        if self.holds is not None:
+            book = self.holds[group]
+            for rid, held, cursor, live in store.holds:
+                state = self._requests.get(rid)
+                if state is not None and book.give_back(held):
+                    lane = state.lanes[group]
+                    lane.held, lane.cursor = held, cursor
+                    for i, point in live:
+                        lane.live.append((i, point))
+                        count_up(self.live_refs[group], lane.hashes[i])
         if not current:
             return
         for rid, old in store.cursors.items():
             state = self._requests.get(rid)
-            if state is not None and not state.finished:
+            if state is not None and (not state.finished or state.lanes[group].held):
                 lane = state.lanes[group]
                 lane.cursor = min(lane.cursor, old)
+                self.drop_live(group, lane, store.lives[rid])
 
     def check_invariants(self) -> None:
-        """Every block of a store in flight lies in ``needed(g, point)`` of its point, and
-        the records are the ledgers' store plans.
+        """Every block of a store in flight lies in ``needed(g, point)`` of its point, the
+        records are the ledgers' store plans, and the live counts are the lanes'.
 
         Raises:
             InvariantError: naming the group and the breach.
         """
         groups = {g.name: g for g in self._cacheable}
+        for name, refs in self.live_refs.items():
+            want: dict[BlockHash, int] = {}
+            for state in self._requests.values():
+                lane = state.lanes[name]
+                for i, _ in lane.live:
+                    count_up(want, lane.hashes[i])
+            if want != refs:
+                raise InvariantError(f"group {name!r}: live block counts disagree with the lanes")
+            held = sum(len(s.lanes[name].held) for s in self._requests.values())
+            if self.holds is not None and held != self.holds[name].total:
+                raise InvariantError(
+                    f"group {name!r}: held GPU blocks {held}, counted {self.holds[name].total}"
+                )
         for name, ledger in self._ledgers.items():
             kinds = {rec.plan.plan_id for rec in ledger.plans() if rec.plan.kind == "store"}
             if {p for g, p in self.records if g == name} != kinds:

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import final
 
+from kvoffload.config import OffloadConfig
 from kvoffload.errors import (
     ConfigError,
     InvalidInputError,
@@ -74,6 +75,7 @@ from kvoffload.scheduler.group_state import (
     table_changes,
 )
 from kvoffload.scheduler.group_stores import GroupStorePlanner
+from kvoffload.scheduler.holds import HeldBlocks
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import deferral_deadline, deferral_spent
 from kvoffload.scheduler.misses import MissReason
@@ -135,13 +137,22 @@ class GroupedScheduler:
             (``None``: `default_checkpoint_tokens()`).
         num_gpu_blocks: per group name, the engine's GPU block count, a positive int
             (table entries must lie in ``[0, n)``; a group not named accepts any id >= 0).
+        config: the store settings it honours, with their one-group meaning, per group
+            pool: ``max_store_blocks_per_step`` (each group's plan of one call holds at
+            most that many blocks, so one full group and two identical ones plan alike)
+            and ``store_admission`` (one filter per group), ``restore_evicted`` (a
+            live request's blocks evicted from a group's pool are stored again from its
+            GPU blocks), ``hold_blocks_on_finish`` with ``hold_max_blocks`` (per group
+            pool) and ``hold_max_steps`` (see `finish()`). ``None``: no limit, every
+            block admitted, nothing restored, nothing held.
 
     Call it from one thread; every method is synchronous. A refused call changes nothing.
 
     Raises:
         ConfigError: groups `check_groups()` refuses, a cacheable group without a pool of
             its own, a GPU block count not a positive int or for no group, or a
-            ``checkpoint_tokens`` not a positive int multiple of the alignment.
+            ``checkpoint_tokens`` not a positive int multiple of the alignment, or a
+            ``max_store_blocks_per_step`` below the blocks of a group's store point.
     """
 
     def __init__(
@@ -151,6 +162,7 @@ class GroupedScheduler:
         *,
         checkpoint_tokens: int | None = None,
         num_gpu_blocks: Mapping[str, int] | None = None,
+        config: OffloadConfig | None = None,
     ) -> None:
         self._groups = tuple(groups)
         self._cacheable = tuple(g for g in groups if g.cacheable)
@@ -186,7 +198,16 @@ class GroupedScheduler:
             self._requests,
             align=self._align,
             checkpoint=checkpoint_tokens,
+            limit=None if config is None else config.max_store_blocks_per_step,
+            admission="always" if config is None else config.store_admission,
+            restore=config is not None and config.restore_evicted,
+            holds=(
+                {name: HeldBlocks(config, c.counters) for name, c in self._counts.items()}
+                if config is not None and config.hold_blocks_on_finish
+                else None
+            ),
         )
+        self._check_all_entries = config is not None and config.restore_evicted
 
     def __repr__(self) -> str:
         return (
@@ -305,7 +326,14 @@ class GroupedScheduler:
         existing = self._requests.get(request_id)
         if existing is not None and existing.finished:
             raise RequestStateError(f"request {request_id!r} is finished")
-        changes = table_changes(self._cacheable, self._limits, request_id, existing, tables)
+        changes = table_changes(
+            self._cacheable,
+            self._limits,
+            request_id,
+            existing,
+            tables,
+            every_entry=self._check_all_entries,
+        )
         probe = existing or GroupedRequest(request_id, {g.name: Lane() for g in self._cacheable})
         check_hashes(self._cacheable, request_id, probe, block_hashes)
         state = self._state(request_id)
@@ -525,13 +553,18 @@ class GroupedScheduler:
 
         A group whose pool has no room defers the rest of its points (the cursor stays on
         the last point planned); a deferred point is planned later from the table as it
-        is then.
+        is then. Finished requests' holds are planned too (their last point included),
+        and given up after ``hold_max_steps`` calls.
 
         Returns:
             One store plan per group with blocks to store, or ``None``.
         """
-        live = [s for s in self._requests.values() if not s.finished]
-        return self._plan(live, final=False)
+        self._planner.plan_calls += 1
+        live = [s for s in self._requests.values() if not s.finished or s.holding]
+        plan = self._plan(live, final=False)
+        for state in live:
+            self._drop_if_done(state)  # a hold the plan ended, or that expired
+        return plan
 
     def _plan(self, states: list[GroupedRequest], final: bool) -> GroupedPlan | None:
         before = self._deferred_steps()
@@ -552,16 +585,58 @@ class GroupedScheduler:
         to the alignment) that are not stored yet; the engine keeps those GPU blocks until
         the plan completes. Nothing is scheduled for the request afterwards.
 
+        With ``hold_blocks_on_finish`` nothing is planned here (``None``), as with one
+        group: each group's lane holds the GPU blocks of the points it computed and did
+        not store (whole points from its cursor, within ``hold_max_blocks`` per group:
+        `held_blocks()`); the engine keeps them until `take_released_holds()` returns
+        them: a later `plan_stores()` planned them, or ``hold_max_steps`` calls passed.
+
         Raises:
             UnknownRequestError: no state for that id.
             RequestStateError: it was already finished.
         """
         state = self._live(request_id)
         self.release(request_id)
-        plan = self._plan([state], final=True)
+        planner = self._planner
+        plan = None
+        if planner.holds is None:
+            plan = self._plan([state], final=True)
+        else:
+            planner.begin_hold(state)
         state.finished = True
+        for name, lane in state.lanes.items():
+            if not lane.held:
+                planner.drop_live(name, lane, 0)
         self._drop_if_done(state)
         return plan
+
+    def held_blocks(self, request_id: str) -> dict[str, list[int]]:
+        """Per group, the GPU blocks finished ``request_id`` holds (none: ``{}``)."""
+        state = self._requests.get(request_id)
+        if state is None or not state.finished:
+            return {}
+        return {name: list(lane.held) for name, lane in state.lanes.items() if lane.held}
+
+    def take_released_holds(self) -> dict[str, list[int]]:
+        """Per group, the GPU blocks whose hold ended since the last call (free them once
+        no transfer in flight names them)."""
+        holds = self._planner.holds or {}
+        out = {name: book.take_released() for name, book in holds.items()}
+        return {name: ids for name, ids in out.items() if ids}
+
+    def cancel_hold(self, request_id: str) -> None:
+        """Undo the hold `finish()` just made (the engine could not keep the blocks; they
+        are not reported by `take_released_holds()`)."""
+        state = self._requests.get(request_id)
+        if state is not None and state.holding:
+            self._planner.expire(state, report=False)
+            self._drop_if_done(state)
+
+    def release_all_holds(self) -> None:
+        """Give up every hold now (on close); their blocks stay unstored."""
+        for state in [s for s in self._requests.values() if s.holding]:
+            self._planner.expire(state)
+            self._drop_if_done(state)
 
     def preempt(self, request_id: str) -> None:
         """The engine preempted ``request_id`` and freed its GPU blocks (it may reuse them
@@ -574,6 +649,7 @@ class GroupedScheduler:
         """
         state = self._live(request_id)
         self.release(request_id)
+        self._planner.forget(state)
         for lane in state.lanes.values():
             lane.table, lane.cursor, lane.valid_from = [], 0, 0
             lane.ids = set()
@@ -586,16 +662,19 @@ class GroupedScheduler:
         Returns:
             Whether no transfer is in flight any more.
         """
+        self.release_all_holds()
         for state in self._requests.values():
             self.release(state.request_id)
+            self._planner.forget(state)
             for lane in state.lanes.values():
                 lane.cursor = 0
+        self._planner.reset()
         for ledger in self._ledgers.values():
             ledger.reset()
         return not self.num_in_flight
 
     def _drop_if_done(self, state: GroupedRequest) -> None:
-        if state.finished and not state.in_flight:
+        if state.finished and not state.in_flight and not state.holding:
             del self._requests[state.request_id]
             self._priorities.drop(state)
 
@@ -645,7 +724,7 @@ class GroupedScheduler:
         counters.cancelled_plans += 1
         if plan.kind == "store":
             counters.store_plans -= 1
-            self._planner.cancel(group, plan.plan_id, rec.epoch == ledger.epoch)
+            self._planner.cancel(group, plan.plan_id, rec.hashes, rec.epoch == ledger.epoch)
         else:
             counters.load_plans -= 1
             del self._loads[group][plan.plan_id]
@@ -665,7 +744,11 @@ class GroupedScheduler:
 
     def statistics(self) -> dict[str, GroupStatistics]:
         """Per cacheable group, a snapshot of its counters and pool."""
-        return {name: self._counts[name].snapshot(ledger) for name, ledger in self._ledgers.items()}
+        holds = self._planner.holds
+        return {
+            name: self._counts[name].snapshot(ledger, holds[name].total if holds else 0)
+            for name, ledger in self._ledgers.items()
+        }
 
     def check_invariants(self) -> None:
         """Check every group's pool and ledger, then the cross-group rules: a request's

@@ -21,9 +21,71 @@ from kvoffload.scheduler.stats import Counters
 from kvoffload.scheduler.stores import StorePlanner, StoreUndo
 from kvoffload.transfer.plan import StorePlan
 
-__all__ = ["FinishHolds"]
+__all__ = ["FinishHolds", "HeldBlocks"]
 
 _log = get_logger("scheduler")
+
+
+@final
+class HeldBlocks:
+    """The GPU blocks finished requests hold in one pool's blocks (one group's), under
+    one budget: how many are held, and those released since last asked. The one place of
+    the hold rules every shape shares: a hold takes at most `room()` blocks, lasts
+    ``hold_max_steps`` store plans (`deadline()`), reports its blocks when it ends (or not,
+    when the engine could not keep them), and is given back by a cancelled plan only if
+    its blocks were not reported yet (`give_back()`).
+
+    Args:
+        config: ``hold_max_blocks``, ``hold_max_steps``.
+        counters: where ``hold_expired_blocks`` is counted.
+    """
+
+    __slots__ = ("_counters", "_max_blocks", "_max_steps", "_released", "total")
+
+    def __init__(self, config: OffloadConfig, counters: Counters) -> None:
+        self._max_blocks = config.hold_max_blocks
+        self._max_steps = config.hold_max_steps
+        self._counters = counters
+        self.total = 0
+        """GPU blocks held now."""
+        self._released: list[int] = []
+
+    def room(self) -> int:
+        """How many more blocks a new hold may take."""
+        return self._max_blocks - self.total
+
+    def deadline(self, plan_calls: int) -> int:
+        """The ``plan_stores`` call after which a hold begun now is given up."""
+        return plan_calls + self._max_steps
+
+    def take(self, held: list[int]) -> None:
+        """A hold of ``held`` begins."""
+        self.total += len(held)
+
+    def end(self, held: list[int], *, report: bool = True, expired: bool = False) -> None:
+        """A hold of ``held`` ends (``expired``: given up unstored, counted in
+        ``hold_expired_blocks``); ``report``: the engine is told the blocks are free."""
+        if expired:
+            self._counters.hold_expired_blocks += len(held)
+        self.total -= len(held)
+        if report:
+            self._released.extend(held)
+
+    def give_back(self, held: list[int]) -> bool:
+        """Begin again a hold of ``held`` a cancelled plan ended, unless the engine was
+        already told the blocks are free (then ``False``: they stay unstored)."""
+        released = self._released
+        if Counter(held) - Counter(released):
+            return False
+        for g in held:
+            released.remove(g)
+        self.total += len(held)
+        return True
+
+    def take_released(self) -> list[int]:
+        """GPU blocks whose hold ended since the last call."""
+        released, self._released = self._released, []
+        return released
 
 
 @final
@@ -50,9 +112,13 @@ class FinishHolds:
         self._table = table
         self._stores = stores
         self._counters = counters
-        self.total = 0
+        self.book = HeldBlocks(config, counters)
+        """The held blocks of all finished requests."""
+
+    @property
+    def total(self) -> int:
         """GPU blocks held now, by all finished requests."""
-        self._released: list[int] = []
+        return self.book.total
 
     def begin(self, state: RequestOffloadState) -> list[int]:
         """Hold what a finishing request has computed and not stored (its prefix first,
@@ -66,23 +132,24 @@ class FinishHolds:
             len(state.block_hashes),
             len(state.gpu_block_ids),
         )
-        n = min(end - i, config.hold_max_blocks - self.total)
+        book = self.book
+        n = min(end - i, book.room())
         if n <= 0:
             return []
         state.num_computed_tokens = (i + n) * self._block_size
         held = state.gpu_block_ids[i : i + n]
         state.held_gpu_block_ids = held
-        state.hold_deadline = self._stores.plan_calls + config.hold_max_steps
-        self.total += len(held)
+        state.hold_deadline = book.deadline(self._stores.plan_calls)
+        book.take(held)
         _log.debug("blocks_held_on_finish", request_id=state.request_id, blocks=len(held))
         return held
 
-    def end(self, state: RequestOffloadState, *, report: bool = True) -> None:
+    def end(
+        self, state: RequestOffloadState, *, report: bool = True, expired: bool = False
+    ) -> None:
         """A finished request's held blocks are planned or given up: release them."""
         held, state.held_gpu_block_ids = state.held_gpu_block_ids, []
-        self.total -= len(held)
-        if report:
-            self._released.extend(held)
+        self.book.end(held, report=report, expired=expired)
         state.move_to(RequestPhase.DRAINING)
         self._stores.reset_cursor(state)
         self._table.drop_if_done(state)
@@ -106,20 +173,15 @@ class FinishHolds:
 
     def expire(self, state: RequestOffloadState, *, report: bool = True) -> None:
         """Give a hold up unstored (counted in ``hold_expired_blocks``)."""
-        self._counters.hold_expired_blocks += len(state.held_gpu_block_ids)
-        self.end(state, report=report)
+        self.end(state, report=report, expired=True)
 
     def restore(self, state: RequestOffloadState, held: list[int], cursor: int) -> None:
         """Undo the end of a hold whose store plan is cancelled, unless the engine was
         already told the blocks are free (then they stay unstored)."""
-        released = self._released
-        if Counter(held) - Counter(released):
+        if not self.book.give_back(held):
             return
-        for g in held:
-            released.remove(g)
         state.held_gpu_block_ids = held
         state.move_to(RequestPhase.HOLDING)
-        self.total += len(held)
         self._stores.set_cursor(state, cursor)
 
     def finish(
@@ -165,8 +227,7 @@ class FinishHolds:
 
     def take_released(self) -> list[int]:
         """GPU blocks whose hold ended since the last call."""
-        released, self._released = self._released, []
-        return released
+        return self.book.take_released()
 
     def release_all(self) -> None:
         """Give up every hold now (on close or reset); their blocks stay unstored."""
