@@ -2,11 +2,14 @@
 `Scheduler` and simulated workers (`harness.Harness`): a prompt one engine stored is
 promoted from a persistent disk tier by the next one (probe pending: "ask again";
 promotion read and verified: loaded), a corrupted block is never served, and a tier that
-never answers holds no request beyond the lookup budget (the CPU hit is answered).
+never answers holds no request beyond the lookup budget (the CPU hit is answered). The
+connector statistics vLLM hands its loggers carry the promotions and each rank's tiers,
+under kvoffload.metrics' names (read from a private Prometheus registry).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -15,8 +18,12 @@ from typing import Any
 
 import pytest
 from harness import BLOCK_SIZE, Harness, kv_cache_config, make_request, vllm_config
+from prometheus_client import CollectorRegistry
+from test_stats_events import prometheus, value
 
+from kvoffload.integrations.vllm import KVOffloadConnector
 from kvoffload.integrations.vllm import tiers as vllm_tiers
+from kvoffload.integrations.vllm.stats import KVOffloadConnectorStats
 from kvoffload.integrations.vllm.tiers import SchedulerTiers, WorkerTiers
 from kvoffload.tiers.disk_layout import DiskLayout
 
@@ -70,6 +77,36 @@ def step_until(h: Harness, done: Callable[[], bool], *, max_steps: int = 2000) -
     raise AssertionError("condition not reached")
 
 
+def reported(h: Harness) -> CollectorRegistry:
+    """The connector's metrics after vLLM's Prometheus logger observed every step's
+    connector statistics so far."""
+    return prometheus(h.connector_stats, h.config)
+
+
+def worker_tiers(h: Harness) -> list[WorkerTiers]:
+    out = []
+    for w in h.workers:
+        wt = w.connector.worker_side.tiers  # type: ignore[union-attr]
+        assert isinstance(wt, WorkerTiers)
+        out.append(wt)
+    return out
+
+
+def tier_reported(h: Harness, name: str, field: str) -> Callable[[], bool]:
+    """Whether every rank's ``kvoffload_tier_<name>`` reached its tier's ``field`` (a
+    worker reports what its tiers answered at its previous report: empty steps carry it)."""
+
+    def done() -> bool:
+        registry = reported(h)
+        return all(
+            value(registry, f"kvoffload_tier_{name}", tier="disk0", kind="disk", rank=str(r))
+            == getattr(wt.statistics()[0], field)
+            for r, wt in enumerate(worker_tiers(h))
+        )
+
+    return done
+
+
 def first_engine(model_dir: Path, tiers: list[dict[str, Any]], *, world: int = 1) -> int:
     """Run a prompt of ``PREFIX_BLOCKS`` full blocks and write it down; its bytes per block."""
     with engine(model_dir, tiers, world=world) as h:
@@ -113,10 +150,37 @@ def test_the_next_engine_promotes_a_prompt_from_the_disk_tier(
         step_until(h, b.is_finished)
         h.settle()
         h.check()
-        for w in h.workers:
-            wt = w.connector.worker_side.tiers  # type: ignore[union-attr]
-            assert isinstance(wt, WorkerTiers)
+        for wt in worker_tiers(h):
             assert wt.blocks_read == PREFIX_BLOCKS
+
+        # vLLM's stats logger and /metrics: the promotions (the scheduler side's) and
+        # each rank's tier, under kvoffload.metrics' names.
+        step_until(h, tier_reported(h, "read_blocks_total", "blocks_read"))
+        registry = reported(h)
+        counter = functools.partial(value, registry)
+        stats = sched_tiers(h).statistics()
+        assert counter("kvoffload_tiers_promotions_total") == stats.promotions == 1
+        assert counter("kvoffload_tiers_deferred_lookups_total") == stats.deferred_lookups >= 1
+        assert counter("kvoffload_tiers_promotions_no_space_total") == 0
+        assert counter("kvoffload_tiers_promotions_in_flight") == 0
+        assert stats.probes_in_flight == stats.promotions_in_flight == 0
+        for rank, wt in enumerate(worker_tiers(h)):
+            (tier,) = wt.statistics()
+            labels = {"tier": "disk0", "kind": "disk", "rank": str(rank)}
+            assert counter("kvoffload_tier_read_blocks_total", **labels) == PREFIX_BLOCKS
+            assert tier.blocks_read == wt.blocks_read == PREFIX_BLOCKS
+            assert counter("kvoffload_tier_failed_checks_total", **labels) == 0
+            assert counter("kvoffload_tier_healthy", **labels) == 1
+            assert counter("kvoffload_tier_writes_skipped_full_total", **labels) == (
+                wt.writes_dropped
+            )
+        # the log line: each tier's hit rate, every rank's reads together
+        total = KVOffloadConnectorStats()
+        for data in h.connector_stats:
+            total.aggregate(KVOffloadConnector.build_kv_connector_stats(data))
+        reduced = total.reduce()
+        assert reduced["kvoffload_tier_hit_rate{tier=disk0}"] == 1.0
+        assert reduced["kvoffload_tiers_promotions"] == 1
 
 
 def corrupt_every_slot(path: Path, block_nbytes: int) -> int:
@@ -166,6 +230,15 @@ def test_a_corrupted_block_is_a_miss_never_served(
         assert tier.failed_checks >= 1
         h.settle()
         h.check()
+        # vLLM's /metrics: the failed checks of the corrupted rank's tier, nothing promoted.
+        step_until(h, tier_reported(h, "failed_checks_total", "failed_checks"))
+        registry = reported(h)
+        rank = str(world - 1)
+        labels = {"tier": "disk0", "kind": "disk", "rank": rank}
+        assert value(registry, "kvoffload_tier_failed_checks_total", **labels) == (
+            tier.failed_checks
+        )
+        assert value(registry, "kvoffload_tiers_promotions_total") == stats.promotions >= 1
 
 
 def test_a_tier_that_never_answers_delays_no_request_beyond_the_budget(

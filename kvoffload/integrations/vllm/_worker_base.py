@@ -151,10 +151,14 @@ class WorkerSideBase:
         reports, self._reports = self._reports, {}
         return KVOffloadWorkerMetadata({key: {self.rank: ok} for key, ok in reports.items()})
 
+    def statistics(self) -> ConnectorStatistics:
+        """This rank's statistics now: its completion poller's."""
+        return ConnectorStatistics(poller=self._poller.statistics())
+
     def take_stats(self) -> KVOffloadConnectorStats | None:
-        """This rank's poller figures that changed since the last call (labelled
-        ``rank``), for vLLM's ``get_kv_connector_stats()``."""
-        return self._stats.take(ConnectorStatistics(poller=self._poller.statistics()))
+        """This rank's figures (`statistics()`) that changed since the last call
+        (labelled ``rank``), for vLLM's ``get_kv_connector_stats()``."""
+        return self._stats.take(self.statistics())
 
     @property
     def in_flight(self) -> int:

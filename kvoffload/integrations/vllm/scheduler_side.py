@@ -296,9 +296,12 @@ class SchedulerSide(SchedulerSideBase[_RequestHashes]):
     # -- observation -------------------------------------------------------------------
 
     def statistics(self) -> ConnectorStatistics:
-        """The CPU pool's and the scheduler's statistics."""
+        """The CPU pool's and the scheduler's statistics, and with tiers the promotions'
+        (`SchedulerTiers.manager_statistics`)."""
         return ConnectorStatistics(
-            pool=self.pool.statistics(), scheduler=self.scheduler.statistics()
+            pool=self.pool.statistics(),
+            scheduler=self.scheduler.statistics(),
+            tiers=None if self.tiers is None else self.tiers.manager_statistics(),
         )
 
     def pinned_gpu_block_ids(self) -> list[int]:

@@ -13,10 +13,13 @@ names (``kvoffload_<part>_<field>``, a counter with ``_total``) and help texts, 
 vLLM's labels (``model_name``, ``engine``) first: the scheduler side reports the CPU
 pool (``pool``), the scheduler (``scheduler``: loaded tokens and blocks, stored blocks,
 hit and miss tokens, deferrals, lookup misses by ``reason``), with several KV cache groups
-each group (``group``, labelled by group), and each tier (``tier``, labelled ``tier`` and
-``kind``) when there are tiers; each worker reports its completion poller (``poller``),
-labelled ``rank``. Counters travel as increments since the last report (so adding
-intervals and ranks is a sum); gauges as their value when it changed, per label set.
+each group (``group``, labelled by group), and with tiers the promotions (``tiers``:
+`kvoffload.integrations.vllm.tiers.SchedulerTiers.manager_statistics`); each worker reports
+its completion poller (``poller``) and, with tiers, each of its tiers (``tier``, labelled
+``tier`` and ``kind``: `kvoffload.integrations.vllm.tiers.WorkerTiers.manager_statistics`),
+labelled ``rank`` (`WORKER_PARTS`). Counters travel as increments since the last report
+(so adding intervals and ranks is a sum); gauges as their value when it changed, per label
+set.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NAMESPACE",
+    "WORKER_PARTS",
     "ConnectorStatistics",
     "KVOffloadConnectorStats",
     "KVOffloadPromMetrics",
@@ -59,7 +63,12 @@ NAMESPACE = "kvoffload"
 """The prefix of every metric name, as `kvoffload.metrics.OffloaderCollector`'s default."""
 
 RANK_LABELS: tuple[str, ...] = ("rank",)
-"""The label of a worker's figures (the ``poller`` metrics): the worker's rank."""
+"""The label of a worker's figures (the `WORKER_PARTS` metrics): the worker's rank."""
+
+WORKER_PARTS: frozenset[str] = frozenset({"poller", "tier"})
+"""The parts each worker reports, labelled `RANK_LABELS`: its completion poller and each of
+its tiers. The scheduler side reports the others (pool, scheduler, groups, and ``tiers``:
+the promotions, which it alone runs)."""
 
 _COUNTERS = "counters"
 _GAUGES = "gauges"
@@ -68,8 +77,8 @@ _SPECS: Mapping[str, MetricSpec] = {spec.name: spec for spec in METRICS}
 
 def metric_labels(spec: MetricSpec) -> list[str]:
     """The labels of ``spec`` in vLLM, past vLLM's own: `kvoffload.metrics.label_names`,
-    then ``rank`` for a worker's (``poller``) metric."""
-    return [*label_names(spec), *(RANK_LABELS if spec.part == "poller" else ())]
+    then ``rank`` for a worker's metric (`WORKER_PARTS`)."""
+    return [*label_names(spec), *(RANK_LABELS if spec.part in WORKER_PARTS else ())]
 
 
 @final
@@ -158,7 +167,21 @@ class KVOffloadConnectorStats(KVConnectorStats):  # type: ignore[misc]
         miss = sum(self.counters.get("scheduler_miss_tokens", {}).values())
         if hit + miss:
             out[f"{NAMESPACE}_cpu_hit_rate"] = round(hit / (hit + miss), 4)
+        for tier, (read, asked) in sorted(self._tier_reads().items()):
+            out[f"{NAMESPACE}_tier_hit_rate{{tier={tier}}}"] = round(read / asked, 4)
         return out
+
+    def _tier_reads(self) -> dict[str, tuple[float, float]]:
+        """Per tier name, of every rank in the interval: blocks read and verified, and
+        blocks a promotion asked it for (read, missing, or failing their check)."""
+        reads: dict[str, list[float]] = {}
+        for name, slot in (("tier_read_blocks", 0), ("tier_read_misses", 1)):
+            for key, value in self.counters.get(name, {}).items():
+                row = reads.setdefault(json.loads(key)[0], [0.0, 0.0])
+                row[slot] += value
+        for key, value in self.counters.get("tier_failed_checks", {}).items():
+            reads.setdefault(json.loads(key)[0], [0.0, 0.0])[1] += value
+        return {t: (r, r + other) for t, (r, other) in reads.items() if r + other}
 
     def is_empty(self) -> bool:
         """Whether no figure changed in the interval."""
@@ -171,14 +194,15 @@ class StatsReporter:
     increment since the last report, a gauge's value when it changed.
 
     Args:
-        labels: label values appended to every sample of a ``poller`` metric (a
-            worker's rank).
+        rank: a worker's rank: the reporter takes only the `WORKER_PARTS` metrics and
+            labels them with it. ``None`` (the scheduler side): every other metric.
     """
 
-    __slots__ = ("_last", "_previous", "_rank")
+    __slots__ = ("_last", "_previous", "_rank", "_worker")
 
     def __init__(self, *, rank: int | None = None) -> None:
         self._rank: tuple[str, ...] = () if rank is None else (str(rank),)
+        self._worker = rank is not None
         self._last: dict[tuple[str, tuple[str, ...]], float] = {}
         self._previous: object = None
 
@@ -189,10 +213,12 @@ class StatsReporter:
         self._previous = stats
         out = KVOffloadConnectorStats()
         last = self._last
+        worker = self._worker
         for spec in _specs_of(stats):
-            extra = self._rank if spec.part == "poller" else ()
+            if (spec.part in WORKER_PARTS) is not worker:
+                continue
             for labels, value in samples(spec, stats):
-                values = (*labels, *extra)
+                values = (*labels, *self._rank)
                 key = (spec.name, values)
                 before = last.get(key)
                 if before == value:

@@ -38,10 +38,11 @@ import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, final
 
 from kvoffload._logging import get_logger
+from kvoffload.errors import ClosedError
 from kvoffload.hashing import BlockHash
 from kvoffload.scheduler.loads import DEFER_DEADLINE_S
 from kvoffload.scheduler.misses import MissReason
@@ -54,6 +55,7 @@ from kvoffload.tiers.promote import (
     LandedBlocks,
     tiers_defer_deadline_s,
 )
+from kvoffload.tiers.stats import TierManagerStatistics
 
 if TYPE_CHECKING:
     import torch
@@ -414,6 +416,27 @@ class SchedulerTiers:
             promotions_in_flight=len(self._reads),
         )
 
+    def manager_statistics(self) -> TierManagerStatistics:
+        """The counters as the ``kvoffload_tiers_*`` metrics read them (vLLM's
+        ``/metrics``, `kvoffload.integrations.vllm.stats`): ``promotions``,
+        ``promotions_no_space`` and ``deferred_lookups`` as in `statistics()`;
+        ``promotions_in_flight``: probes and promotions not yet answered by every rank.
+        Each tier's figures come from the workers (`WorkerTiers.manager_statistics`), so
+        ``tiers`` is empty. Always 0 here: ``promotion_errors`` (a read that fails on a
+        rank is a miss, ``blocks_failed``), ``refs_held`` (a promotion holds its CPU blocks
+        as pending in the ledger, not as references) and the prefetch counters (vLLM gives
+        no prefetch hints)."""
+        c = self._counts
+        return TierManagerStatistics(
+            tiers=(),
+            promotions=c["promotions"],
+            promotions_no_space=c["no_space"],
+            deferred_lookups=c["deferred"],
+            promotion_errors=0,
+            promotions_in_flight=len(self._probes) + len(self._reads),
+            refs_held=0,
+        )
+
 
 # -- the worker side ---------------------------------------------------------------------
 
@@ -446,6 +469,8 @@ class WorkerTiers:
         self.writes_failed = 0
         self.blocks_read = 0
         self.blocks_missed = 0
+        self._tier_stats: tuple[TierStatistics, ...] = ()
+        self._stats_pending: concurrent.futures.Future[tuple[TierStatistics, ...]] | None = None
 
     @property
     def bridge(self) -> TierBridge:
@@ -538,6 +563,42 @@ class WorkerTiers:
     def statistics(self) -> tuple[TierStatistics, ...]:
         """Every tier's counters (waits for the bridge)."""
         return self._bridge.statistics()
+
+    def manager_statistics(self) -> TierManagerStatistics:
+        """This rank's tiers as the ``kvoffload_tier_*`` metrics read them (vLLM's
+        ``/metrics``, labelled ``rank``); never waits for the bridge.
+
+        ``tiers``: each tier's counters as the bridge last answered (this call asks for
+        the next answer, so the figures trail the bridge by one call; none before its
+        first answer), with ``writes_skipped_full`` counting too the blocks the staging
+        area had no room for (``writes_dropped`` here: skipped for every tier).
+        ``blocks_promoted`` and ``writes_held`` of a tier are 0: the scheduler side
+        publishes promoted blocks (`SchedulerTiers.manager_statistics`) and a write-down
+        holds a staging slot, not a CPU block. The promotion counters are the scheduler
+        side's, so every other field is 0 here.
+        """
+        pending = self._stats_pending
+        if pending is None or pending.done():
+            if pending is not None and pending.exception() is None:
+                self._tier_stats = pending.result()
+            try:
+                self._stats_pending = self._bridge.submit_statistics()
+            except ClosedError:
+                self._stats_pending = None
+        dropped = self.writes_dropped
+        tiers = tuple(
+            replace(t, writes_skipped_full=t.writes_skipped_full + dropped)
+            for t in self._tier_stats
+        )
+        return TierManagerStatistics(
+            tiers=tiers,
+            promotions=0,
+            promotions_no_space=0,
+            deferred_lookups=0,
+            promotion_errors=0,
+            promotions_in_flight=0,
+            refs_held=0,
+        )
 
     def close(self) -> None:
         """Wait for the tier jobs in flight (each within its tier's bounds), close the

@@ -10,6 +10,7 @@ event loop) and reported back in the worker metadata, keyed by plan and rank.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, final
 
 import torch
@@ -28,6 +29,7 @@ from kvoffload.storage import HostKVBuffer
 from kvoffload.transfer import CopyEngine, StorePlan, TransferStatus, TransferTask
 
 if TYPE_CHECKING:
+    from kvoffload.integrations.vllm.stats import ConnectorStatistics
     from kvoffload.transfer.thread_engine import CopyHook
 
 __all__ = ["WorkerSide", "layer_views", "worker_rank"]
@@ -183,6 +185,14 @@ class WorkerSide(WorkerSideBase):
         meta.tier_probes = {key: {rank: run} for key, run in probes.items()}
         meta.tier_reads = {key: {rank: good} for key, good in reads.items()}
         return meta
+
+    def statistics(self) -> ConnectorStatistics:
+        """This rank's completion poller's statistics and, with tiers, its tiers'
+        (`WorkerTiers.manager_statistics`: never waits for them)."""
+        stats = super().statistics()
+        if self.tiers is None:
+            return stats
+        return replace(stats, tiers=self.tiers.manager_statistics())
 
     def _on_complete(self, task: TransferTask) -> None:
         ok = task.status is TransferStatus.DONE
