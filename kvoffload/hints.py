@@ -40,7 +40,7 @@ class _Retention(Protocol[P]):
     def release_retained(self, owner: Hashable) -> int: ...
     def retain_for(self, block_hashes: P, retain_for_s: float, session: Hashable) -> int: ...
     def release_hint(self, session: Hashable) -> int: ...
-    async def prefetch(self, block_hashes: P) -> int: ...
+    async def prefetch(self, block_hashes: P, num_tokens: int) -> int: ...
 
 
 @final
@@ -138,7 +138,8 @@ class SessionHints(Generic[P]):
         Raises:
             InputTypeError: ``token_ids`` not a sequence of ints.
         """
-        return await self._session.prefetch(self._hasher.hash_prompt(token_ids))
+        hashes = self._hasher.hash_prompt(token_ids)
+        return await self._session.prefetch(hashes, len(token_ids))
 
     def deadline(self, session: Hashable) -> float | None:
         """When ``session``'s hint ends on `clock` (``None``: no live hint,
