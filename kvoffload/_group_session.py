@@ -40,6 +40,7 @@ from kvoffload.pool.block_pool import PoolEvent, PoolStatistics
 from kvoffload.pool.hints import RetentionHints
 from kvoffload.request_groups import GroupLanes
 from kvoffload.scheduler import SchedulerStatistics
+from kvoffload.scheduler.group_loads import find_hit
 from kvoffload.scheduler.groups import GroupedScheduler, GroupStatistics
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.storage.host_buffer import HostKVBuffer, available_host_memory
@@ -458,17 +459,20 @@ class GroupSession(Lifecycle):
         self.check("release_hint")
         return self.hints.release(session)
 
-    async def prefetch(self, block_hashes: Mapping[str, Sequence[BlockHash]]) -> int:
-        """`SessionHints.prefetch()`: refused with several groups for now.
-
-        Raises:
-            InvalidInputError: always, naming the groups.
-        """
+    async def prefetch(
+        self, block_hashes: Mapping[str, Sequence[BlockHash]], num_tokens: int
+    ) -> int:
+        """`SessionHints.prefetch()` of a hashed prompt of ``num_tokens`` tokens, in every
+        group (`GroupTiers.prefetch()`): the tokens a lookup finds on CPU on return
+        (without tiers, at once: what the CPU pools hold)."""
         self.check("prefetch")
-        raise InvalidInputError(
-            f"SessionHints.prefetch() works with one KV cache group only for now; this "
-            f"offloader has the groups {self.names}"
-        )
+        lanes = {name: block_hashes[name] for name, _, _ in self.lanes}
+        tiers = self.group_tiers
+        if tiers is None:
+            pools = {name: self.scheduler.ledger(name).pool for name in lanes}
+            groups = [g for g in self.groups if g.cacheable]
+            return find_hit(groups, pools, lanes, num_tokens, computed=0, align=self.alignment)
+        return await tiers.prefetch(lanes, num_tokens)
 
     def _hint_retain(
         self, block_hashes: Mapping[str, Sequence[BlockHash]], owner: Hashable, fit: bool

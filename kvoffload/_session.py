@@ -394,8 +394,10 @@ class Session(Lifecycle):
         self.check("retain_for")
         return self.hints.hint(session, tuple(block_hashes), retain_for_s)
 
-    async def prefetch(self, block_hashes: Sequence[BlockHash]) -> int:
-        """`SessionHints.prefetch()` of a hashed prompt: leading blocks on CPU on return."""
+    async def prefetch(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> int:
+        """`SessionHints.prefetch()` of a hashed prompt: leading blocks on CPU on return
+        (one group: its full blocks are the prefix, whatever ``num_tokens``)."""
+        del num_tokens
         self.check("prefetch")
         tiers = self.tiers
         if tiers is None:

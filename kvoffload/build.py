@@ -160,10 +160,6 @@ _VLLM_GROUP_TIERS = (
     "hit needing every group); use KVOffloader for tiers with several groups"
 )
 _VLLM_NO_RETAIN = "the connector has no retain_prefix(), the only reader of this bound"
-_NO_PREFETCH_GROUPS = (
-    "prefetch() works with one full-attention group only for now, and it is the only "
-    "reader of this bound"
-)
 _VLLM_NO_PREFETCH = "the connector has no prefetch(), the only reader of this bound"
 
 REFUSED: dict[EntryPoint, dict[str, str]] = {
@@ -171,7 +167,6 @@ REFUSED: dict[EntryPoint, dict[str, str]] = {
     "offloader_groups": {
         "store_mode": _ONE_GROUP_ONLY,
         "lazy_offload_blocks": "a setting of store_mode='lazy', which " + _ONE_GROUP_ONLY[2:],
-        "max_prefetch_fraction": _NO_PREFETCH_GROUPS,
     },
     "vllm": {
         "checkpoint_tokens": _GROUPS_ONLY,

@@ -2,7 +2,8 @@
 
 Agent workloads pause for tool calls and come back to the same, longer context. Three
 hints (with several KV cache groups each retained prefix is exactly what a lookup of it
-needs in every group, `GroupedScheduler.retain()`; ``prefetch`` is single-group for now):
+needs in every group, `GroupedScheduler.retain()`; ``prefetch`` what a lookup of it
+needs, `GroupTiers.prefetch()`):
 
 - **retain for a pause** (`SessionHints.retain_for()`, or ``retain_for_s`` on
   `KVOffloader.request()` / `OffloadRequest.finish()`): keep a prefix from eviction for a
@@ -40,7 +41,7 @@ class _Retention(Protocol[P]):
     def release_retained(self, owner: Hashable) -> int: ...
     def retain_for(self, block_hashes: P, retain_for_s: float, session: Hashable) -> int: ...
     def release_hint(self, session: Hashable) -> int: ...
-    async def prefetch(self, block_hashes: P) -> int: ...
+    async def prefetch(self, block_hashes: P, num_tokens: int) -> int: ...
 
 
 @final
@@ -124,7 +125,9 @@ class SessionHints(Generic[P]):
         are in the CPU pool on return.
 
         Without tiers it returns at once with what the CPU pool holds. With several KV
-        cache groups it raises `InvalidInputError` (single-group for now). The blocks are
+        cache groups it returns the tokens a lookup of the prompt finds on CPU on return,
+        having asked every group's tiers at once for what that lookup needs (each pool
+        within its own bound, `GroupTiers.prefetch()`). The blocks are
         taken like a lookup's promotion: free CPU blocks only, never one with a copy in
         flight, nor the prompt's blocks already cached, and all prefetches in flight
         together take at most ``max_prefetch_fraction`` of the pool (a prefetch past that
@@ -138,7 +141,8 @@ class SessionHints(Generic[P]):
         Raises:
             InputTypeError: ``token_ids`` not a sequence of ints.
         """
-        return await self._session.prefetch(self._hasher.hash_prompt(token_ids))
+        hashes = self._hasher.hash_prompt(token_ids)
+        return await self._session.prefetch(hashes, len(token_ids))
 
     def deadline(self, session: Hashable) -> float | None:
         """When ``session``'s hint ends on `clock` (``None``: no live hint,

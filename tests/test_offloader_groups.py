@@ -252,8 +252,7 @@ async def test_bad_input_names_the_request_the_group_and_the_value() -> None:
             off.release_retained("sys")
         with pytest.raises(InvalidInputError, match=r"request 'p': priority must be"):
             off.request("p", [1, 2], priority=-1)
-        with pytest.raises(InvalidInputError, match=r"prefetch\(\).*\['full', 'swa'\]"):
-            await off.hints.prefetch([1, 2, 3, 4])
+        assert await off.hints.prefetch([1, 2, 3, 4]) == 0  # no tiers: what CPU holds
         assert off.groups == model.groups
         with off.request("r4", list(range(9))) as req:
             assert off.hash_prompt(list(range(9))) == list(req.block_hashes)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -274,6 +275,28 @@ async def prefetch_bound(make_off: Callable[[], KVOffloader], seen: Seen) -> obj
         return off.tiers.max_prefetch_blocks
 
 
+async def group_prefetched(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    """Per group, the blocks one prefetch brings back from the tier into an emptied CPU
+    pool (each group's pool bounds its own prefetches)."""
+    async with make_off() as off:
+        prompt = list(range(17))  # 16 tokens stored: 4 full blocks (a window of 2)
+        with off.request("r", prompt) as req:
+            req.lookup()
+            table = list(range(req.blocks_for(len(prompt))))
+            req.advance({g.name: table for g in GROUPS}, 17)
+            off.store()
+        await off.drain()
+        assert off.tiers is not None
+        while off.tiers.statistics().refs_held:  # the write-downs
+            await anyio.sleep(0.01)
+        assert await off.reset()
+        await off.hints.prefetch(prompt)
+        assert off._groups is not None
+        assert off._groups.group_tiers is not None
+        stats = off._groups.group_tiers.group_statistics()
+        return {name: s.prefetch_blocks_promoted for name, s in stats.items()}
+
+
 async def store_points(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
     async with make_off() as off:
         assert off._groups is not None
@@ -350,7 +373,9 @@ TABLE: dict[str, Decision] = {
     ),
     "max_retained_fraction": Decision({"max_retained_fraction": 0.5}, _both(retains_a_prefix)),
     "max_prefetch_fraction": Decision(
-        {"max_prefetch_fraction": 0.5}, {"offloader": prefetch_bound}, with_={"tiers": "TIER"}
+        {"max_prefetch_fraction": 0.5},
+        {"offloader": prefetch_bound, "offloader_groups": group_prefetched},
+        with_={"tiers": "TIER"},
     ),
     "checkpoint_tokens": Decision({"checkpoint_tokens": 8}, {"offloader_groups": store_points}),
 }

@@ -38,6 +38,7 @@ from kvoffload.config import DiskTierSettings, OffloadConfig
 from kvoffload.errors import ConfigError
 from kvoffload.groups import KVCacheGroup, needed
 from kvoffload.hashing import BlockHash, HashNamespace
+from kvoffload.scheduler.group_loads import find_hit, hit_blocks
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.tier_config import AnyTierSettings
 from kvoffload.tiers.base import SecondaryTier
@@ -127,7 +128,14 @@ class GroupTiers:
             disk tier is below one slot (naming the tier and the group).
     """
 
-    __slots__ = ("_align", "_checkpoint", "_deferred", "_groups", "_ledgers", "managers")
+    __slots__ = (
+        "_align",
+        "_checkpoint",
+        "_deferred",
+        "_groups",
+        "_ledgers",
+        "managers",
+    )
 
     def __init__(
         self,
@@ -218,22 +226,92 @@ class GroupTiers:
                 may release them at once, to ask again).
         """
         cap = max(0, num_tokens - 1)
-        step = self._checkpoint
-        points = range((hit // step + 1) * step, cap + 1, step)
         reach = self._full_reach(lanes, hit, cap)
         for g in self._groups:
             hashes = lanes[g.name]
             keep = pinned.get(g.name, ())
-            if g.kind == "full":
-                span = range(hit // g.block_size, cap // g.block_size)
-                self._promote(g.name, hashes, span, keep)
-                continue
-            # Each point's window or snapshot in a promotion of its own: a point the tier
-            # lacks (its window slid past before it was stored) stops no other one; and
-            # where the full groups' CPU blocks end (a finish point, likely).
-            ends = [*points, reach] if reach > hit and reach % step else points
-            for p in ends:
-                self._promote(g.name, hashes, _blocks_of(g, [p], len(hashes)), keep)
+            for run in self._wanted(g, len(hashes), hit, cap, reach):
+                self._promote(g.name, hashes, run, keep)
+
+    async def prefetch(self, lanes: Mapping[str, Sequence[BlockHash]], num_tokens: int) -> int:
+        """Promote, in every group, what a lookup of a prompt of ``num_tokens`` tokens needs
+        past its CPU hit now (`SessionHints.prefetch()`); return the tokens a lookup finds
+        on CPU on return (`find_hit()`).
+
+        The blocks are those a lookup asks for (`_wanted()`): a full group the run after
+        the hit, the other kinds ``needed(g, P)`` for every store point ``P`` up to the
+        prompt, each point a prefetch of its own; once the full groups' blocks are back,
+        the other kinds' blocks where they end (a finish point). Every group's prefetches
+        run at once, each within its own pool's ``max_prefetch_fraction``; the hit's
+        blocks are never evicted by them. Cancellation publishes nothing of the reads in
+        progress, in any group, and releases every CPU block they took.
+
+        Args:
+            lanes: per cacheable group, the prompt's block hashes.
+            num_tokens: the prompt's length (a hit is at most ``num_tokens - 1``).
+        """
+        cap = max(0, num_tokens - 1)
+        hit = self._cpu_hit(lanes, num_tokens)
+        pins = hit_blocks(self._groups, self._ledgers, lanes, hit, 0)
+        keep = {name: blocks for name, (_, blocks) in pins.items()}
+        await self._prefetch_runs(
+            lanes,
+            keep,
+            {g.name: self._wanted(g, len(lanes[g.name]), hit, cap, hit) for g in self._groups},
+        )
+        reach = self._full_reach(lanes, hit, cap)
+        if reach > hit and reach % self._checkpoint:
+            # The full groups' blocks are back to ``reach``, not a store point: the other
+            # kinds' blocks there (a request's finish point), as a later lookup asks.
+            await self._prefetch_runs(
+                lanes,
+                keep,
+                {
+                    g.name: self._wanted(g, len(lanes[g.name]), hit, cap, reach)[-1:]
+                    for g in self._groups
+                    if g.kind != "full"
+                },
+            )
+        return self._cpu_hit(lanes, num_tokens)
+
+    async def _prefetch_runs(
+        self,
+        lanes: Mapping[str, Sequence[BlockHash]],
+        keep: Mapping[str, Sequence[CpuBlock]],
+        runs: Mapping[str, Sequence[Sequence[int]]],
+    ) -> None:
+        """Each group's ``runs`` prefetched one after the other, the groups at once."""
+
+        async def one(name: str) -> None:
+            manager, hashes = self.managers[name], lanes[name]
+            for run in runs[name]:
+                await manager.prefetch([hashes[i] for i in run], keep.get(name, ()))
+
+        async with anyio.create_task_group() as tg:
+            for name in runs:
+                tg.start_soon(one, name)
+
+    def _cpu_hit(self, lanes: Mapping[str, Sequence[BlockHash]], num_tokens: int) -> int:
+        """The tokens a lookup (nothing computed on the engine) finds on CPU now."""
+        pools = {name: ledger.pool for name, ledger in self._ledgers.items()}
+        return find_hit(self._groups, pools, lanes, num_tokens, computed=0, align=self._align)
+
+    def _wanted(
+        self, g: KVCacheGroup, count: int, hit: int, cap: int, reach: int
+    ) -> list[Sequence[int]]:
+        """The block indices (of ``count``) of group ``g`` a hit longer than ``hit`` (at
+        most ``cap`` tokens) needs, one run per promotion: a full group the run after
+        ``hit``; the other kinds ``needed(g, P)`` for each store point ``P`` past ``hit``,
+        each point a run of its own (a point its tier lacks, its window slid past before
+        it was stored, stops no other one), and last ``needed(g, reach)`` where the full
+        groups' CPU blocks end (a finish point, likely) when that is not a store point."""
+        if g.kind == "full":
+            return [range(hit // g.block_size, min(count, cap // g.block_size))]
+        step = self._checkpoint
+        points: list[int] = list(range((hit // step + 1) * step, cap + 1, step))
+        if reach > hit and reach % step:
+            points.append(reach)
+        return [_blocks_of(g, [p], count) for p in points]
 
     def promoting(self, group: str, block_hash: BlockHash) -> bool:
         """Whether a promotion of ``group``'s tiers covering ``block_hash`` is in flight."""

@@ -268,13 +268,16 @@ class TierManager:
 
     # -- prefetch -----------------------------------------------------------------------------
 
-    async def prefetch(self, block_hashes: Sequence[BlockHash]) -> int:
+    async def prefetch(
+        self, block_hashes: Sequence[BlockHash], protect: Sequence[CpuBlock] = ()
+    ) -> int:
         """Promote a prefix from the tiers into the CPU pool ahead of the lookup that will
         need it (`SessionHints.prefetch()`); return how many of its leading blocks are in
         the CPU pool on return.
 
         Runs in the caller's task. CPU blocks are taken like a promotion's (free blocks
-        only: never one with a copy in flight, nor the prefix's cached run); all
+        only: never one with a copy in flight, nor the prefix's cached run, nor
+        ``protect``: with several groups, the hit being extended); all
         prefetches in flight together take at most `max_prefetch_blocks`, and a prefetch
         past that bound promotes the part that fits. Hashes being stored or promoted now
         are left to that copy. Cancellation publishes nothing of the read in progress
@@ -282,7 +285,7 @@ class TierManager:
         """
         if not self._tiers or self._task_group is None or self._closing:
             return self._promoter.prefetch_cached(block_hashes)
-        return await self._promoter.prefetch(block_hashes)
+        return await self._promoter.prefetch(block_hashes, protect)
 
     @property
     def max_prefetch_blocks(self) -> int:

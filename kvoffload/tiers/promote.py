@@ -293,15 +293,17 @@ class Promoter(TierPart):
             return True
         return False
 
-    async def prefetch(self, block_hashes: Sequence[BlockHash]) -> int:
+    async def prefetch(
+        self, block_hashes: Sequence[BlockHash], protect: Sequence[CpuBlock] = ()
+    ) -> int:
         """Promote what follows the CPU pool's leading run of ``block_hashes`` from the
         tiers, in the caller's task; return how many leading blocks are in the CPU pool
         on return.
 
         It allocates like a promotion (free CPU blocks only: never one with a copy in
-        flight, never the prefix's cached run), skips hashes being stored or promoted
-        right now, and takes at most what ``max_prefetch_blocks`` leaves to it beside the
-        prefetches in flight. Cancellation (at the probe or a read) publishes nothing of
+        flight, never the prefix's cached run nor ``protect``), skips hashes being stored
+        or promoted right now, and takes at most what ``max_prefetch_blocks`` leaves to it
+        beside the prefetches in flight. Cancellation (at the probe or a read) publishes nothing of
         the read in progress and releases every CPU block it took.
         """
         cached = self._cached_run(block_hashes)
@@ -315,7 +317,7 @@ class Promoter(TierPart):
             return end
         job = _Promotion(
             hashes=tuple(block_hashes[end : end + _PROMOTION_MAX_BLOCKS]),
-            protect=tuple(cached),
+            protect=(*protect, *cached),
             epoch=self._epoch,
             prefetch=True,
         )

@@ -22,7 +22,7 @@ from tier_helpers import (
     tokens,
 )
 
-from kvoffload.errors import InvalidInputError
+from kvoffload.errors import InputTypeError
 from kvoffload.groups import KVCacheGroup
 from kvoffload.metrics import OffloaderCollector
 from kvoffload.offloader import KVOffloader
@@ -209,15 +209,18 @@ async def test_a_prefetch_never_takes_a_block_with_a_store_in_flight(tmp_path: P
         check(off)
 
 
-async def test_several_groups_refuse_a_prefetch() -> None:
+async def test_without_tiers_a_grouped_prefetch_answers_the_cpu_hit() -> None:
+    """Several groups, no tiers: the tokens a lookup finds on CPU now, at once (the
+    prefetch with tiers is tests/tiers/test_groups_prefetch.py)."""
     groups = (
         KVCacheGroup.from_layout(layout(), name="full"),
         KVCacheGroup.from_layout(layout(), name="swa", kind="sliding_window", window=9),
     )
     kv = {g.name: make_kv() for g in groups}
     async with KVOffloader(config([]), kv, groups=groups) as off:
-        with pytest.raises(InvalidInputError, match=r"prefetch.*\['full', 'swa'\]"):
-            await off.hints.prefetch(tokens(1, 2))
+        assert await off.hints.prefetch(tokens(1, 2)) == 0
+        with pytest.raises(InputTypeError, match="token"):
+            await off.hints.prefetch(["x"] * 8)  # type: ignore[list-item]
 
 
 async def test_prefetch_counters_and_metrics_agree_with_a_tally(tmp_path: Path) -> None:
