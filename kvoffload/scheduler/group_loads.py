@@ -13,11 +13,11 @@ from kvoffload.groups import KVCacheGroup, hit_alignment, needed
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.pool.free_queue import CpuBlock
-from kvoffload.scheduler.group_state import GroupCounts, GroupedRequest
+from kvoffload.scheduler.group_state import GroupCounts, GroupedRequest, load_destinations
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import abandon_loads, block_miss_reason, lookup_defers
 from kvoffload.scheduler.misses import MissReason
-from kvoffload.transfer.plan import LoadPlan
+from kvoffload.transfer.plan import LoadPlan, TransferPlan
 
 __all__ = [
     "GroupLookupExtension",
@@ -33,6 +33,8 @@ __all__ = [
     "lookup_defers_grouped",
     "note_load",
     "note_prefix",
+    "open_grouped_loads",
+    "promotions_defer",
     "valid_from",
 ]
 
@@ -442,3 +444,62 @@ def hit_blocks(
             raise InvariantError(f"group {g.name!r}: a checked block vanished")
         out[g.name] = (span.start, blocks)
     return out
+
+
+def promotions_defer(  # noqa: PLR0917 - the lookup's state, in its order
+    groups: Sequence[KVCacheGroup],
+    ledgers: Mapping[str, BlockLedger],
+    lanes: Mapping[str, Sequence[BlockHash]],
+    hits: Mapping[str, tuple[int, Sequence[CpuBlock]]],
+    extension: GroupLookupExtension,
+    n: int,
+    num_tokens: int,
+    computed: int,
+    checkpoint: int,
+) -> bool:
+    """After ``extension`` was asked to bring in a longer hit than ``n``: whether a
+    promotion of a block a longer hit lacks runs (maybe started just now), so the lookup
+    asks again once it landed, as one group's lookup does. A longer hit is the next
+    aligned one, or the next store point (where a window or a state is kept)."""
+    longer = n + hit_alignment(groups)
+    point = (n // checkpoint + 1) * checkpoint
+    return any(
+        lookup_defers_grouped(
+            groups, ledgers, lanes, hits, at, num_tokens, computed, extension.promoting
+        )
+        for at in ((longer,) if point == longer else (longer, point))
+    )
+
+
+def open_grouped_loads(  # noqa: PLR0917 - the load's state, in its order
+    groups: Sequence[KVCacheGroup],
+    ledgers: Mapping[str, BlockLedger],
+    counts: Mapping[str, GroupCounts],
+    loads: Mapping[str, dict[int, LoadRecord]],
+    state: GroupedRequest,
+    tables: Mapping[str, list[int | None]],
+    num_tokens: int,
+) -> dict[str, TransferPlan]:
+    """Open, per group, the load of the request's pinned hit into its checked
+    ``tables`` (`load_destinations()`): the pins become the plans' references, each
+    plan is recorded in ``loads`` and counted in its group's counters."""
+    rid = state.request_id
+    dests = load_destinations(rid, state, tables)
+    plans: dict[str, TransferPlan] = {}
+    records = note_load(groups, state)
+    for name, lane in state.lanes.items():
+        pinned = lane.pin
+        lane.pin = None
+        if pinned is None:
+            continue
+        plan, concurrent = ledgers[name].open_load(
+            pinned, len(pinned), dests[name], rid, num_tokens
+        )
+        if plan is not None:
+            counters = counts[name].counters
+            counters.load_plans += 1
+            counters.concurrent_load_blocks += concurrent
+            plans[name] = plan
+            loads[name][plan.plan_id] = records[name]
+            state.in_flight.add((name, plan.plan_id))
+    return plans

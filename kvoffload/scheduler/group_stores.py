@@ -9,6 +9,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import final
 
+from kvoffload.config import OffloadConfig
 from kvoffload.errors import ConfigError, InvariantError
 from kvoffload.groups import KVCacheGroup, needed, store_points
 from kvoffload.hashing import BlockHash
@@ -88,14 +89,14 @@ class GroupStorePlanner:
         *,
         align: int,
         checkpoint: int,
-        limit: int | None = None,
-        admission: str = "always",
-        restore: bool = False,
-        holds: Mapping[str, HeldBlocks] | None = None,
+        config: OffloadConfig | None = None,
     ) -> None:
+        # the store settings (``None``: none of them, as `GroupedScheduler` alone)
+        limit = None if config is None else config.max_store_blocks_per_step
         if limit is not None:
             check_store_limit(cacheable, limit, align)
         self._limit = sys.maxsize if limit is None else limit
+        admission = "always" if config is None else config.store_admission
         filters = {g.name: make_admission(admission) for g in cacheable}
         self._admissions: dict[str, AdmissionFilter] = {
             name: f for name, f in filters.items() if not isinstance(f, AlwaysAdmit)
@@ -108,17 +109,37 @@ class GroupStorePlanner:
         self._checkpoint = checkpoint
         self.records: dict[tuple[str, int], StoreRecord] = {}
         """(group, plan id) → who the store plan serves and the cursors before it."""
-        self._restore = restore
+        self._restore = config is not None and config.restore_evicted
         self.live_refs: dict[str, dict[BlockHash, int]] = {g.name: {} for g in cacheable}
         """Per group, hash → live lanes whose cursor passed it (`Lane.live`)."""
         self.restore_needed = dict.fromkeys(self.live_refs, False)
         """Per group, whether a live request's block was evicted since the last restore."""
-        self.holds = holds
+        self.holds = (
+            {name: HeldBlocks(config, c.counters) for name, c in counts.items()}
+            if config is not None and config.hold_blocks_on_finish
+            else None
+        )
         """Per group, the GPU blocks finished requests hold (``None``: no holds)."""
         self.plan_calls = 0
         """``plan_stores`` calls so far (the clock of finish holds)."""
 
     # -- finish holds --------------------------------------------------------------------------
+
+    def held_blocks(self, state: GroupedRequest | None) -> dict[str, list[int]]:
+        """Per group, the GPU blocks finished ``state`` holds (none: ``{}``)."""
+        if state is None or not state.finished:
+            return {}
+        return {name: list(lane.held) for name, lane in state.lanes.items() if lane.held}
+
+    def take_released(self) -> dict[str, list[int]]:
+        """Per group, the GPU blocks whose hold ended since the last call."""
+        out = {name: book.take_released() for name, book in (self.holds or {}).items()}
+        return {name: ids for name, ids in out.items() if ids}
+
+    def held_totals(self) -> dict[str, int]:
+        """Per group, the GPU blocks held now (0 without holds)."""
+        holds = self.holds
+        return {g.name: holds[g.name].total if holds else 0 for g in self._cacheable}
 
     def begin_hold(self, state: GroupedRequest) -> None:
         """``state`` finished: each lane holds the GPU blocks of the store points it

@@ -57,8 +57,9 @@ from kvoffload.scheduler.group_loads import (
     find_hit,
     hit_blocks,
     lookup_defers_grouped,
-    note_load,
     note_prefix,
+    open_grouped_loads,
+    promotions_defer,
 )
 from kvoffload.scheduler.group_retain import release_groups, retain_groups
 from kvoffload.scheduler.group_state import (
@@ -71,13 +72,11 @@ from kvoffload.scheduler.group_state import (
     Lane,
     check_hashes,
     check_tables,
-    load_destinations,
     table_changes,
 )
 from kvoffload.scheduler.group_stores import GroupStorePlanner
-from kvoffload.scheduler.holds import HeldBlocks
 from kvoffload.scheduler.ledger import BlockLedger
-from kvoffload.scheduler.loads import deferral_deadline, deferral_spent
+from kvoffload.scheduler.loads import run_extend, run_spent
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.requests import PriorityCount, as_int, check_request_priority
 from kvoffload.scheduler.stats import Counters
@@ -198,14 +197,7 @@ class GroupedScheduler:
             self._requests,
             align=self._align,
             checkpoint=checkpoint_tokens,
-            limit=None if config is None else config.max_store_blocks_per_step,
-            admission="always" if config is None else config.store_admission,
-            restore=config is not None and config.restore_evicted,
-            holds=(
-                {name: HeldBlocks(config, c.counters) for name, c in self._counts.items()}
-                if config is not None and config.hold_blocks_on_finish
-                else None
-            ),
+            config=config,
         )
         self._check_all_entries = config is not None and config.restore_evicted
 
@@ -394,11 +386,10 @@ class GroupedScheduler:
         hits = hit_blocks(self._cacheable, self._ledgers, lanes, n, num_computed_tokens)
         extension = self.extension
         deferrals, state.deferrals = state.deferrals, 0
-        if allow_defer and deferrals:
-            deadline = deferral_deadline(None if extension is None else extension.defer_deadline_s)
-            if deferral_spent(deferrals, self.clock() - state.deferred_since, deadline):
-                allow_defer = False
-                self.deferrals_bounded += 1
+        below = None if extension is None else extension.defer_deadline_s
+        if allow_defer and deferrals and run_spent(state, deferrals, self.clock, below):
+            allow_defer = False
+            self.deferrals_bounded += 1
         longer = n + align
         if allow_defer and lookup_defers_grouped(
             self._cacheable, self._ledgers, lanes, hits, longer, num_tokens, num_computed_tokens
@@ -413,23 +404,16 @@ class GroupedScheduler:
             extension.extend_grouped_lookup(
                 lanes, n, num_tokens, {name: blocks for name, (_, blocks) in hits.items()}
             )
-            # A promotion of a block a longer hit lacks runs (maybe started just now): ask
-            # again once it landed, as one group's lookup does. A longer hit is the next
-            # aligned one, or the next store point (where a window or a state is kept).
-            step = self.checkpoint_tokens
-            point = (n // step + 1) * step
-            if allow_defer and any(
-                lookup_defers_grouped(
-                    self._cacheable,
-                    self._ledgers,
-                    lanes,
-                    hits,
-                    at,
-                    num_tokens,
-                    num_computed_tokens,
-                    extension.promoting,
-                )
-                for at in ((longer,) if point == longer else (longer, point))
+            if allow_defer and promotions_defer(
+                self._cacheable,
+                self._ledgers,
+                lanes,
+                hits,
+                extension,
+                n,
+                num_tokens,
+                num_computed_tokens,
+                self._checkpoint,
             ):
                 self.release(request_id)
                 extension.lookup_deferred()
@@ -440,9 +424,7 @@ class GroupedScheduler:
 
     def _defer(self, state: GroupedRequest, deferrals: int) -> None:
         """Answer "ask again": one more in the request's run of them (nothing pinned)."""
-        state.deferrals = deferrals + 1
-        if not deferrals:
-            state.deferred_since = self.clock()
+        run_extend(state, deferrals, self.clock)
         state.miss_reason = MissReason.IN_FLIGHT
 
     def miss_reason(self, request_id: str) -> MissReason:
@@ -497,24 +479,9 @@ class GroupedScheduler:
                 f"lookup's hit {hit}"
             )
         checked = check_tables(self._cacheable, self._limits, request_id, tables)
-        dests = load_destinations(request_id, state, checked)
-        plans: dict[str, TransferPlan] = {}
-        records = note_load(self._cacheable, state)
-        for name, lane in state.lanes.items():
-            pinned = lane.pin
-            lane.pin = None
-            if pinned is None:
-                continue
-            plan, concurrent = self._ledgers[name].open_load(
-                pinned, len(pinned), dests[name], request_id, num_tokens
-            )
-            if plan is not None:
-                counters = self._counts[name].counters
-                counters.load_plans += 1
-                counters.concurrent_load_blocks += concurrent
-                plans[name] = plan
-                self._loads[name][plan.plan_id] = records[name]
-                state.in_flight.add((name, plan.plan_id))
+        plans = open_grouped_loads(
+            self._cacheable, self._ledgers, self._counts, self._loads, state, checked, num_tokens
+        )
         state.hit = None
         return GroupedPlan("load", plans) if plans else None
 
@@ -612,17 +579,12 @@ class GroupedScheduler:
 
     def held_blocks(self, request_id: str) -> dict[str, list[int]]:
         """Per group, the GPU blocks finished ``request_id`` holds (none: ``{}``)."""
-        state = self._requests.get(request_id)
-        if state is None or not state.finished:
-            return {}
-        return {name: list(lane.held) for name, lane in state.lanes.items() if lane.held}
+        return self._planner.held_blocks(self._requests.get(request_id))
 
     def take_released_holds(self) -> dict[str, list[int]]:
         """Per group, the GPU blocks whose hold ended since the last call (free them once
         no transfer in flight names them)."""
-        holds = self._planner.holds or {}
-        out = {name: book.take_released() for name, book in holds.items()}
-        return {name: ids for name, ids in out.items() if ids}
+        return self._planner.take_released()
 
     def cancel_hold(self, request_id: str) -> None:
         """Undo the hold `finish()` just made (the engine could not keep the blocks; they
@@ -744,11 +706,8 @@ class GroupedScheduler:
 
     def statistics(self) -> dict[str, GroupStatistics]:
         """Per cacheable group, a snapshot of its counters and pool."""
-        holds = self._planner.holds
-        return {
-            name: self._counts[name].snapshot(ledger, holds[name].total if holds else 0)
-            for name, ledger in self._ledgers.items()
-        }
+        held = self._planner.held_totals()
+        return {n: self._counts[n].snapshot(ledger, held[n]) for n, ledger in self._ledgers.items()}
 
     def check_invariants(self) -> None:
         """Check every group's pool and ledger, then the cross-group rules: a request's

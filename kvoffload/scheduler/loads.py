@@ -41,6 +41,8 @@ __all__ = [
     "block_miss_reason",
     "deferral_deadline",
     "deferral_spent",
+    "run_extend",
+    "run_spent",
     "lookup_defers",
 ]
 
@@ -65,6 +67,28 @@ def deferral_spent(deferrals: int, elapsed: float, deadline: float) -> bool:
     spent after `MAX_LOOKUP_DEFERRALS` of them in a row, or once ``elapsed`` seconds since
     the first reach ``deadline``; the next lookup then answers with what is on CPU."""
     return deferrals >= MAX_LOOKUP_DEFERRALS or elapsed >= deadline
+
+
+class DeferralRun(Protocol):
+    """A request's run of "ask again" answers (one group's request state or several's)."""
+
+    deferrals: int
+    deferred_since: float
+
+
+def run_spent(
+    state: DeferralRun, deferrals: int, clock: Callable[[], float], below_s: float | None
+) -> bool:
+    """Whether ``state``'s run of ``deferrals`` "ask again" answers reached its bound
+    (`deferral_spent()` against `deferral_deadline()`), one group or several."""
+    return deferral_spent(deferrals, clock() - state.deferred_since, deferral_deadline(below_s))
+
+
+def run_extend(state: DeferralRun, deferrals: int, clock: Callable[[], float]) -> None:
+    """Answer "ask again": one more in ``state``'s run of them (the first dates it)."""
+    state.deferrals = deferrals + 1
+    if not deferrals:
+        state.deferred_since = clock()
 
 
 def deferral_deadline(below_s: float | None) -> float:
@@ -344,17 +368,15 @@ class LoadPlanner:
         )
 
     def _defer(self, state: RequestOffloadState, deferrals: int) -> None:
-        """Answer "ask again": one more in the request's run of them."""
-        state.deferrals = deferrals + 1
-        if not deferrals:
-            state.deferred_since = self.clock()
+        """Answer "ask again": one more in the request's run of them (`run_extend()`)."""
+        run_extend(state, deferrals, self.clock)
 
     def _defer_spent(self, state: RequestOffloadState, deferrals: int) -> bool:
         """Whether the request's run of "ask again" answers reached its bound
-        (`deferral_spent()`; the tiers' deadline when longer than `DEFER_DEADLINE_S`)."""
+        (`run_spent()`; the tiers' deadline when longer than `DEFER_DEADLINE_S`)."""
         extension = self.extension
-        deadline = deferral_deadline(None if extension is None else extension.defer_deadline_s)
-        return deferral_spent(deferrals, self.clock() - state.deferred_since, deadline)
+        below = None if extension is None else extension.defer_deadline_s
+        return run_spent(state, deferrals, self.clock, below)
 
     def plan_load(self, rid: str, gpu_block_ids: Sequence[int], num_tokens: int) -> LoadPlan | None:
         """See `OffloadScheduler.plan_load()`."""
