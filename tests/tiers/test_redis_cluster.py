@@ -644,6 +644,7 @@ class ClusterTierMachine(TierMachine):
         self.portal = self.portal_cm.__enter__()
         self.off_cm = self.portal.wrap_async_context_manager(KVOffloader(cfg, self.kv))
         self.off = self.off_cm.__enter__()
+        self.o.hints.clock = lambda: self.now  # the hint rules run on the machine's clock
 
     def teardown(self) -> None:
         for port in self.paused:
