@@ -280,16 +280,21 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             with contextlib.suppress(KeyError):  # registered elsewhere, or already gone
                 REGISTRY.unregister(_REGISTERED.pop())
         self.metrics: dict[str, Counter | Gauge] = {}
+        # vLLM's wrappers of prometheus_client's classes (its gauge class takes
+        # ``multiprocess_mode``; vLLM types both as a union of its metric types)
+        counter_cls: Any = self._counter_cls
+        gauge_cls: Any = self._gauge_cls
         for spec in METRICS:
             kwargs: dict[str, Any] = {
                 "name": f"{NAMESPACE}_{spec.name}",
                 "documentation": spec.documentation,
                 "labelnames": [*labelnames, *metric_labels(spec)],
             }
+            metric: Counter | Gauge
             if spec.kind == "counter":
-                metric = self._counter_cls(**kwargs)
+                metric = counter_cls(**kwargs)
             else:
-                metric = self._gauge_cls(multiprocess_mode="mostrecent", **kwargs)
+                metric = gauge_cls(multiprocess_mode="mostrecent", **kwargs)
             self.metrics[spec.name] = metric
             _REGISTERED.append(metric)
 
