@@ -259,7 +259,10 @@ def test_a_tier_that_never_answers_delays_no_request_beyond_the_budget(
         waited = step_until(h, lambda: "b" in h.outputs[-1].num_scheduled_tokens)
         assert waited >= 1  # asked again while the probe was out
         stats = h.side.scheduler.statistics()  # type: ignore[union-attr]
-        assert stats.deferrals_bounded == 1
+        # The wait ended at the budget, by one of its two ends (same deadline): the
+        # request's run of "ask again" was spent, or the probe was dropped as stale
+        # first (which of the two is a matter of the lookup's microseconds).
+        assert stats.deferrals_bounded + sched_tiers(h).statistics().probes_dropped >= 1
         assert h.loaded_tokens["b"] == 2 * BLOCK_SIZE  # the CPU hit, no more
         # The unanswered probe is dropped at the budget: no later request waits for it.
         assert sched_tiers(h).statistics().probes_in_flight == 0

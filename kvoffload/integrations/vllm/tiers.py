@@ -156,6 +156,8 @@ class VllmTierStatistics:
         blocks_failed: blocks a promotion could not read on some rank (missing, a tier
             error, a failed check): misses.
         deferred_lookups: lookups answered "ask again" while a probe ran.
+        probes_dropped: probes some rank left unanswered past the lookup budget
+            (forgotten: their lookups answered with the CPU hit).
         probes_in_flight: probes not yet answered by every rank.
         promotions_in_flight: promotions not yet reported by every rank.
     """
@@ -166,6 +168,7 @@ class VllmTierStatistics:
     blocks_promoted: int
     blocks_failed: int
     deferred_lookups: int
+    probes_dropped: int
     probes_in_flight: int
     promotions_in_flight: int
 
@@ -227,7 +230,7 @@ class SchedulerTiers:
         names = [t.name or f"{t.kind}{i}" for i, t in enumerate(settings)]
         self._source = "+".join(names)
         self._counts = dict.fromkeys(
-            ("probes", "promotions", "no_space", "promoted", "failed", "deferred"), 0
+            ("probes", "promotions", "no_space", "promoted", "failed", "deferred", "dropped"), 0
         )
         scheduler.set_lookup_extension(self)
 
@@ -338,6 +341,7 @@ class SchedulerTiers:
         """Forget an unanswered probe (its answers are ignored) and skip its first block
         for a while."""
         first = probe.probe.hashes[0]
+        self._counts["dropped"] += 1
         del self._probing[first]
         self._probes.pop(probe.probe.key, None)
         self._remember(self._absent, first, time.monotonic() + ABSENT_TTL_S)
@@ -412,6 +416,7 @@ class SchedulerTiers:
             blocks_promoted=c["promoted"],
             blocks_failed=c["failed"],
             deferred_lookups=c["deferred"],
+            probes_dropped=c["dropped"],
             probes_in_flight=len(self._probes),
             promotions_in_flight=len(self._reads),
         )
