@@ -31,7 +31,8 @@ ANSWER_TOKENS = 4
 CHUNK_BYTES = 32 * 1024  # the tiny Llama's KV of one 32-token block (2 layers, fp32)
 DISK_BYTES = 4 << 20
 PROMPT = [(i * 37 + 11) % 500 + 2 for i in range(PROMPT_TOKENS)]
-OP_TIMEOUT_S = 0.5  # the Redis tier's budget of one operation
+OP_TIMEOUT_S = 2.0  # the Redis tier's budget of one operation (a loaded 2-core machine
+# running the engine has taken more than 0.5 s for the first write)
 
 
 def disk_tiers(disk: Path) -> list[dict[str, Any]]:
