@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import replace
-from typing import final
+from typing import Any, final
 
 import anyio
 import anyio.abc
@@ -28,7 +28,6 @@ from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import (
     ConfigError,
     HostMemoryError,
-    InvalidInputError,
     PinnerError,
     RequestStateError,
 )
@@ -38,7 +37,7 @@ from kvoffload.hashing import BlockHash, HashNamespace, hash_prompt
 from kvoffload.pinner import GpuBlockPinner
 from kvoffload.pool.block_pool import PoolEvent, PoolStatistics
 from kvoffload.pool.hints import RetentionHints
-from kvoffload.request_groups import GroupLanes
+from kvoffload.request_groups import GroupLanes, check_group_mapping
 from kvoffload.scheduler import SchedulerStatistics
 from kvoffload.scheduler.group_loads import find_hit
 from kvoffload.scheduler.groups import GroupedScheduler, GroupStatistics
@@ -284,52 +283,56 @@ class GroupSession(Lifecycle):
 
     def lanes_for(self, request_id: str) -> GroupLanes:
         """The per-group part of a new handle for ``request_id``."""
-        return GroupLanes(self, self.lanes, self.names, f"request {request_id!r}: ")
+        return GroupLanes(self.lanes, self.names, f"request {request_id!r}: ")
 
-    def _check_names(self, rid: str, what: str, value: Mapping[str, object]) -> None:
-        if not isinstance(value, Mapping):
-            raise InvalidInputError(
-                f"request {rid!r}: {what} must map each group name to its list "
-                f"(groups {sorted(self._layouts)}), got {type(value).__name__}"
-            )
-        unknown = sorted(set(value) - {g.name for g in self.groups})
-        if unknown:
-            raise InvalidInputError(
-                f"request {rid!r}: {what} names unknown groups {unknown} "
-                f"(groups {[g.name for g in self.groups]})"
-            )
+    def _check_names(self, rid: str, what: str, value: object) -> Mapping[str, Any]:
+        return check_group_mapping(value, what, self.names, f"request {rid!r}: ")
 
     def lookup(
         self,
         request_id: str,
-        block_hashes: Mapping[str, Sequence[BlockHash]],
+        block_hashes: Sequence[BlockHash] | Mapping[str, Sequence[BlockHash]],
         num_tokens: int,
         num_computed_tokens: int = 0,
         *,
         allow_defer: bool = False,
+        no_read: bool = False,
     ) -> int | None:
         """The hit valid for every group, pinned (see `GroupedScheduler.lookup()`); with
         ``allow_defer``, ``None`` ("ask again later") by the single-group rule."""
         self.check("lookup")
-        self._check_names(request_id, "block_hashes", block_hashes)
-        hit = self.scheduler.lookup(
-            request_id, block_hashes, num_tokens, num_computed_tokens, allow_defer=allow_defer
+        block_hashes = self._check_names(request_id, "lookup()'s block_hashes", block_hashes)
+        scheduler = self.scheduler
+        hit = scheduler.lookup(
+            request_id,
+            block_hashes,
+            num_tokens,
+            num_computed_tokens,
+            allow_defer=allow_defer,
+            no_read=no_read,
         )
-        reason = self.scheduler.miss_reason(request_id)
-        self.counters.count_lookup(hit, num_tokens, num_computed_tokens, reason)
+        reason, new_prompt, _ = scheduler.lookup_outcome(request_id)
+        self.counters.count_lookup(
+            hit, num_tokens, num_computed_tokens, reason, new_prompt=new_prompt
+        )
         return hit
 
-    def miss_reason(self, request_id: str) -> MissReason:
-        """See `GroupedScheduler.miss_reason()`."""
-        return self.scheduler.miss_reason(request_id)
+    def lookup_outcome(self, request_id: str) -> tuple[MissReason, dict[str, int]]:
+        """Of ``request_id``'s last lookup: its `MissReason` and the tokens of its hit
+        each tier brought in (see `GroupedScheduler.lookup_outcome()`)."""
+        reason, _, tier_hits = self.scheduler.lookup_outcome(request_id)
+        return reason, {} if tier_hits is None else dict(tier_hits)
 
     def load(
-        self, request_id: str, tables: Mapping[str, Sequence[int | None]], num_tokens: int
+        self,
+        request_id: str,
+        tables: Sequence[int] | Mapping[str, Sequence[int | None]],
+        num_tokens: int,
     ) -> TransferTask | None:
         """Start loading the last lookup's hit into every group's table (see
         `GroupedScheduler.plan_load()`)."""
         self.check("load")
-        self._check_names(request_id, "tables", tables)
+        tables = self._check_names(request_id, "load()'s block tables", tables)
         plan = self.scheduler.plan_load(request_id, tables, num_tokens)
         if plan is None:
             return None
@@ -348,14 +351,14 @@ class GroupSession(Lifecycle):
     def update(
         self,
         request_id: str,
-        tables: Mapping[str, Sequence[int | None]],
-        block_hashes: Mapping[str, Sequence[BlockHash]],
+        tables: Sequence[int] | Mapping[str, Sequence[int | None]],
+        block_hashes: Sequence[BlockHash] | Mapping[str, Sequence[BlockHash]],
         num_computed_tokens: int,
     ) -> None:
         """See `GroupedScheduler.update()`."""
         self.check("update")
-        self._check_names(request_id, "tables", tables)
-        self._check_names(request_id, "block_hashes", block_hashes)
+        tables = self._check_names(request_id, "update()'s block tables", tables)
+        block_hashes = self._check_names(request_id, "update()'s block_hashes", block_hashes)
         self.scheduler.update(request_id, tables, block_hashes, num_computed_tokens)
 
     def store(self, after: object | None = None) -> list[TransferTask]:

@@ -56,18 +56,27 @@ class GroupCounters:
     miss_reason_tokens: dict[MissReason, int] = field(default_factory=dict)
 
     def count_lookup(
-        self, hit: int | None, num_tokens: int, num_computed_tokens: int, reason: MissReason
+        self,
+        hit: int | None,
+        num_tokens: int,
+        num_computed_tokens: int,
+        reason: MissReason,
+        *,
+        new_prompt: bool,
     ) -> None:
         """Count one lookup of `GroupedScheduler.lookup()`: ``hit`` (``None``: "ask
-        again"), the request's tokens and prefix, and the lookup's `MissReason`."""
+        again"), the request's tokens and prefix, the lookup's `MissReason`, and whether
+        it is the request's first since it was registered or preempted (``new_prompt``:
+        its tokens count in ``prompt_tokens`` once, as with one group)."""
         self.lookups += 1
+        if new_prompt:
+            self.prompt_tokens += num_tokens
         if hit is None:
             self.deferred_lookups += 1
             return
         self.hit_tokens += hit
         missed = max(0, num_tokens - num_computed_tokens - hit)
         self.miss_tokens += missed
-        self.prompt_tokens += num_tokens
         if reason is not MissReason.NONE:
             add_miss(self.lookup_misses, self.miss_reason_tokens, reason, missed)
 

@@ -28,6 +28,7 @@ from kvoffload.pinner import GpuBlockPinner
 from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
 from kvoffload.request import OffloadRequest
 from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
+from kvoffload.scheduler.misses import MissReason
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.tiers.front import TierFront
 from kvoffload.tiers.stats import TierManagerStatistics
@@ -268,7 +269,7 @@ class KVOffloader:
     def lookup(
         self,
         request_id: str,
-        block_hashes: Sequence[BlockHash],
+        block_hashes: Sequence[BlockHash] | Mapping[str, Sequence[BlockHash]],
         num_tokens: int,
         num_computed_tokens: int = 0,
         *,
@@ -280,7 +281,7 @@ class KVOffloader:
     def lookup(
         self,
         request_id: str,
-        block_hashes: Sequence[BlockHash],
+        block_hashes: Sequence[BlockHash] | Mapping[str, Sequence[BlockHash]],
         num_tokens: int,
         num_computed_tokens: int = 0,
         *,
@@ -291,7 +292,7 @@ class KVOffloader:
     def lookup(
         self,
         request_id: str,
-        block_hashes: Sequence[BlockHash],
+        block_hashes: Sequence[BlockHash] | Mapping[str, Sequence[BlockHash]],
         num_tokens: int,
         num_computed_tokens: int = 0,
         *,
@@ -302,7 +303,10 @@ class KVOffloader:
 
         See `OffloadScheduler.lookup()`. With ``config.tiers``, the blocks after the CPU hit
         that a tier holds are promoted into CPU blocks in the background (see
-        `TierManager.extend_lookup()`). ``allow_defer=True`` is `lookup_or_defer()`.
+        `TierManager.extend_lookup()`). ``allow_defer=True`` is `lookup_or_defer()`. With
+        several KV cache groups, ``block_hashes`` maps each cacheable group's name to its
+        hashes (`GroupedScheduler.lookup()`: one hit valid for every group). Why the hit
+        stopped where it did: `miss_reason()`.
 
         Raises:
             ClosedError: not open. ForkedProcessError: used in a forked child.
@@ -314,16 +318,24 @@ class KVOffloader:
             return self.lookup_or_defer(
                 request_id, block_hashes, num_tokens, num_computed_tokens, no_read=no_read
             )
-        session = _single(self, "lookup")
+        if self._groups is not None:
+            return self._groups.lookup(
+                request_id, block_hashes, num_tokens, num_computed_tokens, no_read=no_read
+            )
+        session = self._session
         session.check("lookup")  # with tiers, the scheduler asks the tier manager next
         return session.scheduler.lookup(
-            request_id, block_hashes, num_tokens, num_computed_tokens, no_read=no_read
+            request_id,
+            _flat(block_hashes, request_id),
+            num_tokens,
+            num_computed_tokens,
+            no_read=no_read,
         )
 
     def lookup_or_defer(
         self,
         request_id: str,
-        block_hashes: Sequence[BlockHash],
+        block_hashes: Sequence[BlockHash] | Mapping[str, Sequence[BlockHash]],
         num_tokens: int,
         num_computed_tokens: int = 0,
         *,
@@ -332,21 +344,67 @@ class KVOffloader:
         """`lookup()` that may answer ``None`` ("ask again later"): when, see
         `OffloadScheduler.lookup_or_defer()`. Raises as `lookup()` does.
         """
-        session = _single(self, "lookup_or_defer")
+        if self._groups is not None:
+            return self._groups.lookup(
+                request_id,
+                block_hashes,
+                num_tokens,
+                num_computed_tokens,
+                allow_defer=True,
+                no_read=no_read,
+            )
+        session = self._session
         session.check("lookup")
         return session.scheduler.lookup_or_defer(
-            request_id, block_hashes, num_tokens, num_computed_tokens, no_read=no_read
+            request_id,
+            _flat(block_hashes, request_id),
+            num_tokens,
+            num_computed_tokens,
+            no_read=no_read,
         )
 
+    def miss_reason(self, request_id: str) -> MissReason:
+        """Why ``request_id``'s last lookup's hit stopped where it did (`MissReason`; the
+        same rules for one group and several: docs/misses.md).
+
+        Raises:
+            UnknownRequestError: no lookup state for that id (none yet, or finished).
+        """
+        return self._lookup_outcome(request_id)[0]
+
+    def tier_hit_tokens(self, request_id: str) -> dict[str, int]:
+        """Of ``request_id``'s last lookup's hit, the tokens each secondary tier (by name)
+        brought into the CPU pool; empty when the CPU pool held the whole hit. With
+        several KV cache groups, per tier the most any one group's blocks of the hit
+        came from it. Raises as `miss_reason()`.
+        """
+        return self._lookup_outcome(request_id)[1]
+
+    def _lookup_outcome(self, request_id: str) -> tuple[MissReason, dict[str, int]]:
+        if self._groups is not None:
+            return self._groups.lookup_outcome(request_id)
+        state = self._session.scheduler.request_state(request_id)
+        tier_hits = state.tier_hits
+        if tier_hits is None:
+            return state.miss_reason, {}
+        bs = self._config.block_size
+        return state.miss_reason, {name: n * bs for name, n in tier_hits.items()}
+
     def load(
-        self, request_id: str, gpu_block_ids: Sequence[int], num_tokens: int
+        self,
+        request_id: str,
+        gpu_block_ids: Sequence[int] | Mapping[str, Sequence[int | None]],
+        num_tokens: int,
     ) -> TransferTask | None:
         """Start loading the accepted part of the last lookup's hit into the engine's blocks.
 
         Args:
             request_id: the request.
-            gpu_block_ids: its whole GPU block table (see `OffloadScheduler.plan_load()`).
-            num_tokens: tokens to load (a multiple of the block size, at most the hit).
+            gpu_block_ids: its whole GPU block table (see `OffloadScheduler.plan_load()`);
+                with several KV cache groups, one table per group name (``None`` for a
+                block the group does not hold; `GroupedScheduler.plan_load()`).
+            num_tokens: tokens to load (a multiple of the block size, at most the hit;
+                with several groups, the whole hit or 0).
 
         Returns:
             The transfer (compute must wait on it: ``await`` it, or ``task.wait_on(stream)``
@@ -361,7 +419,9 @@ class KVOffloader:
             PinnerError: the pinner's ``pin`` raised; the load was not started and the
                 hit stays pinned.
         """
-        return _single(self, "load").load(request_id, gpu_block_ids, num_tokens)
+        if self._groups is not None:
+            return self._groups.load(request_id, gpu_block_ids, num_tokens)
+        return self._session.load(request_id, _flat(gpu_block_ids, request_id), num_tokens)
 
     def abandon_load(self, request_id: str) -> tuple[int, ...] | dict[str, tuple[int, ...]]:
         """Stop waiting for the request's loads in flight; see `OffloadRequest.abandon_load()`.
@@ -376,16 +436,20 @@ class KVOffloader:
     def update(
         self,
         request_id: str,
-        gpu_block_ids: Sequence[int],
-        block_hashes: Sequence[BlockHash],
+        gpu_block_ids: Sequence[int] | Mapping[str, Sequence[int | None]],
+        block_hashes: Sequence[BlockHash] | Mapping[str, Sequence[BlockHash]],
         num_computed_tokens: int,
     ) -> None:
         """Tell the offloader what the engine holds for a request after a step.
 
-        See `OffloadScheduler.update()`.
+        See `OffloadScheduler.update()`; with several KV cache groups, the tables and the
+        hashes per group name (`GroupedScheduler.update()`).
         """
-        session = self._session if self._groups is None else _single(self, "update")  # hot
-        session.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
+        groups = self._groups
+        if groups is None:  # the hot path: one check, then the session
+            self._session.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)  # type: ignore[arg-type]
+        else:
+            groups.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
 
     def store(
         self, *, after: object | None = None, gpu_cache: GpuCacheView | None = None
@@ -466,16 +530,29 @@ class KVOffloader:
         return self._life.take_events()
 
 
+def _flat(value: Sequence[Any] | Mapping[str, Any], request_id: str) -> Sequence[Any]:
+    """``value`` for an offloader of one KV cache group: never a per-group mapping.
+
+    Raises:
+        InvalidInputError: a mapping (one group takes one table and one hash list).
+    """
+    if isinstance(value, Mapping):
+        raise InvalidInputError(
+            f"request {request_id!r}: this offloader has one KV cache group: give one list, "
+            f"not a mapping of group names ({sorted(value)})"
+        )
+    return value
+
+
 def _single(off: KVOffloader, what: str) -> Session:
-    """The single-group session of ``off``, for a call that takes one group's blocks.
+    """The single-group session of ``off``, for a property that names one group's part.
 
     Raises:
         InvalidInputError: ``off`` has several KV cache groups (the message names them).
     """
     if off._groups is not None:
         raise InvalidInputError(
-            f"KVOffloader.{what}() takes one group's blocks; this offloader has the KV "
-            f"cache groups {[g.name for g in off._groups.groups]}: use the handles of "
-            "request(), which take one table per group"
+            f"KVOffloader.{what} is one group's; this offloader has the KV cache groups "
+            f"{[g.name for g in off._groups.groups]}: see statistics().groups"
         )
     return off._session

@@ -41,7 +41,6 @@ from kvoffload.transfer.task import _NoPublicConstructor
 
 if TYPE_CHECKING:
     from kvoffload.request_groups import GroupLanes
-    from kvoffload.scheduler.core import OffloadScheduler
     from kvoffload.scheduler.misses import MissReason
     from kvoffload.transfer.task import TransferTask
 
@@ -56,30 +55,33 @@ __all__ = [
 
 
 class _StepCalls(Protocol):
-    """The `KVOffloader` calls a handle makes, and all it needs of the offloader."""
+    """The `KVOffloader` calls a handle makes, and all it needs of the offloader: every
+    call of the handle goes to it, for one KV cache group and several alike."""
 
     def lookup(
         self,
         request_id: str,
-        block_hashes: Sequence[BlockHash],
+        block_hashes: Sequence[BlockHash] | Mapping[str, Sequence[BlockHash]],
         num_tokens: int,
         num_computed_tokens: int,
         *,
         allow_defer: bool,
     ) -> int | None: ...
 
-    @property
-    def scheduler(self) -> OffloadScheduler: ...
+    def _lookup_outcome(self, request_id: str) -> tuple[MissReason, dict[str, int]]: ...
 
     def load(
-        self, request_id: str, gpu_block_ids: Sequence[int], num_tokens: int
+        self,
+        request_id: str,
+        gpu_block_ids: Sequence[int] | Mapping[str, Sequence[int | None]],
+        num_tokens: int,
     ) -> TransferTask | None: ...
 
     def update(
         self,
         request_id: str,
-        gpu_block_ids: Sequence[int],
-        block_hashes: Sequence[BlockHash],
+        gpu_block_ids: Sequence[int] | Mapping[str, Sequence[int | None]],
+        block_hashes: Sequence[BlockHash] | Mapping[str, Sequence[BlockHash]],
         num_computed_tokens: int,
     ) -> None: ...
 
@@ -272,7 +274,7 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         self._num_computed = num_computed_tokens
         self._hit = 0
         self._miss: MissReason | None = None
-        self._tier_hits: Mapping[str, int] = {}
+        self._tier_hits: dict[str, int] = {}
         self._reported = 0  # hashes given to update so far
         self._state = HandleState.LIVE
         self.extend(prompt_token_ids)
@@ -371,10 +373,11 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         """Of the last `lookup()`'s hit, the tokens a secondary tier (by its name)
         promoted into the CPU pool for it, after an earlier lookup of it answered "ask
         again" or a prefetch brought them; the rest of `hit_tokens` was in the CPU pool
-        already. Empty without tiers, with several KV cache groups, and before a lookup.
+        already (`KVOffloader.tier_hit_tokens()`: with several KV cache groups, per tier
+        the most any one group's blocks of the hit came from it). Empty without tiers
+        and before a lookup.
         """
-        bs = self._block_size
-        return {name: blocks * bs for name, blocks in self._tier_hits.items()}
+        return self._tier_hits
 
     @property
     def finished(self) -> bool:
@@ -434,18 +437,10 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
             if num_computed_tokens is None
             else as_int(num_computed_tokens, "num_computed_tokens", rid)
         )
-        if self._lanes is not None:
-            hit: int | None = self._lanes.lookup(
-                self._request_id, len(self._tokens), prefix, allow_defer
-            )
-            self._miss = self._lanes.miss_reason(rid)
-        else:
-            hit = self._off.lookup(
-                self._request_id, self._hashes, len(self._tokens), prefix, allow_defer=allow_defer
-            )
-            state = self._off.scheduler.request_state(rid)
-            self._miss = state.miss_reason
-            self._tier_hits = {} if state.tier_hits is None else dict(state.tier_hits)
+        off, lanes = self._off, self._lanes
+        hashes = self._hashes if lanes is None else lanes.hashes()
+        hit = off.lookup(rid, hashes, len(self._tokens), prefix, allow_defer=allow_defer)
+        self._miss, self._tier_hits = off._lookup_outcome(rid)
         self._engine_prefix = prefix
         self._hit = hit or 0
         self._num_computed = max(self._num_computed, prefix)
@@ -478,8 +473,7 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         """
         self._state.check("load", self._request_id)
         n = self._hit if num_tokens is None else as_int(num_tokens, "num_tokens", self._request_id)
-        # With several groups, GroupLanes.load() checks the per-group tables first.
-        task = (self._lanes or self._off).load(self._request_id, block_table, n)  # type: ignore[arg-type]
+        task = self._off.load(self._request_id, block_table, n)
         self._hit = n
         return task
 
@@ -506,8 +500,11 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", self._request_id)
         if num_computed_tokens > len(self._tokens):
             raise computed_past_tokens(num_computed_tokens, len(self._tokens), self._who)
-        if self._lanes is not None:
-            self._lanes.advance(self._request_id, block_table, num_computed_tokens)
+        lanes = self._lanes
+        if lanes is not None:
+            tables, per_group = lanes.step(block_table, num_computed_tokens)
+            self._off.update(self._request_id, tables, per_group, num_computed_tokens)
+            lanes.reported(per_group)
             self._num_computed = num_computed_tokens
             return
         hashes = self._hashes
@@ -518,7 +515,7 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
             n = self._reported
         if n < len(hashes):
             hashes = hashes[:n]  # the last full block is not computed yet
-        self._off.update(self._request_id, block_table, hashes, num_computed_tokens)  # type: ignore[arg-type]
+        self._off.update(self._request_id, block_table, hashes, num_computed_tokens)
         self._reported = len(hashes)
         self._num_computed = num_computed_tokens
 

@@ -424,3 +424,23 @@ def test_lazy_stores_are_refused_naming_each_group_and_why(shape: str, reason: s
 def test_the_offloader_refuses_lazy_stores_naming_the_groups() -> None:
     with pytest.raises(ConfigError, match=r"store_mode='lazy' .*group 'swa' \(sliding_window\)"):
         _offloader(store_mode="lazy")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_restored_blocks_are_published_with_their_requests_priority(shape: str) -> None:
+    """A re-store (``restore_evicted``) of a request with a retention priority publishes
+    its blocks with that priority, as every other store of it does and as one group's
+    re-stores do (the planner once raised only the blocks its store points passed)."""
+    r, _ = restore_rig(shape, restore_evicted=True)
+    r.sched.set_priority("a", 3)
+    plan = r.sched.plan_stores()
+    assert plan is not None
+    restored = {name: set(sub.block_hashes) for name, sub in plan.plans.items()}
+    r.run(plan)
+    r.sched.check_invariants()
+    for name, hashes in restored.items():
+        pool = r.sched.ledger(name).pool
+        for h in hashes:
+            block = pool.get_cached(h)
+            assert block is not None, (name, h)
+            assert block.priority == 3, (name, block)

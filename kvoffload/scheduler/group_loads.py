@@ -56,6 +56,12 @@ class GroupLookupExtension(Protocol):
         answer; whether to ask again is `lookup_defers_grouped()`'s, with `promoting`."""
         ...
 
+    def hit_sources(self, pinned: Mapping[str, Sequence[CpuBlock]]) -> dict[str, int] | None:
+        """Of a lookup's hit (its CPU blocks ``pinned`` per group), the tokens each tier
+        (by name) promoted into the pools; ``None`` when none did (as `LookupExtension`'s
+        ``hit_sources`` for one group, in tokens)."""
+        ...
+
     def promoting(self, group: str, block_hash: BlockHash) -> bool:
         """Whether a promotion of ``group``'s tiers covering ``block_hash`` is in flight
         (probing, or reading into CPU blocks)."""

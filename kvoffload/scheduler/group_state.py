@@ -165,6 +165,12 @@ class GroupedRequest:
     deferrals: int = 0
     deferred_since: float = 0.0
     miss_reason: MissReason = MissReason.NONE
+    # a lookup counted its prompt tokens since it was registered or last preempted
+    # (``new_prompt``: the last lookup was that one), as `RequestOffloadState.admitted`
+    admitted: bool = False
+    new_prompt: bool = False
+    # per secondary tier (by name), the tokens of the last lookup's hit it promoted
+    tier_hits: dict[str, int] | None = None
     # the retention priority of its blocks in every group (`PriorityCount.set()`)
     priority: int = 0
     # the ``plan_stores`` call after which a hold is given up (`HeldBlocks.deadline()`)

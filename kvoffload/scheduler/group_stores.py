@@ -373,6 +373,7 @@ class GroupStorePlanner:
         (not ``final``) first stores again the live blocks evicted from a group's pool,
         with ``restore_evicted``."""
         plans: dict[str, TransferPlan] = {}
+        prioritized = {s.request_id: s.priority for s in states if s.priority}
         for g in self._cacheable:
             name = g.name
             ledger = self._ledgers[name]
@@ -414,6 +415,8 @@ class GroupStorePlanner:
                 lane.cursor = max(lane.cursor, new)
                 batch.end_run()
             batch.count(ledger, counters, group=name)
+            if prioritized:  # every planned block, re-stores too, as with one group
+                batch.owner_priorities(lambda rid: prioritized.get(rid, 0), want)
             # as with one group (`BlockLedger.prioritize()`): planned blocks are published
             # with their priority, cached or pending ones raised now
             priorities = ledger.prioritize(want, batch.planned) if want else None

@@ -351,6 +351,7 @@ class GroupedScheduler:
         num_computed_tokens: int = 0,
         *,
         allow_defer: bool = False,
+        no_read: bool = False,
     ) -> int | None:
         """How many tokens past the engine's own prefix can be loaded, valid for every group.
 
@@ -361,7 +362,8 @@ class GroupedScheduler:
         tiers) may start bringing in a longer hit for a later lookup.
 
         With ``allow_defer``, ``None`` (nothing pinned) when `lookup_defers_grouped()` says
-        "ask again later".
+        "ask again later". With ``no_read`` (the request must not read the cache), 0 and
+        nothing pinned, the miss read as `MissReason.NOT_READ`, as with one group.
 
         Raises:
             RequestStateError: the request is finished.
@@ -378,6 +380,13 @@ class GroupedScheduler:
         state = self._state(request_id)
         self.release(request_id)
         note_prefix(self._cacheable, state, num_computed_tokens)
+        state.new_prompt, state.admitted = not state.admitted, True
+        state.tier_hits = None
+        if no_read:
+            state.deferrals = 0
+            missed = num_tokens > num_computed_tokens
+            state.miss_reason = MissReason.NOT_READ if missed else MissReason.NONE
+            return 0
         lanes = {g.name: block_hashes[g.name] for g in self._cacheable}
         pools = {name: ledger.pool for name, ledger in self._ledgers.items()}
         n = find_hit(
@@ -401,6 +410,10 @@ class GroupedScheduler:
             state.lanes[name].pin, state.lanes[name].pin_start = pinned, start
             state.hit, state.hit_from = n, num_computed_tokens
         if extension is not None:
+            if n > num_computed_tokens:
+                state.tier_hits = extension.hit_sources(
+                    {name: blocks for name, (_, blocks) in hits.items()}
+                )
             extension.extend_grouped_lookup(
                 lanes, n, num_tokens, {name: blocks for name, (_, blocks) in hits.items()}
             )
@@ -429,10 +442,21 @@ class GroupedScheduler:
 
     def miss_reason(self, request_id: str) -> MissReason:
         """The `MissReason` of ``request_id``'s last lookup (`UnknownRequestError`: none)."""
+        return self._known(request_id).miss_reason
+
+    def lookup_outcome(self, request_id: str) -> tuple[MissReason, bool, dict[str, int] | None]:
+        """Of ``request_id``'s last lookup: its `MissReason`, whether it was the first
+        since the request was registered or preempted (its prompt tokens are counted
+        then, once, as with one group), and the tokens of its hit each tier promoted
+        (``None``: none). Raises `UnknownRequestError` when there was none."""
+        state = self._known(request_id)
+        return state.miss_reason, state.new_prompt, state.tier_hits
+
+    def _known(self, request_id: str) -> GroupedRequest:
         state = self._requests.get(request_id)
         if state is None:
             raise UnknownRequestError(request_id)
-        return state.miss_reason
+        return state
 
     def release(self, request_id: str) -> None:
         """Drop the pins of ``request_id``'s last lookup (in every group)."""
@@ -616,6 +640,7 @@ class GroupedScheduler:
             lane.table, lane.cursor, lane.valid_from = [], 0, 0
             lane.ids = set()
         state.num_computed_tokens = 0
+        state.admitted = False  # a re-admission counts its prompt again, as with one group
 
     def reset(self) -> bool:
         """Empty every group's CPU prefix cache (plans in flight publish nothing); pins are

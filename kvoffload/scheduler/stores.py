@@ -128,6 +128,17 @@ class StoreBatch:
             self.owners.append(owner)
         return True
 
+    def owner_priorities(
+        self, priority_of: Callable[[str], int], want: dict[BlockHash, int]
+    ) -> None:
+        """Raise ``want`` to the retention priority of each planned block's owner (the
+        highest, for a block several requests share): the one rule for every block a
+        batch plans, re-stores (``restore_evicted``) included, with one group or several."""
+        for block_hash, rid in zip(self.hashes, self.owners, strict=True):
+            priority = priority_of(rid)
+            if priority > want.get(block_hash, 0):
+                want[block_hash] = priority
+
     def end_run(self) -> None:
         """Close the run of the request just scanned (nothing when it planned nothing)."""
         n = len(self.hashes)
@@ -289,10 +300,7 @@ class StorePlanner:
         want: dict[BlockHash, int] = {}
         requests = self._table.requests
         if batch.owners:  # one per planned hash (none in lazy mode)
-            for block_hash, rid in zip(batch.hashes, batch.owners, strict=True):
-                priority = requests[rid].priority
-                if priority > want.get(block_hash, 0):
-                    want[block_hash] = priority
+            batch.owner_priorities(lambda rid: requests[rid].priority, want)
         for state, start in batch.rollback:
             priority = state.priority
             if priority:

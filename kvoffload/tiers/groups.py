@@ -233,6 +233,23 @@ class GroupTiers:
             for run in self._wanted(g, len(hashes), hit, cap, reach):
                 self._promote(g.name, hashes, run, keep)
 
+    def hit_sources(self, pinned: Mapping[str, Sequence[CpuBlock]]) -> dict[str, int] | None:
+        """Of a grouped lookup's hit (its CPU blocks ``pinned`` per group), the tokens each
+        tier (by its name in ``config.tiers``, not the group's ``<tier>.<group>``) brought
+        in: the most of any one group (a hit token needs every group's block, so a token
+        one group's tier promoted came from that tier); ``None`` when no tier did."""
+        served: dict[str, int] = {}
+        for g in self._groups:
+            blocks = pinned.get(g.name)
+            sources = self.managers[g.name].hit_sources(blocks) if blocks else None
+            if not sources:
+                continue
+            suffix = "." + _UNSAFE.sub("_", g.name)
+            for name, count in sources.items():
+                base = name.removesuffix(suffix)
+                served[base] = max(served.get(base, 0), count * g.block_size)
+        return served or None
+
     async def prefetch(self, lanes: Mapping[str, Sequence[BlockHash]], num_tokens: int) -> int:
         """Promote, in every group, what a lookup of a prompt of ``num_tokens`` tokens needs
         past its CPU hit now (`SessionHints.prefetch()`); return the tokens a lookup finds

@@ -365,6 +365,8 @@ async def test_a_grouped_lookup_asks_again_while_a_promotion_runs(
             await settle(off)
             hit = req.lookup(allow_defer=True)
             assert hit == 16
+            # the whole hit came from the tier "d" (every group's blocks of it)
+            assert req.tier_hit_tokens == {"d": 16} == off.tier_hit_tokens("b")
             tables = alloc.new(req.blocks_for(len(TURN2)))
             task = req.load(tables)
             assert task is not None

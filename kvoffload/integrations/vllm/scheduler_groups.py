@@ -181,8 +181,9 @@ class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
         ):
             return 0, False
         hit = sched.lookup(rid, hashes, request.num_tokens, num_computed_tokens)
+        reason, new_prompt, _ = sched.lookup_outcome(rid)
         self.counters.count_lookup(
-            hit, request.num_tokens, num_computed_tokens, sched.miss_reason(rid)
+            hit, request.num_tokens, num_computed_tokens, reason, new_prompt=new_prompt
         )
         return hit, bool(hit)
 
