@@ -905,6 +905,23 @@ async def test_usage_and_stats_say_where_each_prompt_token_came_from(tmp_path: P
             "tiers": {"d": {"kind": "disk", "tokens": expected_total["d"]}},
             "computed": expected_total["computed"],
         }
+        # /metrics splits the prompt tokens into the same sources, a series per tier.
+        metrics = (await client.get("/metrics")).text
+        (family,) = (
+            f
+            for f in text_string_to_metric_families(metrics)
+            if f.name == "kvoffload_server_prompt_tokens"
+        )
+        assert {
+            (x.labels["source"], x.labels["tier"]): x.value
+            for x in family.samples
+            if x.name.endswith("_total")
+        } == {
+            ("gpu_cache", ""): expected_total["gpu_cache"],
+            ("cpu_pool", ""): expected_total["cpu_pool"],
+            ("tier", "d"): expected_total["d"],
+            ("computed", ""): expected_total["computed"],
+        }
         assert body["requests_by_miss_reason"] == reasons
         engine = body["engine"]
         assert engine["tier_loaded_tokens"] == {"d": 20}

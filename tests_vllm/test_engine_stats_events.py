@@ -5,7 +5,8 @@ Each engine runs with vLLM's statistics on (its Prometheus logger writes the pro
 default registry, the one vLLM's ``/metrics`` serves) and with ``kv_events_config``
 publishing on a loopback ZMQ endpoint that a subscriber in the test reads. The scraped
 figures must equal the connector's own statistics; every ``BlockStored`` with medium
-``"CPU"`` must name a hash (and group) vLLM's own ``BlockStored`` gave the same block.
+``"CPU"`` must name a hash (and group) vLLM's own ``BlockStored`` gave the same block, and
+with a disk tier, every ``BlockStored`` with medium ``"DISK"`` one the CPU pool's gave.
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ import msgspec
 import prometheus_client
 import pytest
 import zmq
-from engine_runs import connector_of, engine, kvoffload_config, run_conversations
+from engine_runs import (
+    connector_of,
+    engine,
+    kvoffload_config,
+    run_conversations,
+    worker_connector_of,
+)
 from hybrid_runs import converse
 from models import CASES, engine_kwargs, started, write_model
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
@@ -183,3 +190,35 @@ def test_a_hybrid_engine_shows_each_group_and_publishes_each_group_s_blocks(
         published = {h for g, h in cpu if g == index[name]}
         # A block evicted and stored again is published again under the same hash.
         assert 0 < len(published) <= group.stored_blocks
+
+
+def test_a_dense_engine_publishes_the_blocks_it_wrote_down_to_a_tier(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    disk = {"kind": "disk", "path": str(tmp_path / "kv.bin"), "capacity_bytes": 16 << 20}
+    config = kvoffload_config({"num_cpu_blocks": 256, "tiers": [disk]})
+    with (
+        engine(
+            model_dir,
+            config,
+            kv_events_config=events_config(port),
+            disable_log_stats=False,
+        ) as llm,
+        subscriber(port) as sub,
+    ):
+        run = run_conversations(llm)
+        events = sub.drain()
+        worker = worker_connector_of(llm).worker_side.tiers
+        (tier,) = worker.statistics()
+    cpu, gpu, written = stored(events, "CPU"), stored(events, "GPU"), stored(events, "DISK")
+    # The blocks written down to the disk tier, published with its medium, under the
+    # hashes vLLM and the CPU pool gave the same blocks (the last turn's write-downs may
+    # end after the engine's last step, so not every block the tier holds).
+    assert written
+    assert written <= cpu <= gpu
+    assert len(written) <= tier.blocks_written <= run.stats.stored_blocks
+    print(
+        f"\n{len(written)} blocks published as written down to the disk tier "
+        f"({tier.blocks_written} written, {len(cpu)} published on CPU)"
+    )

@@ -31,7 +31,8 @@ pytestmark = pytest.mark.engine
 
 __all__ = ["baseline"]  # the fixture, shared with test_engine_secondary_tier
 
-OP_TIMEOUT_S = 0.5
+OP_TIMEOUT_S = 2.0  # the Redis tier's budget of one operation (a loaded 2-core machine
+# running the engine has taken more than 0.5 s for the first write)
 FULL_BLOCKS = PROMPT_TOKENS // ENGINE_BLOCK_SIZE
 
 

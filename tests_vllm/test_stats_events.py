@@ -14,7 +14,9 @@ with their group index).
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,9 @@ from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed import kv_events
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 
+from kvoffload.hashing import BlockHash
 from kvoffload.integrations.vllm import KVOffloadConnector
+from kvoffload.integrations.vllm.events import TierWrites, tier_medium
 from kvoffload.integrations.vllm.stats import KVOffloadConnectorStats
 from kvoffload.metrics import METRICS
 from kvoffload.scheduler.misses import MissReason
@@ -243,3 +247,100 @@ def test_a_two_group_model_publishes_each_group_s_blocks_under_its_index(model_d
     assert set(cpu) <= set(gpu)
     # Same tokens in both groups, one hash each: told apart by the group index only.
     assert {h_ for g, h_ in cpu if g == 0} <= {h_ for g, h_ in cpu if g == 1}
+
+
+@contextmanager
+def tier_harness(model_dir: Path, tmp_path: Path, *, world: int) -> Iterator[Harness]:
+    """KV events on and a disk tier; the workers' tiers closed on exit."""
+    tiers = [{"kind": "disk", "path": str(tmp_path / "kv.bin"), "capacity_bytes": 4 << 20}]
+    config = vllm_config(
+        model_dir,
+        {"num_cpu_blocks": 32, "tiers": tiers},
+        num_gpu_blocks=64,
+        world_size=world,
+        connector="TestConnector",
+        module="harness",
+    )
+    config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    h = Harness(config, kv_cache_config(64), world_size=world)
+    try:
+        yield h
+    finally:
+        for w in h.workers:
+            w.connector.shutdown()
+
+
+def written_down(h: Harness) -> int:
+    """Blocks every rank's tiers reported written (each rank writes its own shard)."""
+    counts = []
+    for w in h.workers:
+        tiers = w.connector.worker_side.tiers  # type: ignore[union-attr]
+        assert tiers is not None
+        (tier,) = tiers.statistics()
+        counts.append(tier.blocks_written)
+    return min(counts)
+
+
+def step_until_written(h: Harness, blocks: int) -> None:
+    """Step (empty steps too, as vLLM's engine loop does) until every rank wrote
+    ``blocks`` down, then once more: the writes' reports reach the scheduler side."""
+    for _ in range(2000):
+        if written_down(h) >= blocks:
+            break
+        h.step()
+        time.sleep(0.002)
+    else:
+        raise AssertionError("the write-downs did not end")
+    for _ in range(3):
+        h.step()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_blocks_written_down_to_a_tier_are_published_with_its_medium(
+    model_dir: Path, tmp_path: Path, world: int
+) -> None:
+    with tier_harness(model_dir, tmp_path, world=world) as h:
+        events = published(h)
+        h.run(make_request("a", prompt(3, 5, seed=7), max_tokens=2))
+        h.settle()
+        step_until_written(h, 3)
+    cpu = by_medium(events, kv_events.MEDIUM_CPU)
+    disk = by_medium(events, tier_medium("disk"))
+    assert tier_medium("disk") == "DISK"
+    assert tier_medium("redis-cluster") == "REDIS_CLUSTER"
+    assert len(cpu) == 3
+    # Every block the CPU pool published went down to the disk tier on every rank: the
+    # same vLLM hashes, tokens and group, medium "DISK".
+    assert set(disk) == set(cpu)
+    for key, (event, _) in disk.items():
+        cpu_event, _ = cpu[key]
+        assert event.group_idx == 0
+        assert event.token_ids == cpu_event.token_ids
+        assert event.parent_block_hash == cpu_event.parent_block_hash
+    # The tier's events follow the CPU pool's event of the same block.
+    order = [(e.medium, e.block_hashes[0]) for e in events if isinstance(e, kv_events.BlockStored)]
+    for _, block_hash in disk:
+        assert order.index(("CPU", block_hash)) < order.index(("DISK", block_hash))
+
+
+def test_a_block_one_rank_did_not_report_written_is_not_published(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    with tier_harness(model_dir, tmp_path, world=2) as h:
+        rank1 = h.workers[1].connector.worker_side.tiers  # type: ignore[union-attr]
+        assert rank1 is not None
+        rank1.on_written = None  # rank 1 writes its shard but never says so
+        events = published(h)
+        h.run(make_request("a", prompt(3, 5, seed=8), max_tokens=2))
+        h.settle()
+        step_until_written(h, 3)
+    assert len(by_medium(events, kv_events.MEDIUM_CPU)) == 3
+    assert by_medium(events, "DISK") == {}
+
+
+def test_a_write_down_a_tier_stored_in_part_names_no_block() -> None:
+    writes = TierWrites()
+    a, b = BlockHash(b"a" * 32), BlockHash(b"b" * 32)
+    writes.note((a, b), (2, 1, 0))  # tier 0 stored both, tier 1 one of them, tier 2 none
+    assert writes.take() == {0: (a, b)}
+    assert writes.take() == {}

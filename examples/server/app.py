@@ -300,11 +300,17 @@ class _ServerCollector(Collector):
         yield requests
         tokens = CounterMetricFamily(
             "kvoffload_server_prompt_tokens",
-            "Prompt tokens by where their KV came from.",
-            labels=["source"],
+            "Prompt tokens of completed requests by where their KV came from (the "
+            "sources of /stats' prompt_tokens).",
+            labels=["source", "tier"],
         )
-        tokens.add_metric(["gpu_cache"], es.gpu_cached_tokens)
-        tokens.add_metric(["cpu_load"], es.loaded_tokens)
+        if state.loop is not None:
+            by_source = state.loop.statistics().prompt_tokens_by_source
+            for source in ("gpu_cache", "cpu_pool"):
+                tokens.add_metric([source, ""], by_source.get(source, 0))
+            for name in state.tier_kinds:
+                tokens.add_metric(["tier", name], by_source.get(f"tier:{name}", 0))
+            tokens.add_metric(["computed", ""], by_source.get("computed", 0))
         yield tokens
         yield CounterMetricFamily(
             "kvoffload_server_computed_tokens",

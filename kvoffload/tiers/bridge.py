@@ -321,6 +321,24 @@ class TierBridge:
         Raises:
             ValueError: the numbers differ, or a payload is not one block long.
         """
+        run = self._put_job(hashes, payloads)
+
+        async def best() -> int:
+            return max(await run(), default=0)
+
+        return self._submit(best)
+
+    def submit_put_each(
+        self, hashes: Sequence[BlockHash], payloads: Sequence[memoryview]
+    ) -> concurrent.futures.Future[tuple[int, ...]]:
+        """`submit_put()`, whose future's result is, per tier in lookup order, the blocks
+        that tier reported stored (a tier's count equal to ``len(hashes)``: every block
+        landed there)."""
+        return self._submit(self._put_job(hashes, payloads))
+
+    def _put_job(
+        self, hashes: Sequence[BlockHash], payloads: Sequence[memoryview]
+    ) -> Callable[[], Awaitable[tuple[int, ...]]]:
         hashes = tuple(hashes)
         views = tuple(payloads)
         if len(hashes) != len(views):
@@ -329,8 +347,8 @@ class TierBridge:
             if view.nbytes != self._nbytes:
                 raise ValueError(f"payloads[{i}] has {view.nbytes} bytes, a block {self._nbytes}")
 
-        async def run() -> int:
-            best = 0
+        async def run() -> tuple[int, ...]:
+            counts = []
             for t in self._states:
                 stored = 0
                 for at in range(0, len(hashes), t.max_batch):
@@ -342,10 +360,10 @@ class TierBridge:
                         namespace=self._namespace,
                         nbytes=self._nbytes,
                     )
-                best = max(best, stored)
-            return best
+                counts.append(stored)
+            return tuple(counts)
 
-        return self._submit(run)
+        return run
 
     def put(self, hashes: Sequence[BlockHash], payloads: Sequence[memoryview]) -> int:
         """`submit_put()` and wait for it."""

@@ -312,3 +312,23 @@ def test_a_paused_redis_server_turns_into_misses(own_redis: RedisServer) -> None
         bridge.close(drain=False)
         own_redis.resume()
     assert wait_for_threads(before) == set()
+
+
+class HalfTier(MemoryTier):
+    """Stores only the first half of every write."""
+
+    async def put(self, blocks: Sequence[BlockWrite]) -> int:
+        return await super().put(blocks[: len(blocks) // 2])
+
+
+def test_submit_put_each_counts_each_tier_s_stored_blocks() -> None:
+    full, half = MemoryTier("full"), HalfTier("half")
+    settings = DiskTierSettings(path=Path("/nonexistent/unused"), capacity_bytes=1 << 20)  # type: ignore[arg-type]
+    pairs = [(full, settings), (half, settings)]
+    with TierBridge(pairs, namespace=NS, block_nbytes=NBYTES) as bridge:
+        keys = [bridge.key(b"e%d" % i) for i in range(4)]
+        views = [memoryview(payload(i)) for i in range(4)]
+        assert bridge.submit_put_each(keys, views).result(timeout=10) == (4, 2)
+        assert bridge.submit_put(keys, views).result(timeout=10) == 4  # the best tier's
+    assert set(full.values) == set(keys)
+    assert set(half.values) == set(keys[:2])

@@ -14,7 +14,7 @@ from kvoffload._logging import get_logger
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import ConfigError, InvariantError
 from kvoffload.hashing import BlockHash, BlockHasher
-from kvoffload.integrations.vllm.events import KVEvents
+from kvoffload.integrations.vllm.events import KVEvents, tier_medium
 from kvoffload.integrations.vllm.metadata import KVOffloadWorkerMetadata
 from kvoffload.integrations.vllm.stats import (
     ConnectorStatistics,
@@ -107,7 +107,7 @@ class SchedulerSideBase(Generic[E]):
         self._restarted: set[str] = set()
         self.load_failures = 0
         self._stats = StatsReporter()
-        self.events = KVEvents()
+        self.events = KVEvents(tier_media=[tier_medium(t.kind) for t in config.tiers])
         """The vLLM view of the blocks stores write (``enable_events``)."""
 
     # -- binding -----------------------------------------------------------------------

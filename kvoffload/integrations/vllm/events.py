@@ -14,11 +14,23 @@ it (dropped at its ``BlockRemoved``, or when its store failed).
 Both scheduler sides use it: one full-attention group (group index 0) and several
 (each cacheable group by its vLLM index; a hash is remembered per group, so two groups'
 blocks never mix).
+
+With ``tiers``, a block written down to a tier gets a ``BlockStored`` of that tier's
+medium too (`tier_medium`: ``"DISK"``, ``"REDIS"``, ``"REDIS_CLUSTER"``), with the same
+hashes and group. The workers write down, so they tell: each rank's `TierWrites` collects
+the write-downs that ended, per tier, into the step's worker metadata (no extra round
+trip: it travels with the copies' reports), and `KVEvents.note_tier_writes` publishes a
+block once every rank reported it stored in that tier (each rank holds its own shard). A
+write-down that a tier stored only in part (a Redis Cluster node past its budget) names
+no block: the tiers count blocks, not which ones. The tiers never say when they drop a
+block (a disk slot reused, a Redis key expired or evicted), so no ``BlockRemoved`` of a
+tier's medium is ever sent: a router takes such a block as a hint that may miss.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, final
 
@@ -32,7 +44,7 @@ if TYPE_CHECKING:
 
     from kvoffload.transfer.plan import StorePlan
 
-__all__ = ["KVEvents", "events_enabled"]
+__all__ = ["KVEvents", "TierWrites", "events_enabled", "tier_medium"]
 
 _log = get_logger("integrations.vllm")
 
@@ -42,6 +54,39 @@ def events_enabled(vllm_config: Any) -> bool:
     the connector then hands vLLM its CPU pool's events too."""
     events = getattr(vllm_config, "kv_events_config", None)
     return bool(events is not None and events.enable_kv_cache_events)
+
+
+_PENDING_MAX = 65536
+"""Most blocks some ranks, not all yet, reported written to a tier (the oldest are
+forgotten: a rank whose write failed never reports them)."""
+
+
+def tier_medium(kind: str) -> str:
+    """The medium of a tier's events: its kind in capitals, ``-`` as ``_`` (``"DISK"``,
+    ``"REDIS"``, ``"REDIS_CLUSTER"``)."""
+    return kind.upper().replace("-", "_")
+
+
+@final
+class TierWrites:
+    """One rank's write-downs that ended, per tier index: the blocks every write of
+    which that tier stored (`WorkerTiers.on_written` calls `note`)."""
+
+    __slots__ = ("_landed",)
+
+    def __init__(self) -> None:
+        self._landed: dict[int, list[BlockHash]] = {}
+
+    def note(self, hashes: Sequence[BlockHash], counts: Sequence[int]) -> None:
+        """A write-down of ``hashes`` ended; ``counts[i]``: blocks tier ``i`` stored."""
+        for tier, stored in enumerate(counts):
+            if stored >= len(hashes):
+                self._landed.setdefault(tier, []).extend(hashes)
+
+    def take(self) -> dict[int, tuple[BlockHash, ...]]:
+        """``tier index -> blocks stored there`` since the last call."""
+        landed, self._landed = self._landed, {}
+        return {tier: tuple(hashes) for tier, hashes in landed.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +109,18 @@ class KVEvents:
 
     Args:
         medium: the events' medium (``"CPU"``: kvoffload's CPU pool).
+        tier_media: each tier's medium, in the tiers' order (`tier_medium`).
     """
 
-    __slots__ = ("_blocks", "medium")
+    __slots__ = ("_blocks", "_pending", "_tier_events", "medium", "tier_media")
 
-    def __init__(self, medium: str = "CPU") -> None:
+    def __init__(self, medium: str = "CPU", tier_media: Sequence[str] = ()) -> None:
         self.medium = medium
+        self.tier_media = tuple(tier_media)
         self._blocks: dict[tuple[int, BlockHash], _Block] = {}
+        # (group, tier, hash) -> the ranks that reported it written, until all did.
+        self._pending: OrderedDict[tuple[int, int, BlockHash], set[int]] = OrderedDict()
+        self._tier_events: list[tuple[str, int, _Block]] = []
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -131,6 +181,36 @@ class KVEvents:
                 if not wanted:
                     return
 
+    def note_tier_writes(
+        self,
+        group_idx: int,
+        writes: Mapping[int, Mapping[int, Sequence[BlockHash]]],
+        world_size: int,
+    ) -> None:
+        """The workers' write-downs that ended (``tier index -> {rank: hashes}``, from
+        `TierWrites`): a block every one of ``world_size`` ranks stored in a tier gets a
+        ``BlockStored`` of that tier's medium at the next `translate()`, if its vLLM hash
+        is still known (the CPU pool still holds it)."""
+        pending = self._pending
+        for tier, ranks in writes.items():
+            if not 0 <= tier < len(self.tier_media):
+                _log.debug("event_unknown_tier", tier=tier)
+                continue
+            for rank, hashes in ranks.items():
+                for block_hash in hashes:
+                    key = (group_idx, tier, block_hash)
+                    if world_size > 1:
+                        seen = pending.setdefault(key, set())
+                        seen.add(rank)
+                        if len(seen) < world_size:
+                            continue
+                        del pending[key]
+                    block = self._blocks.get((group_idx, block_hash))
+                    if block is not None:
+                        self._tier_events.append((self.tier_media[tier], group_idx, block))
+        while len(pending) > _PENDING_MAX:
+            pending.popitem(last=False)
+
     def forget_unstored(
         self, group_idx: int, hashes: Iterable[BlockHash], is_cached: Callable[[BlockHash], bool]
     ) -> None:
@@ -144,7 +224,6 @@ class KVEvents:
         ``AllBlocksCleared`` for a reset of every group. A stored block whose vLLM hash is
         unknown (its request was gone when the store was planned) gets no event."""
         from vllm.distributed import kv_events  # noqa: PLC0415
-        from vllm.v1.core.kv_cache_utils import to_event_extra_keys  # noqa: PLC0415
 
         out: list[KVCacheEvent] = []
         cleared = False
@@ -154,19 +233,7 @@ class KVEvents:
                 if block is None:
                     _log.debug("event_without_vllm_hash", group=group_idx)
                     continue
-                out.append(
-                    kv_events.BlockStored(
-                        block_hashes=[block.block_hash],
-                        parent_block_hash=block.parent,
-                        token_ids=list(block.token_ids),
-                        block_size=block.block_size,
-                        lora_id=block.lora_id,
-                        medium=self.medium,
-                        lora_name=block.lora_name,
-                        extra_keys=to_event_extra_keys([block.extra_keys]),
-                        group_idx=group_idx,
-                    )
-                )
+                out.append(_stored(block, self.medium, group_idx))
             elif isinstance(event, BlockRemoved):
                 block = self._blocks.pop((group_idx, event.block_hash), None)
                 if block is not None:
@@ -182,4 +249,24 @@ class KVEvents:
                 if not cleared:
                     out.append(kv_events.AllBlocksCleared())
                     cleared = True
+        tier_events, self._tier_events = self._tier_events, []
+        out.extend(_stored(block, medium, group) for medium, group, block in tier_events)
         return out
+
+
+def _stored(block: _Block, medium: str, group_idx: int) -> KVCacheEvent:
+    """vLLM's ``BlockStored`` of one block in ``medium``."""
+    from vllm.distributed import kv_events  # noqa: PLC0415
+    from vllm.v1.core.kv_cache_utils import to_event_extra_keys  # noqa: PLC0415
+
+    return kv_events.BlockStored(
+        block_hashes=[block.block_hash],
+        parent_block_hash=block.parent,
+        token_ids=list(block.token_ids),
+        block_size=block.block_size,
+        lora_id=block.lora_id,
+        medium=medium,
+        lora_name=block.lora_name,
+        extra_keys=to_event_extra_keys([block.extra_keys]),
+        group_idx=group_idx,
+    )

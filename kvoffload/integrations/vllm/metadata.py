@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvoffload.hashing import BlockHash
 from kvoffload.integrations.vllm.tiers import TierProbe, TierRead
 from kvoffload.transfer.plan import LoadPlan, StorePlan, TransferPlan
 
@@ -78,11 +79,14 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
         reports: ``plan_id -> {rank: ok}``; ``ok`` is whether that rank's copy succeeded.
         tier_probes: ``probe key -> {rank: blocks its tiers hold}`` (a leading run).
         tier_reads: ``read key -> {rank: per block, read and verified}``.
+        tier_writes: ``tier index -> {rank: blocks written down there}``, with KV events
+            on (`kvoffload.integrations.vllm.events.TierWrites`).
     """
 
     reports: dict[int, dict[int, bool]] = field(default_factory=dict)
     tier_probes: dict[int, dict[int, int]] = field(default_factory=dict)
     tier_reads: dict[int, dict[int, tuple[bool, ...]]] = field(default_factory=dict)
+    tier_writes: dict[int, dict[int, tuple[BlockHash, ...]]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVOffloadWorkerMetadata:
         """Merge another worker's report into a new one (a rank reporting a plan twice
@@ -104,4 +108,9 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
         reads = {key: dict(ranks) for key, ranks in self.tier_reads.items()}
         for key, goods in other.tier_reads.items():
             reads.setdefault(key, {}).update(goods)
-        return KVOffloadWorkerMetadata(merged, probes, reads)
+        writes = {tier: dict(by_rank) for tier, by_rank in self.tier_writes.items()}
+        for tier, by_rank in other.tier_writes.items():
+            landed = writes.setdefault(tier, {})
+            for writer, hashes in by_rank.items():
+                landed[writer] = landed.get(writer, ()) + tuple(hashes)
+        return KVOffloadWorkerMetadata(merged, probes, reads, writes)

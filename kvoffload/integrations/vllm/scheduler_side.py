@@ -234,12 +234,12 @@ class SchedulerSide(SchedulerSideBase[_RequestHashes]):
         super().update_connector_output(connector_output)
         meta = connector_output.kv_connector_worker_meta
         tiers = self.tiers
-        if (
-            tiers is not None
-            and isinstance(meta, KVOffloadWorkerMetadata)
-            and (meta.tier_probes or meta.tier_reads)
-        ):
+        if tiers is None or not isinstance(meta, KVOffloadWorkerMetadata):
+            return
+        if meta.tier_probes or meta.tier_reads:
             tiers.on_reports(meta.tier_probes, meta.tier_reads)
+        if meta.tier_writes and self.config.enable_events:
+            self.events.note_tier_writes(0, meta.tier_writes, self.world_size)
 
     def _remember_gpu_hashes(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
         pool = self._gpu_pool
@@ -288,7 +288,8 @@ class SchedulerSide(SchedulerSideBase[_RequestHashes]):
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The pool's events as vLLM KV cache events (`KVEvents`: medium ``"CPU"``,
-        group 0, vLLM's hashes)."""
+        group 0, vLLM's hashes), then the blocks every rank wrote down to a tier (its
+        medium, `kvoffload.integrations.vllm.events.tier_medium`)."""
         if not self.config.enable_events:
             return ()
         return self.events.translate((0, event) for event in self.pool.take_events())

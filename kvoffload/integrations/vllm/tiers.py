@@ -37,7 +37,7 @@ import concurrent.futures
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, final
 
@@ -468,7 +468,12 @@ class WorkerTiers:
         self._free_slots = list(range(staging_blocks - 1, -1, -1))
         self._probes: list[tuple[int, concurrent.futures.Future[int]]] = []
         self._reads: list[tuple[int, int, concurrent.futures.Future[list[bool]]]] = []
-        self._writes: list[tuple[list[int], concurrent.futures.Future[int]]] = []
+        self._writes: list[
+            tuple[list[int], tuple[BlockHash, ...], concurrent.futures.Future[tuple[int, ...]]]
+        ] = []
+        self.on_written: Callable[[tuple[BlockHash, ...], tuple[int, ...]], None] | None = None
+        """Called by `take()` for each write-down that ended: its blocks' hashes and, per
+        tier in order, how many of them that tier stored (``None``: nobody asks)."""
         self.writes_submitted = 0
         self.writes_dropped = 0
         self.writes_failed = 0
@@ -512,14 +517,15 @@ class WorkerTiers:
             row.copy_(host.block_bytes(cpu_id))
             views.append(self._view(row))
         try:
-            future = self._bridge.submit_put(plan.block_hashes[:n], views)
+            hashes = tuple(plan.block_hashes[:n])
+            future = self._bridge.submit_put_each(hashes, views)
         except Exception as exc:  # closed
             _log.warning("vllm_tier_write_failed", error=repr(exc))
             free.extend(slots)
             self.writes_failed += n
             return
         self.writes_submitted += n
-        self._writes.append((slots, future))
+        self._writes.append((slots, hashes, future))
 
     def take(self) -> tuple[dict[int, int], dict[int, tuple[bool, ...]]]:
         """The probes and reads that ended since the last call (a failed one is a run
@@ -552,15 +558,18 @@ class WorkerTiers:
             reads[key] = good
         self._reads = running_r
         running_w = []
-        for slots, wfuture in self._writes:
+        for slots, written, wfuture in self._writes:
             if not wfuture.done():
-                running_w.append((slots, wfuture))
+                running_w.append((slots, written, wfuture))
                 continue
             try:
-                stored = wfuture.result()
+                counts = wfuture.result()
             except Exception:
-                stored = 0
+                counts = ()
+            stored = max(counts, default=0)
             self.writes_failed += len(slots) - min(stored, len(slots))
+            if self.on_written is not None and counts:
+                self.on_written(written, counts)
             self._free_slots.extend(slots)
         self._writes = running_w
         return probes, reads

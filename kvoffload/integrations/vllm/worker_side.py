@@ -19,6 +19,7 @@ from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import LayoutMismatchError
 from kvoffload.integrations.vllm._worker_base import WorkerSideBase, worker_rank
+from kvoffload.integrations.vllm.events import TierWrites
 from kvoffload.integrations.vllm.metadata import (
     KVOffloadConnectorMetadata,
     KVOffloadWorkerMetadata,
@@ -121,6 +122,7 @@ class WorkerSide(WorkerSideBase):
         self._namespace = namespace
         self._world_size = world_size
         self.tiers: WorkerTiers | None = None
+        self._tier_writes = TierWrites()
         self.opaque = opaque
         self.layout = layout
         self.layer_names = list(layer_names)
@@ -163,7 +165,11 @@ class WorkerSide(WorkerSideBase):
             name=f"kvoffload-vllm-tiers-{self.rank}",
         )
         staging = max(s.max_queued_writes for s in settings)
-        return WorkerTiers(bridge, host, staging_blocks=staging)
+        tiers = WorkerTiers(bridge, host, staging_blocks=staging)
+        if self.config.enable_events:
+            # KV events: the scheduler side publishes the blocks every rank wrote down.
+            tiers.on_written = self._tier_writes.note
+        return tiers
 
     def bind(self, meta: KVOffloadConnectorMetadata) -> None:
         """Remember the step's plans; start its tier probes and reads."""
@@ -177,13 +183,15 @@ class WorkerSide(WorkerSideBase):
         if self.tiers is None:
             return meta
         probes, reads = self.tiers.take()
-        if not probes and not reads:
+        writes = self._tier_writes.take()
+        if not probes and not reads and not writes:
             return meta
         if meta is None:
             meta = KVOffloadWorkerMetadata()
         rank = self.rank
         meta.tier_probes = {key: {rank: run} for key, run in probes.items()}
         meta.tier_reads = {key: {rank: good} for key, good in reads.items()}
+        meta.tier_writes = {tier: {rank: hashes} for tier, hashes in writes.items()}
         return meta
 
     def statistics(self) -> ConnectorStatistics:
