@@ -80,6 +80,7 @@ from kvoffload.scheduler.loads import run_extend, run_spent
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.requests import PriorityCount, as_int, check_request_priority
 from kvoffload.scheduler.stats import Counters
+from kvoffload.scheduler.stores import GpuCacheView
 from kvoffload.transfer.plan import LoadPlan, TransferPlan
 
 __all__ = ["GroupStatistics", "GroupedPlan", "GroupedScheduler"]
@@ -142,15 +143,18 @@ class GroupedScheduler:
             and ``store_admission`` (one filter per group), ``restore_evicted`` (a
             live request's blocks evicted from a group's pool are stored again from its
             GPU blocks), ``hold_blocks_on_finish`` with ``hold_max_blocks`` (per group
-            pool) and ``hold_max_steps`` (see `finish()`). ``None``: no limit, every
-            block admitted, nothing restored, nothing held.
+            pool) and ``hold_max_steps`` (see `finish()`), ``store_mode="lazy"`` with
+            ``lazy_offload_blocks`` (each full group stores from its own eviction order:
+            `plan_stores()`). ``None``: no limit, every block admitted, nothing restored,
+            nothing held, eager stores.
 
     Call it from one thread; every method is synchronous. A refused call changes nothing.
 
     Raises:
         ConfigError: groups `check_groups()` refuses, a cacheable group without a pool of
             its own, a GPU block count not a positive int or for no group, or a
-            ``checkpoint_tokens`` not a positive int multiple of the alignment, or a
+            ``checkpoint_tokens`` not a positive int multiple of the alignment, lazy
+            stores with a group not full attention (`lazy_refusal()`), or a
             ``max_store_blocks_per_step`` below the blocks of a group's store point.
     """
 
@@ -515,7 +519,9 @@ class GroupedScheduler:
 
     # -- stores ----------------------------------------------------------------------------
 
-    def plan_stores(self) -> GroupedPlan | None:
+    def plan_stores(
+        self, gpu_cache: Mapping[str, GpuCacheView] | GpuCacheView | None = None
+    ) -> GroupedPlan | None:
         """Plan this step's stores for every live request and group, as one batch.
 
         A group whose pool has no room defers the rest of its points (the cursor stays on
@@ -523,10 +529,35 @@ class GroupedScheduler:
         is then. Finished requests' holds are planned too (their last point included),
         and given up after ``hold_max_steps`` calls.
 
+        With ``store_mode="lazy"`` (every group full attention), each group instead
+        stores the blocks of its own view closest to eviction, as one group's
+        `OffloadScheduler.plan_stores()` does (`GroupStorePlanner.plan_lazy()`).
+
+        Args:
+            gpu_cache: per cacheable group name, the engine's cache view of that group;
+                required in lazy mode, ignored in eager.
+
         Returns:
             One store plan per group with blocks to store, or ``None``.
+
+        Raises:
+            InvalidInputError: lazy mode without a view, or views that do not name
+                exactly the cacheable groups (InputTypeError: not a mapping).
         """
-        self._planner.plan_calls += 1
+        planner = self._planner
+        if planner.lazy_window:
+            if gpu_cache is None:
+                raise InvalidInputError(
+                    "store_mode='lazy' needs the engine's gpu_cache view of every group "
+                    f"{[g.name for g in self._cacheable]}"
+                )
+            planner.plan_calls += 1
+            before = self._deferred_steps()
+            plan = planner.plan_lazy(gpu_cache)
+            if self._deferred_steps() != before:
+                self.deferred_steps += 1
+            return plan
+        planner.plan_calls += 1
         live = [s for s in self._requests.values() if not s.finished or s.holding]
         plan = self._plan(live, final=False)
         for state in live:
@@ -557,6 +588,8 @@ class GroupedScheduler:
         not store (whole points from its cursor, within ``hold_max_blocks`` per group:
         `held_blocks()`); the engine keeps them until `take_released_holds()` returns
         them: a later `plan_stores()` planned them, or ``hold_max_steps`` calls passed.
+        With ``store_mode="lazy"`` nothing is planned or held: the engine's eviction order
+        decides what is stored, as with one group.
 
         Raises:
             UnknownRequestError: no state for that id.
@@ -566,10 +599,10 @@ class GroupedScheduler:
         self.release(request_id)
         planner = self._planner
         plan = None
-        if planner.holds is None:
-            plan = self._plan([state], final=True)
-        else:
+        if planner.holds is not None:
             planner.begin_hold(state)
+        elif not planner.lazy_window:  # lazy stores plan nothing at finish (one group too)
+            plan = self._plan([state], final=True)
         state.finished = True
         for name, lane in state.lanes.items():
             if not lane.held:
