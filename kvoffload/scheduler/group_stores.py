@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Mapping, Sequence
-from typing import final
+from typing import TypeAlias, final
 
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import ConfigError, InputTypeError, InvalidInputError, InvariantError
@@ -27,7 +27,18 @@ from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.stores import GpuCacheView, StoreBatch, scan_lazy
 from kvoffload.transfer.plan import TransferPlan
 
-__all__ = ["LAZY_BY_KIND", "GroupStorePlanner", "check_store_limit", "lazy_refusal", "point_blocks"]
+__all__ = [
+    "LAZY_BY_KIND",
+    "CacheViews",
+    "GroupStorePlanner",
+    "check_store_limit",
+    "lazy_refusal",
+    "point_blocks",
+]
+
+CacheViews: TypeAlias = "Mapping[str, GpuCacheView] | GpuCacheView"
+"""What a lazy ``plan_stores()`` takes with several groups: one `GpuCacheView` per group
+name (a single view is refused: `GroupStorePlanner.plan_lazy()`)."""
 
 _LAZY_SPLITS = (
     "; storing them eagerly at their store points instead would split a prefix over two "
@@ -159,6 +170,9 @@ class GroupStorePlanner:
         stores hold nothing, as with one group: `FinishHolds`)."""
         self.plan_calls = 0
         """``plan_stores`` calls so far (the clock of finish holds)."""
+        self.deferred_steps = 0
+        """Plans (``plan_stores`` and ``finish`` calls) that deferred anything in some
+        group (per group: `GroupStatistics.deferred_steps`)."""
 
     # -- finish holds --------------------------------------------------------------------------
 
@@ -403,13 +417,19 @@ class GroupStorePlanner:
             k = end
         return None
 
-    def plan(self, states: Sequence[GroupedRequest], final: bool) -> GroupedPlan | None:
+    def plan(
+        self, states: Sequence[GroupedRequest], final: bool, gpu_cache: CacheViews | None = None
+    ) -> GroupedPlan | None:
         """One store plan per group for ``states``: their store points up to their computed
         length (and that length itself when ``final``), a point whole or deferred with every
         later one and every later request's (as one group defers: `StoreBatch`). A step
         (not ``final``) first stores again the live blocks evicted from a group's pool,
-        with ``restore_evicted``."""
+        with ``restore_evicted``. Lazy stores plan from ``gpu_cache`` instead
+        (`plan_lazy()`)."""
+        if self.lazy_window:
+            return self.plan_lazy(gpu_cache)
         plans: dict[str, TransferPlan] = {}
+        deferred = False
         for g in self._cacheable:
             name = g.name
             batch = StoreBatch(self._ledgers[name], self._limit)
@@ -448,25 +468,30 @@ class GroupStorePlanner:
                     ended.append((state, False))
                 lane.cursor = max(lane.cursor, new)
                 batch.end_run()
+            deferred = deferred or bool(batch.deferred)
             plan = self._open(name, batch, rec, want)
             self._end_holds(name, ended, plan, rec)
             if plan is not None:
                 plans[name] = plan
+        self.deferred_steps += deferred
         return GroupedPlan("store", plans) if plans else None
 
-    def plan_lazy(
-        self, gpu_caches: Mapping[str, GpuCacheView] | GpuCacheView
-    ) -> GroupedPlan | None:
+    def plan_lazy(self, gpu_caches: CacheViews | None) -> GroupedPlan | None:
         """One store plan per group from each group's cache view (``store_mode="lazy"``,
         every group full attention): the blocks closest to eviction, the first
         ``lazy_offload_blocks`` of its order, by the one-group lazy scan (`scan_lazy()`);
-        no request's cursor moves.
+        no request's cursor moves, and nothing is planned at finish (as with one group).
 
         Raises:
             InputTypeError: ``gpu_caches`` is not a mapping.
-            InvalidInputError: it does not name exactly the cacheable groups.
+            InvalidInputError: no views, or views that do not name exactly the cacheable
+                groups.
         """
         names = [g.name for g in self._cacheable]
+        if gpu_caches is None:
+            raise InvalidInputError(
+                f"store_mode='lazy' needs the engine's gpu_cache view of every group {names}"
+            )
         if not isinstance(gpu_caches, Mapping):
             raise InputTypeError(
                 f"gpu_cache={type(gpu_caches).__name__}: with several KV cache groups, "
@@ -480,13 +505,16 @@ class GroupStorePlanner:
                 f"{missing}, unknown {unknown}"
             )
         plans: dict[str, TransferPlan] = {}
+        deferred = False
         for g in self._cacheable:
             name = g.name
             batch = StoreBatch(self._ledgers[name], self._limit)
             scan_lazy(gpu_caches[name], batch, self.lazy_window)
+            deferred = deferred or bool(batch.deferred)
             plan = self._open(name, batch, StoreRecord([], {}), {})
             if plan is not None:
                 plans[name] = plan
+        self.deferred_steps += deferred
         return GroupedPlan("store", plans) if plans else None
 
     def _open(

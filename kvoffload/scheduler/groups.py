@@ -74,13 +74,12 @@ from kvoffload.scheduler.group_state import (
     check_tables,
     table_changes,
 )
-from kvoffload.scheduler.group_stores import GroupStorePlanner
+from kvoffload.scheduler.group_stores import CacheViews, GroupStorePlanner
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import run_extend, run_spent
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.requests import PriorityCount, as_int, check_request_priority
 from kvoffload.scheduler.stats import Counters
-from kvoffload.scheduler.stores import GpuCacheView
 from kvoffload.transfer.plan import LoadPlan, TransferPlan
 
 __all__ = ["GroupStatistics", "GroupedPlan", "GroupedScheduler"]
@@ -143,19 +142,17 @@ class GroupedScheduler:
             and ``store_admission`` (one filter per group), ``restore_evicted`` (a
             live request's blocks evicted from a group's pool are stored again from its
             GPU blocks), ``hold_blocks_on_finish`` with ``hold_max_blocks`` (per group
-            pool) and ``hold_max_steps`` (see `finish()`), ``store_mode="lazy"`` with
-            ``lazy_offload_blocks`` (each full group stores from its own eviction order:
-            `plan_stores()`). ``None``: no limit, every block admitted, nothing restored,
-            nothing held, eager stores.
+            pool) and ``hold_max_steps`` (see `finish()`), and lazy stores (`plan_stores()`).
+            ``None``: no limit, every block admitted, nothing restored, nothing held.
 
     Call it from one thread; every method is synchronous. A refused call changes nothing.
 
     Raises:
         ConfigError: groups `check_groups()` refuses, a cacheable group without a pool of
             its own, a GPU block count not a positive int or for no group, or a
-            ``checkpoint_tokens`` not a positive int multiple of the alignment, lazy
-            stores with a group not full attention (`lazy_refusal()`), or a
-            ``max_store_blocks_per_step`` below the blocks of a group's store point.
+            ``checkpoint_tokens`` not a positive int multiple of the alignment, lazy stores
+            with a group not full attention, or a ``max_store_blocks_per_step`` below the
+            blocks of a group's store point.
     """
 
     def __init__(
@@ -191,9 +188,6 @@ class GroupedScheduler:
         self.deferrals_bounded = 0
         """Lookups that answered with the CPU hit instead of "ask again": the request's
         run of those answers reached its bound (`deferral_spent()`)."""
-        self.deferred_steps = 0
-        """``plan_stores`` and ``finish`` calls that deferred anything in some group (per
-        group: `GroupStatistics.deferred_steps`)."""
         self._planner = GroupStorePlanner(
             self._cacheable,
             self._ledgers,
@@ -229,6 +223,12 @@ class GroupedScheduler:
     def ledger(self, group: str) -> BlockLedger:
         """The ledger of ``group``'s pool (the tiers take its references through it)."""
         return self._ledgers[group]
+
+    @property
+    def deferred_steps(self) -> int:
+        """``plan_stores`` and ``finish`` calls that deferred anything in some group (per
+        group: `GroupStatistics.deferred_steps`; counted by `GroupStorePlanner`)."""
+        return self._planner.deferred_steps
 
     @property
     def num_in_flight(self) -> int:
@@ -519,60 +519,24 @@ class GroupedScheduler:
 
     # -- stores ----------------------------------------------------------------------------
 
-    def plan_stores(
-        self, gpu_cache: Mapping[str, GpuCacheView] | GpuCacheView | None = None
-    ) -> GroupedPlan | None:
+    def plan_stores(self, gpu_cache: CacheViews | None = None) -> GroupedPlan | None:
         """Plan this step's stores for every live request and group, as one batch.
 
         A group whose pool has no room defers the rest of its points (the cursor stays on
         the last point planned); a deferred point is planned later from the table as it
         is then. Finished requests' holds are planned too (their last point included),
-        and given up after ``hold_max_steps`` calls.
-
-        With ``store_mode="lazy"`` (every group full attention), each group instead
-        stores the blocks of its own view closest to eviction, as one group's
-        `OffloadScheduler.plan_stores()` does (`GroupStorePlanner.plan_lazy()`).
-
-        Args:
-            gpu_cache: per cacheable group name, the engine's cache view of that group;
-                required in lazy mode, ignored in eager.
+        and given up after ``hold_max_steps`` calls. With ``store_mode="lazy"`` each group
+        stores from its view in ``gpu_cache`` instead (`GroupStorePlanner.plan_lazy()`).
 
         Returns:
             One store plan per group with blocks to store, or ``None``.
-
-        Raises:
-            InvalidInputError: lazy mode without a view, or views that do not name
-                exactly the cacheable groups (InputTypeError: not a mapping).
         """
-        planner = self._planner
-        if planner.lazy_window:
-            if gpu_cache is None:
-                raise InvalidInputError(
-                    "store_mode='lazy' needs the engine's gpu_cache view of every group "
-                    f"{[g.name for g in self._cacheable]}"
-                )
-            planner.plan_calls += 1
-            before = self._deferred_steps()
-            plan = planner.plan_lazy(gpu_cache)
-            if self._deferred_steps() != before:
-                self.deferred_steps += 1
-            return plan
-        planner.plan_calls += 1
+        self._planner.plan_calls += 1
         live = [s for s in self._requests.values() if not s.finished or s.holding]
-        plan = self._plan(live, final=False)
+        plan = self._planner.plan(live, False, gpu_cache)
         for state in live:
             self._drop_if_done(state)  # a hold the plan ended, or that expired
         return plan
-
-    def _plan(self, states: list[GroupedRequest], final: bool) -> GroupedPlan | None:
-        before = self._deferred_steps()
-        plan = self._planner.plan(states, final=final)
-        if self._deferred_steps() != before:
-            self.deferred_steps += 1
-        return plan
-
-    def _deferred_steps(self) -> int:
-        return sum(c.counters.deferred_steps for c in self._counts.values())
 
     # -- finish, preempt, reset ------------------------------------------------------------
 
@@ -588,8 +552,7 @@ class GroupedScheduler:
         not store (whole points from its cursor, within ``hold_max_blocks`` per group:
         `held_blocks()`); the engine keeps them until `take_released_holds()` returns
         them: a later `plan_stores()` planned them, or ``hold_max_steps`` calls passed.
-        With ``store_mode="lazy"`` nothing is planned or held: the engine's eviction order
-        decides what is stored, as with one group.
+        Lazy stores plan and hold nothing here, as with one group.
 
         Raises:
             UnknownRequestError: no state for that id.
@@ -602,7 +565,7 @@ class GroupedScheduler:
         if planner.holds is not None:
             planner.begin_hold(state)
         elif not planner.lazy_window:  # lazy stores plan nothing at finish (one group too)
-            plan = self._plan([state], final=True)
+            plan = self._planner.plan([state], True)
         state.finished = True
         for name, lane in state.lanes.items():
             if not lane.held:
