@@ -38,7 +38,7 @@ from kvoffload.pinner import GpuBlockPinner
 from kvoffload.pool.block_pool import PoolEvent, PoolStatistics
 from kvoffload.pool.hints import RetentionHints
 from kvoffload.request_groups import GroupLanes, check_group_mapping
-from kvoffload.scheduler import SchedulerStatistics
+from kvoffload.scheduler import GpuCacheView, SchedulerStatistics
 from kvoffload.scheduler.group_loads import find_hit
 from kvoffload.scheduler.groups import GroupedScheduler, GroupStatistics
 from kvoffload.scheduler.misses import MissReason
@@ -361,14 +361,20 @@ class GroupSession(Lifecycle):
         block_hashes = self._check_names(request_id, "update()'s block_hashes", block_hashes)
         self.scheduler.update(request_id, tables, block_hashes, num_computed_tokens)
 
-    def store(self, after: object | None = None) -> list[TransferTask]:
-        """Plan and start this step's stores (one grouped transfer, or none)."""
+    def store(
+        self,
+        after: object | None = None,
+        gpu_cache: Mapping[str, GpuCacheView] | GpuCacheView | None = None,
+    ) -> list[TransferTask]:
+        """Plan and start this step's stores (one grouped transfer, or none); with
+        ``store_mode="lazy"``, from ``gpu_cache``, one view per group name (see
+        `GroupedScheduler.plan_stores()`)."""
         self.check("store")
         hints = self.hints
         if hints:  # lazy expiry; nothing to do while no hint is live
             hints.expire()
             hints.retry()
-        plan = self.scheduler.plan_stores()
+        plan = self.scheduler.plan_stores(gpu_cache)
         try:
             if plan is None:
                 return []

@@ -117,33 +117,22 @@ ENTRY_POINTS: dict[EntryPoint, str] = {
 }
 """Each entry point, as error messages name it."""
 
-_ONE_GROUP_ONLY = (
-    "a model with several KV cache groups stores eagerly, at its store points; this "
-    "setting works with one full-attention group only for now"
+_VLLM_GROUPS_EAGER = (
+    "the connector stores a model with several KV cache groups eagerly: its view of "
+    "vLLM's eviction order (the free block queue) maps one group's blocks to their hashes, "
+    "and vLLM gives several groups mostly to hybrid models, whose sliding-window, chunked "
+    "or recurrent group refuses lazy stores anyway (kvoffload.build.lazy_refusal()); "
+    "KVOffloader stores several full-attention groups lazily"
 )
-_LAZY_BY_KIND = {
-    "full": "KVOffloader.store(gpu_cache=) takes one eviction order of one block table, "
-    "and a hit needs every group's blocks of a prefix, which one group's order does not "
-    "give (lazy stores work with one full-attention group only for now)",
-    "sliding_window": "it stores only the blocks of needed(g, P) at each store point, "
-    "and a walk of single GPU blocks in eviction order has no store point (a block "
-    "alone gives no hit)",
-    "chunked": "it stores only the blocks of needed(g, P) at each store point, and a "
-    "walk of single GPU blocks in eviction order has no store point (a block alone "
-    "gives no hit)",
-    "recurrent": "its state is one snapshot per checkpoint, overwritten in place as the "
-    "request runs: there is no eviction order of its blocks to walk",
-}
-"""Why a lazy store (``store_mode="lazy"``) cannot serve each kind of group."""
 
 
 def lazy_refusal(groups: Sequence[KVCacheGroup]) -> str:
-    """Why ``store_mode="lazy"`` is refused for these groups, group by group."""
-    return "; ".join(
-        f"group {g.name!r} ({g.kind}): {_LAZY_BY_KIND[g.kind]}"
-        for g in groups
-        if g.kind in _LAZY_BY_KIND
-    )
+    """Why ``store_mode="lazy"`` is refused for these groups, group by group (``""``:
+    every cacheable group is full attention, and lazy stores work;
+    `kvoffload.scheduler.group_stores.LAZY_BY_KIND` says why for each other kind)."""
+    from kvoffload.scheduler.group_stores import lazy_refusal as refusal  # noqa: PLC0415
+
+    return refusal(groups)
 
 
 _GROUPS_ONLY = (
@@ -164,10 +153,7 @@ _VLLM_NO_PREFETCH = "the connector has no prefetch(), the only reader of this bo
 
 REFUSED: dict[EntryPoint, dict[str, str]] = {
     "offloader": {"checkpoint_tokens": _GROUPS_ONLY},
-    "offloader_groups": {
-        "store_mode": _ONE_GROUP_ONLY,
-        "lazy_offload_blocks": "a setting of store_mode='lazy', which " + _ONE_GROUP_ONLY[2:],
-    },
+    "offloader_groups": {},
     "vllm": {
         "checkpoint_tokens": _GROUPS_ONLY,
         "hold_blocks_on_finish": _VLLM_NO_HOLDS,
@@ -181,11 +167,8 @@ REFUSED: dict[EntryPoint, dict[str, str]] = {
         "checkpoint_tokens": "the connector puts a store point at every multiple of the "
         "groups' hit alignment (a recurrent state is in vLLM's table only right after the "
         "step that computed it), so it cannot space them otherwise",
-        "store_mode": _ONE_GROUP_ONLY,
-        "lazy_offload_blocks": "a setting of store_mode='lazy', which " + _ONE_GROUP_ONLY[2:],
-        "restore_evicted": _ONE_GROUP_ONLY,
-        "max_store_blocks_per_step": _ONE_GROUP_ONLY,
-        "store_admission": _ONE_GROUP_ONLY,
+        "store_mode": _VLLM_GROUPS_EAGER,
+        "lazy_offload_blocks": "a setting of store_mode='lazy': " + _VLLM_GROUPS_EAGER[4:],
         "hold_blocks_on_finish": _VLLM_NO_HOLDS,
         "hold_max_blocks": _VLLM_NO_HOLDS,
         "hold_max_steps": _VLLM_NO_HOLDS,
@@ -215,7 +198,8 @@ def check_settings(
 
     With ``groups`` (``offloader_groups``), a ``block_size`` other than the default must
     be every cacheable group's (each group has its own; `KVCacheGroup.block_size`), and
-    a lazy store's refusal says why for each group's kind (`lazy_refusal()`).
+    lazy stores are refused unless every cacheable group is full attention, saying why
+    for each other group's kind (`lazy_refusal()`).
     ``refused`` checks only those of ``entry_point``'s fields (a check made before the
     model is known).
 
@@ -225,11 +209,12 @@ def check_settings(
     fields = OffloadConfig.model_fields
     if refused is None:
         refused = REFUSED[entry_point]
-    if groups and "store_mode" in refused:  # say why for each group
-        lazy = lazy_refusal(groups)
+    lazy = lazy_refusal(groups) if groups and "store_mode" not in refused else ""
+    if lazy:  # say why for each group that is not full attention
         refused = {
             **refused,
-            "store_mode": f"lazy stores walk one eviction order of GPU blocks: {lazy}",
+            "store_mode": "lazy stores walk each full-attention group's eviction order of "
+            f"GPU blocks: {lazy}",
             "lazy_offload_blocks": "a setting of store_mode='lazy', refused with these groups",
         }
     wrong = [

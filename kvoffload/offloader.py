@@ -452,7 +452,10 @@ class KVOffloader:
             groups.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
 
     def store(
-        self, *, after: object | None = None, gpu_cache: GpuCacheView | None = None
+        self,
+        *,
+        after: object | None = None,
+        gpu_cache: GpuCacheView | Mapping[str, GpuCacheView] | None = None,
     ) -> list[TransferTask]:
         """Plan and start this step's stores (one batched transfer, or none).
 
@@ -460,7 +463,8 @@ class KVOffloader:
             after: what the copy must wait for: a CUDA event recorded after the compute
                 that wrote the blocks (default: the current stream at this call), or a
                 ``threading.Event`` / future for the thread engine.
-            gpu_cache: the engine's cache view, for ``store_mode="lazy"``.
+            gpu_cache: the engine's cache view, for ``store_mode="lazy"``; with several
+                KV cache groups (all full attention), one view per group name.
 
         Returns:
             The started transfers; awaiting them is optional.
@@ -470,10 +474,13 @@ class KVOffloader:
                 plan is undone (cursors go back), so nothing of this step is lost: the
                 same blocks are planned by the next call.
             PinnerError: the pinner's ``pin`` raised; the plan is undone the same way.
+            InvalidInputError: lazy mode without ``gpu_cache``, or (several groups) views
+                that do not name exactly the cacheable groups (InputTypeError: not a
+                mapping).
         """
         if self._groups is not None:
-            return self._groups.store(after)
-        return self._session.store(after, gpu_cache)
+            return self._groups.store(after, gpu_cache)
+        return self._session.store(after, gpu_cache)  # type: ignore[arg-type]  # one group
 
     def finish(self, request_id: str) -> None:
         """The engine finished a request. See `OffloadScheduler.finish()`.

@@ -2,20 +2,24 @@
 same geometry through `GroupedScheduler` run one seeded random workload (shared prefixes,
 lookups that defer, loads, stores each step, completions in random order and some failing,
 finishes, preemptions, a pool small enough to evict and defer), also with a per-step store
-limit and an admission filter: every lookup gives the same hit, every step plans the same
-blocks, each group's pool holds what the one pool holds, and each group counts what the one
-scheduler counts."""
+limit and an admission filter, and with lazy stores (from a simulated GPU prefix cache's
+eviction order): every lookup gives the same hit, every step plans the same blocks, each
+group's pool holds what the one pool holds, and each group counts what the one scheduler
+counts."""
 
 from __future__ import annotations
 
 import hashlib
 import itertools
 import random
+from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
 
 from kvoffload.config import OffloadConfig
+from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.scheduler import OffloadScheduler, SchedulerStatistics
 from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler
@@ -24,6 +28,7 @@ from tests.groups_helpers import group
 
 BS = 4
 CPU_BLOCKS = 14
+GPU_CACHED = 12  # free GPU blocks that keep their KV (the engine's prefix cache), at most
 NAMES = ("a", "b")
 # The counters both report with the same meaning (per group for the grouped scheduler).
 COUNTERS = (
@@ -55,6 +60,17 @@ def chain(tag: str, tokens: list[int]) -> list[bytes]:
     return out
 
 
+class View:
+    """The simulated engine's free GPU blocks that still hold their KV, next to be evicted
+    first, under one namespace's hashes."""
+
+    def __init__(self, blocks: list[tuple[int, bytes]]) -> None:
+        self.blocks = blocks
+
+    def iter_eviction_order(self) -> Iterator[tuple[int, BlockHash]]:
+        return iter((i, BlockHash(h)) for i, h in self.blocks)
+
+
 @dataclass
 class Req:
     rid: str
@@ -82,6 +98,10 @@ class Pair:
         self.grouped.clock = lambda: 0.0
         self.in_flight: list[tuple[TransferPlan, GroupedPlan]] = []
         self.gpu_ids = itertools.count()
+        self.lazy = config.store_mode == "lazy"
+        # the engine's free GPU blocks holding KV, oldest (evicted next) first:
+        # gpu id -> (hash in "one", hash per group)
+        self.free: OrderedDict[int, tuple[bytes, dict[str, bytes]]] = OrderedDict()
 
     def hashes(self, req: Req) -> tuple[list[bytes], dict[str, list[bytes]]]:
         req.hashed = max(req.hashed, req.prompt, req.computed)
@@ -94,6 +114,24 @@ class Pair:
     def grow_table(self, req: Req, tokens: int) -> None:
         while len(req.table) * BS < tokens:
             req.table.append(next(self.gpu_ids))
+
+    def release_blocks(self, req: Req) -> None:
+        """The engine frees ``req``'s computed full blocks (tail first, as vLLM): they
+        join the eviction order, and the oldest beyond `GPU_CACHED` are reused."""
+        one_h, grouped_h = self.hashes(req)
+        n = min(req.computed // BS, len(req.table), len(one_h))
+        for i in reversed(range(n)):
+            self.free[req.table[i]] = (one_h[i], {g: grouped_h[g][i] for g in NAMES})
+        while len(self.free) > GPU_CACHED:
+            self.free.popitem(last=False)
+
+    def plan_stores(self) -> tuple[TransferPlan | None, GroupedPlan | None]:
+        if not self.lazy:
+            return self.one.plan_stores(), self.grouped.plan_stores()
+        blocks = list(self.free.items())
+        one = View([(i, h) for i, (h, _) in blocks])
+        views = {g: View([(i, hs[g]) for i, (_, hs) in blocks]) for g in NAMES}
+        return self.one.plan_stores(one), self.grouped.plan_stores(views)
 
     def pair(self, one: TransferPlan | None, grouped: GroupedPlan | None, what: str) -> None:
         if one is None:
@@ -166,7 +204,7 @@ def run(
             one_h, grouped_h = pair.hashes(req)
             pair.one.update(req.rid, req.table, one_h, req.computed)
             pair.grouped.update(req.rid, pair.tables(req), grouped_h, req.computed)
-        pair.pair(pair.one.plan_stores(), pair.grouped.plan_stores(), f"step {step} stores")
+        pair.pair(*pair.plan_stores(), f"step {step} stores")
         released = pair.one.take_released_holds()
         greleased = pair.grouped.take_released_holds()
         assert all(greleased.get(n, []) == released for n in NAMES), (step, "released holds")
@@ -189,7 +227,8 @@ def run(
             caught_up = state.num_stored_blocks >= min(req.computed // BS, len(req.table))
             done = req.computed >= len(req.tokens)
             r = rng.random()
-            if (caught_up or holds) and (done or r < 0.05):
+            if (caught_up or holds or pair.lazy) and (done or r < 0.05):
+                pair.release_blocks(req)
                 held = list(pair.one.finish(req.rid))
                 assert pair.grouped.finish(req.rid) is None, req.rid
                 gheld = pair.grouped.held_blocks(req.rid)
@@ -197,6 +236,7 @@ def run(
                 log.append(("held", req.rid, len(held)))
                 del reqs[req.rid]
             elif r > 0.95:
+                pair.release_blocks(req)
                 pair.one.preempt(req.rid)
                 pair.grouped.preempt(req.rid)
                 req.waiting, req.computed, req.table = True, 0, []
@@ -243,6 +283,37 @@ def test_two_full_groups_behave_as_one_holding_blocks_on_finish(seed: int) -> No
     """Requests finish also before their blocks are all stored: each group holds what
     one group holds (within the budget), and releases it at the same step."""
     run(seed, **HOLDS)
+
+
+LAZY = {"store_mode": "lazy", "lazy_offload_blocks": 5}
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_two_full_groups_behave_as_one_storing_lazily(seed: int) -> None:
+    """Lazy stores: each group walks its own view of the engine's eviction order with the
+    one-group lazy scan, so both plan the same blocks and hit alike."""
+    run(seed, **LAZY)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_two_full_groups_behave_as_one_storing_lazily_with_a_step_limit(seed: int) -> None:
+    run(seed, **LAZY, max_store_blocks_per_step=2)
+
+
+def test_lazy_stores_take_effect_in_the_workload() -> None:
+    """The lazy workload stores, hits, defers and evicts (so the comparison sees them),
+    and stores other blocks than eager stores do."""
+    hits = deferred = evictions = 0
+    for seed in range(10):
+        log, lazy, evicted = run(seed, **LAZY)
+        _, eager, _ = run(seed)
+        assert lazy.stored_blocks != eager.stored_blocks, seed
+        hits += sum(1 for e in log if isinstance(e, tuple) and e[0] == "lookup" and e[2])
+        deferred += lazy.deferred_blocks
+        evictions += evicted
+    assert hits
+    assert deferred
+    assert evictions
 
 
 def test_the_store_settings_take_effect_in_the_workload() -> None:

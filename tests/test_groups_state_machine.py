@@ -15,10 +15,13 @@ and every retained prefix holds exactly ``needed(g, N)`` in every group and stay
 of ``N``.
 Each mix also runs with the store settings on (a per-step limit, an admission filter,
 ``restore_evicted``, finish holds: the engine frees a held block only once released).
+Two full-attention groups of different block sizes also run with lazy stores, each group
+storing from its own free GPU blocks (those the engine reuses next first).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, settings
@@ -37,6 +40,16 @@ from tests.groups_helpers import Rig, group
 GPU_BLOCKS = 40
 KEEP = 3  # blocks a non-full group keeps before the computed length
 JUNK = BlockHash(b"junk")  # what a block holds that no request's KV was written into
+
+
+class FreeBlocks:
+    """A group's eviction order: its free GPU blocks that hold a request's KV."""
+
+    def __init__(self, blocks: list[tuple[int, BlockHash]]) -> None:
+        self.blocks = blocks
+
+    def iter_eviction_order(self) -> Iterator[tuple[int, BlockHash]]:
+        return iter(self.blocks)
 
 
 @dataclass
@@ -226,7 +239,7 @@ class GroupsMachine(RuleBasedStateMachine):
                 break
             self.sched.update(rid, req.tables, req.hashes, computed)
             before = len(self.flights)
-            self._fly(self.sched.plan_stores())
+            self._fly(self._plan_stores())
             for f in self.flights[before:]:
                 self._finish_flight(f, "fail" if fail else "ok")
                 fail = False
@@ -247,7 +260,20 @@ class GroupsMachine(RuleBasedStateMachine):
         if self._grow(req, computed):
             self.sched.update(rid, req.tables, req.hashes, computed)
         if store:
-            self._fly(self.sched.plan_stores())
+            self._fly(self._plan_stores())
+
+    def _plan_stores(self) -> GroupedPlan | None:
+        """``plan_stores()``; lazy: from each group's free GPU blocks that hold KV, the
+        next to be reused first (a block a transfer names is never reused)."""
+        if self.CONFIG is None or self.CONFIG.store_mode != "lazy":
+            return self.sched.plan_stores()
+        views = {
+            n: FreeBlocks(
+                [(b, self.gpu[n][b]) for b in self.free[n] if self.gpu[n].get(b, JUNK) != JUNK]
+            )
+            for n in self.names
+        }
+        return self.sched.plan_stores(views)
 
     def _fly(self, plan: GroupedPlan | None) -> None:
         if plan is not None:
@@ -495,6 +521,15 @@ class FullChunkedSettingsMachine(FullChunkedMachine):
     CONFIG = STORE_SETTINGS
 
 
+class TwoFullLazyMachine(GroupsMachine):
+    GROUPS = (group("attn", "full", 4), group("wide", "full", 8))
+    CONFIG = OffloadConfig(
+        num_cpu_blocks=10, store_mode="lazy", lazy_offload_blocks=4, max_store_blocks_per_step=3
+    )
+
+
+TestTwoFullLazy = TwoFullLazyMachine.TestCase
+TestTwoFullLazy.settings = _SETTINGS
 TestFullSlidingSettings = FullSlidingSettingsMachine.TestCase
 TestFullSlidingSettings.settings = _SETTINGS
 TestFullRecurrentSettings = FullRecurrentSettingsMachine.TestCase

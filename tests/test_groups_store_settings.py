@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -15,8 +15,9 @@ import torch
 from kvoffload import KVOffloader
 from kvoffload.build import check_settings
 from kvoffload.config import OffloadConfig
-from kvoffload.errors import ConfigError, PinnerError
+from kvoffload.errors import ConfigError, InputTypeError, InvalidInputError, PinnerError
 from kvoffload.groups import KVCacheGroup
+from kvoffload.hashing import BlockHash
 from kvoffload.layout import KVLayout
 from kvoffload.pinner import RefCountPinner
 from tests.groups_helpers import Rig, group
@@ -398,27 +399,36 @@ async def test_closing_the_offloader_releases_the_holds() -> None:
     assert all(p.num_pinned == 0 for p in pinners.values())
 
 
-# -- lazy stores: refused, with the reason of each group's kind ------------------------------
+# -- lazy stores: refused for a group not full attention, with the reason of its kind -----
 
 
 @pytest.mark.parametrize(
     ("shape", "reason"),
     [
-        ("full+swa", r"group 'swa' \(sliding_window\): it stores only the blocks of needed"),
+        ("full+swa", r"group 'swa' \(sliding_window\): a lazy store copies a block only when"),
         ("full+recurrent", r"group 'rec' \(recurrent\): its state is one snapshot per checkpoint"),
+        ("full+chunked", r"group 'ch' \(chunked\): a lazy store copies a block only when"),
     ],
 )
 def test_lazy_stores_are_refused_naming_each_group_and_why(shape: str, reason: str) -> None:
+    groups = {
+        **SHAPES,
+        "full+chunked": [group("full", "full", BS), group("ch", "chunked", BS, chunk=16)],
+    }[shape]
     for settings in ({"store_mode": "lazy"}, {"store_mode": "lazy", "lazy_offload_blocks": 2}):
         with pytest.raises(ConfigError) as info:
-            check_settings(config(**settings), "offloader_groups", groups=SHAPES[shape])
+            check_settings(config(**settings), "offloader_groups", groups=groups)
         message = str(info.value)
         assert "store_mode='lazy'" in message
         assert "KVOffloader with several KV cache groups" in message
-        assert re.search(r"group 'full' \(full\): KVOffloader.store\(gpu_cache=\)", message)
         assert re.search(reason, message)
+        assert "a hit needs every group's blocks" in message
+        assert "group 'full'" not in message  # a full group stores lazily
+        # the scheduler refuses them itself, whichever entry point builds it
+        with pytest.raises(ConfigError, match=r"store_mode='lazy' cannot serve these groups"):
+            Rig(groups, checkpoint_tokens=CHECKPOINT, config=config(**settings))
     with pytest.raises(ConfigError, match=r"lazy_offload_blocks=2 \(a setting of store_mode"):
-        check_settings(config(lazy_offload_blocks=2), "offloader_groups", groups=SHAPES[shape])
+        check_settings(config(lazy_offload_blocks=2), "offloader_groups", groups=groups)
 
 
 def test_the_offloader_refuses_lazy_stores_naming_the_groups() -> None:
@@ -444,3 +454,122 @@ def test_restored_blocks_are_published_with_their_requests_priority(shape: str) 
             block = pool.get_cached(h)
             assert block is not None, (name, h)
             assert block.priority == 3, (name, block)
+
+
+def test_lazy_stores_are_accepted_when_every_group_is_full_attention() -> None:
+    full = [group("a", "full", BS), group("b", "full", BS)]
+    check_settings(
+        config(store_mode="lazy", lazy_offload_blocks=2), "offloader_groups", groups=full
+    )
+    Rig(full, config=config(store_mode="lazy"))
+
+
+# -- lazy stores with every group full attention ---------------------------------------------
+
+FULL = [group("a", "full", BS), group("b", "full", BS)]
+
+
+class View:
+    """An engine's cache view: ``(gpu block, hash)`` pairs, next to be evicted first."""
+
+    def __init__(self, items: Sequence[tuple[int, bytes]]) -> None:
+        self.items = list(items)
+
+    def iter_eviction_order(self) -> Iterator[tuple[int, BlockHash]]:
+        return iter((i, BlockHash(h)) for i, h in self.items)
+
+
+def lazy_rig(**settings: object) -> Rig:
+    return Rig(FULL, config=config(store_mode="lazy", **settings))
+
+
+def views(r: Rig, tokens: Sequence[int], ids: Sequence[int]) -> dict[str, View]:
+    """Per group, a view of the blocks of ``tokens`` in GPU blocks ``ids`` (each group's
+    hashes), in that order."""
+    hashes = r.hashes(tokens)
+    return {n: View(list(zip(ids, hs, strict=False))) for n, hs in hashes.items()}
+
+
+def test_each_full_group_stores_lazily_from_its_own_view() -> None:
+    r = lazy_rig(lazy_offload_blocks=3)
+    toks = list(range(20))  # 5 blocks
+    r.sched.update("a", {"a": list(range(5)), "b": list(range(5))}, r.hashes(toks), 20)
+    with pytest.raises(InvalidInputError, match=r"needs the engine's gpu_cache view"):
+        r.sched.plan_stores()
+    # group b's view holds other blocks: each group walks its own order
+    gv = views(r, toks, [4, 3, 2, 1, 0])
+    gv["b"] = View(list(zip([0, 1], r.hashes(toks)["b"], strict=False)))
+    plan = r.sched.plan_stores(gv)
+    assert plan is not None
+    assert plan.plans["a"].gpu_block_ids == (4, 3, 2)  # lazy_offload_blocks of its order
+    assert plan.plans["b"].gpu_block_ids == (0, 1)
+    assert plan.plans["a"].request_ids == ()  # no request's cursor moves
+    r.run(plan)
+    r.sched.check_invariants()
+    assert r.sched.finish("a") is None  # lazy: nothing planned at finish, as one group
+    # a hit needs every group's blocks: b holds the first two only
+    assert r.sched.lookup("x", r.hashes(list(range(21))), 21) == 2 * BS
+    r.sched.release("x")
+    r.run(r.sched.plan_stores(views(r, toks, [0, 1, 2, 3, 4])))
+    r.sched.check_invariants()
+    # the first 3 of each order: b stores its third block now
+    assert r.sched.lookup("y", r.hashes(list(range(21))), 21) == 3 * BS
+
+
+@pytest.mark.parametrize(
+    ("given", "error", "message"),
+    [
+        ({"a": View([])}, InvalidInputError, r"missing \['b'\], unknown \[\]"),
+        (
+            {"a": View([]), "b": View([]), "c": View([])},
+            InvalidInputError,
+            r"missing \[\], unknown \['c'\]",
+        ),
+        (View([]), InputTypeError, r"gpu_cache=View: .*one GpuCacheView per group name"),
+    ],
+)
+def test_lazy_views_must_name_exactly_the_groups(
+    given: object, error: type[Exception], message: str
+) -> None:
+    r = lazy_rig()
+    with pytest.raises(error, match=message):
+        r.sched.plan_stores(given)  # type: ignore[arg-type]
+    r.sched.check_invariants()
+    assert r.sched.statistics()["a"].store_plans == 0
+
+
+def test_eager_stores_ignore_the_views_as_one_group_does() -> None:
+    r = Rig(FULL, config=config())
+    toks = list(range(8))
+    r.sched.update("a", {"a": [0, 1], "b": [0, 1]}, r.hashes(toks), 8)
+    plan = r.sched.plan_stores(views(r, toks, [5, 6]))
+    assert plan is not None
+    assert plan.plans["a"].gpu_block_ids == (0, 1)  # the request's table, not the view
+
+
+@pytest.mark.anyio
+async def test_the_offloader_stores_two_full_groups_lazily() -> None:
+    lay = KVLayout(num_layers=2, num_kv_heads=1, head_size=4, dtype="float32", block_size=BS)
+    groups = [KVCacheGroup.from_layout(lay, name=n) for n in ("a", "b")]
+    kv = {g.name: [torch.zeros(lay.tensor_shape(16)) for _ in range(2)] for g in groups}
+    cfg = config(store_mode="lazy", lazy_offload_blocks=2, num_cpu_blocks=8)
+    async with KVOffloader(cfg, kv, groups=groups) as off:
+        prompt = list(range(3 * BS + 1))
+        assert off._groups is not None
+        hashes = off._groups.hash_prompt(prompt)
+        order = {n: View([(9, hs[2]), (8, hs[1]), (7, hs[0])]) for n, hs in hashes.items()}
+        with pytest.raises(InputTypeError, match=r"one GpuCacheView per group name"):
+            off.store(gpu_cache=order["a"])
+        with pytest.raises(InvalidInputError, match=r"missing \['b'\]"):
+            off.store(gpu_cache={"a": order["a"]})
+        (task,) = off.store(gpu_cache=order)
+        await task
+        stats = off.statistics().groups
+        assert stats is not None
+        assert {n: s.stored_blocks for n, s in stats.items()} == {"a": 2, "b": 2}
+        with off.request("x", prompt) as req:
+            assert req.lookup() == 0  # blocks 2 and 1 only: no leading run
+        (task,) = off.store(gpu_cache={n: View([(7, hs[0])]) for n, hs in hashes.items()})
+        await task
+        with off.request("y", prompt) as req:
+            assert req.lookup() == 3 * BS

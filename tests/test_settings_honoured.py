@@ -29,6 +29,7 @@ from kvoffload.layout import KVLayout
 from kvoffload.pinner import RefCountPinner
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.scheduler import OffloadScheduler
+from kvoffload.scheduler.groups import GroupedScheduler
 from kvoffload.storage.host_buffer import HostKVBuffer
 
 pytestmark = pytest.mark.anyio
@@ -49,15 +50,23 @@ GROUPS = (
     KVCacheGroup.from_layout(layout(), name="full"),
     KVCacheGroup.from_layout(layout(), name="swa", kind="sliding_window", window=9),
 )
+FULL_GROUPS = (
+    KVCacheGroup.from_layout(layout(), name="a"),
+    KVCacheGroup.from_layout(layout(), name="b"),
+)
+"""Two full-attention groups: the shape lazy stores serve (GROUPS refuses them, for the
+window group: tests/test_groups_store_settings.py)."""
 
 
-def make(config: OffloadConfig, path: EntryPoint) -> KVOffloader:
+def make(
+    config: OffloadConfig, path: EntryPoint, groups: tuple[KVCacheGroup, ...] = GROUPS
+) -> KVOffloader:
     lay = layout(config.block_size)
     kv = [torch.zeros(lay.tensor_shape(NUM_GPU)) for _ in range(lay.num_layers)]
     if path == "offloader":
         return KVOffloader(config, kv, layout=lay)
-    group_kv = {g.name: [torch.zeros(lay.tensor_shape(NUM_GPU)) for _ in range(2)] for g in GROUPS}
-    return KVOffloader(config, group_kv, groups=GROUPS)
+    group_kv = {g.name: [torch.zeros(lay.tensor_shape(NUM_GPU)) for _ in range(2)] for g in groups}
+    return KVOffloader(config, group_kv, groups=groups)
 
 
 def chain(n: int, seed: int = 0) -> list[BlockHash]:
@@ -129,6 +138,27 @@ async def lazy_window(make_off: Callable[[], KVOffloader], seen: Seen) -> object
     async with make_off() as off:
         plan = _sched(off).plan_stores(_View(5))
         return 0 if plan is None else plan.num_blocks
+
+
+def _grouped(off: KVOffloader) -> GroupedScheduler:
+    assert off._groups is not None
+    return off._groups.scheduler
+
+
+async def group_lazy_needs_views(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    async with make_off() as off:
+        try:
+            _grouped(off).plan_stores()
+        except InvalidInputError:
+            return "lazy"
+        return "eager"
+
+
+async def group_lazy_window(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
+    """Per group, the blocks one lazy plan takes from a view of 5 blocks."""
+    async with make_off() as off:
+        plan = _grouped(off).plan_stores({g.name: _View(5) for g in FULL_GROUPS})
+        return {} if plan is None else {n: p.num_blocks for n, p in plan.plans.items()}
 
 
 async def restores_evicted(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
@@ -314,6 +344,8 @@ class Decision:
     value: dict[str, Any]
     observe: dict[EntryPoint, Observe | str]
     with_: dict[str, Any] = field(default_factory=dict)
+    groups: tuple[KVCacheGroup, ...] = GROUPS
+    """The model of ``offloader_groups``."""
 
 
 def _tier(tmp: Path) -> dict[str, Any]:
@@ -333,9 +365,16 @@ TABLE: dict[str, Decision] = {
     "cpu_bytes": Decision(
         {"num_cpu_blocks": None, "cpu_bytes": 400 * layout().bytes_per_block}, _both(pool_size)
     ),
-    "store_mode": Decision({"store_mode": "lazy"}, {"offloader": lazy_needs_a_view}),
+    "store_mode": Decision(
+        {"store_mode": "lazy"},
+        {"offloader": lazy_needs_a_view, "offloader_groups": group_lazy_needs_views},
+        groups=FULL_GROUPS,
+    ),
     "lazy_offload_blocks": Decision(
-        {"lazy_offload_blocks": 2}, {"offloader": lazy_window}, with_={"store_mode": "lazy"}
+        {"lazy_offload_blocks": 2},
+        {"offloader": lazy_window, "offloader_groups": group_lazy_window},
+        with_={"store_mode": "lazy"},
+        groups=FULL_GROUPS,
     ),
     "restore_evicted": Decision(
         {"restore_evicted": True},
@@ -423,7 +462,7 @@ async def test_each_field_is_honoured_or_refused(
             f"{name} is both refused on {path} and observed"
         )
         with pytest.raises(ConfigError) as info:
-            make(changed, path)
+            make(changed, path, decision.groups)
         message = str(info.value)
         assert f"{name}=" in message
         assert ENTRY_POINTS[path] in message
@@ -431,9 +470,9 @@ async def test_each_field_is_honoured_or_refused(
     if observe is None or isinstance(observe, str):
         pytest.fail(f"OffloadConfig.{name} is neither observed nor refused on {path}")
     base = _config(decision.with_, tmp_path)
-    before = await observe(lambda: make(base, path), seen)
+    before = await observe(lambda: make(base, path, decision.groups), seen)
     seen.calls.clear()
-    after = await observe(lambda: make(changed, path), seen)
+    after = await observe(lambda: make(changed, path, decision.groups), seen)
     assert before != after, f"{name}={decision.value} had no effect on {path} ({before!r})"
 
 

@@ -357,3 +357,85 @@ def test_a_prefix_stored_under_one_salt_is_served_only_under_that_salt(model_dir
     out = h.step()
     assert out.num_scheduled_tokens["c"] == len(c.prompt_token_ids) - 6 * BLOCK_SIZE
     assert h.wrong_slots(c) == []
+
+
+# -- the store settings, honoured with several groups as with one ------------------------------
+
+
+def test_max_store_blocks_per_step_bounds_each_groups_plan(model_dir: Path) -> None:
+    """Each group's plan of one step holds at most ``max_store_blocks_per_step`` blocks;
+    the rest is deferred to later steps, and every block is stored in the end."""
+    h = GroupHarness(model_dir, extra={"max_store_blocks_per_step": 2})
+    sched = h.side.scheduler
+    sizes: list[dict[str, int]] = []
+    plan_stores = sched.plan_stores
+
+    def spy(*args: Any) -> Any:
+        plan = plan_stores(*args)
+        if plan is not None:
+            sizes.append({n: p.num_blocks for n, p in plan.plans.items()})
+        return plan
+
+    sched.plan_stores = spy  # type: ignore[method-assign]
+    h.run(make_request("a", prompt(6, 5, seed=1), max_tokens=6))
+    h.settle()
+    assert sizes
+    assert max(n for step in sizes for n in step.values()) == 2, sizes
+    stats = sched.statistics()
+    assert stats["g1"].deferred_blocks > 0
+    assert stats["g1"].stored_blocks == 6  # every full block, over several steps
+
+
+def test_store_admission_stores_a_prefix_the_second_time_it_is_computed(model_dir: Path) -> None:
+    h = GroupHarness(model_dir, extra={"store_admission": "seen_twice"})
+    sched = h.side.scheduler
+    h.run(make_request("a", prompt(6, 5, seed=1), max_tokens=2))
+    h.settle()
+    assert {n: s.stored_blocks for n, s in sched.statistics().items()} == {"g0": 0, "g1": 0}
+    assert h.scheduler.reset_prefix_cache()
+    h.run(make_request("b", prompt(6, 9, seed=2), max_tokens=2))  # no hit: computed again
+    h.settle()
+    assert h.loads == []
+    stats = sched.statistics()
+    assert stats["g1"].stored_blocks == 6  # offered a second time: admitted
+    assert stats["g0"].stored_blocks >= 2
+    assert h.scheduler.reset_prefix_cache()
+    c = make_request("c", prompt(6, 3, seed=3), max_tokens=2)
+    h.scheduler.add_request(c)
+    h.step()  # c waits for its loads (asynchronous)
+    assert h.side.loaded_tokens == 6 * BLOCK_SIZE
+    h.step()
+    assert h.wrong_slots(c) == []
+    while not c.is_finished():
+        h.step()
+
+
+def _evicting_run(model_dir: Path, restore: bool) -> tuple[GroupHarness, Request]:
+    """Request "a" stored, then "b" (other tokens) evicting its blocks from pools of 4
+    blocks while "a" still decodes; the harness after both finished, and "a"."""
+    h = GroupHarness(model_dir, extra={"num_cpu_blocks": 4, "restore_evicted": restore})
+    a = make_request("a", [(3 * i) % 500 + 2 for i in range(4 * BLOCK_SIZE + 3)], max_tokens=12)
+    b = make_request("b", [(5 * i) % 500 + 7 for i in range(4 * BLOCK_SIZE + 3)], max_tokens=3)
+    h.scheduler.add_request(a)
+    h.step()  # a's prefill: its blocks stored
+    h.drain_copies()
+    h.step()
+    h.scheduler.add_request(b)
+    for _ in range(40):
+        h.drain_copies()
+        h.step()
+        if a.is_finished() and b.is_finished():
+            break
+    h.settle()
+    return h, a
+
+
+def test_restore_evicted_stores_a_running_requests_evicted_blocks_again(model_dir: Path) -> None:
+    h, _ = _evicting_run(model_dir, restore=True)
+    stats = h.side.scheduler.statistics()
+    assert stats["g1"].evicted_while_live > 0
+    assert stats["g1"].restored_blocks > 0
+    off, _ = _evicting_run(model_dir, restore=False)
+    stats = off.side.scheduler.statistics()
+    assert stats["g1"].evicted_while_live > 0
+    assert stats["g1"].restored_blocks == 0

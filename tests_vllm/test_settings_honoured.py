@@ -28,6 +28,7 @@ from kvoffload.errors import ConfigError, InvalidInputError
 from kvoffload.hashing import BlockHash, hash_block_tokens
 from kvoffload.integrations.vllm import _worker_base
 from kvoffload.scheduler import OffloadScheduler
+from kvoffload.scheduler.groups import GroupedScheduler
 
 BS = 32  # the specs' block size
 NUM_BLOCKS = 256
@@ -114,6 +115,42 @@ def restores_evicted(make: Make) -> object:
         sched.complete(plan, True)
     plan = sched.plan_stores()
     return 0 if plan is None else plan.num_blocks
+
+
+def _grouped(conn: TestConnector) -> GroupedScheduler:
+    side = conn.scheduler_side
+    assert side is not None
+    sched = side.scheduler
+    assert isinstance(sched, GroupedScheduler)
+    return sched
+
+
+def _update(sched: GroupedScheduler, rid: str, n: int, seed: int = 0) -> None:
+    """``rid`` with ``n`` computed blocks in every group (GPU blocks ``seed * n`` on)."""
+    names = [g.name for g in sched.groups if g.cacheable]
+    table: list[int | None] = list(range(seed * n + 1, seed * n + n + 1))
+    sched.update(rid, dict.fromkeys(names, table), dict.fromkeys(names, chain(n, seed)), n * BS)
+
+
+def group_stores_per_step(make: Make) -> object:
+    """Per group, the blocks one step's plan holds for a request of 4 computed blocks (the
+    window group: the blocks of its store points' windows)."""
+    sched = _grouped(make(S))
+    _update(sched, "r", 4)
+    plan = sched.plan_stores()
+    return {} if plan is None else {n: p.num_blocks for n, p in plan.plans.items()}
+
+
+def group_restores_evicted(make: Make) -> object:
+    """Per group, the blocks stored again after b's blocks evicted a's (a is live)."""
+    sched = _grouped(make(S))
+    for rid, seed in (("a", 1), ("b", 2)):
+        _update(sched, rid, 8, seed)
+        plan = sched.plan_stores()
+        assert plan is not None
+        sched.complete_all(plan, True)
+    plan = sched.plan_stores()
+    return {} if plan is None else {n: p.num_blocks for n, p in plan.plans.items()}
 
 
 def policy(make: Make) -> object:
@@ -210,9 +247,13 @@ TABLE: dict[str, Decision] = {
     "lazy_offload_blocks": Decision(
         {"lazy_offload_blocks": 2}, {"vllm": lazy_window}, with_={"store_mode": "lazy"}
     ),
-    "restore_evicted": Decision({"restore_evicted": True}, {"vllm": restores_evicted}),
+    "restore_evicted": Decision(
+        {"restore_evicted": True},
+        {"vllm": restores_evicted, "vllm_groups": group_restores_evicted},
+    ),
     "max_store_blocks_per_step": Decision(
-        {"max_store_blocks_per_step": 2}, {"vllm": stores_per_step}
+        {"max_store_blocks_per_step": 2},
+        {"vllm": stores_per_step, "vllm_groups": group_stores_per_step},
     ),
     "pin_memory": Decision({"pin_memory": "never"}, _both(host_buffer_request)),
     "pin_chunk_bytes": Decision({"pin_chunk_bytes": 1 << 21}, _both(host_buffer_request)),
@@ -221,7 +262,10 @@ TABLE: dict[str, Decision] = {
     "hash_salt": Decision({"hash_salt": "s"}, _both(namespace)),
     "enable_events": Decision({"enable_events": True}, _both(events)),
     "eviction_policy": Decision({"eviction_policy": "arc"}, _both(policy)),
-    "store_admission": Decision({"store_admission": "seen_twice"}, {"vllm": stores_per_step}),
+    "store_admission": Decision(
+        {"store_admission": "seen_twice"},
+        {"vllm": stores_per_step, "vllm_groups": group_stores_per_step},
+    ),
     "tiers": Decision({"tiers": [TIER]}, {"vllm": tiers_built}),
     "hold_blocks_on_finish": Decision({"hold_blocks_on_finish": True}, {}),
     "hold_max_blocks": Decision({"hold_max_blocks": 1}, {}),

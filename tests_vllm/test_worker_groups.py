@@ -310,10 +310,10 @@ def test_a_tensor_that_is_not_block_major_pages_is_refused_by_name(
     ("extra", "named"),
     [
         ({"store_mode": "lazy"}, "store_mode='lazy'"),
-        ({"restore_evicted": True}, "restore_evicted=True"),
+        ({"lazy_offload_blocks": 2}, "lazy_offload_blocks=2"),
     ],
 )
-def test_single_group_settings_are_refused_for_a_multi_group_model(
+def test_lazy_stores_are_refused_for_a_multi_group_model(
     model_dir: Path, extra: dict[str, object], named: str
 ) -> None:
     vllm = vllm_config(
@@ -329,3 +329,23 @@ def test_single_group_settings_are_refused_for_a_multi_group_model(
             ConfigError, match=rf"several KV cache groups cannot honour.*{re.escape(named)}"
         ):
             TestConnector(vllm, role, GEMMA3_HMA)
+
+
+def test_the_store_settings_are_accepted_for_a_multi_group_model(model_dir: Path) -> None:
+    """``restore_evicted``, ``max_store_blocks_per_step`` and ``store_admission`` are
+    honoured with several groups (tests_vllm/test_scheduler_groups.py observes them)."""
+    extra = {
+        "restore_evicted": True,
+        "max_store_blocks_per_step": 8,
+        "store_admission": "seen_twice",
+    }
+    vllm = vllm_config(
+        model_dir,
+        {"num_cpu_blocks": 8, **extra},
+        num_gpu_blocks=NUM_BLOCKS,
+        connector="TestConnector",
+        module="harness",
+    )
+    vllm.cache_config.block_size = 32
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        TestConnector(vllm, role, GEMMA3_HMA).shutdown()

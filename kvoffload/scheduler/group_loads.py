@@ -375,8 +375,8 @@ def check_ledgers(
     loads: Mapping[str, Mapping[int, LoadRecord]],
 ) -> None:
     """Check every group's pool and ledger, and that the ledger's pins are the requests'
-    lookups, its plans the requests' plans in flight (an abandoned load: no request's)
-    and its load plans those ``loads`` records.
+    lookups, its plans the requests' plans in flight (an abandoned load or a lazy store:
+    no request's) and its load plans those ``loads`` records.
 
     Raises:
         InvariantError: naming the group and the breach.
@@ -388,8 +388,11 @@ def check_ledgers(
         held = {id(s.lanes[name].pin) for s in states if s.lanes[name].pin is not None}
         if pins != held:
             raise InvariantError(f"group {name!r}: the ledger's pins are not the lookups'")
-        # an abandoned load serves no request any more (`abandon_grouped()`)
-        plans = {rec.plan.plan_id for rec in ledger.plans() if not rec.abandoned}
+        # an abandoned load serves no request any more (`abandon_grouped()`), nor does a
+        # lazy store (it walks the engine's eviction order, not requests)
+        plans = {
+            rec.plan.plan_id for rec in ledger.plans() if not rec.abandoned and rec.plan.request_ids
+        }
         named = {p for s in states for g, p in s.in_flight if g == name}
         if plans != named:
             raise InvariantError(f"group {name!r}: requests' plans {named} != {plans}")

@@ -8,13 +8,24 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import final
 
-from kvoffload.errors import BlockTableError, InputTypeError, InvalidInputError
+from kvoffload.errors import (
+    BlockTableError,
+    InputTypeError,
+    InvalidInputError,
+    RequestStateError,
+    UnknownRequestError,
+)
 from kvoffload.groups import KVCacheGroup
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.free_queue import CpuBlock
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.misses import MissReason
-from kvoffload.scheduler.requests import check_distinct, fresh_ids
+from kvoffload.scheduler.requests import (
+    PriorityCount,
+    check_distinct,
+    check_request_priority,
+    fresh_ids,
+)
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import TransferPlan
 
@@ -180,6 +191,63 @@ class GroupedRequest:
     def holding(self) -> bool:
         """Whether the (finished) request holds GPU blocks in some group."""
         return any(lane.held for lane in self.lanes.values())
+
+
+@final
+class GroupRequests:
+    """The one owner of a `GroupedScheduler`'s request states, as `RequestTable` is of
+    one group's: registration on first use, the live and known lookups, retention
+    priorities (`PriorityCount`) and dropping a finished request once nothing of it is
+    left.
+
+    Args:
+        lanes: the cacheable groups' names (one `Lane` each per request).
+    """
+
+    __slots__ = ("_names", "priorities", "requests")
+
+    def __init__(self, lanes: Sequence[str]) -> None:
+        self._names = tuple(lanes)
+        self.requests: dict[str, GroupedRequest] = {}
+        """Every request with state, by id (the store planner reads it too)."""
+        self.priorities = PriorityCount()
+        """Counts the requests whose priority is not 0."""
+
+    def state(self, request_id: str, *, live: bool = True) -> GroupedRequest:
+        """The state of ``request_id``, registered on first use (`RequestStateError`:
+        finished, unless ``live`` is false)."""
+        state = self.requests.get(request_id)
+        if state is None:
+            state = GroupedRequest(request_id, {name: Lane() for name in self._names})
+            self.requests[request_id] = state
+        elif live and state.finished:
+            raise RequestStateError(f"request {request_id!r} is finished")
+        return state
+
+    def known(self, request_id: str) -> GroupedRequest:
+        """The state of ``request_id`` (`UnknownRequestError`: none)."""
+        state = self.requests.get(request_id)
+        if state is None:
+            raise UnknownRequestError(request_id)
+        return state
+
+    def live(self, request_id: str) -> GroupedRequest:
+        """`known()`, refusing a finished request (`RequestStateError`)."""
+        state = self.known(request_id)
+        if state.finished:
+            raise RequestStateError(f"request {request_id!r} is finished")
+        return state
+
+    def set_priority(self, request_id: str, priority: object) -> None:
+        """Give ``request_id`` (registered on first use) a checked retention priority."""
+        priority = check_request_priority(request_id, priority)
+        self.priorities.set(self.state(request_id), priority)
+
+    def drop_if_done(self, state: GroupedRequest) -> None:
+        """Forget a finished request once no copy of it is in flight and it holds nothing."""
+        if state.finished and not state.in_flight and not state.holding:
+            del self.requests[state.request_id]
+            self.priorities.drop(state)
 
 
 @dataclass(slots=True, eq=False)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Mapping, Sequence
-from typing import final
+from typing import TypeAlias, final
 
 from kvoffload.config import OffloadConfig
-from kvoffload.errors import ConfigError, InvariantError
+from kvoffload.errors import ConfigError, InputTypeError, InvalidInputError, InvariantError
 from kvoffload.groups import KVCacheGroup, needed, store_points
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.policies.admission import AdmissionFilter, AlwaysAdmit, make_admission
@@ -24,10 +24,50 @@ from kvoffload.scheduler.group_state import (
 )
 from kvoffload.scheduler.holds import HeldBlocks
 from kvoffload.scheduler.ledger import BlockLedger
-from kvoffload.scheduler.stores import StoreBatch
+from kvoffload.scheduler.stores import GpuCacheView, StoreBatch, scan_lazy
 from kvoffload.transfer.plan import TransferPlan
 
-__all__ = ["GroupStorePlanner", "check_store_limit", "point_blocks"]
+__all__ = [
+    "LAZY_BY_KIND",
+    "CacheViews",
+    "GroupStorePlanner",
+    "check_store_limit",
+    "lazy_refusal",
+    "point_blocks",
+]
+
+CacheViews: TypeAlias = "Mapping[str, GpuCacheView] | GpuCacheView"
+"""What a lazy ``plan_stores()`` takes with several groups: one `GpuCacheView` per group
+name (a single view is refused: `GroupStorePlanner.plan_lazy()`)."""
+
+_LAZY_SPLITS = (
+    "; storing them eagerly at their store points instead would split a prefix over two "
+    "times, and a hit needs every group's blocks of it: until the full groups' blocks are "
+    "evicted and stored, neither the engine's cache nor the CPU pool would hold the whole "
+    "prefix"
+)
+LAZY_BY_KIND = {
+    "sliding_window": "a lazy store copies a block only when the engine is about to evict "
+    "it, and the engine drops this group's blocks as the window slides, not in an eviction "
+    "order (a window's block alone gives no hit)" + _LAZY_SPLITS,
+    "chunked": "a lazy store copies a block only when the engine is about to evict it, and "
+    "the engine drops this group's blocks as each chunk ends, not in an eviction order (a "
+    "chunk's block alone gives no hit)" + _LAZY_SPLITS,
+    "recurrent": "its state is one snapshot per checkpoint, overwritten in place as the "
+    "request runs: there is no eviction order of its blocks to walk" + _LAZY_SPLITS,
+}
+"""Why a lazy store (``store_mode="lazy"``) cannot serve each kind of group but a full
+one (full-attention groups store lazily, each from its own eviction order)."""
+
+
+def lazy_refusal(groups: Sequence[KVCacheGroup]) -> str:
+    """Why ``store_mode="lazy"`` is refused for these groups, group by group (``""``:
+    every cacheable group is full attention, lazy stores work)."""
+    return "; ".join(
+        f"group {g.name!r} ({g.kind}): {LAZY_BY_KIND[g.kind]}"
+        for g in groups
+        if g.kind in LAZY_BY_KIND
+    )
 
 
 def point_blocks(g: KVCacheGroup, align: int) -> int:
@@ -95,6 +135,13 @@ class GroupStorePlanner:
         limit = None if config is None else config.max_store_blocks_per_step
         if limit is not None:
             check_store_limit(cacheable, limit, align)
+        self.lazy_window = 0
+        """``lazy_offload_blocks`` with ``store_mode="lazy"`` (0: eager stores)."""
+        if config is not None and config.store_mode == "lazy":
+            why = lazy_refusal(cacheable)
+            if why:
+                raise ConfigError(f"store_mode='lazy' cannot serve these groups: {why}")
+            self.lazy_window = config.lazy_offload_blocks
         self._limit = sys.maxsize if limit is None else limit
         admission = "always" if config is None else config.store_admission
         filters = {g.name: make_admission(admission) for g in cacheable}
@@ -116,12 +163,16 @@ class GroupStorePlanner:
         """Per group, whether a live request's block was evicted since the last restore."""
         self.holds = (
             {name: HeldBlocks(config, c.counters) for name, c in counts.items()}
-            if config is not None and config.hold_blocks_on_finish
+            if config is not None and config.hold_blocks_on_finish and not self.lazy_window
             else None
         )
-        """Per group, the GPU blocks finished requests hold (``None``: no holds)."""
+        """Per group, the GPU blocks finished requests hold (``None``: no holds; lazy
+        stores hold nothing, as with one group: `FinishHolds`)."""
         self.plan_calls = 0
         """``plan_stores`` calls so far (the clock of finish holds)."""
+        self.deferred_steps = 0
+        """Plans (``plan_stores`` and ``finish`` calls) that deferred anything in some
+        group (per group: `GroupStatistics.deferred_steps`)."""
 
     # -- finish holds --------------------------------------------------------------------------
 
@@ -366,19 +417,23 @@ class GroupStorePlanner:
             k = end
         return None
 
-    def plan(self, states: Sequence[GroupedRequest], final: bool) -> GroupedPlan | None:
+    def plan(
+        self, states: Sequence[GroupedRequest], final: bool, gpu_cache: CacheViews | None = None
+    ) -> GroupedPlan | None:
         """One store plan per group for ``states``: their store points up to their computed
         length (and that length itself when ``final``), a point whole or deferred with every
         later one and every later request's (as one group defers: `StoreBatch`). A step
         (not ``final``) first stores again the live blocks evicted from a group's pool,
-        with ``restore_evicted``."""
+        with ``restore_evicted``. Lazy stores plan from ``gpu_cache`` instead
+        (`plan_lazy()`)."""
+        if self.lazy_window:
+            return self.plan_lazy(gpu_cache)
         plans: dict[str, TransferPlan] = {}
         prioritized = {s.request_id: s.priority for s in states if s.priority}
+        deferred = False
         for g in self._cacheable:
             name = g.name
-            ledger = self._ledgers[name]
-            counters = self._counts[name].counters
-            batch = StoreBatch(ledger, self._limit)
+            batch = StoreBatch(self._ledgers[name], self._limit)
             rec = StoreRecord([], {})
             want: dict[BlockHash, int] = {}
             if self._restore and self.restore_needed[name] and not final:
@@ -414,38 +469,91 @@ class GroupStorePlanner:
                     ended.append((state, False))
                 lane.cursor = max(lane.cursor, new)
                 batch.end_run()
-            batch.count(ledger, counters, group=name)
             if prioritized:  # every planned block, re-stores too, as with one group
                 batch.owner_priorities(lambda rid: prioritized.get(rid, 0), want)
-            # as with one group (`BlockLedger.prioritize()`): planned blocks are published
-            # with their priority, cached or pending ones raised now
-            priorities = ledger.prioritize(want, batch.planned) if want else None
-            if not batch.hashes:
-                self._end_holds(name, ended, None, rec)
-                continue
-            evicted: list[BlockHash] = []
-            plan = ledger.open_store(
-                batch.hashes,
-                batch.gpu_ids,
-                tuple(dict.fromkeys(r for r, _, _ in rec.blocks)),
-                protect=batch.protect,
-                evicted=evicted,
-                ends=batch.run_ends(),
-                priorities=priorities,
-            )
-            refs = self.live_refs[name]
-            for block_hash in evicted:
-                if block_hash in refs:
-                    counters.evicted_while_live += 1
-                    self.restore_needed[name] = True
-            counters.store_plans += 1
-            plans[name] = plan
-            rec.refused = tuple(batch.refused)
+            deferred = deferred or bool(batch.deferred)
+            plan = self._open(name, batch, rec, want)
             self._end_holds(name, ended, plan, rec)
-            self.records[(name, plan.plan_id)] = rec
-            for rid in plan.request_ids:
-                self._requests[rid].in_flight.add((name, plan.plan_id))
+            if plan is not None:
+                plans[name] = plan
+        self.deferred_steps += deferred
         return GroupedPlan("store", plans) if plans else None
+
+    def plan_lazy(self, gpu_caches: CacheViews | None) -> GroupedPlan | None:
+        """One store plan per group from each group's cache view (``store_mode="lazy"``,
+        every group full attention): the blocks closest to eviction, the first
+        ``lazy_offload_blocks`` of its order, by the one-group lazy scan (`scan_lazy()`);
+        no request's cursor moves, and nothing is planned at finish (as with one group).
+
+        Raises:
+            InputTypeError: ``gpu_caches`` is not a mapping.
+            InvalidInputError: no views, or views that do not name exactly the cacheable
+                groups.
+        """
+        names = [g.name for g in self._cacheable]
+        if gpu_caches is None:
+            raise InvalidInputError(
+                f"store_mode='lazy' needs the engine's gpu_cache view of every group {names}"
+            )
+        if not isinstance(gpu_caches, Mapping):
+            raise InputTypeError(
+                f"gpu_cache={type(gpu_caches).__name__}: with several KV cache groups, "
+                f"store_mode='lazy' takes one GpuCacheView per group name {names}"
+            )
+        missing = [n for n in names if n not in gpu_caches]
+        unknown = [n for n in gpu_caches if n not in names]
+        if missing or unknown:
+            raise InvalidInputError(
+                f"gpu_cache must name exactly the cacheable groups {names}; missing "
+                f"{missing}, unknown {unknown}"
+            )
+        plans: dict[str, TransferPlan] = {}
+        deferred = False
+        for g in self._cacheable:
+            name = g.name
+            batch = StoreBatch(self._ledgers[name], self._limit)
+            scan_lazy(gpu_caches[name], batch, self.lazy_window)
+            deferred = deferred or bool(batch.deferred)
+            plan = self._open(name, batch, StoreRecord([], {}), {})
+            if plan is not None:
+                plans[name] = plan
+        self.deferred_steps += deferred
+        return GroupedPlan("store", plans) if plans else None
+
+    def _open(
+        self, name: str, batch: StoreBatch, rec: StoreRecord, want: dict[BlockHash, int]
+    ) -> TransferPlan | None:
+        """Count a scanned batch of group ``name`` and open its store plan (``None``:
+        nothing to store); ``want``: the retention priorities the scan passed."""
+        ledger = self._ledgers[name]
+        counters = self._counts[name].counters
+        batch.count(ledger, counters, group=name)
+        # as with one group (`BlockLedger.prioritize()`): planned blocks are published
+        # with their priority, cached or pending ones raised now
+        priorities = ledger.prioritize(want, batch.planned) if want else None
+        if not batch.hashes:
+            return None
+        evicted: list[BlockHash] = []
+        plan = ledger.open_store(
+            batch.hashes,
+            batch.gpu_ids,
+            tuple(dict.fromkeys(r for r, _, _ in rec.blocks)),
+            protect=batch.protect,
+            evicted=evicted,
+            ends=batch.run_ends(),
+            priorities=priorities,
+        )
+        refs = self.live_refs[name]
+        for block_hash in evicted:
+            if block_hash in refs:
+                counters.evicted_while_live += 1
+                self.restore_needed[name] = True
+        counters.store_plans += 1
+        rec.refused = tuple(batch.refused)
+        self.records[(name, plan.plan_id)] = rec
+        for rid in plan.request_ids:
+            self._requests[rid].in_flight.add((name, plan.plan_id))
+        return plan
 
     def advance(self, g: KVCacheGroup, state: GroupedRequest, final: bool) -> int:
         lane = state.lanes[g.name]

@@ -67,6 +67,7 @@ from kvoffload.scheduler.group_state import (
     GroupedPlan,
     GroupedRequest,
     GroupHashes,
+    GroupRequests,
     GroupStatistics,
     GroupTables,
     Lane,
@@ -74,11 +75,11 @@ from kvoffload.scheduler.group_state import (
     check_tables,
     table_changes,
 )
-from kvoffload.scheduler.group_stores import GroupStorePlanner
+from kvoffload.scheduler.group_stores import CacheViews, GroupStorePlanner
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import run_extend, run_spent
 from kvoffload.scheduler.misses import MissReason
-from kvoffload.scheduler.requests import PriorityCount, as_int, check_request_priority
+from kvoffload.scheduler.requests import as_int
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import LoadPlan, TransferPlan
 
@@ -142,16 +143,17 @@ class GroupedScheduler:
             and ``store_admission`` (one filter per group), ``restore_evicted`` (a
             live request's blocks evicted from a group's pool are stored again from its
             GPU blocks), ``hold_blocks_on_finish`` with ``hold_max_blocks`` (per group
-            pool) and ``hold_max_steps`` (see `finish()`). ``None``: no limit, every
-            block admitted, nothing restored, nothing held.
+            pool) and ``hold_max_steps`` (see `finish()`), and lazy stores (`plan_stores()`).
+            ``None``: no limit, every block admitted, nothing restored, nothing held.
 
     Call it from one thread; every method is synchronous. A refused call changes nothing.
 
     Raises:
         ConfigError: groups `check_groups()` refuses, a cacheable group without a pool of
             its own, a GPU block count not a positive int or for no group, or a
-            ``checkpoint_tokens`` not a positive int multiple of the alignment, or a
-            ``max_store_blocks_per_step`` below the blocks of a group's store point.
+            ``checkpoint_tokens`` not a positive int multiple of the alignment, lazy stores
+            with a group not full attention, or a ``max_store_blocks_per_step`` below the
+            blocks of a group's store point.
     """
 
     def __init__(
@@ -170,8 +172,8 @@ class GroupedScheduler:
         self._align = hit_alignment(groups)
         self._checkpoint = checkpoint_tokens
         self._ledgers = {g.name: BlockLedger(pools[g.name]) for g in self._cacheable}
-        self._requests: dict[str, GroupedRequest] = {}
-        self._priorities = PriorityCount()
+        self._table = GroupRequests([g.name for g in self._cacheable])
+        self._requests = self._table.requests
         self._counts = {
             g.name: GroupCounts(Counters(g.block_size, g.bytes_per_block)) for g in self._cacheable
         }
@@ -187,9 +189,6 @@ class GroupedScheduler:
         self.deferrals_bounded = 0
         """Lookups that answered with the CPU hit instead of "ask again": the request's
         run of those answers reached its bound (`deferral_spent()`)."""
-        self.deferred_steps = 0
-        """``plan_stores`` and ``finish`` calls that deferred anything in some group (per
-        group: `GroupStatistics.deferred_steps`)."""
         self._planner = GroupStorePlanner(
             self._cacheable,
             self._ledgers,
@@ -227,6 +226,12 @@ class GroupedScheduler:
         return self._ledgers[group]
 
     @property
+    def deferred_steps(self) -> int:
+        """``plan_stores`` and ``finish`` calls that deferred anything in some group (per
+        group: `GroupStatistics.deferred_steps`; counted by `GroupStorePlanner`)."""
+        return self._planner.deferred_steps
+
+    @property
     def num_in_flight(self) -> int:
         """Plans in flight over all groups."""
         return sum(ledger.num_plans for ledger in self._ledgers.values())
@@ -237,23 +242,6 @@ class GroupedScheduler:
 
     # -- requests --------------------------------------------------------------------------
 
-    def _state(self, request_id: str, *, live: bool = True) -> GroupedRequest:
-        state = self._requests.get(request_id)
-        if state is None:
-            state = GroupedRequest(request_id, {g.name: Lane() for g in self._cacheable})
-            self._requests[request_id] = state
-        elif live and state.finished:
-            raise RequestStateError(f"request {request_id!r} is finished")
-        return state
-
-    def _live(self, request_id: str) -> GroupedRequest:
-        state = self._requests.get(request_id)
-        if state is None:
-            raise UnknownRequestError(request_id)
-        if state.finished:
-            raise RequestStateError(f"request {request_id!r} is finished")
-        return state
-
     def set_priority(self, request_id: str, priority: int) -> None:
         """Give ``request_id`` (registered on first use) a retention priority, as
         `OffloadScheduler.set_priority()` does, in every group: its blocks are published
@@ -263,8 +251,7 @@ class GroupedScheduler:
             InvalidInputError: not an int in [0, `MAX_PRIORITY`] (InputTypeError: a float).
             RequestStateError: the request is finished.
         """
-        priority = check_request_priority(request_id, priority)
-        self._priorities.set(self._state(request_id), priority)
+        self._table.set_priority(request_id, priority)
 
     def retain(
         self, block_hashes: GroupHashes, owner: Hashable, *, fit: bool = False
@@ -328,7 +315,7 @@ class GroupedScheduler:
         )
         probe = existing or GroupedRequest(request_id, {g.name: Lane() for g in self._cacheable})
         check_hashes(self._cacheable, request_id, probe, block_hashes)
-        state = self._state(request_id)
+        state = self._table.state(request_id)
         for name, lane in state.lanes.items():
             append, new = changes[name]
             if append:
@@ -377,7 +364,7 @@ class GroupedScheduler:
         check_lookup_counts(request_id, num_tokens, num_computed_tokens, align)
         probe = GroupedRequest(request_id, {g.name: Lane() for g in self._cacheable})
         check_hashes(self._cacheable, request_id, probe, block_hashes)
-        state = self._state(request_id)
+        state = self._table.state(request_id)
         self.release(request_id)
         note_prefix(self._cacheable, state, num_computed_tokens)
         state.new_prompt, state.admitted = not state.admitted, True
@@ -442,21 +429,15 @@ class GroupedScheduler:
 
     def miss_reason(self, request_id: str) -> MissReason:
         """The `MissReason` of ``request_id``'s last lookup (`UnknownRequestError`: none)."""
-        return self._known(request_id).miss_reason
+        return self._table.known(request_id).miss_reason
 
     def lookup_outcome(self, request_id: str) -> tuple[MissReason, bool, dict[str, int] | None]:
         """Of ``request_id``'s last lookup: its `MissReason`, whether it was the first
         since the request was registered or preempted (its prompt tokens are counted
         then, once, as with one group), and the tokens of its hit each tier promoted
         (``None``: none). Raises `UnknownRequestError` when there was none."""
-        state = self._known(request_id)
+        state = self._table.known(request_id)
         return state.miss_reason, state.new_prompt, state.tier_hits
-
-    def _known(self, request_id: str) -> GroupedRequest:
-        state = self._requests.get(request_id)
-        if state is None:
-            raise UnknownRequestError(request_id)
-        return state
 
     def release(self, request_id: str) -> None:
         """Drop the pins of ``request_id``'s last lookup (in every group)."""
@@ -492,7 +473,7 @@ class GroupedScheduler:
                 `update()` refuses it.
         """
         num_tokens = as_int(num_tokens, "num_tokens", request_id)
-        state = self._live(request_id)
+        state = self._table.live(request_id)
         hit = 0 if state.hit is None else state.hit - state.hit_from
         if num_tokens == 0:
             self.release(request_id)
@@ -534,38 +515,29 @@ class GroupedScheduler:
             # one load is one plan in every cacheable group (every group needs a block of
             # any hit above the prefix), so the longest list counts the loads
             self.abandoned_loads += max(len(plans) for plans in abandoned.values())
-        self._drop_if_done(state)
+        self._table.drop_if_done(state)
         return abandoned
 
     # -- stores ----------------------------------------------------------------------------
 
-    def plan_stores(self) -> GroupedPlan | None:
+    def plan_stores(self, gpu_cache: CacheViews | None = None) -> GroupedPlan | None:
         """Plan this step's stores for every live request and group, as one batch.
 
         A group whose pool has no room defers the rest of its points (the cursor stays on
         the last point planned); a deferred point is planned later from the table as it
         is then. Finished requests' holds are planned too (their last point included),
-        and given up after ``hold_max_steps`` calls.
+        and given up after ``hold_max_steps`` calls. With ``store_mode="lazy"`` each group
+        stores from its view in ``gpu_cache`` instead (`GroupStorePlanner.plan_lazy()`).
 
         Returns:
             One store plan per group with blocks to store, or ``None``.
         """
         self._planner.plan_calls += 1
         live = [s for s in self._requests.values() if not s.finished or s.holding]
-        plan = self._plan(live, final=False)
+        plan = self._planner.plan(live, False, gpu_cache)
         for state in live:
-            self._drop_if_done(state)  # a hold the plan ended, or that expired
+            self._table.drop_if_done(state)  # a hold the plan ended, or that expired
         return plan
-
-    def _plan(self, states: list[GroupedRequest], final: bool) -> GroupedPlan | None:
-        before = self._deferred_steps()
-        plan = self._planner.plan(states, final=final)
-        if self._deferred_steps() != before:
-            self.deferred_steps += 1
-        return plan
-
-    def _deferred_steps(self) -> int:
-        return sum(c.counters.deferred_steps for c in self._counts.values())
 
     # -- finish, preempt, reset ------------------------------------------------------------
 
@@ -581,24 +553,25 @@ class GroupedScheduler:
         not store (whole points from its cursor, within ``hold_max_blocks`` per group:
         `held_blocks()`); the engine keeps them until `take_released_holds()` returns
         them: a later `plan_stores()` planned them, or ``hold_max_steps`` calls passed.
+        Lazy stores plan and hold nothing here, as with one group.
 
         Raises:
             UnknownRequestError: no state for that id.
             RequestStateError: it was already finished.
         """
-        state = self._live(request_id)
+        state = self._table.live(request_id)
         self.release(request_id)
         planner = self._planner
         plan = None
-        if planner.holds is None:
-            plan = self._plan([state], final=True)
-        else:
+        if planner.holds is not None:
             planner.begin_hold(state)
+        elif not planner.lazy_window:  # lazy stores plan nothing at finish (one group too)
+            plan = self._planner.plan([state], True)
         state.finished = True
         for name, lane in state.lanes.items():
             if not lane.held:
                 planner.drop_live(name, lane, 0)
-        self._drop_if_done(state)
+        self._table.drop_if_done(state)
         return plan
 
     def held_blocks(self, request_id: str) -> dict[str, list[int]]:
@@ -616,13 +589,13 @@ class GroupedScheduler:
         state = self._requests.get(request_id)
         if state is not None and state.holding:
             self._planner.expire(state, report=False)
-            self._drop_if_done(state)
+            self._table.drop_if_done(state)
 
     def release_all_holds(self) -> None:
         """Give up every hold now (on close); their blocks stay unstored."""
         for state in [s for s in self._requests.values() if s.holding]:
             self._planner.expire(state)
-            self._drop_if_done(state)
+            self._table.drop_if_done(state)
 
     def preempt(self, request_id: str) -> None:
         """The engine preempted ``request_id`` and freed its GPU blocks (it may reuse them
@@ -633,7 +606,7 @@ class GroupedScheduler:
             UnknownRequestError: no state for that id.
             RequestStateError: it is finished.
         """
-        state = self._live(request_id)
+        state = self._table.live(request_id)
         self.release(request_id)
         self._planner.forget(state)
         for lane in state.lanes.values():
@@ -659,11 +632,6 @@ class GroupedScheduler:
         for ledger in self._ledgers.values():
             ledger.reset()
         return not self.num_in_flight
-
-    def _drop_if_done(self, state: GroupedRequest) -> None:
-        if state.finished and not state.in_flight and not state.holding:
-            del self._requests[state.request_id]
-            self._priorities.drop(state)
 
     # -- completion ------------------------------------------------------------------------
 
@@ -725,7 +693,7 @@ class GroupedScheduler:
             state = self._requests.get(rid)
             if state is not None:
                 state.in_flight.discard((group, plan.plan_id))
-                self._drop_if_done(state)
+                self._table.drop_if_done(state)
 
     # -- observation -----------------------------------------------------------------------
 
@@ -744,7 +712,7 @@ class GroupedScheduler:
             InvariantError: naming the group and the breach.
         """
         check_ledgers(self._ledgers, self._requests.values(), self._loads)
-        self._priorities.check(self._requests.values())
+        self._table.priorities.check(self._requests.values())
         self._planner.check_invariants()
         groups = {g.name: g for g in self._cacheable}
         for state in self._requests.values():

@@ -28,7 +28,7 @@ from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import StorePlan
 
-__all__ = ["GpuCacheView", "StoreBatch", "StorePlanner", "StoreUndo"]
+__all__ = ["GpuCacheView", "StoreBatch", "StorePlanner", "StoreUndo", "scan_lazy"]
 
 _log = get_logger("scheduler")
 
@@ -169,6 +169,18 @@ class StoreBatch:
             )
 
 
+def scan_lazy(gpu_cache: GpuCacheView, batch: StoreBatch, window: int) -> None:
+    """The lazy store scan (``store_mode="lazy"``) of one full-attention group's pool:
+    offer the first ``window`` GPU blocks of ``gpu_cache``'s eviction order to ``batch``
+    (``lazy_offload_blocks``); the first that finds no CPU block left defers the rest.
+    One group's `StorePlanner` and each full group of a `GroupedScheduler` call it."""
+    for gpu_block_id, block_hash in itertools.islice(gpu_cache.iter_eviction_order(), window):
+        if not batch.offer(block_hash, gpu_block_id, None):
+            batch.deferred = 1
+            batch.skipped.append(block_hash)
+            return
+
+
 @final
 class StorePlanner:
     """Plans the stores of each step and keeps the request cursors.
@@ -255,7 +267,7 @@ class StorePlanner:
         self.plan_calls += 1
         batch = StoreBatch(self._ledger, self._config.max_store_blocks_per_step)
         if gpu_cache is not None and self._lazy:
-            self._scan_lazy(gpu_cache, batch)
+            scan_lazy(gpu_cache, batch, self._config.lazy_offload_blocks)
         else:
             if self.restore_needed and self._config.restore_evicted:
                 self._scan_restore(batch)
@@ -403,14 +415,6 @@ class StorePlanner:
             batch.end_run()
         self._counters.restored_blocks += len(batch.hashes) - before
         self.restore_needed = False
-
-    def _scan_lazy(self, gpu_cache: GpuCacheView, batch: StoreBatch) -> None:
-        window = itertools.islice(gpu_cache.iter_eviction_order(), self._config.lazy_offload_blocks)
-        for gpu_block_id, block_hash in window:
-            if not batch.offer(block_hash, gpu_block_id, None):
-                batch.deferred = 1
-                batch.skipped.append(block_hash)
-                return
 
     # -- undo ------------------------------------------------------------------------------
 
