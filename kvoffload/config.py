@@ -52,6 +52,17 @@ __all__ = [
 _GIB = 1 << 30
 
 
+_EAGER_ONLY = {
+    "restore_evicted": "it re-stores a live request's evicted blocks from its cursor, and a "
+    "lazy store keeps no cursor",
+    "store_admission": "it filters the blocks a request's store scan offers, and a lazy "
+    "store scans the engine's eviction order",
+    "hold_blocks_on_finish": "it pins a finished request's unstored blocks until its store "
+    "scan reaches them, and a lazy store scans none; the engine's own cache keeps them",
+}
+"""The settings of eager stores that ``store_mode="lazy"`` refuses, and why."""
+
+
 class OffloadConfig(BaseSettings):
     """Settings of one offloader. Frozen; reads ``KVOFFLOAD_<FIELD>`` environment variables.
 
@@ -238,6 +249,23 @@ class OffloadConfig(BaseSettings):
                 "exactly one of num_cpu_blocks (env KVOFFLOAD_NUM_CPU_BLOCKS) and cpu_bytes "
                 f"(env KVOFFLOAD_CPU_BYTES) must be set (got num_cpu_blocks="
                 f"{self.num_cpu_blocks!r}, cpu_bytes={self.cpu_bytes!r})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lazy_takes_no_eager_setting(self) -> OffloadConfig:
+        """Refuse the eager-only settings with ``store_mode="lazy"`` (never ignore them)."""
+        if self.store_mode != "lazy":
+            return self
+        wrong = [
+            f"{name}={getattr(self, name)!r} ({why})"
+            for name, why in _EAGER_ONLY.items()
+            if getattr(self, name) != type(self).model_fields[name].default
+        ]
+        if wrong:
+            raise ValueError(
+                "store_mode='lazy' stores the GPU blocks closest to eviction, not a request's "
+                "blocks as they are computed, so it cannot honour: " + "; ".join(wrong)
             )
         return self
 

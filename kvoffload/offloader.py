@@ -21,7 +21,7 @@ from kvoffload._session import Session
 from kvoffload._setup import make_session
 from kvoffload.build import POOL_BOOKKEEPING_BYTES_PER_BLOCK
 from kvoffload.config import KVLayout, OffloadConfig
-from kvoffload.errors import InvalidInputError
+from kvoffload.errors import InputTypeError, InvalidInputError
 from kvoffload.hashing import BlockHash, HashNamespace, hash_prompt
 from kvoffload.hints import SessionHints
 from kvoffload.pinner import GpuBlockPinner
@@ -480,7 +480,12 @@ class KVOffloader:
         """
         if self._groups is not None:
             return self._groups.store(after, gpu_cache)
-        return self._session.store(after, gpu_cache)  # type: ignore[arg-type]  # one group
+        if isinstance(gpu_cache, Mapping):
+            raise InputTypeError(
+                f"gpu_cache={type(gpu_cache).__name__}: this offloader has one KV cache "
+                "group; give its GpuCacheView, not a mapping of group names"
+            )
+        return self._session.store(after, gpu_cache)
 
     def finish(self, request_id: str) -> None:
         """The engine finished a request. See `OffloadScheduler.finish()`.

@@ -400,3 +400,17 @@ def test_unknown_field_names_no_environment_variable() -> None:
     with pytest.raises(ConfigError, match=r"bogus: Extra inputs are not permitted") as info:
         OffloadConfig(num_cpu_blocks=1, bogus=1)
     assert "KVOFFLOAD_BOGUS" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("restore_evicted", True), ("store_admission", "seen_twice"), ("hold_blocks_on_finish", True)],
+)
+def test_lazy_stores_refuse_the_eager_only_settings_naming_them(
+    setting: str, value: object
+) -> None:
+    """A lazy store keeps no request cursor and scans the engine's eviction order: a
+    setting of eager stores is refused with it, never silently ignored."""
+    with pytest.raises(ConfigError, match=rf"store_mode='lazy'.*{setting}={value!r}"):
+        OffloadConfig(num_cpu_blocks=4, store_mode="lazy", **{setting: value})
+    OffloadConfig(num_cpu_blocks=4, store_mode="eager", **{setting: value})  # honoured there

@@ -336,7 +336,8 @@ def _offloader(**settings: object) -> tuple[KVOffloader, dict[str, Pinner]]:
     ]
     kv = {g.name: [torch.zeros(lay.tensor_shape(16)) for _ in range(2)] for g in groups}
     pinners = {g.name: Pinner() for g in groups}
-    cfg = config(num_cpu_blocks=4, hold_blocks_on_finish=True, checkpoint_tokens=8, **settings)
+    settings = {"hold_blocks_on_finish": True, **settings}
+    cfg = config(num_cpu_blocks=4, checkpoint_tokens=8, **settings)
     return KVOffloader(cfg, kv, groups=groups, pinner=pinners), pinners
 
 
@@ -433,7 +434,7 @@ def test_lazy_stores_are_refused_naming_each_group_and_why(shape: str, reason: s
 
 def test_the_offloader_refuses_lazy_stores_naming_the_groups() -> None:
     with pytest.raises(ConfigError, match=r"store_mode='lazy' .*group 'swa' \(sliding_window\)"):
-        _offloader(store_mode="lazy")
+        _offloader(store_mode="lazy", hold_blocks_on_finish=False)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -10,7 +10,7 @@ import pytest
 from test_offloader_groups import BS, Model, Tables, config, groups_of, serve
 
 from kvoffload import KVOffloader, MissReason
-from kvoffload.errors import InvalidInputError
+from kvoffload.errors import InputTypeError, InvalidInputError
 from kvoffload.groups import KVCacheGroup
 from kvoffload.hashing import BlockHasher
 
@@ -77,6 +77,8 @@ async def test_one_group_takes_one_list_and_names_a_mapping() -> None:
             off.lookup("x", {"full": hashes}, len(TURN1))
         with pytest.raises(InvalidInputError, match=r"'x'.*one KV cache group"):
             off.load("x", {"full": [0, 1]}, 0)
+        with pytest.raises(InputTypeError, match=r"one KV cache group"):
+            off.store(gpu_cache={"full": object()})  # type: ignore[dict-item]
         assert off.lookup("x", hashes, len(TURN1)) == 0
         assert off.miss_reason("x") is MissReason.NEVER_STORED
         assert off.tier_hit_tokens("x") == {}

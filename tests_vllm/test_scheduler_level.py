@@ -106,7 +106,7 @@ def test_every_offload_config_field_is_accepted(model_dir: Path) -> None:
         cpu_bytes="1MiB",
         store_mode="lazy",
         lazy_offload_blocks=8,
-        restore_evicted=True,
+        restore_evicted=False,  # an eager-only setting: refused with lazy stores
         max_store_blocks_per_step=16,
         pin_memory="never",
         pin_chunk_bytes="64MiB",
