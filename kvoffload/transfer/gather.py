@@ -37,6 +37,7 @@ import bisect
 import ctypes
 import importlib
 import itertools
+import threading
 import types
 from collections import deque
 from collections.abc import Sequence
@@ -56,9 +57,11 @@ except ImportError:  # built without a C compiler: one memmove per piece
     _streamcopy = None
 
 __all__ = [
+    "NATIVE",
     "STREAMING",
     "BlockMover",
     "Segment",
+    "SharedCopy",
     "copy_segments",
     "copy_table",
     "cpu_runs",
@@ -67,6 +70,9 @@ __all__ = [
     "split_table",
     "validate_plan",
 ]
+
+NATIVE: bool = _streamcopy is not None
+"""Whether the optional native copy ``kvoffload._streamcopy`` is built: `SharedCopy` needs it."""
 
 STREAMING: bool = _streamcopy is not None and bool(_streamcopy.STREAMING)
 """Whether `copy_table()` can write with streaming (non-temporal) stores here: the
@@ -132,6 +138,64 @@ def copy_table(table: torch.Tensor, *, stream: bool = False) -> None:
         _streamcopy.copy_at(rows.data_ptr(), rows.shape[0])
         return
     copy_segments(table.tolist())
+
+
+@final
+class SharedCopy:
+    """One segment table copied by several threads that take chunks of it in turn.
+
+    The table's bytes, in row order, are cut into chunks of ``chunk_bytes``; every thread
+    that calls `run()` claims the next chunk from a shared counter, copies it, and claims
+    again until none is left (one native call, the GIL released throughout). A thread that
+    starts late or loses its core therefore copies less instead of holding the copy up, as
+    equal shares fixed up front would. `wait()` returns once every chunk is written,
+    whoever wrote it; a thread that calls `run()` after that copies nothing. Needs the
+    native copy (`NATIVE`).
+
+    Args:
+        table: int64 ``[segments, 3]`` rows of ``(dst_ptr, src_ptr, nbytes)``, sources and
+            destinations not overlapping.
+        chunk_bytes: bytes per claim.
+        stream: write with streaming stores where `STREAMING` (see `copy_table()`).
+
+    Raises:
+        RuntimeError: the native copy is not built.
+        ValueError: ``chunk_bytes`` is not positive.
+    """
+
+    __slots__ = ("_chunk", "_done", "_native", "_state", "_stream", "_table")
+
+    def __init__(self, table: torch.Tensor, *, chunk_bytes: int, stream: bool) -> None:
+        if _streamcopy is None:
+            raise RuntimeError("SharedCopy needs the native copy kvoffload._streamcopy")
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        self._native: types.ModuleType = _streamcopy
+        self._table = table.contiguous()
+        self._chunk = chunk_bytes
+        self._stream = stream and STREAMING
+        self._state = torch.zeros(2, dtype=torch.int64)  # next chunk to claim, chunks done
+        self._done = threading.Event()
+        if not self._table.shape[0] or not bool(self._table[:, 2].any()):
+            self._done.set()  # nothing to copy: no chunk will ever be the last
+
+    def run(self) -> int:
+        """Copy chunks until none is left to claim; return how many this call copied.
+
+        Raises:
+            ValueError: a row has a negative size (nothing was copied by this call).
+        """
+        rows = self._table
+        copied, last = self._native.copy_claim(
+            rows.data_ptr(), rows.shape[0], self._chunk, self._state.data_ptr(), self._stream
+        )
+        if last:
+            self._done.set()
+        return int(copied)
+
+    def wait(self) -> None:
+        """Block until every chunk is written (and visible to this thread)."""
+        self._done.wait()
 
 
 def split_table(table: torch.Tensor, parts: int) -> list[torch.Tensor]:
