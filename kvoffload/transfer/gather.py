@@ -20,15 +20,17 @@ it is read or written as one stream, and consecutive CPU ids are one host range.
   sides merged into one (one-layer pages of consecutive blocks, for instance). The
   pieces are one int64 table (`BlockMover.segment_table()`), computed with tensor
   arithmetic, not per piece. A small copy runs one ``memmove`` per piece; a large one
-  (`copy_table()` with ``stream=True``) runs the whole table, or each thread's share of
-  it, in one call of the optional native ``kvoffload._streamcopy`` with streaming
-  (non-temporal) stores. Measured on a 2-core host (docs/benchmarks.md), what limits a
-  large scattered copy is not the scatter or the per-piece dispatch (64 KiB pieces that
-  are contiguous on both sides copy no faster than scattered ones, ~0.57 of one
-  ``memmove`` of the same 512 MiB) but the kind of store: glibc's ``memmove`` streams
-  only above a size (192 MiB there), so a whole copy does and a piece never does, and
-  ordinary stores read each destination line before writing it. The staged path
-  touches every byte twice (~0.4).
+  (`copy_table()` with ``stream=True``) runs the whole table in one call of the optional
+  native ``kvoffload._streamcopy`` with streaming (non-temporal) stores, or, shared by
+  threads (`SharedCopy`), each thread's chunks, claimed in turn until none is left.
+  Measured on a 2-core host (docs/benchmarks.md), what limits a large scattered copy is
+  not the scatter or the per-piece dispatch (64 KiB pieces that are contiguous on both
+  sides copy no faster than scattered ones, ~0.57 of one ``memmove`` of the same 512 MiB)
+  but the kind of store: glibc's ``memmove`` streams only above a size (192 MiB there),
+  so a whole copy does and a piece never does, and ordinary stores read each destination
+  line before writing it; then the width of the streaming stores (32 bytes where the CPU
+  has AVX2), and, on a busy machine, fixed shares that wait for the slowest thread. The
+  staged path touches every byte twice (~0.4).
 """
 
 from __future__ import annotations

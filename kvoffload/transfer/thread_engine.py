@@ -90,16 +90,18 @@ class ThreadCopyEngine(_EngineBase):
         gpu_kv: the engine's per-layer KV tensors (CPU tensors).
         host: the host buffer.
         strategy: ``"segments"`` (default; direct copies per block and layer in host
-            order, fastest on CPU; from 16 MiB on one native batch with streaming stores
+            order, fastest on CPU; from 16 MiB on native batches with streaming stores
             where `STREAMING`) or ``"staged"`` (the CUDA engine's gather/scatter
             through a staging buffer).
         staging_blocks: staging capacity in blocks for ``"staged"``.
         copy_hook: run in the worker before each copy; an exception fails the copy.
         poll_interval_s: how often `aclose()` checks for in-flight copies.
         copy_threads: threads that share one ``"segments"`` copy of at least
-            ``_PARALLEL_MIN_BYTES``, each copying one consecutive host range of equal
-            bytes (default: torch's intra-op thread count, at most 8); one core rarely
-            saturates memory bandwidth.
+            ``_PARALLEL_MIN_BYTES`` (default: torch's intra-op thread count, at most 8);
+            one core rarely saturates memory bandwidth. With the native copy each thread
+            claims chunks of ``_CHUNK_BYTES`` in host order until none is left, so a
+            thread that gets no core copies less; without it each copies one consecutive
+            host range of equal bytes.
 
     Raises:
         LayoutMismatchError: tensors or host buffer disagree with ``layout``, or the KV
