@@ -73,8 +73,15 @@ __all__ = [
     "validate_plan",
 ]
 
-NATIVE: bool = _streamcopy is not None
-"""Whether the optional native copy ``kvoffload._streamcopy`` is built: `SharedCopy` needs it."""
+
+def _shares(native: object | None) -> bool:
+    """Whether ``native`` can run a `SharedCopy` (a build older than it cannot)."""
+    return native is not None and hasattr(native, "copy_claim")
+
+
+NATIVE: bool = _shares(_streamcopy)
+"""Whether the optional native copy ``kvoffload._streamcopy`` is built, recently enough to
+share a copy between threads (`SharedCopy`); where it is not, they take fixed shares."""
 
 STREAMING: bool = _streamcopy is not None and bool(_streamcopy.STREAMING)
 """Whether `copy_table()` can write with streaming (non-temporal) stores here: the
@@ -168,7 +175,7 @@ class SharedCopy:
     __slots__ = ("_chunk", "_done", "_native", "_state", "_stream", "_table")
 
     def __init__(self, table: torch.Tensor, *, chunk_bytes: int, stream: bool) -> None:
-        if _streamcopy is None:
+        if _streamcopy is None or not _shares(_streamcopy):
             raise RuntimeError("SharedCopy needs the native copy kvoffload._streamcopy")
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")

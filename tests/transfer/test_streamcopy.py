@@ -80,8 +80,8 @@ def _batches(draw: Any) -> tuple[int, list[tuple[int, int, int]]]:
 def store_width(request: pytest.FixtureRequest) -> Iterator[str]:
     """Both store widths of the native copy: 32 bytes (AVX2, where the CPU has it) and 16."""
     native = gather_module._streamcopy
-    if native is None:
-        pytest.skip("kvoffload._streamcopy not built")
+    if native is None or not hasattr(native, "use_avx2"):
+        pytest.skip("kvoffload._streamcopy not built (or built before use_avx2)")
     before = native.use_avx2(request.param == "wide")
     yield request.param
     native.use_avx2(before)
@@ -178,6 +178,20 @@ def test_the_native_shared_copy_refuses_a_malformed_batch() -> None:
     assert state.tolist() == [0, 0]  # nothing claimed
     with pytest.raises(ValueError, match="chunk_bytes must be >= 1, got 0"):
         SharedCopy(table, chunk_bytes=0, stream=True)
+
+
+def test_a_native_copy_built_before_shared_copies_is_not_used_for_them() -> None:
+    # A stale build (the Python files updated, the extension not rebuilt) has copy_at only:
+    # the engine then takes fixed shares instead of failing every large copy.
+    class _OldBuild:
+        STREAMING = 1
+
+        def copy_at(self, address: int, count: int) -> None:
+            pass
+
+    assert not gather_module._shares(_OldBuild())
+    assert not gather_module._shares(None)
+    assert gather_module._shares(gather_module._streamcopy) is NATIVE
 
 
 def test_a_shared_copy_needs_the_native_copy(monkeypatch) -> None:
@@ -287,6 +301,9 @@ async def test_large_copies_stream_small_ones_do_not(host_factory, monkeypatch, 
                 if threads == 1:  # one batch on the worker, streamed or not
                     assert recorder.batches == ([nbytes] if streams else [])
                     assert recorder.claims == []
+                elif not NATIVE:  # a build without copy_claim: one fixed share per thread
+                    assert sum(recorder.batches) == (nbytes if streams else 0)
+                    assert len(recorder.batches) == (threads if streams else 0)
                 else:  # shared: every claim streams or none, and the chunks cover the copy
                     assert recorder.batches == []
                     assert {(stream, total) for stream, total, _ in recorder.claims} == {
