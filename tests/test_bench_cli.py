@@ -41,6 +41,8 @@ def test_copy_bench_prints_ratios_and_wakeup_latency(capsys: pytest.CaptureFixtu
         ratios = [float(x) for x in (row[4], row[5], row[8], row[9])]
         assert all(r > 0 for r in ratios)
     assert re.search(r"wake-up latency .* over 3 copies: median \d+ us", out)
+    if sys.platform != "win32":  # both sides' page faults, counted where getrusage exists
+        assert re.search(r"minor page faults in the timed .*: engine \d+, contiguous \d+", out)
 
 
 def test_scheduler_bench_stores_every_block_once() -> None:

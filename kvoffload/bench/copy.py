@@ -93,6 +93,36 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(run=run)
 
 
+_minor_faults: Callable[[], int] | None  # the process's minor page faults so far
+try:
+    import resource
+
+    def _minor_faults() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+except ImportError:  # not on Unix: the page-fault count is left out
+    _minor_faults = None
+
+
+class _Faults:
+    """Adds the process's minor page faults during a ``with`` block to ``totals[side]``."""
+
+    __slots__ = ("_side", "_start", "_totals")
+
+    def __init__(self, totals: dict[str, int], side: str | None) -> None:
+        self._totals = totals
+        self._side = side
+        self._start = 0
+
+    def __enter__(self) -> None:
+        if _minor_faults is not None:
+            self._start = _minor_faults()
+
+    def __exit__(self, *exc: object) -> None:
+        if _minor_faults is not None and self._side is not None:
+            self._totals[self._side] += _minor_faults() - self._start
+
+
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
@@ -176,6 +206,11 @@ async def _main(
         )
         plans[n] = (store, load)
 
+    faults = {"engine": 0, "contiguous": 0}  # minor page faults in the timed repetitions
+
+    def counted(side: str, timed_rep: bool) -> _Faults:
+        return _Faults(faults, side if timed_rep else None)
+
     def pieces_s(plan: TransferPlan) -> float:
         segments = mover.segments(plan)
         t0 = time.perf_counter()
@@ -200,10 +235,14 @@ async def _main(
             for n in sizes:
                 store, load = plans[n]
                 nbytes = n * layout.bytes_per_block
-                d2h_s = contiguous_d2h(nbytes)
-                store_s = await timed(store)
-                h2d_s = contiguous_h2d(nbytes)
-                load_s = await timed(load)
+                with counted("contiguous", rep > 0):
+                    d2h_s = contiguous_d2h(nbytes)
+                with counted("engine", rep > 0):
+                    store_s = await timed(store)
+                with counted("contiguous", rep > 0):
+                    h2d_s = contiguous_h2d(nbytes)
+                with counted("engine", rep > 0):
+                    load_s = await timed(load)
                 extra = (pieces_s(store), pieces_s(load)) if pieces else ()
                 if rep:  # the first repetition warms caches and pages up
                     rows[n].append((store_s, *d2h_s, load_s, *h2d_s, *extra))
@@ -246,6 +285,11 @@ async def _main(
                 if r["blocks"] >= 64
             )
         )
+        if _minor_faults is not None:
+            print(
+                "minor page faults in the timed repetitions (the first one warms pages up): "
+                f"engine {faults['engine']}, contiguous {faults['contiguous']}"
+            )
         plan_id = 2 * len(sizes)
         for i in range(args.latency_samples):
             plan_id += 1
@@ -280,6 +324,7 @@ async def _main(
             "reps": args.reps,
             "streaming": None if use_cuda else STREAMING,
             "results": results,
+            "page_faults": faults if _minor_faults is not None else None,
             "wakeup_latency_s": {
                 "samples": len(latencies),
                 "median": statistics.median(latencies) if latencies else None,

@@ -20,15 +20,17 @@ it is read or written as one stream, and consecutive CPU ids are one host range.
   sides merged into one (one-layer pages of consecutive blocks, for instance). The
   pieces are one int64 table (`BlockMover.segment_table()`), computed with tensor
   arithmetic, not per piece. A small copy runs one ``memmove`` per piece; a large one
-  (`copy_table()` with ``stream=True``) runs the whole table, or each thread's share of
-  it, in one call of the optional native ``kvoffload._streamcopy`` with streaming
-  (non-temporal) stores. Measured on a 2-core host (docs/benchmarks.md), what limits a
-  large scattered copy is not the scatter or the per-piece dispatch (64 KiB pieces that
-  are contiguous on both sides copy no faster than scattered ones, ~0.57 of one
-  ``memmove`` of the same 512 MiB) but the kind of store: glibc's ``memmove`` streams
-  only above a size (192 MiB there), so a whole copy does and a piece never does, and
-  ordinary stores read each destination line before writing it. The staged path
-  touches every byte twice (~0.4).
+  (`copy_table()` with ``stream=True``) runs the whole table in one call of the optional
+  native ``kvoffload._streamcopy`` with streaming (non-temporal) stores, or, shared by
+  threads (`SharedCopy`), each thread's chunks, claimed in turn until none is left.
+  Measured on a 2-core host (docs/benchmarks.md), what limits a large scattered copy is
+  not the scatter or the per-piece dispatch (64 KiB pieces that are contiguous on both
+  sides copy no faster than scattered ones, ~0.57 of one ``memmove`` of the same 512 MiB)
+  but the kind of store: glibc's ``memmove`` streams only above a size (192 MiB there),
+  so a whole copy does and a piece never does, and ordinary stores read each destination
+  line before writing it; then the width of the streaming stores (32 bytes where the CPU
+  has AVX2), and, on a busy machine, fixed shares that wait for the slowest thread. The
+  staged path touches every byte twice (~0.4).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import bisect
 import ctypes
 import importlib
 import itertools
+import threading
 import types
 from collections import deque
 from collections.abc import Sequence
@@ -56,9 +59,11 @@ except ImportError:  # built without a C compiler: one memmove per piece
     _streamcopy = None
 
 __all__ = [
+    "NATIVE",
     "STREAMING",
     "BlockMover",
     "Segment",
+    "SharedCopy",
     "copy_segments",
     "copy_table",
     "cpu_runs",
@@ -67,6 +72,16 @@ __all__ = [
     "split_table",
     "validate_plan",
 ]
+
+
+def _shares(native: object | None) -> bool:
+    """Whether ``native`` can run a `SharedCopy` (a build older than it cannot)."""
+    return native is not None and hasattr(native, "copy_claim")
+
+
+NATIVE: bool = _shares(_streamcopy)
+"""Whether the optional native copy ``kvoffload._streamcopy`` is built, recently enough to
+share a copy between threads (`SharedCopy`); where it is not, they take fixed shares."""
 
 STREAMING: bool = _streamcopy is not None and bool(_streamcopy.STREAMING)
 """Whether `copy_table()` can write with streaming (non-temporal) stores here: the
@@ -132,6 +147,64 @@ def copy_table(table: torch.Tensor, *, stream: bool = False) -> None:
         _streamcopy.copy_at(rows.data_ptr(), rows.shape[0])
         return
     copy_segments(table.tolist())
+
+
+@final
+class SharedCopy:
+    """One segment table copied by several threads that take chunks of it in turn.
+
+    The table's bytes, in row order, are cut into chunks of ``chunk_bytes``; every thread
+    that calls `run()` claims the next chunk from a shared counter, copies it, and claims
+    again until none is left (one native call, the GIL released throughout). A thread that
+    starts late or loses its core therefore copies less instead of holding the copy up, as
+    equal shares fixed up front would. `wait()` returns once every chunk is written,
+    whoever wrote it; a thread that calls `run()` after that copies nothing. Needs the
+    native copy (`NATIVE`).
+
+    Args:
+        table: int64 ``[segments, 3]`` rows of ``(dst_ptr, src_ptr, nbytes)``, sources and
+            destinations not overlapping.
+        chunk_bytes: bytes per claim.
+        stream: write with streaming stores where `STREAMING` (see `copy_table()`).
+
+    Raises:
+        RuntimeError: the native copy is not built.
+        ValueError: ``chunk_bytes`` is not positive.
+    """
+
+    __slots__ = ("_chunk", "_done", "_native", "_state", "_stream", "_table")
+
+    def __init__(self, table: torch.Tensor, *, chunk_bytes: int, stream: bool) -> None:
+        if _streamcopy is None or not _shares(_streamcopy):
+            raise RuntimeError("SharedCopy needs the native copy kvoffload._streamcopy")
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        self._native: types.ModuleType = _streamcopy
+        self._table = table.contiguous()
+        self._chunk = chunk_bytes
+        self._stream = stream and STREAMING
+        self._state = torch.zeros(2, dtype=torch.int64)  # next chunk to claim, chunks done
+        self._done = threading.Event()
+        if not self._table.shape[0] or not bool(self._table[:, 2].any()):
+            self._done.set()  # nothing to copy: no chunk will ever be the last
+
+    def run(self) -> int:
+        """Copy chunks until none is left to claim; return how many this call copied.
+
+        Raises:
+            ValueError: a row has a negative size (nothing was copied by this call).
+        """
+        rows = self._table
+        copied, last = self._native.copy_claim(
+            rows.data_ptr(), rows.shape[0], self._chunk, self._state.data_ptr(), self._stream
+        )
+        if last:
+            self._done.set()
+        return int(copied)
+
+    def wait(self) -> None:
+        """Block until every chunk is written (and visible to this thread)."""
+        self._done.wait()
 
 
 def split_table(table: torch.Tensor, parts: int) -> list[torch.Tensor]:

@@ -23,7 +23,15 @@ from kvoffload.errors import InputTypeError, LayoutMismatchError
 from kvoffload.layout import KVLayout
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.transfer.engine import _EngineBase, _InFlight, check_open
-from kvoffload.transfer.gather import STREAMING, BlockMover, copy_table, host_order, split_table
+from kvoffload.transfer.gather import (
+    NATIVE,
+    STREAMING,
+    BlockMover,
+    SharedCopy,
+    copy_table,
+    host_order,
+    split_table,
+)
 from kvoffload.transfer.plan import TransferPlan
 from kvoffload.transfer.task import TransferTask
 
@@ -37,6 +45,11 @@ _PARALLEL_MIN_BYTES = 4 << 20
 _STREAM_MIN_BYTES = 16 << 20
 """Copies of at least this many bytes write with streaming stores where `STREAMING` (the
 destination would not stay in the cache anyway; smaller loads leave it warm for compute)."""
+
+_CHUNK_BYTES = 1 << 20
+"""Bytes a thread claims at a time in a shared copy (`SharedCopy`): small enough that a
+thread which loses its core mid-chunk holds the copy up little, large enough that a claim
+costs nothing against it (16 µs of copying at 64 GB/s)."""
 
 CopyHook = Callable[[TransferPlan], None]
 """Runs in the worker thread right before a copy; raising fails that copy (fault injection,
@@ -77,16 +90,18 @@ class ThreadCopyEngine(_EngineBase):
         gpu_kv: the engine's per-layer KV tensors (CPU tensors).
         host: the host buffer.
         strategy: ``"segments"`` (default; direct copies per block and layer in host
-            order, fastest on CPU; from 16 MiB on one native batch with streaming stores
+            order, fastest on CPU; from 16 MiB on native batches with streaming stores
             where `STREAMING`) or ``"staged"`` (the CUDA engine's gather/scatter
             through a staging buffer).
         staging_blocks: staging capacity in blocks for ``"staged"``.
         copy_hook: run in the worker before each copy; an exception fails the copy.
         poll_interval_s: how often `aclose()` checks for in-flight copies.
         copy_threads: threads that share one ``"segments"`` copy of at least
-            ``_PARALLEL_MIN_BYTES``, each copying one consecutive host range of equal
-            bytes (default: torch's intra-op thread count, at most 8); one core rarely
-            saturates memory bandwidth.
+            ``_PARALLEL_MIN_BYTES`` (default: torch's intra-op thread count, at most 8);
+            one core rarely saturates memory bandwidth. With the native copy each thread
+            claims chunks of ``_CHUNK_BYTES`` in host order until none is left, so a
+            thread that gets no core copies less; without it each copies one consecutive
+            host range of equal bytes.
 
     Raises:
         LayoutMismatchError: tensors or host buffer disagree with ``layout``, or the KV
@@ -209,9 +224,13 @@ class ThreadCopyEngine(_EngineBase):
         return time.perf_counter()
 
     def _copy_segments(self, plan: TransferPlan) -> None:
-        """Copy on this worker; a large copy is cut by bytes into consecutive host ranges
-        (`split_table()`), one per thread, the worker copying the first itself, and
-        written with streaming stores (`copy_table()`) from ``_STREAM_MIN_BYTES`` on."""
+        """Copy on this worker, written with streaming stores (`copy_table()`) from
+        ``_STREAM_MIN_BYTES`` on. A copy of at least ``_PARALLEL_MIN_BYTES`` is shared
+        with the helpers: with the native copy, every thread claims chunks of
+        ``_CHUNK_BYTES`` in host order until none is left (`SharedCopy`), the worker
+        among them, so a helper that starts late or loses its core copies less instead
+        of holding the copy up; without it, the table is cut by bytes into consecutive
+        host ranges (`split_table()`), one per thread, the worker copying the first."""
         mover = self._mover
         table = mover.segment_table(plan)
         helpers = self._helpers
@@ -219,6 +238,15 @@ class ThreadCopyEngine(_EngineBase):
         stream = STREAMING and nbytes >= _STREAM_MIN_BYTES
         if helpers is None or nbytes < _PARALLEL_MIN_BYTES:
             copy_table(table, stream=stream)
+            return
+        if NATIVE:
+            shared = SharedCopy(table, chunk_bytes=_CHUNK_BYTES, stream=stream)
+            for _ in range(self._copy_threads - 1):
+                # Not waited for: one that starts after the last chunk was claimed returns
+                # at once (it holds ``shared``, so the table outlives it).
+                helpers.submit(shared.run)
+            shared.run()
+            shared.wait()
             return
         shares = split_table(table, self._copy_threads)
         futures = [helpers.submit(copy_table, share, stream=stream) for share in shares[1:]]

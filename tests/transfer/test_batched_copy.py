@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
 
 import anyio
 import pytest
@@ -28,6 +29,7 @@ from kvoffload.transfer import (
 )
 from kvoffload.transfer import thread_engine as thread_engine_module
 from kvoffload.transfer.gather import (
+    NATIVE,
     STREAMING,
     Segment,
     copy_segments,
@@ -239,13 +241,23 @@ def test_host_order_sorts_pairs_by_cpu_id() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("path", ["claimed chunks", "fixed shares"])
 @pytest.mark.parametrize("layout_kind", ["blocks_first", "kv_first"])
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])
 async def test_thread_engine_shares_by_host_range_bit_exact(
-    host_factory, monkeypatch, layout_kind, threads
+    host_factory, monkeypatch, path, layout_kind, threads
 ) -> None:
-    # Every copy is split (threshold 0), also one too small to give each thread a block.
+    # Every copy is split (threshold 0), also one too small to give each thread a block:
+    # with the native copy into claimed chunks (small ones, cutting pieces), without it
+    # (no C compiler at install) into fixed shares.
     monkeypatch.setattr(thread_engine_module, "_PARALLEL_MIN_BYTES", 0)
+    if path == "fixed shares":
+        monkeypatch.setattr(thread_engine_module, "NATIVE", False)
+        monkeypatch.setattr(thread_engine_module, "STREAMING", False)
+    elif not NATIVE:
+        pytest.skip("kvoffload._streamcopy not built")
+    else:
+        monkeypatch.setattr(thread_engine_module, "_CHUNK_BYTES", 7)
     layout = make_layout(kind=layout_kind, layers=3, heads=1, head=3, block_size=1)
     n = 24
     kv = random_kv(layout, n, seed=threads)
@@ -332,3 +344,43 @@ def test_cuda_engine_copies_permuted_adjacent_cpu_ids_as_one_host_run(
     gpu = [0, 1, 2, 3, 4, 5]
     engine.submit(store_plan(gpu, cpu) if kind == "store" else load_plan(gpu, cpu))
     assert [len(cpu_runs(ids)) for ids in seen] == [1]
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(not NATIVE, reason="kvoffload._streamcopy not built")
+async def test_a_copy_ends_without_a_helper_that_never_gets_to_run(host_factory, monkeypatch):
+    # The helper thread is held busy (as a helper that never gets a core): the worker
+    # claims every chunk itself and the copy ends, bit-exact, while the helper is still
+    # held; with fixed shares it would wait for the helper's share.
+    monkeypatch.setattr(thread_engine_module, "_PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(thread_engine_module, "_CHUNK_BYTES", 1000)
+    layout = make_layout(layers=3, heads=2, head=16, block_size=4)
+    n = 12
+    kv = random_kv(layout, n, seed=7)
+    original = [t.clone() for t in kv]
+    host = host_factory(layout, n)
+    engine = ThreadCopyEngine(layout, kv, host, copy_threads=2)
+    held = threading.Event()
+    helpers = engine._helpers
+    assert helpers is not None
+    busy = helpers.submit(held.wait)
+    src, cpu, dst = list(range(0, 10)), list(range(2, 12)), list(range(11, 1, -1))
+    poller = CompletionPoller(lambda t: None, poll_interval_s=0.001)
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(poller.run)
+            with anyio.fail_after(60):  # a guard against a hang, not a timing
+                for plan in (store_plan(src, cpu), load_plan(dst, cpu)):
+                    task = engine.submit(plan)
+                    poller.track(task)
+                    await task
+            assert not busy.done()
+            tg.cancel_scope.cancel()
+    finally:
+        held.set()
+    await engine.aclose()
+    for layer in range(layout.num_layers):
+        for a, b in zip(src, dst, strict=True):
+            assert torch.equal(
+                bits(gpu_block(layout, kv, layer, b)), bits(gpu_block(layout, original, layer, a))
+            )

@@ -14,6 +14,8 @@ import ctypes
 import os
 import platform
 import random
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -26,11 +28,17 @@ from transfer_helpers import bits, gpu_block, load_plan, make_layout, random_kv,
 from kvoffload.transfer import CompletionPoller, ThreadCopyEngine
 from kvoffload.transfer import gather as gather_module
 from kvoffload.transfer import thread_engine as thread_engine_module
-from kvoffload.transfer.gather import STREAMING, copy_table
+from kvoffload.transfer.gather import NATIVE, STREAMING, SharedCopy, copy_table
 
 needs_streaming = pytest.mark.skipif(not STREAMING, reason="kvoffload._streamcopy not built")
+needs_native = pytest.mark.skipif(not NATIVE, reason="kvoffload._streamcopy not built")
 
-_SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_SETTINGS = settings(
+    max_examples=60,
+    deadline=None,
+    # store_width is set once per test, for every example alike
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 
 @pytest.mark.skipif(
@@ -68,22 +76,128 @@ def _batches(draw: Any) -> tuple[int, list[tuple[int, int, int]]]:
     return 2 * half, copies
 
 
+@pytest.fixture(params=["wide", "narrow"])
+def store_width(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Both store widths of the native copy: 32 bytes (AVX2, where the CPU has it) and 16."""
+    native = gather_module._streamcopy
+    if native is None or not hasattr(native, "use_avx2"):
+        pytest.skip("kvoffload._streamcopy not built (or built before use_avx2)")
+    before = native.use_avx2(request.param == "wide")
+    yield request.param
+    native.use_avx2(before)
+
+
 @needs_streaming
 @_SETTINGS
-@given(_batches(), st.integers(0, 63))
+@given(batch=_batches(), shift=st.integers(0, 63))
 def test_streaming_copy_writes_exactly_the_segments(
-    batch: tuple[int, list[tuple[int, int, int]]], shift: int
+    store_width: str, batch: tuple[int, list[tuple[int, int, int]]], shift: int
 ) -> None:
+    buf, table, expected = _buffer_and_table(batch, shift)  # every alignment
+    copy_table(table, stream=True)
+    assert torch.equal(buf, expected)
+
+
+def _buffer_and_table(
+    batch: tuple[int, list[tuple[int, int, int]]], shift: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random buffer, the table of ``batch``'s copies in it, and the buffer they make."""
     total, copies = batch
     rng = random.Random(total * 64 + shift)
     buf = torch.tensor([rng.randrange(256) for _ in range(total + 64)], dtype=torch.uint8)
     expected = buf.clone()
-    base = buf.data_ptr() + shift  # every alignment of the destination and the source
+    base = buf.data_ptr() + shift
     table = torch.tensor([(base + d, base + s, n) for d, s, n in copies], dtype=torch.int64)
     for d, s, n in copies:
         expected[shift + d : shift + d + n] = expected[shift + s : shift + s + n].clone()
-    copy_table(table, stream=True)
+    return buf, table.view(-1, 3), expected
+
+
+@needs_native
+@_SETTINGS
+@given(
+    batch=_batches(),
+    shift=st.integers(0, 63),
+    chunk=st.one_of(st.integers(1, 300), st.integers(900, 6000)),
+    threads=st.integers(1, 3),
+    stream=st.booleans(),
+)
+def test_a_shared_copy_writes_every_byte_once_whoever_claims_it(
+    store_width: str,
+    batch: tuple[int, list[tuple[int, int, int]]],
+    shift: int,
+    chunk: int,
+    threads: int,
+    stream: bool,
+) -> None:
+    # Chunks cut pieces anywhere (odd sizes, unaligned); threads race for them.
+    buf, table, expected = _buffer_and_table(batch, shift)
+    shared = SharedCopy(table, chunk_bytes=chunk, stream=stream)
+    counts: list[int] = []
+    workers = [
+        threading.Thread(target=lambda: counts.append(shared.run())) for _ in range(threads - 1)
+    ]
+    for worker in workers:
+        worker.start()
+    counts.append(shared.run())
+    shared.wait()
+    for worker in workers:
+        worker.join()
     assert torch.equal(buf, expected)
+    total = int(table[:, 2].sum())
+    assert sum(counts) == -(-total // chunk)  # each chunk copied by exactly one thread
+    assert shared.run() == 0  # a late thread finds nothing left and changes nothing
+    assert torch.equal(buf, expected)
+
+
+@needs_native
+def test_a_shared_copy_of_nothing_is_done_at_once() -> None:
+    for table in (
+        torch.empty((0, 3), dtype=torch.int64),
+        torch.tensor([[0, 0, 0], [0, 0, 0]], dtype=torch.int64),
+    ):
+        shared = SharedCopy(table, chunk_bytes=64, stream=True)
+        shared.wait()  # returns: there is no last chunk to wait for
+        assert shared.run() == 0
+
+
+@needs_native
+def test_the_native_shared_copy_refuses_a_malformed_batch() -> None:
+    native = gather_module._streamcopy
+    assert native is not None
+    state = torch.zeros(2, dtype=torch.int64)
+    table = torch.tensor([[0, 0, -1]], dtype=torch.int64)
+    with pytest.raises(ValueError, match="count >= 0"):
+        native.copy_claim(0, 1, 64, state.data_ptr(), True)
+    with pytest.raises(ValueError, match="chunk_bytes 0"):
+        native.copy_claim(table.data_ptr(), 0, 0, state.data_ptr(), True)
+    with pytest.raises(ValueError, match="a state"):
+        native.copy_claim(table.data_ptr(), 0, 64, 0, True)
+    with pytest.raises(ValueError, match="negative size -1"):
+        native.copy_claim(table.data_ptr(), 1, 64, state.data_ptr(), True)
+    assert state.tolist() == [0, 0]  # nothing claimed
+    with pytest.raises(ValueError, match="chunk_bytes must be >= 1, got 0"):
+        SharedCopy(table, chunk_bytes=0, stream=True)
+
+
+def test_a_native_copy_built_before_shared_copies_is_not_used_for_them() -> None:
+    # A stale build (the Python files updated, the extension not rebuilt) has copy_at only:
+    # the engine then takes fixed shares instead of failing every large copy.
+    class _OldBuild:
+        STREAMING = 1
+
+        def copy_at(self, address: int, count: int) -> None:
+            pass
+
+    assert not gather_module._shares(_OldBuild())
+    assert not gather_module._shares(None)
+    assert gather_module._shares(gather_module._streamcopy) is NATIVE
+
+
+def test_a_shared_copy_needs_the_native_copy(monkeypatch) -> None:
+    monkeypatch.setattr(gather_module, "_streamcopy", None)
+    with pytest.raises(RuntimeError, match="needs the native copy"):
+        SharedCopy(torch.empty((0, 3), dtype=torch.int64), chunk_bytes=64, stream=False)
 
 
 def test_without_streaming_copy_table_copies_the_same(monkeypatch) -> None:
@@ -120,12 +234,36 @@ class _Recorder:
 
     def __init__(self, real: Any) -> None:
         self.real = real
-        self.batches: list[int] = []
+        self.batches: list[int] = []  # bytes of each copy_at table
+        self.claims: list[tuple[bool, int, int]] = []  # (stream, table bytes, chunks copied)
+        self.active = 0  # copy_claim calls not returned yet (a helper may outlive its copy)
+        self._lock = threading.Lock()
 
     def copy_at(self, address: int, count: int) -> None:
         rows = (ctypes.c_int64 * (3 * count)).from_address(address)
         self.batches.append(sum(rows[2::3]))
         self.real.copy_at(address, count)
+
+    def copy_claim(
+        self, address: int, count: int, chunk: int, state: int, stream: bool
+    ) -> tuple[int, bool]:
+        with self._lock:
+            self.active += 1
+        try:
+            rows = (ctypes.c_int64 * (3 * count)).from_address(address)
+            total = sum(rows[2::3])
+            copied, last = self.real.copy_claim(address, count, chunk, state, stream)
+            if copied:  # a helper that starts after the copy ended claims nothing
+                self.claims.append((bool(stream), total, copied))
+            return copied, last
+        finally:
+            with self._lock:
+                self.active -= 1
+
+    async def settle(self) -> None:
+        """Wait until no call is running (the last chunk may end on the worker first)."""
+        while self.active:
+            await anyio.sleep(0.001)
 
 
 @needs_streaming
@@ -138,6 +276,7 @@ async def test_large_copies_stream_small_ones_do_not(host_factory, monkeypatch, 
     recorder = _Recorder(gather_module._streamcopy)
     monkeypatch.setattr(gather_module, "_streamcopy", recorder)
     monkeypatch.setattr(thread_engine_module, "_PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(thread_engine_module, "_CHUNK_BYTES", 40_000)  # cuts pieces too
     layout = make_layout(kind=kind, layers=4, heads=4, head=64, block_size=8)
     monkeypatch.setattr(thread_engine_module, "_STREAM_MIN_BYTES", 16 * layout.bytes_per_block)
     n = 48
@@ -153,12 +292,24 @@ async def test_large_copies_stream_small_ones_do_not(host_factory, monkeypatch, 
             src, cpu, dst = (rng.sample(range(n), count) for _ in range(3))
             for plan in (store_plan(src, cpu), load_plan(dst, cpu)):
                 recorder.batches.clear()
+                recorder.claims.clear()
                 task = engine.submit(plan)
                 poller.track(task)
                 await task
+                await recorder.settle()
                 nbytes = count * layout.bytes_per_block
-                assert sum(recorder.batches) == (nbytes if streams else 0)
-                assert len(recorder.batches) == (threads if streams else 0)
+                if threads == 1:  # one batch on the worker, streamed or not
+                    assert recorder.batches == ([nbytes] if streams else [])
+                    assert recorder.claims == []
+                elif not NATIVE:  # a build without copy_claim: one fixed share per thread
+                    assert sum(recorder.batches) == (nbytes if streams else 0)
+                    assert len(recorder.batches) == (threads if streams else 0)
+                else:  # shared: every claim streams or none, and the chunks cover the copy
+                    assert recorder.batches == []
+                    assert {(stream, total) for stream, total, _ in recorder.claims} == {
+                        (streams, nbytes)
+                    }
+                    assert sum(c for _, _, c in recorder.claims) == -(-nbytes // 40_000)
             for layer in range(layout.num_layers):
                 for a, b in zip(src, dst, strict=True):
                     assert torch.equal(
