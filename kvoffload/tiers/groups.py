@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from kvoffload.transfer.plan import StorePlan
 
 __all__ = [
+    "GroupLedgerPart",
     "GroupPromotions",
     "GroupTierPart",
     "GroupTiers",
@@ -79,11 +80,12 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
 @final
-class _GroupPart:
-    """One group's pool and ledger, as a `TierManager` sees a scheduler (`TierScheduler`).
+class GroupLedgerPart:
+    """One group's pool and ledger, as a group's tiers see a scheduler (`TierScheduler`:
+    a `TierManager`, or the vLLM connector's per-group `SchedulerTiers`).
 
-    The grouped lookup asks `GroupTiers` (which asks each manager), so the lookup hook a
-    manager installs here is not used.
+    The grouped lookup asks `GroupPromotions` (which asks each group's tiers), so the
+    lookup hook a group's tiers install here is not used.
     """
 
     __slots__ = ("_ledger",)
@@ -357,7 +359,7 @@ class GroupTiers(GroupPromotions[TierManager]):
                 stack.append((tier, mine))
             self.managers[name] = TierManager(
                 stack,
-                scheduler=_GroupPart(ledger),
+                scheduler=GroupLedgerPart(ledger),
                 host=hosts[name],
                 namespace=root,
                 max_prefetch_fraction=config.max_prefetch_fraction,

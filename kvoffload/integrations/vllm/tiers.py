@@ -74,6 +74,7 @@ __all__ = [
     "TierRead",
     "VllmTierStatistics",
     "WorkerTiers",
+    "open_worker_tiers",
     "rank_namespace",
     "rank_tier_settings",
 ]
@@ -614,3 +615,31 @@ class WorkerTiers:
         """Wait for the tier jobs in flight (each within its tier's bounds), close the
         tiers and end the bridge's thread."""
         self._bridge.close(drain=True)
+
+
+def open_worker_tiers(
+    settings: Sequence[AnyTierSettings],
+    *,
+    root: bytes,
+    host: HostKVBuffer,
+    rank: int,
+    world_size: int,
+    name: str,
+) -> WorkerTiers:
+    """Open one rank's tiers over ``host``: ``settings`` as that rank holds them
+    (`rank_tier_settings`), keyed under `rank_namespace` of ``root``, on a bridge thread
+    called ``name``; staging for the most ``max_queued_writes`` of any tier.
+
+    Raises:
+        ConfigError: a tier cannot be built (see `build_tier()`).
+    """
+    from kvoffload.tiers.bridge import TierBridge  # noqa: PLC0415
+
+    mine = rank_tier_settings(settings, rank, world_size)
+    bridge = TierBridge.from_settings(
+        mine,
+        namespace=rank_namespace(root, rank, world_size),
+        block_nbytes=host.layout.bytes_per_block,
+        name=name,
+    )
+    return WorkerTiers(bridge, host, staging_blocks=max(s.max_queued_writes for s in mine))
