@@ -29,6 +29,9 @@ the `HashNamespace` of the layout, ``model_id`` and ``hash_salt``): with one ran
 `KVOffloader` of the same model and layout shares a tier with the engine. With several
 ranks each rank holds its shard under a namespace of its own (`rank_namespace`), and a
 disk tier's file gets the rank as a suffix (``kv.bin.rank1``).
+
+With several KV cache groups there is one `SchedulerTiers` and one `WorkerTiers` per
+group, each under its group's namespace (`kvoffload.integrations.vllm.group_tiers`).
 """
 
 from __future__ import annotations
