@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, final
 
@@ -122,11 +122,12 @@ ABSENT_MAX = _ABSENT_MAX
 
 @final
 class RecentBlocks:
-    """A bounded memory of block hashes, each for ``ttl_s`` seconds: the blocks a tier
-    was found to lack (a probe's run stopped there: no lookup probes them again until
-    they expire or are stored), or those a tier recently failed on (``ttl_s`` infinite:
-    until pushed out). At most ``max_blocks``, oldest forgotten first. One rule for the
-    tier manager's promotions and the vLLM connector's tiers.
+    """A bounded memory of block hashes (or an engine's own block keys), each for
+    ``ttl_s`` seconds: the blocks a tier was found to lack (a probe's run stopped there:
+    no lookup probes them again until they expire or are stored), or those a tier
+    recently failed on (``ttl_s`` infinite: until pushed out). At most ``max_blocks``,
+    oldest forgotten first. One rule for the tier manager's promotions, the vLLM
+    connector's tiers and kvoffload's secondary tier of vLLM's OffloadingConnector.
 
     Args:
         ttl_s: how long a hash is remembered (``math.inf``: until pushed out or cleared).
@@ -154,15 +155,16 @@ class RecentBlocks:
         del self._expiry[block_hash]
         return False
 
-    def add(self, block_hash: BlockHash) -> None:
-        """Remember ``block_hash`` for ``ttl_s`` from now (the newest)."""
+    def add(self, block_hash: Hashable) -> None:
+        """Remember ``block_hash`` (any hashable key) for ``ttl_s`` from now (the
+        newest)."""
         expiry = self._expiry
         expiry[block_hash] = time.monotonic() + self._ttl
         expiry.move_to_end(block_hash)
         while len(expiry) > self._max:
             expiry.popitem(last=False)
 
-    def forget(self, hashes: Iterable[BlockHash | None]) -> None:
+    def forget(self, hashes: Iterable[Hashable | None]) -> None:
         """Forget these hashes (``None`` entries are skipped)."""
         expiry = self._expiry
         if expiry:
