@@ -143,11 +143,6 @@ _VLLM_NO_HOLDS = (
     "vLLM frees a finished request's GPU blocks at once (request_finished), so the "
     "connector cannot hold them (hold_blocks_on_finish) for now"
 )
-_VLLM_GROUP_TIERS = (
-    "the connector's tiers work with one full-attention group only for now (a model with "
-    "several KV cache groups would need each group's blocks under its own namespace and a "
-    "hit needing every group); use KVOffloader for tiers with several groups"
-)
 _VLLM_NO_RETAIN = "the connector has no retain_prefix(), the only reader of this bound"
 _VLLM_NO_PREFETCH = "the connector has no prefetch(), the only reader of this bound"
 
@@ -163,7 +158,6 @@ REFUSED: dict[EntryPoint, dict[str, str]] = {
         "max_prefetch_fraction": _VLLM_NO_PREFETCH,
     },
     "vllm_groups": {
-        "tiers": _VLLM_GROUP_TIERS,
         "checkpoint_tokens": "the connector puts a store point at every multiple of the "
         "groups' hit alignment (a recurrent state is in vLLM's table only right after the "
         "step that computed it), so it cannot space them otherwise",

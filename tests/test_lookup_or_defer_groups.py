@@ -82,3 +82,58 @@ async def test_a_grouped_lookup_stops_deferring_at_the_bound_and_answers_from_cp
                 assert bounded == 1
                 b.release()
         off.check_invariants()
+
+
+def test_a_promotion_of_a_later_store_point_alone_defers_the_lookup() -> None:
+    """Regression: a recurrent group's tier held only the state where a request ended (a
+    vLLM engine keeps no other), so no state of the points before it; with the full
+    group's blocks back on CPU and that state's promotion still running, the lookup
+    answered at once from CPU (the next aligned hit lacked a state nobody brings in) and
+    the prefix was computed. A longer hit whose every missing block is being filled, in
+    every group, now defers it."""
+    from kvoffload.build import build_grouped_scheduler  # noqa: PLC0415
+    from kvoffload.groups import needed  # noqa: PLC0415
+    from kvoffload.hashing import BlockHash  # noqa: PLC0415
+    from kvoffload.scheduler.group_loads import promotions_defer  # noqa: PLC0415
+
+    full = KVCacheGroup.from_layout(ATTN, name="full")
+    rec = KVCacheGroup(
+        name="rec", kind="recurrent", block_size=BS, num_layers=1, bytes_per_layer_block=64
+    )
+    config = OffloadConfig(num_cpu_blocks=16, block_size=BS, checkpoint_tokens=BS)
+    sched = build_grouped_scheduler(config, [full, rec], checkpoint_tokens=BS)
+    lanes = {
+        name: [BlockHash(bytes([k, i]) * 16) for i in range(4)]
+        for k, name in enumerate(("full", "rec"))
+    }
+    ledgers = {name: sched.ledger(name) for name in lanes}
+
+    def promote(name: str, indices: range, land: bool) -> None:
+        ledger = ledgers[name]
+        promotion = ledger.open_promotion([(i, lanes[name][i]) for i in indices], set())
+        assert promotion is not None
+        if land:
+            ledger.close_promotion(promotion, [True] * len(promotion.blocks))
+
+    class NothingProbing:
+        def promoting(self, group: str, block_hash: BlockHash) -> bool:
+            return False
+
+    def defers() -> bool:
+        return promotions_defer(
+            sched.groups,
+            ledgers,
+            lanes,
+            {},
+            NothingProbing(),
+            0,
+            17,
+            0,
+            BS,  # type: ignore[arg-type]
+        )
+
+    promote("full", range(4), land=True)  # the full group's blocks are back
+    assert not defers()  # nothing of the recurrent group is coming: no reason to wait
+    promote("rec", needed(rec, 16), land=False)  # the state at the end is being read
+    assert defers()  # the hit at 16 is there once it lands
+    sched.check_invariants()

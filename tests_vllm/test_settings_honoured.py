@@ -185,10 +185,16 @@ def namespace(make: Make) -> object:
 
 
 def tiers_built(make: Make) -> object:
+    """The scheduler side's tiers: their lookup budget and, per group, the tiers each
+    group's lookups ask (named ``<tier>.<group>``, each group's disk file its own)."""
     side = make(S).scheduler_side
     assert side is not None
     tiers = getattr(side, "tiers", None)
-    return None if tiers is None else tiers.defer_deadline_s
+    if tiers is None:
+        return None
+    parts = getattr(tiers, "parts", None)
+    names = None if parts is None else {n: p._source for n, p in parts.items()}
+    return tiers.defer_deadline_s, names
 
 
 def poll_interval(make: Make) -> object:
@@ -266,7 +272,7 @@ TABLE: dict[str, Decision] = {
         {"store_admission": "seen_twice"},
         {"vllm": stores_per_step, "vllm_groups": group_stores_per_step},
     ),
-    "tiers": Decision({"tiers": [TIER]}, {"vllm": tiers_built}),
+    "tiers": Decision({"tiers": [TIER]}, _both(tiers_built)),
     "hold_blocks_on_finish": Decision({"hold_blocks_on_finish": True}, {}),
     "hold_max_blocks": Decision({"hold_max_blocks": 1}, {}),
     "hold_max_steps": Decision({"hold_max_steps": 1}, {}),
@@ -305,8 +311,8 @@ def test_each_field_is_honoured_or_refused(name: str, path: EntryPoint, model_di
 
 
 def test_tiers_pass_the_check_before_the_model_loads(model_dir: Path) -> None:
-    """``tiers`` are honoured with one full-attention group, so the check made before the
-    groups are known lets them through (several groups refuse them when built)."""
+    """``tiers`` are honoured with one group and with several, so the check made before
+    the groups are known lets them through."""
     vllm = vllm_config(model_dir, {**BASE, "tiers": [TIER]}, num_gpu_blocks=NUM_BLOCKS)
     TestConnector.get_required_kvcache_layout(vllm)
 

@@ -342,5 +342,7 @@ def test_a_write_down_a_tier_stored_in_part_names_no_block() -> None:
     writes = TierWrites()
     a, b = BlockHash(b"a" * 32), BlockHash(b"b" * 32)
     writes.note((a, b), (2, 1, 0))  # tier 0 stored both, tier 1 one of them, tier 2 none
-    assert writes.take() == {0: (a, b)}
+    assert writes.take() == {(0, 0): (a, b)}
+    writes.note((a,), (1,), group=2)  # a group's tiers: keyed by its vLLM index
+    assert writes.take() == {(2, 0): (a,)}
     assert writes.take() == {}

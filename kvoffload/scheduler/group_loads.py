@@ -30,6 +30,7 @@ __all__ = [
     "find_hit",
     "hit_blocks",
     "load_range",
+    "longer_hit_filling",
     "lookup_defers_grouped",
     "note_load",
     "note_prefix",
@@ -469,15 +470,85 @@ def promotions_defer(  # noqa: PLR0917 - the lookup's state, in its order
     """After ``extension`` was asked to bring in a longer hit than ``n``: whether a
     promotion of a block a longer hit lacks runs (maybe started just now), so the lookup
     asks again once it landed, as one group's lookup does. A longer hit is the next
-    aligned one, or the next store point (where a window or a state is kept)."""
+    aligned one, or the next store point (where a window or a state is kept), or any
+    later aligned one whose every missing block, in every group, is being filled
+    (`longer_hit_filling()`: a recurrent group's tier may hold only the state where a
+    request ended, none at the points before it)."""
     longer = n + hit_alignment(groups)
     point = (n // checkpoint + 1) * checkpoint
-    return any(
+    if any(
         lookup_defers_grouped(
             groups, ledgers, lanes, hits, at, num_tokens, computed, extension.promoting
         )
         for at in ((longer,) if point == longer else (longer, point))
-    )
+    ):
+        return True
+    return longer_hit_filling(groups, ledgers, lanes, n, num_tokens, computed, extension.promoting)
+
+
+def longer_hit_filling(  # noqa: PLR0917 - the lookup's state, in its order
+    groups: Sequence[KVCacheGroup],
+    ledgers: Mapping[str, BlockLedger],
+    lanes: Mapping[str, Sequence[BlockHash]],
+    n: int,
+    num_tokens: int,
+    computed: int,
+    promoting: Callable[[str, BlockHash], bool],
+) -> bool:
+    """Whether some aligned hit longer than ``n`` (at most ``num_tokens - 1``) needs, in
+    every group, only blocks on CPU or being filled (stored or promoted: the ledger's
+    pending hashes, or ``promoting``), at least one of them being filled: once they land
+    it is the hit. A full group's blocks are walked once (the run from ``computed`` of
+    blocks there or coming bounds the candidates); the other kinds' few blocks are checked
+    per candidate, each block once."""
+    seen: dict[tuple[str, int], int] = {}
+
+    def state(name: str, i: int) -> int:
+        """Of block ``i`` of group ``name``: 0 on CPU, 1 being filled, 2 neither."""
+        got = seen.get((name, i))
+        if got is None:
+            ledger, block_hash = ledgers[name], lanes[name][i]
+            if ledger.pool.get_cached(block_hash) is not None:
+                got = 0
+            else:
+                got = 1 if block_hash in ledger.pending or promoting(name, block_hash) else 2
+            seen[name, i] = got
+        return got
+
+    align = hit_alignment(groups)
+    cap = num_tokens - 1
+    filling_from = cap + 1  # the first token of a full group's block being filled
+    for g in groups:
+        if g.kind != "full":
+            continue
+        hashes, bs = lanes[g.name], g.block_size
+        i = computed // bs
+        end = min(len(hashes), cap // bs)
+        while i < end:
+            got = state(g.name, i)
+            if got == 2:
+                break
+            if got == 1:
+                filling_from = min(filling_from, i * bs)
+            i += 1
+        cap = min(cap, i * bs)
+    for at in range(cap // align * align, n, -align):
+        filling = filling_from < at
+        for g in groups:
+            if g.kind == "full":
+                continue
+            span = load_range(g, at, computed)
+            hashes = lanes[g.name]
+            if span.stop > len(hashes):
+                break
+            states = [state(g.name, i) for i in span]
+            if 2 in states:
+                break
+            filling = filling or 1 in states
+        else:
+            if filling:
+                return True
+    return False
 
 
 def open_grouped_loads(  # noqa: PLR0917 - the load's state, in its order

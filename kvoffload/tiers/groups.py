@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, final
 
 import anyio.abc
 
@@ -55,7 +55,15 @@ if TYPE_CHECKING:
     from kvoffload.storage.host_buffer import HostKVBuffer
     from kvoffload.transfer.plan import StorePlan
 
-__all__ = ["GroupTiers", "group_tier_settings"]
+__all__ = [
+    "GroupLedgerPart",
+    "GroupPromotions",
+    "GroupTierPart",
+    "GroupTiers",
+    "group_tier_settings",
+    "group_tier_stacks",
+    "sum_tier_statistics",
+]
 
 
 def _blocks_of(group: KVCacheGroup, points: Iterable[int], limit: int) -> list[int]:
@@ -72,11 +80,12 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
 @final
-class _GroupPart:
-    """One group's pool and ledger, as a `TierManager` sees a scheduler (`TierScheduler`).
+class GroupLedgerPart:
+    """One group's pool and ledger, as a group's tiers see a scheduler (`TierScheduler`:
+    a `TierManager`, or the vLLM connector's per-group `SchedulerTiers`).
 
-    The grouped lookup asks `GroupTiers` (which asks each manager), so the lookup hook a
-    manager installs here is not used.
+    The grouped lookup asks `GroupPromotions` (which asks each group's tiers), so the
+    lookup hook a group's tiers install here is not used.
     """
 
     __slots__ = ("_ledger",)
@@ -110,103 +119,121 @@ def group_tier_settings(
     return settings.model_copy(update=update)
 
 
-@final
-class GroupTiers:
-    """One `TierManager` per cacheable group of a `GroupedScheduler`; installs itself as
-    the scheduler's ``extension`` (its lookups call `extend_grouped_lookup()`).
-
-    Args:
-        config: the settings (``config.tiers`` describes every group's stack).
-        scheduler: the grouped scheduler: each manager takes and publishes CPU blocks
-            through its group's ledger.
-        hosts: per cacheable group, its host buffer.
-        namespaces: per cacheable group, its hash namespace (its root keys that group's
-            tiers and is written into every header).
+def group_tier_stacks(
+    settings: Sequence[AnyTierSettings], need: Mapping[str, int]
+) -> dict[str, list[AnyTierSettings]]:
+    """Per cacheable group, its tiers (`group_tier_settings`): a disk tier's
+    ``capacity_bytes`` is shared by ``need``, each group's CPU pool size in bytes.
 
     Raises:
-        ConfigError: two groups' disk files would share a path, or a group's share of a
-            disk tier is below one slot (naming the tier and the group).
+        ConfigError: two groups' names give their tiers (and disk files) the same name.
+    """
+    groups = list(need)
+    names = [_UNSAFE.sub("_", g) for g in groups]
+    if len(set(names)) != len(names):
+        raise ConfigError(
+            f"the groups {groups} give their tiers the names {names}, which must be unique"
+        )
+    total = sum(need.values()) or 1
+    return {
+        g: [group_tier_settings(s, i, g, need[g] / total) for i, s in enumerate(settings)]
+        for g in groups
+    }
+
+
+def sum_tier_statistics(
+    parts: Iterable[TierManagerStatistics], deferred_lookups: int = 0
+) -> TierManagerStatistics:
+    """Several groups' tier statistics as one: every group's tiers (each named
+    ``<tier>.<group>``), group by group, and the promotion counters added up, with
+    ``deferred_lookups`` more (the grouped lookups that answered "ask again")."""
+    parts = list(parts)
+    sums = {
+        f.name: sum(getattr(p, f.name) for p in parts)
+        for f in dataclasses.fields(TierManagerStatistics)
+        if f.name != "tiers"
+    }
+    sums["deferred_lookups"] += deferred_lookups
+    return TierManagerStatistics(tiers=tuple(t for p in parts for t in p.tiers), **sums)
+
+
+class GroupTierPart(Protocol):
+    """One group's tiers as a grouped lookup asks them (a `LookupExtension` of that
+    group's pool): `TierManager`, or the vLLM connector's per-group `SchedulerTiers`."""
+
+    def extend_lookup(
+        self,
+        block_hashes: Sequence[BlockHash],
+        end: int,
+        limit: int,
+        pinned: Sequence[CpuBlock],
+        *,
+        allow_defer: bool,
+    ) -> bool:
+        """Bring in ``block_hashes[end:limit]`` (see `LookupExtension.extend_lookup()`)."""
+        ...
+
+    def is_promoting(self, block_hash: BlockHash) -> bool:
+        """Whether a promotion covering ``block_hash`` is in flight."""
+        ...
+
+    def miss_reason(self, block_hash: BlockHash) -> MissReason | None:
+        """Why the tiers did not bring ``block_hash`` in (`LookupExtension.miss_reason`)."""
+        ...
+
+    def hit_sources(self, pinned: Sequence[CpuBlock]) -> dict[str, int] | None:
+        """Of a lookup's CPU hit, the blocks each tier (by name) brought in
+        (`LookupExtension.hit_sources`)."""
+        ...
+
+    @property
+    def defer_deadline_s(self) -> float:
+        """The tiers' lookup budget."""
+        ...
+
+
+P = TypeVar("P", bound=GroupTierPart)
+
+
+class GroupPromotions(Generic[P]):
+    """The rule of promotions with several groups, for any per-group tiers (``parts``):
+    which blocks of which group a longer hit needs (see the module docstring); installs
+    itself as the grouped scheduler's ``extension`` (a `GroupLookupExtension`). One rule
+    for `GroupTiers` (the offloader's tier managers) and the vLLM connector's tiers
+    (`kvoffload.integrations.vllm.group_tiers`).
+
+    Args:
+        scheduler: the grouped scheduler (its groups, checkpoints, alignment, ledgers).
+        parts: per cacheable group, its tiers.
     """
 
-    __slots__ = (
-        "_align",
-        "_checkpoint",
-        "_deferred",
-        "_groups",
-        "_ledgers",
-        "managers",
-    )
+    __slots__ = ("_align", "_checkpoint", "_deferred", "_groups", "_ledgers", "_parts")
 
-    def __init__(
-        self,
-        config: OffloadConfig,
-        scheduler: GroupedScheduler,
-        hosts: Mapping[str, HostKVBuffer],
-        namespaces: Mapping[str, HashNamespace],
-    ) -> None:
+    def __init__(self, scheduler: GroupedScheduler, parts: Mapping[str, P]) -> None:
         self._groups = [g for g in scheduler.groups if g.cacheable]
         self._checkpoint = scheduler.checkpoint_tokens
         self._align = scheduler.hit_alignment
         self._deferred = 0
         self._ledgers = {g.name: scheduler.ledger(g.name) for g in self._groups}
-        need = {
-            n: ledger.pool.num_blocks * hosts[n].layout.bytes_per_block
-            for n, ledger in self._ledgers.items()
-        }
-        total = sum(need.values()) or 1
-        names = [_UNSAFE.sub("_", g.name) for g in self._groups]
-        if len(set(names)) != len(names):
-            raise ConfigError(
-                f"the groups {[g.name for g in self._groups]} give their tiers the names "
-                f"{names}, which must be unique"
-            )
-        self.managers: dict[str, TierManager] = {}
-        """Per cacheable group, its tier manager."""
-        for g in self._groups:
-            root = namespaces[g.name].root
-            nbytes = hosts[g.name].layout.bytes_per_block
-            stack = []
-            for i, s in enumerate(config.tiers):
-                mine = group_tier_settings(s, i, g.name, need[g.name] / total)
-                try:
-                    tier = build_tier(mine, i, namespace=root, block_nbytes=nbytes)
-                except ConfigError as exc:
-                    raise ConfigError(f"group {g.name!r}: {exc}") from exc
-                stack.append((tier, mine))
-            self.managers[g.name] = TierManager(
-                stack,
-                scheduler=_GroupPart(self._ledgers[g.name]),
-                host=hosts[g.name],
-                namespace=root,
-                max_prefetch_fraction=config.max_prefetch_fraction,
-            )
+        self._parts: dict[str, P] = dict(parts)
         scheduler.extension = self
 
-    def __repr__(self) -> str:
-        return f"GroupTiers({', '.join(f'{n}={m!r}' for n, m in self.managers.items())})"
-
-    # -- lifecycle ---------------------------------------------------------------------------
-
-    async def start(self, task_group: anyio.abc.TaskGroup) -> None:
-        """Start every group's manager in ``task_group`` (see `TierManager.run()`)."""
-        for manager in self.managers.values():
-            await task_group.start(manager.run)
-
-    async def aclose(self) -> None:
-        """Close every group's manager (shielded; references released on return)."""
-        for manager in self.managers.values():
-            await manager.aclose()
-
-    def reset(self) -> None:
-        """Every group's CPU cache was reset: promotions in flight publish nothing."""
-        for manager in self.managers.values():
-            manager.reset()
-
-    # -- write-downs and promotions ----------------------------------------------------------
-
-    def on_stored(self, group: str, plan: StorePlan) -> None:
-        """``group``'s part of a grouped store completed: queue what it published."""
-        self.managers[group].on_stored(plan)
+    def hit_sources(self, pinned: Mapping[str, Sequence[CpuBlock]]) -> dict[str, int] | None:
+        """Of a grouped lookup's hit (its CPU blocks ``pinned`` per group), the tokens each
+        tier (by its name in ``config.tiers``, not the group's ``<tier>.<group>``) brought
+        in: the most of any one group (a hit token needs every group's block, so a token
+        one group's tier promoted came from that tier); ``None`` when no tier did."""
+        served: dict[str, int] = {}
+        for g in self._groups:
+            blocks = pinned.get(g.name)
+            sources = self._parts[g.name].hit_sources(blocks) if blocks else None
+            if not sources:
+                continue
+            suffix = "." + _UNSAFE.sub("_", g.name)
+            for name, count in sources.items():
+                base = name.removesuffix(suffix)
+                served[base] = max(served.get(base, 0), count * g.block_size)
+        return served or None
 
     def extend_grouped_lookup(
         self,
@@ -233,22 +260,159 @@ class GroupTiers:
             for run in self._wanted(g, len(hashes), hit, cap, reach):
                 self._promote(g.name, hashes, run, keep)
 
-    def hit_sources(self, pinned: Mapping[str, Sequence[CpuBlock]]) -> dict[str, int] | None:
-        """Of a grouped lookup's hit (its CPU blocks ``pinned`` per group), the tokens each
-        tier (by its name in ``config.tiers``, not the group's ``<tier>.<group>``) brought
-        in: the most of any one group (a hit token needs every group's block, so a token
-        one group's tier promoted came from that tier); ``None`` when no tier did."""
-        served: dict[str, int] = {}
+    def _cpu_hit(self, lanes: Mapping[str, Sequence[BlockHash]], num_tokens: int) -> int:
+        """The tokens a lookup (nothing computed on the engine) finds on CPU now."""
+        pools = {name: ledger.pool for name, ledger in self._ledgers.items()}
+        return find_hit(self._groups, pools, lanes, num_tokens, computed=0, align=self._align)
+
+    def _wanted(
+        self, g: KVCacheGroup, count: int, hit: int, cap: int, reach: int
+    ) -> list[Sequence[int]]:
+        """The block indices (of ``count``) of group ``g`` a hit longer than ``hit`` (at
+        most ``cap`` tokens) needs, one run per promotion: a full group the run after
+        ``hit``; the other kinds ``needed(g, P)`` for each store point ``P`` past ``hit``,
+        each point a run of its own (a point its tier lacks, its window slid past before
+        it was stored, stops no other one), and last ``needed(g, reach)`` where the full
+        groups' CPU blocks end (a finish point, likely) when that is not a store point."""
+        if g.kind == "full":
+            return [range(hit // g.block_size, min(count, cap // g.block_size))]
+        step = self._checkpoint
+        points: list[int] = list(range((hit // step + 1) * step, cap + 1, step))
+        if reach > hit and reach % step:
+            points.append(reach)
+        return [_blocks_of(g, [p], count) for p in points]
+
+    def promoting(self, group: str, block_hash: BlockHash) -> bool:
+        """Whether a promotion of ``group``'s tiers covering ``block_hash`` is in flight."""
+        return self._parts[group].is_promoting(block_hash)
+
+    def lookup_deferred(self) -> None:
+        """A grouped lookup answered "ask again" while a promotion ran."""
+        self._deferred += 1
+
+    def miss_reason(self, group: str, block_hash: BlockHash) -> MissReason | None:
+        """Why ``group``'s tiers did not bring ``block_hash`` in (see
+        `TierManager.miss_reason()`)."""
+        return self._parts[group].miss_reason(block_hash)
+
+    @property
+    def defer_deadline_s(self) -> float:
+        """The longest of the groups' lookup budgets: a grouped lookup waits for the
+        promotions of every group."""
+        return max((p.defer_deadline_s for p in self._parts.values()), default=0.0)
+
+    def _full_reach(self, lanes: Mapping[str, Sequence[BlockHash]], hit: int, cap: int) -> int:
+        """The longest aligned prefix every full group holds on CPU from ``hit`` on (``hit``
+        when there is no full group)."""
+        reach = None
         for g in self._groups:
-            blocks = pinned.get(g.name)
-            sources = self.managers[g.name].hit_sources(blocks) if blocks else None
-            if not sources:
+            if g.kind != "full":
                 continue
-            suffix = "." + _UNSAFE.sub("_", g.name)
-            for name, count in sources.items():
-                base = name.removesuffix(suffix)
-                served[base] = max(served.get(base, 0), count * g.block_size)
-        return served or None
+            hashes, get = lanes[g.name], self._ledgers[g.name].pool.get_cached
+            i, end = hit // g.block_size, min(len(hashes), cap // g.block_size)
+            while i < end and get(hashes[i]) is not None:
+                i += 1
+            reach = i * g.block_size if reach is None else min(reach, i * g.block_size)
+        return hit if reach is None else reach // self._align * self._align
+
+    def _promote(
+        self,
+        group: str,
+        hashes: Sequence[BlockHash],
+        want: Iterable[int],
+        keep: Sequence[CpuBlock] = (),
+    ) -> None:
+        """Ask ``group``'s tiers for the blocks ``want`` from the first not on CPU on (the
+        run's blocks already on CPU, and ``keep``, are protected from its evictions)."""
+        get = self._ledgers[group].pool.get_cached
+        order = [i for i in want if i < len(hashes)]
+        cached: list[CpuBlock] = list(keep)
+        for k, i in enumerate(order):
+            block = get(hashes[i])
+            if block is None:
+                wanted = [hashes[j] for j in order]
+                self._parts[group].extend_lookup(wanted, k, len(wanted), cached, allow_defer=False)
+                return
+            cached.append(block)
+
+
+@final
+class GroupTiers(GroupPromotions[TierManager]):
+    """One `TierManager` per cacheable group of a `GroupedScheduler`; installs itself as
+    the scheduler's ``extension`` (its lookups call `extend_grouped_lookup()`).
+
+    Args:
+        config: the settings (``config.tiers`` describes every group's stack).
+        scheduler: the grouped scheduler: each manager takes and publishes CPU blocks
+            through its group's ledger.
+        hosts: per cacheable group, its host buffer.
+        namespaces: per cacheable group, its hash namespace (its root keys that group's
+            tiers and is written into every header).
+
+    Raises:
+        ConfigError: two groups' disk files would share a path, or a group's share of a
+            disk tier is below one slot (naming the tier and the group).
+    """
+
+    __slots__ = ("managers",)
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        scheduler: GroupedScheduler,
+        hosts: Mapping[str, HostKVBuffer],
+        namespaces: Mapping[str, HashNamespace],
+    ) -> None:
+        ledgers = {g.name: scheduler.ledger(g.name) for g in scheduler.groups if g.cacheable}
+        need = {n: ledger.pool.num_blocks * hosts[n].layout.bytes_per_block
+                for n, ledger in ledgers.items()}  # fmt: skip
+        stacks = group_tier_stacks(config.tiers, need)
+        self.managers: dict[str, TierManager] = {}
+        """Per cacheable group, its tier manager."""
+        for name, ledger in ledgers.items():
+            root = namespaces[name].root
+            nbytes = hosts[name].layout.bytes_per_block
+            stack = []
+            for i, mine in enumerate(stacks[name]):
+                try:
+                    tier = build_tier(mine, i, namespace=root, block_nbytes=nbytes)
+                except ConfigError as exc:
+                    raise ConfigError(f"group {name!r}: {exc}") from exc
+                stack.append((tier, mine))
+            self.managers[name] = TierManager(
+                stack,
+                scheduler=GroupLedgerPart(ledger),
+                host=hosts[name],
+                namespace=root,
+                max_prefetch_fraction=config.max_prefetch_fraction,
+            )
+        super().__init__(scheduler, self.managers)
+
+    def __repr__(self) -> str:
+        return f"GroupTiers({', '.join(f'{n}={m!r}' for n, m in self.managers.items())})"
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, task_group: anyio.abc.TaskGroup) -> None:
+        """Start every group's manager in ``task_group`` (see `TierManager.run()`)."""
+        for manager in self.managers.values():
+            await task_group.start(manager.run)
+
+    async def aclose(self) -> None:
+        """Close every group's manager (shielded; references released on return)."""
+        for manager in self.managers.values():
+            await manager.aclose()
+
+    def reset(self) -> None:
+        """Every group's CPU cache was reset: promotions in flight publish nothing."""
+        for manager in self.managers.values():
+            manager.reset()
+
+    # -- write-downs and promotions ----------------------------------------------------------
+
+    def on_stored(self, group: str, plan: StorePlan) -> None:
+        """``group``'s part of a grouped store completed: queue what it published."""
+        self.managers[group].on_stored(plan)
 
     async def prefetch(self, lanes: Mapping[str, Sequence[BlockHash]], num_tokens: int) -> int:
         """Promote, in every group, what a lookup of a prompt of ``num_tokens`` tokens needs
@@ -308,89 +472,12 @@ class GroupTiers:
             for name in runs:
                 tg.start_soon(one, name)
 
-    def _cpu_hit(self, lanes: Mapping[str, Sequence[BlockHash]], num_tokens: int) -> int:
-        """The tokens a lookup (nothing computed on the engine) finds on CPU now."""
-        pools = {name: ledger.pool for name, ledger in self._ledgers.items()}
-        return find_hit(self._groups, pools, lanes, num_tokens, computed=0, align=self._align)
-
-    def _wanted(
-        self, g: KVCacheGroup, count: int, hit: int, cap: int, reach: int
-    ) -> list[Sequence[int]]:
-        """The block indices (of ``count``) of group ``g`` a hit longer than ``hit`` (at
-        most ``cap`` tokens) needs, one run per promotion: a full group the run after
-        ``hit``; the other kinds ``needed(g, P)`` for each store point ``P`` past ``hit``,
-        each point a run of its own (a point its tier lacks, its window slid past before
-        it was stored, stops no other one), and last ``needed(g, reach)`` where the full
-        groups' CPU blocks end (a finish point, likely) when that is not a store point."""
-        if g.kind == "full":
-            return [range(hit // g.block_size, min(count, cap // g.block_size))]
-        step = self._checkpoint
-        points: list[int] = list(range((hit // step + 1) * step, cap + 1, step))
-        if reach > hit and reach % step:
-            points.append(reach)
-        return [_blocks_of(g, [p], count) for p in points]
-
-    def promoting(self, group: str, block_hash: BlockHash) -> bool:
-        """Whether a promotion of ``group``'s tiers covering ``block_hash`` is in flight."""
-        return self.managers[group].is_promoting(block_hash)
-
-    def lookup_deferred(self) -> None:
-        """A grouped lookup answered "ask again" while a promotion ran."""
-        self._deferred += 1
-
-    def miss_reason(self, group: str, block_hash: BlockHash) -> MissReason | None:
-        """Why ``group``'s tiers did not bring ``block_hash`` in (see
-        `TierManager.miss_reason()`)."""
-        return self.managers[group].miss_reason(block_hash)
-
-    def _full_reach(self, lanes: Mapping[str, Sequence[BlockHash]], hit: int, cap: int) -> int:
-        """The longest aligned prefix every full group holds on CPU from ``hit`` on (``hit``
-        when there is no full group)."""
-        reach = None
-        for g in self._groups:
-            if g.kind != "full":
-                continue
-            hashes, get = lanes[g.name], self._ledgers[g.name].pool.get_cached
-            i, end = hit // g.block_size, min(len(hashes), cap // g.block_size)
-            while i < end and get(hashes[i]) is not None:
-                i += 1
-            reach = i * g.block_size if reach is None else min(reach, i * g.block_size)
-        return hit if reach is None else reach // self._align * self._align
-
-    def _promote(
-        self,
-        group: str,
-        hashes: Sequence[BlockHash],
-        want: Iterable[int],
-        keep: Sequence[CpuBlock] = (),
-    ) -> None:
-        """Ask ``group``'s tiers for the blocks ``want`` from the first not on CPU on (the
-        run's blocks already on CPU, and ``keep``, are protected from its evictions)."""
-        get = self._ledgers[group].pool.get_cached
-        order = [i for i in want if i < len(hashes)]
-        cached: list[CpuBlock] = list(keep)
-        for k, i in enumerate(order):
-            block = get(hashes[i])
-            if block is None:
-                wanted = [hashes[j] for j in order]
-                self.managers[group].extend_lookup(
-                    wanted, k, len(wanted), cached, allow_defer=False
-                )
-                return
-            cached.append(block)
-
     # -- observation (`TierFront`) ------------------------------------------------------------
 
     @property
     def tiers(self) -> tuple[SecondaryTier, ...]:
         """Every group's tiers, group by group (each named ``<tier>.<group>``)."""
         return tuple(t for m in self.managers.values() for t in m.tiers)
-
-    @property
-    def defer_deadline_s(self) -> float:
-        """The longest of the groups' `TierManager.defer_deadline_s`: a grouped lookup
-        waits for the promotions of every group."""
-        return max((m.defer_deadline_s for m in self.managers.values()), default=0.0)
 
     @property
     def max_prefetch_blocks(self) -> int:
@@ -416,14 +503,7 @@ class GroupTiers:
         """Every group's tiers (each named ``<tier>.<group>``), group by group, and the
         promotion counters added up over the groups (``deferred_lookups``: the grouped
         lookups that answered "ask again" while a promotion ran)."""
-        parts = list(self.group_statistics().values())
-        sums = {
-            f.name: sum(getattr(p, f.name) for p in parts)
-            for f in dataclasses.fields(TierManagerStatistics)
-            if f.name != "tiers"
-        }
-        sums["deferred_lookups"] += self._deferred
-        return TierManagerStatistics(tiers=tuple(t for p in parts for t in p.tiers), **sums)
+        return sum_tier_statistics(self.group_statistics().values(), self._deferred)
 
     def check_invariants(self) -> None:
         """Check every group's manager (see `TierManager.check_invariants()`)."""

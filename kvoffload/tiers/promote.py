@@ -17,9 +17,10 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, final
 
@@ -46,6 +47,7 @@ __all__ = [
     "PROMOTION_MAX_BLOCKS",
     "LandedBlocks",
     "Promoter",
+    "RecentBlocks",
     "promotion_deadline_s",
     "tiers_defer_deadline_s",
 ]
@@ -116,6 +118,63 @@ PROMOTION_MAX_BLOCKS = _PROMOTION_MAX_BLOCKS
 """Most blocks one promotion reads (the rest of a longer prompt waits for the next)."""
 ABSENT_TTL_S = _ABSENT_TTL_S
 ABSENT_MAX = _ABSENT_MAX
+
+
+@final
+class RecentBlocks:
+    """A bounded memory of block hashes (or an engine's own block keys), each for
+    ``ttl_s`` seconds: the blocks a tier was found to lack (a probe's run stopped there:
+    no lookup probes them again until they expire or are stored), or those a tier
+    recently failed on (``ttl_s`` infinite: until pushed out). At most ``max_blocks``,
+    oldest forgotten first. One rule for the tier manager's promotions, the vLLM
+    connector's tiers and kvoffload's secondary tier of vLLM's OffloadingConnector.
+
+    Args:
+        ttl_s: how long a hash is remembered (``math.inf``: until pushed out or cleared).
+        max_blocks: most hashes remembered.
+    """
+
+    __slots__ = ("_expiry", "_max", "_ttl")
+
+    def __init__(self, ttl_s: float = _ABSENT_TTL_S, max_blocks: int = _ABSENT_MAX) -> None:
+        self._expiry: OrderedDict[object, float] = OrderedDict()
+        self._ttl = ttl_s
+        self._max = max_blocks
+
+    def __len__(self) -> int:
+        return len(self._expiry)
+
+    def __contains__(self, block_hash: object) -> bool:
+        """Whether ``block_hash`` is remembered and has not expired (an expired one is
+        forgotten here)."""
+        expiry = self._expiry.get(block_hash)
+        if expiry is None:
+            return False
+        if expiry > time.monotonic():
+            return True
+        del self._expiry[block_hash]
+        return False
+
+    def add(self, block_hash: Hashable) -> None:
+        """Remember ``block_hash`` (any hashable key) for ``ttl_s`` from now (the
+        newest)."""
+        expiry = self._expiry
+        expiry[block_hash] = time.monotonic() + self._ttl
+        expiry.move_to_end(block_hash)
+        while len(expiry) > self._max:
+            expiry.popitem(last=False)
+
+    def forget(self, hashes: Iterable[Hashable | None]) -> None:
+        """Forget these hashes (``None`` entries are skipped)."""
+        expiry = self._expiry
+        if expiry:
+            for block_hash in hashes:
+                if block_hash is not None:
+                    expiry.pop(block_hash, None)
+
+    def clear(self) -> None:
+        """Forget every hash."""
+        self._expiry.clear()
 
 
 def promotion_deadline_s(operation_s: float, max_batch: int) -> float:
@@ -214,13 +273,13 @@ class Promoter(TierPart):
             block_view=block_view,
         )
         self._jobs: dict[BlockHash, _Promotion] = {}
-        self._absent: OrderedDict[BlockHash, float] = OrderedDict()
+        self._absent = RecentBlocks()
         # Blocks promotions published, and the tier each came from, until a lookup pins
         # them (`hit_sources()`).
         self._landed = LandedBlocks(pool.num_blocks)
         # Hashes a tier recently failed on (a timeout, an error, a failed check), for
         # `miss_reason()`; bounded like the absent set.
-        self._failed: OrderedDict[BlockHash, None] = OrderedDict()
+        self._failed = RecentBlocks(math.inf)
         self._epoch = 0
         self._closed = False
         self.promotions = 0
@@ -249,11 +308,7 @@ class Promoter(TierPart):
 
     def forget_absent(self, blocks: Sequence[CpuBlock]) -> None:
         """These blocks were just stored: a later lookup may probe for them again."""
-        absent = self._absent
-        if absent:
-            for block in blocks:
-                if block.block_hash is not None:
-                    absent.pop(block.block_hash, None)
+        self._absent.forget(block.block_hash for block in blocks)
 
     def extend(
         self,
@@ -275,7 +330,7 @@ class Promoter(TierPart):
         if (
             job is None
             and first not in self._ledger.pending
-            and not self._is_absent(first)
+            and first not in self._absent
             and any(t.healthy for t in self._tiers)
         ):
             job = _Promotion(
@@ -364,27 +419,8 @@ class Promoter(TierPart):
         return None
 
     def _note_failed(self, hashes: Sequence[BlockHash]) -> None:
-        failed = self._failed
         for block_hash in hashes:
-            failed[block_hash] = None
-            failed.move_to_end(block_hash)
-        while len(failed) > _ABSENT_MAX:
-            failed.popitem(last=False)
-
-    def _is_absent(self, block_hash: BlockHash) -> bool:
-        expiry = self._absent.get(block_hash)
-        if expiry is None:
-            return False
-        if expiry > time.monotonic():
-            return True
-        del self._absent[block_hash]
-        return False
-
-    def _mark_absent(self, block_hash: BlockHash) -> None:
-        self._absent[block_hash] = time.monotonic() + _ABSENT_TTL_S
-        self._absent.move_to_end(block_hash)
-        while len(self._absent) > _ABSENT_MAX:
-            self._absent.popitem(last=False)
+            self._failed.add(block_hash)
 
     async def _promote(self, job: _Promotion) -> None:
         opened: list[Promotion] = []
@@ -409,7 +445,7 @@ class Promoter(TierPart):
         if run < len(job.hashes) and self._pool.get_cached(job.hashes[run]) is None:
             # Where the next lookup's run will stop; not a block stored while the probe
             # ran (its write-down may not have reached the tier yet).
-            self._mark_absent(job.hashes[run])
+            self._absent.add(job.hashes[run])
         if run == 0:
             return
         if job.epoch != self._epoch or self._closed:

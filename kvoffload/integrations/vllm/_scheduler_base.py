@@ -15,7 +15,10 @@ from kvoffload.config import OffloadConfig
 from kvoffload.errors import ConfigError, InvariantError
 from kvoffload.hashing import BlockHash, BlockHasher
 from kvoffload.integrations.vllm.events import KVEvents, tier_medium
-from kvoffload.integrations.vllm.metadata import KVOffloadWorkerMetadata
+from kvoffload.integrations.vllm.metadata import (
+    KVOffloadConnectorMetadata,
+    KVOffloadWorkerMetadata,
+)
 from kvoffload.integrations.vllm.stats import (
     ConnectorStatistics,
     KVOffloadConnectorStats,
@@ -29,6 +32,9 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from kvoffload.integrations.vllm.group_tiers import GroupedSchedulerTiers
+    from kvoffload.integrations.vllm.tiers import SchedulerTiers
 
 __all__ = ["RequestEntry", "SchedulerSideBase", "Tracked", "grow_hashes", "hash_extra"]
 
@@ -168,8 +174,23 @@ class SchedulerSideBase(Generic[E]):
         """Complete a plan every worker reported (``ok``: all of them copied it)."""
         raise NotImplementedError
 
+    # -- tiers -------------------------------------------------------------------------
+
+    def _tiers(self) -> SchedulerTiers | GroupedSchedulerTiers | None:
+        """The side's tiers (``config.tiers``), or ``None``."""
+        raise NotImplementedError
+
+    def _with_tier_work(self, meta: KVOffloadConnectorMetadata) -> KVOffloadConnectorMetadata:
+        """The step's metadata with the tiers' probes and reads of this step."""
+        tiers = self._tiers()
+        if tiers is None:
+            return meta
+        meta.tier_probes, meta.tier_reads = tiers.take_work()
+        return meta
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Complete every plan that all workers have now reported."""
+        """Complete every plan that all workers have now reported; hand the tiers'
+        answers to the side's tiers (probes answered, promotions read)."""
         meta = connector_output.kv_connector_worker_meta
         if meta is None:
             return
@@ -191,6 +212,13 @@ class SchedulerSideBase(Generic[E]):
             self._complete(tracked, ok)
             if tracked.pinned_gpu_blocks and self._gpu_pool is not None:
                 self._gpu_pool.free_blocks(tracked.pinned_gpu_blocks)
+        tiers = self._tiers()
+        if tiers is not None and (meta.tier_probes or meta.tier_reads):
+            # the tiers' answers: probes answered, promotions read
+            tiers.on_reports(meta.tier_probes, meta.tier_reads)
+        if meta.tier_writes and self.config.enable_events:
+            # write-downs every rank ended: BlockStored events of the tiers' media
+            self.events.note_tier_writes(meta.tier_writes, self.world_size)
 
     def has_pending_block_frees(self) -> bool:
         """Whether a store in flight is the last holder of some GPU block, so that its

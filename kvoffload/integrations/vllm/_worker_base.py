@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import anyio
 import torch
 
 from kvoffload.config import KVLayout, OffloadConfig
+from kvoffload.integrations.vllm.events import TierWrites
 from kvoffload.integrations.vllm.metadata import (
     KVOffloadConnectorMetadata,
     KVOffloadWorkerMetadata,
@@ -33,6 +35,8 @@ from kvoffload.transfer import (
 )
 
 if TYPE_CHECKING:
+    from kvoffload.integrations.vllm.group_tiers import GroupedWorkerTiers
+    from kvoffload.integrations.vllm.tiers import WorkerTiers
     from kvoffload.transfer.thread_engine import CopyHook
 
 __all__ = ["WorkerSideBase", "worker_rank"]
@@ -77,6 +81,8 @@ class WorkerSideBase:
         self._reports: dict[int, bool] = {}
         self._meta: KVOffloadConnectorMetadata | None = None
         self._stats = StatsReporter(rank=self.rank)
+        self._tier_writes = TierWrites()
+        """Write-downs that ended, per group and tier (with KV events on)."""
 
     def _on_complete(self, task: TransferTask) -> None:
         """Account for a finished copy (called by the poller)."""
@@ -117,9 +123,16 @@ class WorkerSideBase:
 
     # -- the step ----------------------------------------------------------------------
 
+    def _tiers(self) -> WorkerTiers | GroupedWorkerTiers | None:
+        """This rank's tiers (``config.tiers``, once the KV caches are registered)."""
+        raise NotImplementedError
+
     def bind(self, meta: KVOffloadConnectorMetadata) -> None:
-        """Remember the step's plans."""
+        """Remember the step's plans; start its tier probes and reads."""
         self._meta = meta
+        tiers = self._tiers()
+        if tiers is not None and (meta.tier_probes or meta.tier_reads):
+            tiers.submit(meta.tier_probes, meta.tier_reads)
 
     def clear(self) -> None:
         """Forget the step's plans."""
@@ -143,17 +156,36 @@ class WorkerSideBase:
         return True
 
     def take_reports(self) -> KVOffloadWorkerMetadata | None:
-        """This rank's finished copies since the last call (keyed by plan, or by transfer
-        key on a multi-group model), or ``None``."""
+        """This rank's finished copies (keyed by plan, or by transfer key on a
+        multi-group model), tier probes and tier reads since the last call, or ``None``."""
         self._poller.poll()
-        if not self._reports:
-            return None
-        reports, self._reports = self._reports, {}
-        return KVOffloadWorkerMetadata({key: {self.rank: ok} for key, ok in reports.items()})
+        rank = self.rank
+        meta = None
+        if self._reports:
+            reports, self._reports = self._reports, {}
+            meta = KVOffloadWorkerMetadata({key: {rank: ok} for key, ok in reports.items()})
+        tiers = self._tiers()
+        if tiers is None:
+            return meta
+        probes, reads = tiers.take()
+        writes = self._tier_writes.take()
+        if not probes and not reads and not writes:
+            return meta
+        if meta is None:
+            meta = KVOffloadWorkerMetadata()
+        meta.tier_probes = {key: {rank: run} for key, run in probes.items()}
+        meta.tier_reads = {key: {rank: good} for key, good in reads.items()}
+        meta.tier_writes = {key: {rank: hashes} for key, hashes in writes.items()}
+        return meta
 
     def statistics(self) -> ConnectorStatistics:
-        """This rank's statistics now: its completion poller's."""
-        return ConnectorStatistics(poller=self._poller.statistics())
+        """This rank's statistics now: its completion poller's and, with tiers, its
+        tiers' (`WorkerTiers.manager_statistics`: never waits for them)."""
+        stats = ConnectorStatistics(poller=self._poller.statistics())
+        tiers = self._tiers()
+        if tiers is None:
+            return stats
+        return replace(stats, tiers=tiers.manager_statistics())
 
     def take_stats(self) -> KVOffloadConnectorStats | None:
         """This rank's figures (`statistics()`) that changed since the last call

@@ -21,7 +21,7 @@ from kvoffload.hashing import HashNamespace
 from kvoffload.integrations.vllm.events import events_enabled
 from kvoffload.integrations.vllm.groups import GroupDescription, to_kv_cache_group
 from kvoffload.integrations.vllm.metadata import KVOffloadConnectorMetadata
-from kvoffload.integrations.vllm.scheduler_groups import GroupedSchedulerSide
+from kvoffload.integrations.vllm.scheduler_groups import GroupedSchedulerSide, group_roots
 from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
 from kvoffload.integrations.vllm.setup import (
     accepted_groups,
@@ -70,10 +70,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     groups (sliding window, chunked, recurrent state, full) is driven by kvoffload's
     `GroupedScheduler` (`GroupedSchedulerSide`, `GroupedWorkerSide`).
 
-    With one full-attention group, ``tiers`` (disk, Redis, Redis Cluster, as for
-    `KVOffloader`) sit below the CPU pool: stored blocks are written down by the workers,
-    and a lookup that misses on CPU promotes what the tiers hold
-    (`kvoffload.integrations.vllm.tiers`).
+    ``tiers`` (disk, Redis, Redis Cluster, as for `KVOffloader`) sit below the CPU pool:
+    stored blocks are written down by the workers, and a lookup that misses on CPU
+    promotes what the tiers hold (`kvoffload.integrations.vllm.tiers`; with several
+    groups each group's blocks under its own namespace and a hit needing every group,
+    `kvoffload.integrations.vllm.group_tiers`).
 
     Args:
         vllm_config: vLLM's configuration (its ``kv_transfer_config`` names this class).
@@ -82,10 +83,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     Raises:
         ConfigError: an unknown or invalid setting, a setting the connector cannot
-            honour for this model (`kvoffload.build.check_settings()`: ``tiers`` with
-            several groups, and more), a tier's settings that its tier refuses, or a
-            model with a group the connector cannot offload (named, with its kind and
-            why).
+            honour for this model (`kvoffload.build.check_settings()`), a tier's
+            settings that its tier refuses, or a model with a group the connector cannot
+            offload (named, with its kind and why).
 
     The class is not final: vLLM instantiates whatever class the configuration names, and
     tests subclass it to choose a worker's rank (`_worker_rank`) or to inject copy
@@ -202,12 +202,15 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         described: dict[str, GroupDescription] = {
             k.name: d for k, d in zip(kv_groups, self.groups, strict=True)
         }
+        roots = group_roots(kv_groups, model_id=model_id, salt=self.offload_config.hash_salt)
         workers = [
             WorkerGroup(
                 described[k.name].index,
                 described[k.name].layer_names,
                 opaque_layout(described[k.name]),
                 sizes[k.name],
+                name=k.name,
+                root=bytes(roots[k.name]),
             )
             for k in kv_groups
             if k.cacheable
@@ -218,6 +221,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             num_blocks,
             rank=self._worker_rank(),
             copy_hook=self._copy_hook(),
+            world_size=world_size,
         )
 
     @property

@@ -69,24 +69,26 @@ def tier_medium(kind: str) -> str:
 
 @final
 class TierWrites:
-    """One rank's write-downs that ended, per tier index: the blocks every write of
-    which that tier stored (`WorkerTiers.on_written` calls `note`)."""
+    """One rank's write-downs that ended, per (vLLM group index, tier index): the blocks
+    every write of which that tier stored (each group's `WorkerTiers.on_written` calls
+    `note`)."""
 
     __slots__ = ("_landed",)
 
     def __init__(self) -> None:
-        self._landed: dict[int, list[BlockHash]] = {}
+        self._landed: dict[tuple[int, int], list[BlockHash]] = {}
 
-    def note(self, hashes: Sequence[BlockHash], counts: Sequence[int]) -> None:
-        """A write-down of ``hashes`` ended; ``counts[i]``: blocks tier ``i`` stored."""
+    def note(self, hashes: Sequence[BlockHash], counts: Sequence[int], group: int = 0) -> None:
+        """A write-down of group ``group``'s ``hashes`` ended; ``counts[i]``: blocks tier
+        ``i`` stored."""
         for tier, stored in enumerate(counts):
             if stored >= len(hashes):
-                self._landed.setdefault(tier, []).extend(hashes)
+                self._landed.setdefault((group, tier), []).extend(hashes)
 
-    def take(self) -> dict[int, tuple[BlockHash, ...]]:
-        """``tier index -> blocks stored there`` since the last call."""
+    def take(self) -> dict[tuple[int, int], tuple[BlockHash, ...]]:
+        """``(group, tier) -> blocks stored there`` since the last call."""
         landed, self._landed = self._landed, {}
-        return {tier: tuple(hashes) for tier, hashes in landed.items()}
+        return {key: tuple(hashes) for key, hashes in landed.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,16 +185,15 @@ class KVEvents:
 
     def note_tier_writes(
         self,
-        group_idx: int,
-        writes: Mapping[int, Mapping[int, Sequence[BlockHash]]],
+        writes: Mapping[tuple[int, int], Mapping[int, Sequence[BlockHash]]],
         world_size: int,
     ) -> None:
-        """The workers' write-downs that ended (``tier index -> {rank: hashes}``, from
+        """The workers' write-downs that ended (``(group, tier) -> {rank: hashes}``, from
         `TierWrites`): a block every one of ``world_size`` ranks stored in a tier gets a
-        ``BlockStored`` of that tier's medium at the next `translate()`, if its vLLM hash
-        is still known (the CPU pool still holds it)."""
+        ``BlockStored`` of that tier's medium and its group at the next `translate()`, if
+        its vLLM hash is still known (the CPU pool still holds it)."""
         pending = self._pending
-        for tier, ranks in writes.items():
+        for (group_idx, tier), ranks in writes.items():
             if not 0 <= tier < len(self.tier_media):
                 _log.debug("event_unknown_tier", tier=tier)
                 continue

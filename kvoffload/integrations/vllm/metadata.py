@@ -79,14 +79,16 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
         reports: ``plan_id -> {rank: ok}``; ``ok`` is whether that rank's copy succeeded.
         tier_probes: ``probe key -> {rank: blocks its tiers hold}`` (a leading run).
         tier_reads: ``read key -> {rank: per block, read and verified}``.
-        tier_writes: ``tier index -> {rank: blocks written down there}``, with KV events
-            on (`kvoffload.integrations.vllm.events.TierWrites`).
+        tier_writes: ``(vLLM group index, tier index) -> {rank: blocks written down
+            there}``, with KV events on (`kvoffload.integrations.vllm.events.TierWrites`).
     """
 
     reports: dict[int, dict[int, bool]] = field(default_factory=dict)
     tier_probes: dict[int, dict[int, int]] = field(default_factory=dict)
     tier_reads: dict[int, dict[int, tuple[bool, ...]]] = field(default_factory=dict)
-    tier_writes: dict[int, dict[int, tuple[BlockHash, ...]]] = field(default_factory=dict)
+    tier_writes: dict[tuple[int, int], dict[int, tuple[BlockHash, ...]]] = field(
+        default_factory=dict
+    )
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVOffloadWorkerMetadata:
         """Merge another worker's report into a new one (a rank reporting a plan twice

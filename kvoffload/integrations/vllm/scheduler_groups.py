@@ -37,10 +37,15 @@ from kvoffload.integrations.vllm._scheduler_base import (
     grow_hashes,
     hash_extra,
 )
+from kvoffload.integrations.vllm.group_tiers import (
+    GroupedSchedulerTiers,
+    check_group_tier_settings,
+)
 from kvoffload.integrations.vllm.metadata import GroupTransfer, KVOffloadConnectorMetadata
 from kvoffload.integrations.vllm.stats import ConnectorStatistics
 from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler
-from kvoffload.transfer.plan import TransferPlan
+from kvoffload.tiers.groups import group_tier_stacks
+from kvoffload.transfer.plan import StorePlan, TransferPlan
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -48,7 +53,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-__all__ = ["GroupedSchedulerSide"]
+__all__ = ["GroupedSchedulerSide", "group_roots"]
 
 _log = get_logger("integrations.vllm")
 
@@ -80,6 +85,14 @@ def tables_of(
     }
 
 
+def group_roots(
+    groups: Sequence[KVCacheGroup], *, model_id: str, salt: str
+) -> dict[str, BlockHash]:
+    """Per cacheable group, the root of its hash namespace (its block hashes chain from
+    it; its tiers' keys and headers are under it): the same on both sides."""
+    return {g.name: g.namespace(model_id=model_id, salt=salt).root for g in groups if g.cacheable}
+
+
 @final
 class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
     """kvoffload's decisions for one vLLM scheduler of a multi-group model.
@@ -91,8 +104,13 @@ class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
         world_size: workers that copy every plan.
         num_gpu_blocks: vLLM's block count (shared by every group).
 
+    With ``config.tiers``, each cacheable group has its own tiers under its own namespace
+    and a lookup that misses on CPU asks them (`GroupedSchedulerTiers`, in `tiers`); a
+    lookup then answers "ask again" (``None``) while a promotion a longer hit needs runs.
+
     Raises:
-        ConfigError: a group gets no CPU block, or ``world_size`` < 1.
+        ConfigError: a group gets no CPU block, ``world_size`` < 1, or a tier's settings
+            are refused by the tier (the group and tier named).
     """
 
     _report_key: ClassVar[str] = "key"
@@ -120,10 +138,7 @@ class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
         self._by_name = {g.name: g for g in self.groups}
         self._index = {g.name: i for i, g in enumerate(self.groups)}
         self._names: list[str | None] = [g.name if g.cacheable else None for g in self.groups]
-        self._roots = {
-            g.name: g.namespace(model_id=model_id, salt=config.hash_salt).root
-            for g in self._cacheable
-        }
+        self._roots = group_roots(self._cacheable, model_id=model_id, salt=config.hash_salt)
         self._keys = itertools.count()
         self._loads: list[GroupTransfer] = []
         self._stores: list[GroupTransfer] = []
@@ -133,8 +148,22 @@ class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
         """The whole model's counters (as a multi-group `KVOffloader` keeps them)."""
         self._transfers: dict[tuple[str, int], _Transfer] = {}
         self._page_bytes = {g.name: g.num_layers * g.bytes_per_layer_block for g in self.groups}
+        self.tiers: GroupedSchedulerTiers | None = None
+        if config.tiers:
+            need = {
+                g.name: self._page_bytes[g.name] * self.scheduler.ledger(g.name).pool.num_blocks
+                for g in self._cacheable
+            }
+            stacks = group_tier_stacks(config.tiers, need)
+            check_group_tier_settings(stacks, self._roots, self._page_bytes)
+            self.tiers = GroupedSchedulerTiers(
+                self.scheduler, stacks, world_size=world_size, index=self._index
+            )
 
     # -- hashing -----------------------------------------------------------------------
+
+    def _tiers(self) -> GroupedSchedulerTiers | None:
+        return self.tiers
 
     def _hashes(self, request: Request, num_tokens: int) -> dict[str, list[BlockHash]]:
         """Per cacheable group, the hashes of the request's full blocks below
@@ -164,7 +193,9 @@ class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
         """Tokens past vLLM's own prefix (a multiple of the alignment) that every group
         can load from CPU; a load is always asynchronous (vLLM takes a multi-group
         model's load failures only per waiting request, and copies a loaded recurrent
-        state before the forward of the step it is scheduled in)."""
+        state before the forward of the step it is scheduled in). With tiers, ``None``
+        ("ask again") while a promotion of a block a longer hit needs runs in some group,
+        for at most the tiers' lookup budget (`GroupedScheduler.lookup`)."""
         if not self._offloadable(request):
             return 0, False
         rid = request.request_id
@@ -180,7 +211,13 @@ class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
             request, "skip_reading_prefix_cache", False
         ):
             return 0, False
-        hit = sched.lookup(rid, hashes, request.num_tokens, num_computed_tokens)
+        hit = sched.lookup(
+            rid,
+            hashes,
+            request.num_tokens,
+            num_computed_tokens,
+            allow_defer=self.tiers is not None,
+        )
         reason, new_prompt, _ = sched.lookup_outcome(rid)
         self.counters.count_lookup(
             hit, request.num_tokens, num_computed_tokens, reason, new_prompt=new_prompt
@@ -223,7 +260,9 @@ class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
         self._track_stores(sched.plan_stores())
         loads, self._loads = tuple(self._loads), []
         stores, self._stores = tuple(self._stores), []
-        return KVOffloadConnectorMetadata(group_loads=loads, group_stores=stores, async_loads=True)
+        return self._with_tier_work(
+            KVOffloadConnectorMetadata(group_loads=loads, group_stores=stores, async_loads=True)
+        )
 
     def _track_stores(self, plan: GroupedPlan | None) -> None:
         if plan is None:
@@ -257,6 +296,8 @@ class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
         group, plan = tracked.group, tracked.plan
         self.scheduler.complete(group, plan, ok)
         self._count_part(group, plan, ok)
+        if ok and self.tiers is not None and isinstance(plan, StorePlan):
+            self.tiers.forget_absent(group, plan.block_hashes)
         if not ok and plan.kind == "store" and self.config.enable_events:
             pool = self.scheduler.ledger(group).pool
             self.events.forget_unstored(
@@ -306,6 +347,8 @@ class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
     def reset_cache(self) -> bool:
         """Empty every group's CPU prefix cache (copies in flight publish nothing)."""
         self.scheduler.reset()
+        if self.tiers is not None:
+            self.tiers.reset()
         return True
 
     def take_events(self) -> Iterable[KVCacheEvent]:
@@ -323,12 +366,14 @@ class GroupedSchedulerSide(SchedulerSideBase[_Hashes]):
     # -- observation -------------------------------------------------------------------
 
     def statistics(self) -> ConnectorStatistics:
-        """The pools added up, the whole model's counters, and each group's."""
+        """The pools added up, the whole model's counters, each group's, and with tiers
+        the promotions of every group added up (`GroupedSchedulerTiers.manager_statistics`)."""
         sched = self.scheduler
         return ConnectorStatistics(
             pool=pool_statistics(sched),
             scheduler=self.counters.statistics(
                 sched, live_requests=len(self._requests), in_flight_transfers=len(self._tracked)
             ),
+            tiers=None if self.tiers is None else self.tiers.manager_statistics(),
             groups=sched.statistics(),
         )

@@ -28,10 +28,7 @@ from kvoffload.integrations.vllm._scheduler_base import (
     grow_hashes,
     hash_extra,
 )
-from kvoffload.integrations.vllm.metadata import (
-    KVOffloadConnectorMetadata,
-    KVOffloadWorkerMetadata,
-)
+from kvoffload.integrations.vllm.metadata import KVOffloadConnectorMetadata
 from kvoffload.integrations.vllm.stats import ConnectorStatistics
 from kvoffload.integrations.vllm.tiers import SchedulerTiers, check_tier_settings
 from kvoffload.transfer.plan import LoadPlan, StorePlan
@@ -41,7 +38,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["SchedulerSide"]
@@ -221,25 +217,10 @@ class SchedulerSide(SchedulerSideBase[_RequestHashes]):
                     self._request_hashes,
                 )
         loads, self._loads = tuple(self._loads), []
-        if self.tiers is None:
-            return KVOffloadConnectorMetadata(loads=loads, stores=stores)
-        probes, reads = self.tiers.take_work()
-        return KVOffloadConnectorMetadata(
-            loads=loads, stores=stores, tier_probes=probes, tier_reads=reads
-        )
+        return self._with_tier_work(KVOffloadConnectorMetadata(loads=loads, stores=stores))
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Complete the plans every worker reported; hand the tiers' answers to
-        `SchedulerTiers` (probes answered, promotions read)."""
-        super().update_connector_output(connector_output)
-        meta = connector_output.kv_connector_worker_meta
-        tiers = self.tiers
-        if tiers is None or not isinstance(meta, KVOffloadWorkerMetadata):
-            return
-        if meta.tier_probes or meta.tier_reads:
-            tiers.on_reports(meta.tier_probes, meta.tier_reads)
-        if meta.tier_writes and self.config.enable_events:
-            self.events.note_tier_writes(0, meta.tier_writes, self.world_size)
+    def _tiers(self) -> SchedulerTiers | None:
+        return self.tiers
 
     def _remember_gpu_hashes(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
         pool = self._gpu_pool

@@ -48,6 +48,7 @@ from kvoffload.errors import ConfigError
 from kvoffload.hashing import BlockHash
 from kvoffload.tier_config import DiskTierSettings, parse_tier_settings
 from kvoffload.tiers.bridge import TierBridge, engine_namespace
+from kvoffload.tiers.promote import RecentBlocks
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -60,9 +61,9 @@ _log = get_logger("integrations.vllm.tier")
 _OWNER = "KVOffloadSecondaryTier settings (secondary_tiers entry)"
 _KNOWN_MAX = 1 << 20
 """Most keys remembered as held by the tier (answered HIT without a probe)."""
-_ABSENT_TTL_S = 1.0
-"""How long a probe that found nothing answers MISS for its key without probing again."""
 _ABSENT_MAX = 1 << 16
+"""Most keys remembered as absent (a probe found nothing: MISS without probing again for
+`kvoffload.tiers.promote.ABSENT_TTL_S`)."""
 
 _M = "vllm:kvoffload_tier_"
 METRICS: dict[str, OffloadingMetricMetadata] = {
@@ -158,7 +159,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             name=f"kvoffload-vllm-{tier_type}",
         )
         self._known: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._absent: OrderedDict[OffloadKey, float] = OrderedDict()
+        self._absent = RecentBlocks(max_blocks=_ABSENT_MAX)
         self._probes: dict[OffloadKey, concurrent.futures.Future[int]] = {}
         self._jobs: list[_Job] = []
         self._events: list[OffloadingEvent] = []
@@ -175,11 +176,12 @@ class KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         return self._rows[chunk_id * n : (chunk_id + 1) * n]
 
     def _remember(self, keys: Iterable[OffloadKey]) -> None:
+        keys = list(keys)
         known = self._known
         for key in keys:
             known[key] = None
             known.move_to_end(key)
-            self._absent.pop(key, None)
+        self._absent.forget(keys)
         while len(known) > _KNOWN_MAX:
             known.popitem(last=False)
 
@@ -190,15 +192,14 @@ class KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT for a key this tier stored or a probe found; MISS for one a probe did not
-        find (remembered ``_ABSENT_TTL_S``); RETRY while a probe of the tiers is in flight.
+        find (remembered `ABSENT_TTL_S`); RETRY while a probe of the tiers is in flight.
         Never waits."""
         if key in self._known:
             self._known.move_to_end(key)
             return self._count(LookupResult.HIT)
         probe = self._probes.get(key)
         if probe is None:
-            seen = self._absent.get(key)
-            if seen is not None and time.monotonic() - seen < _ABSENT_TTL_S:
+            if key in self._absent:
                 return self._count(LookupResult.MISS)
             self._probes[key] = self._bridge.submit_exists([self._hash(key)])
             return self._count(LookupResult.RETRY)
@@ -213,9 +214,7 @@ class KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         if found:
             self._remember([key])
             return self._count(LookupResult.HIT)
-        self._absent[key] = time.monotonic()
-        while len(self._absent) > _ABSENT_MAX:
-            self._absent.popitem(last=False)
+        self._absent.add(key)
         return self._count(LookupResult.MISS)
 
     def _count(self, result: LookupResult) -> LookupResult:

@@ -29,15 +29,19 @@ the `HashNamespace` of the layout, ``model_id`` and ``hash_salt``): with one ran
 `KVOffloader` of the same model and layout shares a tier with the engine. With several
 ranks each rank holds its shard under a namespace of its own (`rank_namespace`), and a
 disk tier's file gets the rank as a suffix (``kv.bin.rank1``).
+
+With several KV cache groups there is one `SchedulerTiers` and one `WorkerTiers` per
+group, each under its group's namespace (`kvoffload.integrations.vllm.group_tiers`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import itertools
+import math
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, final
 
@@ -49,10 +53,9 @@ from kvoffload.scheduler.misses import MissReason
 from kvoffload.tier_config import AnyTierSettings, DiskTierSettings
 from kvoffload.tiers.build import build_tier
 from kvoffload.tiers.promote import (
-    ABSENT_MAX,
-    ABSENT_TTL_S,
     PROMOTION_MAX_BLOCKS,
     LandedBlocks,
+    RecentBlocks,
     tiers_defer_deadline_s,
 )
 from kvoffload.tiers.stats import TierManagerStatistics
@@ -61,10 +64,10 @@ if TYPE_CHECKING:
     import torch
 
     from kvoffload.pool.free_queue import CpuBlock
-    from kvoffload.scheduler.core import OffloadScheduler
     from kvoffload.scheduler.ledger import Promotion
     from kvoffload.storage import HostKVBuffer
     from kvoffload.tiers.bridge import TierBridge
+    from kvoffload.tiers.manager import TierScheduler
     from kvoffload.tiers.stats import TierStatistics
     from kvoffload.transfer.plan import StorePlan
 
@@ -74,6 +77,7 @@ __all__ = [
     "TierRead",
     "VllmTierStatistics",
     "WorkerTiers",
+    "open_worker_tiers",
     "rank_namespace",
     "rank_tier_settings",
 ]
@@ -87,20 +91,24 @@ _log = get_logger("integrations.vllm.tiers")
 @final
 @dataclass(frozen=True, slots=True)
 class TierProbe:
-    """Scheduler → workers: how many of ``hashes``, from the first, do your tiers hold?"""
+    """Scheduler → workers: how many of ``hashes``, from the first, do your tiers hold?
+    (``group``: vLLM's KV cache group whose tiers are asked; 0 with one group.)"""
 
     key: int
     hashes: tuple[BlockHash, ...]
+    group: int = 0
 
 
 @final
 @dataclass(frozen=True, slots=True)
 class TierRead:
-    """Scheduler → workers: read ``hashes[k]`` into CPU block ``cpu_block_ids[k]``."""
+    """Scheduler → workers: read ``hashes[k]`` into CPU block ``cpu_block_ids[k]`` (of
+    group ``group``'s host buffer, from its tiers; 0 with one group)."""
 
     key: int
     hashes: tuple[BlockHash, ...]
     cpu_block_ids: tuple[int, ...]
+    group: int = 0
 
 
 # -- keys ------------------------------------------------------------------------------------
@@ -192,20 +200,27 @@ class _Read:
 class SchedulerTiers:
     """The tiers' part of the scheduler side: a `LookupExtension` of its
     `OffloadScheduler` that sends probes and promotions to the workers and publishes what
-    they read. Runs in vLLM's scheduler thread only.
+    they read. Runs in vLLM's scheduler thread only. With several KV cache groups there
+    is one per group, over that group's ledger (`GroupedSchedulerTiers`).
 
     Args:
-        scheduler: the scheduler side's `OffloadScheduler` (the extension installs itself).
-        settings: the tiers (``OffloadConfig.tiers``).
+        scheduler: the scheduler side's `OffloadScheduler`, or one group's part of a
+            `GroupedScheduler` (the extension installs itself).
+        settings: the tiers (``OffloadConfig.tiers``; a group's: `group_tier_settings`).
         world_size: ranks that must all answer a probe and read a promoted block.
+        group: vLLM's index of the group whose tiers the probes and reads name.
+        keys: where probe and read keys come from (shared by the groups of one scheduler
+            side, so a worker's reports name one probe or read each).
     """
 
     def __init__(
         self,
-        scheduler: OffloadScheduler,
+        scheduler: TierScheduler,
         settings: Sequence[AnyTierSettings],
         *,
         world_size: int,
+        group: int = 0,
+        keys: Iterator[int] | None = None,
     ) -> None:
         self._scheduler = scheduler
         self._ledger = scheduler.ledger
@@ -215,14 +230,15 @@ class SchedulerTiers:
         # A probe unanswered for as long as a lookup may defer is dropped (the scheduler's
         # own bound is the longer of its default and the tiers' budget).
         self._stale_s = max(DEFER_DEADLINE_S, self._deadline)
-        self._keys = 0
-        self._probing: dict[BlockHash, _Probe] = {}  # first hash -> its probe
+        self._group = group
+        self._keys = itertools.count(1) if keys is None else keys
+        self._probing: dict[BlockHash, _Probe] = {}  # every hash of a probe -> the probe
         self._probes: dict[int, _Probe] = {}
         self._reads: dict[int, _Read] = {}
         self._out_probes: list[TierProbe] = []
         self._out_reads: list[TierRead] = []
-        self._absent: OrderedDict[BlockHash, float] = OrderedDict()
-        self._failed: OrderedDict[BlockHash, None] = OrderedDict()
+        self._absent = RecentBlocks()
+        self._failed = RecentBlocks(math.inf)
         # Promoted blocks until a lookup pins them (`hit_sources()`). The workers do not
         # say which tier each block came from: with one tier it is named, with several
         # the source is their names joined.
@@ -262,12 +278,13 @@ class SchedulerTiers:
             # later request waits for it again.
             self._drop_probe(probe)
             probe = None
-        if probe is None and first not in self._ledger.pending and not self._is_absent(first):
-            self._keys += 1
+        if probe is None and first not in self._ledger.pending and first not in self._absent:
             hashes = tuple(block_hashes[end : min(limit, end + PROMOTION_MAX_BLOCKS)])
-            probe = _Probe(TierProbe(self._keys, hashes), tuple(pinned), time.monotonic())
-            self._probing[first] = probe
-            self._probes[probe.probe.key] = probe
+            key = next(self._keys)
+            probe = _Probe(TierProbe(key, hashes, self._group), tuple(pinned), time.monotonic())
+            for block_hash in hashes:
+                self._probing.setdefault(block_hash, probe)
+            self._probes[key] = probe
             self._out_probes.append(probe.probe)
             self._counts["probes"] += 1
         if probe is not None and allow_defer:
@@ -289,20 +306,17 @@ class SchedulerTiers:
             return MissReason.TIER_FAILED
         return None
 
-    def _is_absent(self, block_hash: BlockHash) -> bool:
-        expiry = self._absent.get(block_hash)
-        if expiry is None:
-            return False
-        if expiry > time.monotonic():
-            return True
-        del self._absent[block_hash]
-        return False
+    def is_promoting(self, block_hash: BlockHash) -> bool:
+        """Whether a probe covering ``block_hash`` runs (a promotion it opened is in the
+        ledger's pending hashes)."""
+        return block_hash in self._probing
 
-    def _remember(self, memory: OrderedDict[BlockHash, Any], block_hash: BlockHash, v: Any) -> None:
-        memory[block_hash] = v
-        memory.move_to_end(block_hash)
-        while len(memory) > ABSENT_MAX:
-            memory.popitem(last=False)
+    def _unprobe(self, probe: _Probe) -> None:
+        """The probe no longer runs: its hashes are not being probed by it any more."""
+        probing = self._probing
+        for block_hash in probe.probe.hashes:
+            if probing.get(block_hash) is probe:
+                del probing[block_hash]
 
     # -- the step --------------------------------------------------------------------------
 
@@ -340,21 +354,19 @@ class SchedulerTiers:
     def _drop_probe(self, probe: _Probe) -> None:
         """Forget an unanswered probe (its answers are ignored) and skip its first block
         for a while."""
-        first = probe.probe.hashes[0]
         self._counts["dropped"] += 1
-        del self._probing[first]
+        self._unprobe(probe)
         self._probes.pop(probe.probe.key, None)
-        self._remember(self._absent, first, time.monotonic() + ABSENT_TTL_S)
+        self._absent.add(probe.probe.hashes[0])
 
     def _probed(self, probe: _Probe) -> None:
         hashes = probe.probe.hashes
-        if self._probing.get(hashes[0]) is probe:
-            del self._probing[hashes[0]]
+        self._unprobe(probe)
         run = min(probe.runs.values(), default=0)
         run = max(0, min(run, len(hashes)))
         if run < len(hashes) and not self._pool.is_cached(hashes[run]):
             # Where the next lookup's run stops: do not probe it again for a while.
-            self._remember(self._absent, hashes[run], time.monotonic() + ABSENT_TTL_S)
+            self._absent.add(hashes[run])
         if run == 0:
             return
         ledger = self._ledger
@@ -369,11 +381,11 @@ class SchedulerTiers:
             return
         if not promotion.blocks:
             return
-        self._keys += 1
         read = TierRead(
-            self._keys,
+            next(self._keys),
             tuple(h for _, h in promotion.wanted),
             tuple(b.block_id for b in promotion.blocks),
+            self._group,
         )
         self._reads[read.key] = _Read(read, promotion)
         self._out_reads.append(read)
@@ -390,14 +402,11 @@ class SchedulerTiers:
                 self._landed.add(block_hash, block, self._source)
             else:
                 self._counts["failed"] += 1
-                self._remember(self._failed, block_hash, None)
+                self._failed.add(block_hash)
 
     def forget_absent(self, hashes: Sequence[BlockHash]) -> None:
         """These blocks were just stored: a later lookup may probe for them again."""
-        absent = self._absent
-        if absent:
-            for block_hash in hashes:
-                absent.pop(block_hash, None)
+        self._absent.forget(hashes)
 
     def reset(self) -> None:
         """The CPU cache was reset: forget what probes found missing (promotions in
@@ -618,3 +627,31 @@ class WorkerTiers:
         """Wait for the tier jobs in flight (each within its tier's bounds), close the
         tiers and end the bridge's thread."""
         self._bridge.close(drain=True)
+
+
+def open_worker_tiers(
+    settings: Sequence[AnyTierSettings],
+    *,
+    root: bytes,
+    host: HostKVBuffer,
+    rank: int,
+    world_size: int,
+    name: str,
+) -> WorkerTiers:
+    """Open one rank's tiers over ``host``: ``settings`` as that rank holds them
+    (`rank_tier_settings`), keyed under `rank_namespace` of ``root``, on a bridge thread
+    called ``name``; staging for the most ``max_queued_writes`` of any tier.
+
+    Raises:
+        ConfigError: a tier cannot be built (see `build_tier()`).
+    """
+    from kvoffload.tiers.bridge import TierBridge  # noqa: PLC0415
+
+    mine = rank_tier_settings(settings, rank, world_size)
+    bridge = TierBridge.from_settings(
+        mine,
+        namespace=rank_namespace(root, rank, world_size),
+        block_nbytes=host.layout.bytes_per_block,
+        name=name,
+    )
+    return WorkerTiers(bridge, host, staging_blocks=max(s.max_queued_writes for s in mine))

@@ -18,6 +18,7 @@ the start in every group.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, final
 
@@ -26,11 +27,14 @@ import torch
 from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.integrations.vllm._worker_base import WorkerSideBase
+from kvoffload.integrations.vllm.group_tiers import GroupedWorkerTiers
 from kvoffload.integrations.vllm.metadata import GroupTransfer
 from kvoffload.integrations.vllm.pages import page_views
+from kvoffload.integrations.vllm.tiers import open_worker_tiers
 from kvoffload.storage import HostKVBuffer
+from kvoffload.tiers.groups import group_tier_stacks
 from kvoffload.transfer import CopyEngine, TransferStatus, TransferTask
-from kvoffload.transfer.plan import LoadPlan
+from kvoffload.transfer.plan import LoadPlan, StorePlan
 
 if TYPE_CHECKING:
     from kvoffload.transfer.thread_engine import CopyHook
@@ -49,14 +53,35 @@ class WorkerGroup:
         layer_names: the group's layers, in the order CPU blocks hold them.
         layout: the `opaque_layout` of one CPU block of the group.
         num_cpu_blocks: CPU blocks of the group's host buffer (its pool's size).
+        name: kvoffload's name of the group (``g<index>``: its tiers are named after it).
+        root: the root of the group's hash namespace (its tiers' keys are under it).
     """
 
-    __slots__ = ("engine", "host", "index", "layer_names", "layout", "num_cpu_blocks", "views")
+    __slots__ = (
+        "engine",
+        "host",
+        "index",
+        "layer_names",
+        "layout",
+        "name",
+        "num_cpu_blocks",
+        "root",
+        "views",
+    )
 
     def __init__(
-        self, index: int, layer_names: Sequence[str], layout: KVLayout, num_cpu_blocks: int
+        self,
+        index: int,
+        layer_names: Sequence[str],
+        layout: KVLayout,
+        num_cpu_blocks: int,
+        *,
+        name: str = "",
+        root: bytes = b"",
     ) -> None:
         self.index = index
+        self.name = name or f"g{index}"
+        self.root = root
         self.layer_names = list(layer_names)
         self.layout = layout
         self.num_cpu_blocks = num_cpu_blocks
@@ -76,6 +101,12 @@ class GroupedWorkerSide(WorkerSideBase):
         num_gpu_blocks: vLLM's block count (shared by every group).
         rank: this worker's rank (``None``: read it from vLLM).
         copy_hook: for `ThreadCopyEngine`, run before each copy (fault injection).
+        world_size: ranks in all (each keeps its shard in the tiers under its own
+            namespace when there are several).
+
+    With ``config.tiers``, `register_kv_caches` opens each group's tiers on this rank
+    (`GroupedWorkerTiers`, in `tiers`): a group's stored blocks are written down to its
+    tiers, and the scheduler side's probes and reads run on the tiers of their group.
     """
 
     def __init__(
@@ -86,9 +117,12 @@ class GroupedWorkerSide(WorkerSideBase):
         *,
         rank: int | None = None,
         copy_hook: CopyHook | None = None,
+        world_size: int = 1,
     ) -> None:
         super().__init__(config, num_gpu_blocks, rank=rank, copy_hook=copy_hook)
         self.groups = {g.index: g for g in groups}
+        self._world_size = world_size
+        self.tiers: GroupedWorkerTiers | None = None
         self._running: dict[int, GroupTransfer] = {}  # id(plan) -> its transfer
         self._receiving: dict[str, int] = {}  # request -> its loads not ended yet
         self._received: set[str] = set()
@@ -108,12 +142,46 @@ class GroupedWorkerSide(WorkerSideBase):
             group.host = host = self._host_buffer(group.layout, group.num_cpu_blocks)
             group.views = views
             group.engine = self._copy_engine(group.layout, views, host)
+        if self.config.tiers:
+            self.tiers = self._open_tiers()
         _log.info(
             "vllm_worker_ready",
             rank=self.rank,
             device=str(self._device),
             groups={g.index: g.num_cpu_blocks for g in self.groups.values()},
         )
+
+    def _open_tiers(self) -> GroupedWorkerTiers:
+        """Each group's tiers on this rank (`group_tier_stacks`, as the scheduler side
+        builds them), opened over the group's host buffer."""
+        groups = list(self.groups.values())
+        need = {g.name: g.num_cpu_blocks * g.layout.bytes_per_block for g in groups}
+        stacks = group_tier_stacks(self.config.tiers, need)
+        hosts = {g.index: g.host for g in groups if g.host is not None}
+        parts = {}
+        try:
+            for g in groups:
+                parts[g.index] = open_worker_tiers(
+                    stacks[g.name],
+                    root=g.root,
+                    host=hosts[g.index],
+                    rank=self.rank,
+                    world_size=self._world_size,
+                    name=f"kvoffload-vllm-tiers-{self.rank}-{g.name}",
+                )
+                if self.config.enable_events:
+                    # KV events: the scheduler side publishes what every rank wrote down
+                    parts[g.index].on_written = functools.partial(
+                        self._tier_writes.note, group=g.index
+                    )
+        except BaseException:
+            for opened in parts.values():
+                opened.close()
+            raise
+        return GroupedWorkerTiers(parts)
+
+    def _tiers(self) -> GroupedWorkerTiers | None:
+        return self.tiers
 
     def _on_complete(self, task: TransferTask) -> None:
         ok = task.status is TransferStatus.DONE
@@ -135,6 +203,8 @@ class GroupedWorkerSide(WorkerSideBase):
                     self._receiving[rid] = left - 1
         elif ok:
             self.bytes_stored[transfer.group] += task.nbytes
+            if self.tiers is not None and isinstance(plan, StorePlan):
+                self.tiers.on_stored(transfer.group, plan)
 
     def _submit(self, transfer: GroupTransfer) -> TransferTask:
         engine = self.groups[transfer.group].engine
@@ -179,8 +249,12 @@ class GroupedWorkerSide(WorkerSideBase):
         return set()
 
     def shutdown(self) -> None:
-        """Wait for the copies in flight, then release the engines and host buffers."""
+        """Wait for the copies in flight and the tiers' writes, then release the engines
+        and host buffers."""
         self.wait_idle()
+        tiers, self.tiers = self.tiers, None
+        if tiers is not None:
+            tiers.close()
         for group in self.groups.values():
             engine, group.engine = group.engine, None
             host, group.host = group.host, None

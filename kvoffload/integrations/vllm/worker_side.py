@@ -10,7 +10,6 @@ event loop) and reported back in the worker metadata, keyed by plan and rank.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, final
 
 import torch
@@ -19,18 +18,12 @@ from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import LayoutMismatchError
 from kvoffload.integrations.vllm._worker_base import WorkerSideBase, worker_rank
-from kvoffload.integrations.vllm.events import TierWrites
-from kvoffload.integrations.vllm.metadata import (
-    KVOffloadConnectorMetadata,
-    KVOffloadWorkerMetadata,
-)
 from kvoffload.integrations.vllm.pages import page_views
-from kvoffload.integrations.vllm.tiers import WorkerTiers, rank_namespace, rank_tier_settings
+from kvoffload.integrations.vllm.tiers import WorkerTiers, open_worker_tiers
 from kvoffload.storage import HostKVBuffer
 from kvoffload.transfer import CopyEngine, StorePlan, TransferStatus, TransferTask
 
 if TYPE_CHECKING:
-    from kvoffload.integrations.vllm.stats import ConnectorStatistics
     from kvoffload.transfer.thread_engine import CopyHook
 
 __all__ = ["WorkerSide", "layer_views", "worker_rank"]
@@ -122,7 +115,6 @@ class WorkerSide(WorkerSideBase):
         self._namespace = namespace
         self._world_size = world_size
         self.tiers: WorkerTiers | None = None
-        self._tier_writes = TierWrites()
         self.opaque = opaque
         self.layout = layout
         self.layer_names = list(layer_names)
@@ -155,52 +147,21 @@ class WorkerSide(WorkerSideBase):
         )
 
     def _open_tiers(self, host: HostKVBuffer) -> WorkerTiers:
-        from kvoffload.tiers.bridge import TierBridge  # noqa: PLC0415
-
-        settings = rank_tier_settings(self.config.tiers, self.rank, self._world_size)
-        bridge = TierBridge.from_settings(
-            settings,
-            namespace=rank_namespace(self._namespace, self.rank, self._world_size),
-            block_nbytes=self.layout.bytes_per_block,
+        tiers = open_worker_tiers(
+            self.config.tiers,
+            root=self._namespace,
+            host=host,
+            rank=self.rank,
+            world_size=self._world_size,
             name=f"kvoffload-vllm-tiers-{self.rank}",
         )
-        staging = max(s.max_queued_writes for s in settings)
-        tiers = WorkerTiers(bridge, host, staging_blocks=staging)
         if self.config.enable_events:
             # KV events: the scheduler side publishes the blocks every rank wrote down.
-            tiers.on_written = self._tier_writes.note
+            tiers.on_written = self._tier_writes.note  # group 0
         return tiers
 
-    def bind(self, meta: KVOffloadConnectorMetadata) -> None:
-        """Remember the step's plans; start its tier probes and reads."""
-        super().bind(meta)
-        if self.tiers is not None and (meta.tier_probes or meta.tier_reads):
-            self.tiers.submit(meta.tier_probes, meta.tier_reads)
-
-    def take_reports(self) -> KVOffloadWorkerMetadata | None:
-        """This rank's finished copies, probes and tier reads since the last call."""
-        meta = super().take_reports()
-        if self.tiers is None:
-            return meta
-        probes, reads = self.tiers.take()
-        writes = self._tier_writes.take()
-        if not probes and not reads and not writes:
-            return meta
-        if meta is None:
-            meta = KVOffloadWorkerMetadata()
-        rank = self.rank
-        meta.tier_probes = {key: {rank: run} for key, run in probes.items()}
-        meta.tier_reads = {key: {rank: good} for key, good in reads.items()}
-        meta.tier_writes = {tier: {rank: hashes} for tier, hashes in writes.items()}
-        return meta
-
-    def statistics(self) -> ConnectorStatistics:
-        """This rank's completion poller's statistics and, with tiers, its tiers'
-        (`WorkerTiers.manager_statistics`: never waits for them)."""
-        stats = super().statistics()
-        if self.tiers is None:
-            return stats
-        return replace(stats, tiers=self.tiers.manager_statistics())
+    def _tiers(self) -> WorkerTiers | None:
+        return self.tiers
 
     def _on_complete(self, task: TransferTask) -> None:
         ok = task.status is TransferStatus.DONE
