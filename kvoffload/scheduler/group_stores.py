@@ -425,13 +425,18 @@ class GroupStorePlanner:
         later one and every later request's (as one group defers: `StoreBatch`). A step
         (not ``final``) first stores again the live blocks evicted from a group's pool,
         with ``restore_evicted``. Lazy stores plan from ``gpu_cache`` instead
-        (`plan_lazy()`)."""
+        (`plan_lazy()`). A finish (``final``) plans nothing in a full group: its eager
+        steps stored every full block they could, and what a step deferred is not tried
+        again at finish, as with one group (so two full groups count and store what one
+        does)."""
         if self.lazy_window:
             return self.plan_lazy(gpu_cache)
         plans: dict[str, TransferPlan] = {}
         prioritized = {s.request_id: s.priority for s in states if s.priority}
         deferred = False
         for g in self._cacheable:
+            if final and g.kind == "full":
+                continue
             name = g.name
             batch = StoreBatch(self._ledgers[name], self._limit)
             rec = StoreRecord([], {})
