@@ -1,9 +1,9 @@
 """End to end: kvoffload's connector with ``tiers`` on a hybrid model (several KV cache
 groups, vLLM's hybrid KV cache manager on) in the vLLM CPU engine. Two engines one after
-the other, each a fresh engine, share a persistent disk tier or a Redis tier: the second
-serves at least half of its first turn's prompt tokens from the tier, with the tokens of
-an engine without connector; a value corrupted in place in one group's file is never
-served (a hit needs every group).
+the other, each a fresh engine, share a persistent disk tier, a Redis tier or a six-node
+Redis Cluster (Gemma 3): the second serves at least half of its first turn's prompt
+tokens from the tier, with the tokens of an engine without connector; a value corrupted
+in place in one group's file is never served (a hit needs every group).
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import pytest
 from engine_runs import connector_of, kvoffload_config
 from engine_runs import worker_connector_of as worker_of
 from models import CASES, ENGINE_BLOCK_SIZE, engine_kwargs, started, write_model
+from redis_cluster import RedisClusterProcs
 from redis_server import RedisServer, require_redis_client
+from test_engine_cluster_tier import cluster_tier
 from test_engine_secondary_tier import DISK_BYTES, PROMPT_TOKENS, Turn, generate
 
 from kvoffload.integrations.vllm.group_tiers import GroupedSchedulerTiers, GroupedWorkerTiers
@@ -188,4 +190,32 @@ def test_a_fresh_hybrid_engine_serves_its_first_prompt_from_the_redis_tier(
     print(
         f"\n{name} on Redis: {second.turn.external:.0f}/{PROMPT_TOKENS} prompt tokens from "
         f"the tier in {second.turn.seconds * 1e3:.0f} ms"
+    )
+
+
+@pytest.mark.parametrize("name", ["gemma3"])
+def test_a_fresh_hybrid_engine_serves_its_first_prompt_from_the_redis_cluster(
+    models_dir: Path, name: str, own_redis_cluster: RedisClusterProcs
+) -> None:
+    """Two fresh engines of a hybrid model one after the other on a six-node Redis Cluster
+    of the test's own: every group's blocks come back from the cluster (under each group's
+    namespace), with the tokens of an engine without connector."""
+    want = baseline(models_dir, name)
+    tiers = [cluster_tier(own_redis_cluster.urls)]
+    first = run(models_dir, name, tiers)
+    second = run(models_dir, name, tiers)
+
+    assert first.turn.tokens == want.tokens
+    assert first.turn.external == 0
+    assert second.turn.tokens == want.tokens
+    assert second.turn.local_hit == 0
+    assert second.turn.external >= PROMPT_TOKENS / 2
+    assert second.turn.external == whole_blocks(second.alignment)
+    assert all(n >= 1 for n in second.promoted.values()), second.promoted
+    assert sum(second.failed.values()) == 0
+    assert {t.kind for t in second.tiers.values()} == {"redis-cluster"}
+    assert sum(t.failed_checks for t in second.tiers.values()) == 0
+    print(
+        f"\n{name} on a Redis Cluster: {second.turn.external:.0f}/{PROMPT_TOKENS} prompt "
+        f"tokens from the cluster in {second.turn.seconds * 1e3:.0f} ms"
     )
