@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from disk_files import corrupt_every_slot
 from harness import BLOCK_SIZE, Stepping, TestConnector, make_request, real_scheduler, vllm_config
 from test_scheduler_groups import FULL_LAYER, HEAD, HEADS, SW_LAYER, kv_config, prompt, value
 from test_stats_events import by_medium, prometheus, published
@@ -34,7 +35,6 @@ from kvoffload.integrations.vllm import tiers as vllm_tiers
 from kvoffload.integrations.vllm.group_tiers import GroupedSchedulerTiers, GroupedWorkerTiers
 from kvoffload.integrations.vllm.scheduler_groups import GroupedSchedulerSide
 from kvoffload.integrations.vllm.worker_groups import GroupedWorkerSide
-from kvoffload.tiers.disk_layout import DiskLayout
 
 DISK_BYTES = 4 << 20
 PREFIX = 6  # blocks of the shared prefix
@@ -263,23 +263,6 @@ def test_the_next_engine_promotes_a_prompt_from_the_disk_tier_in_every_group(
         registry = prometheus(h.connector_stats, h.config)
         promotions = sum(s.promotions for s in h.tiers.statistics().values())
         assert metric(registry, "kvoffload_tiers_promotions_total") == promotions >= 2
-
-
-def corrupt_every_slot(path: Path, capacity: int, block_nbytes: int) -> int:
-    layout = DiskLayout(capacity, block_nbytes=block_nbytes, namespace=b"\0" * 32, name="t")
-    size = path.stat().st_size
-    hit = 0
-    with open(path, "r+b") as f:
-        for slot in range(layout.num_slots):
-            at = layout.offset(slot) + 100
-            if at >= size:
-                break
-            f.seek(at)
-            old = f.read(16)
-            f.seek(at)
-            f.write(bytes(b ^ 0xA5 for b in old))
-            hit += 1
-    return hit
 
 
 def test_a_corrupted_block_is_a_miss_never_served(model_dir: Path, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from disk_files import corrupt_every_slot
 from harness import BLOCK_SIZE, Harness, kv_cache_config, make_request, vllm_config
 from prometheus_client import CollectorRegistry
 from test_stats_events import prometheus, value
@@ -25,7 +26,6 @@ from kvoffload.integrations.vllm import KVOffloadConnector
 from kvoffload.integrations.vllm import tiers as vllm_tiers
 from kvoffload.integrations.vllm.stats import KVOffloadConnectorStats
 from kvoffload.integrations.vllm.tiers import SchedulerTiers, WorkerTiers
-from kvoffload.tiers.disk_layout import DiskLayout
 
 DISK_BYTES = 4 << 20
 PREFIX_BLOCKS = 4
@@ -183,23 +183,6 @@ def test_the_next_engine_promotes_a_prompt_from_the_disk_tier(
         assert reduced["kvoffload_tiers_promotions"] == 1
 
 
-def corrupt_every_slot(path: Path, block_nbytes: int) -> int:
-    layout = DiskLayout(DISK_BYTES, block_nbytes=block_nbytes, namespace=b"\0" * 32, name="t")
-    size = path.stat().st_size
-    hit = 0
-    with open(path, "r+b") as f:
-        for slot in range(layout.num_slots):
-            at = layout.offset(slot) + 100
-            if at >= size:
-                break
-            f.seek(at)
-            old = f.read(16)
-            f.seek(at)
-            f.write(bytes(b ^ 0xA5 for b in old))
-            hit += 1
-    return hit
-
-
 @pytest.mark.parametrize(("world", "corrupt"), [(1, "kv.bin"), (2, "kv.bin.rank1")])
 def test_a_corrupted_block_is_a_miss_never_served(
     model_dir: Path, tmp_path: Path, world: int, corrupt: str
@@ -208,7 +191,7 @@ def test_a_corrupted_block_is_a_miss_never_served(
     block is published only when every rank read it."""
     path = tmp_path / "kv.bin"
     nbytes = first_engine(model_dir, [disk(path)], world=world)
-    assert corrupt_every_slot(tmp_path / corrupt, nbytes) >= PREFIX_BLOCKS
+    assert corrupt_every_slot(tmp_path / corrupt, DISK_BYTES, nbytes) >= PREFIX_BLOCKS
 
     with engine(model_dir, [disk(path)], world=world) as h:
         b = make_request("b", prompt(PREFIX_BLOCKS, 7, seed=2), max_tokens=2)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from disk_files import corrupt_every_slot
 from engine_runs import connector_of, kvoffload_config
 from engine_runs import worker_connector_of as worker_of
 from models import CASES, ENGINE_BLOCK_SIZE, engine_kwargs, started, write_model
@@ -21,7 +22,6 @@ from test_engine_cluster_tier import cluster_tier
 from test_engine_secondary_tier import DISK_BYTES, PROMPT_TOKENS, Turn, generate
 
 from kvoffload.integrations.vllm.group_tiers import GroupedSchedulerTiers, GroupedWorkerTiers
-from kvoffload.tiers.disk_layout import DiskLayout
 
 pytestmark = pytest.mark.engine
 
@@ -107,24 +107,6 @@ def baseline(models_dir: Path, name: str) -> Turn:
     return _baselines[name]
 
 
-def corrupt_every_slot(path: Path, capacity: int, block_nbytes: int) -> int:
-    """Flip bytes inside every payload slot of one group's file; the slots written."""
-    layout = DiskLayout(capacity, block_nbytes=block_nbytes, namespace=b"\0" * 32, name="t")
-    size = path.stat().st_size
-    hit = 0
-    with open(path, "r+b") as f:
-        for slot in range(layout.num_slots):
-            at = layout.offset(slot) + 1000
-            if at >= size:
-                break
-            f.seek(at)
-            old = f.read(16)
-            f.seek(at)
-            f.write(bytes(b ^ 0xA5 for b in old))
-            hit += 1
-    return hit
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_a_restarted_hybrid_engine_serves_from_the_disk_tier_and_never_a_corrupt_block(
     models_dir: Path, tmp_path: Path, name: str
@@ -154,7 +136,7 @@ def test_a_restarted_hybrid_engine_serves_from_the_disk_tier_and_never_a_corrupt
     tier = second.tiers[f"disk0.{full}"]
     capacity = int(DISK_BYTES * (second.need[full] / sum(second.need.values())))
     block_nbytes = tier.bytes_read // max(tier.blocks_read, 1)
-    assert corrupt_every_slot(tmp_path / f"kv.{full}.bin", capacity, block_nbytes) >= 1
+    assert corrupt_every_slot(tmp_path / f"kv.{full}.bin", capacity, block_nbytes, offset=1000) >= 1
     third = run(models_dir, name, tiers)
     assert third.turn.external == 0
     assert third.turn.tokens == want.tokens

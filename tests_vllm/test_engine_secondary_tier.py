@@ -16,11 +16,10 @@ from typing import Any
 import cpu_tiering_spec
 import prometheus_client
 import pytest
+from disk_files import corrupt_every_slot
 from engine_runs import ENGINE_BLOCK_SIZE, connector_of, engine, load_workload
 from redis_server import RedisServer, require_redis_client
 from vllm import LLM, SamplingParams
-
-from kvoffload.tiers.disk_layout import DiskLayout
 
 pytestmark = pytest.mark.engine
 
@@ -91,24 +90,6 @@ def reset_engine_and_primary_tier(llm: LLM) -> None:
     assert llm.reset_prefix_cache(reset_connector=True)
 
 
-def corrupt_every_slot(disk: Path, block_nbytes: int) -> int:
-    """Flip bytes inside every payload slot the file has room for; the slots written."""
-    layout = DiskLayout(DISK_BYTES, block_nbytes=block_nbytes, namespace=b"\0" * 32, name="t")
-    size = disk.stat().st_size
-    hit = 0
-    with open(disk, "r+b") as f:
-        for slot in range(layout.num_slots):
-            at = layout.offset(slot) + 1000
-            if at >= size:
-                break
-            f.seek(at)
-            old = f.read(16)
-            f.seek(at)
-            f.write(bytes(b ^ 0xA5 for b in old))
-            hit += 1
-    return hit
-
-
 @pytest.fixture(scope="module")
 def baseline(model_dir: Path) -> Turn:
     """The prompt's turn in the engine without connector."""
@@ -133,7 +114,10 @@ def test_a_prompt_comes_back_from_kvoffloads_tier_and_corrupted_bytes_are_never_
         blocks_read = stats.blocks_read
 
         reset_engine_and_primary_tier(llm)
-        assert corrupt_every_slot(disk, tier._bridge.block_nbytes) >= blocks_read
+        assert (
+            corrupt_every_slot(disk, DISK_BYTES, tier._bridge.block_nbytes, offset=1000)
+            >= blocks_read
+        )
         third = generate(llm)
         (after,) = tier._bridge.statistics()
         engine_blocks_loaded = cpu_tiering_spec.copies["load_blocks"] - loads_before

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from disk_files import corrupt_every_slot
 from engine_runs import ENGINE_BLOCK_SIZE, connector_of, engine, kvoffload_config
 from engine_runs import worker_connector_of as worker_of
 from redis_server import RedisServer, require_redis_client
@@ -20,7 +21,6 @@ from test_engine_secondary_tier import (
     PROMPT_TOKENS,
     Turn,
     baseline,
-    corrupt_every_slot,
     generate,
 )
 from vllm import LLM
@@ -107,7 +107,7 @@ def test_a_restarted_engine_serves_from_the_persistent_disk_tier_and_never_a_cor
     first = first_engine(model_dir, tiers)
     second, stats, (tier,) = second_engine(model_dir, tiers)
     block_nbytes = tier.bytes_read // max(tier.blocks_read, 1)
-    assert corrupt_every_slot(path, block_nbytes) >= FULL_BLOCKS
+    assert corrupt_every_slot(path, DISK_BYTES, block_nbytes, offset=1000) >= FULL_BLOCKS
     third, bad_stats, (bad_tier,) = second_engine(model_dir, tiers)
 
     assert first.tokens == baseline.tokens
