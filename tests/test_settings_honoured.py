@@ -54,8 +54,31 @@ FULL_GROUPS = (
     KVCacheGroup.from_layout(layout(), name="a"),
     KVCacheGroup.from_layout(layout(), name="b"),
 )
-"""Two full-attention groups: the shape lazy stores serve (GROUPS refuses them, for the
-window group: tests/test_groups_store_settings.py)."""
+"""Two full-attention groups: the shape lazy stores serve."""
+
+SHAPES: dict[str, tuple[KVCacheGroup, ...]] = {
+    "full+sliding_window": GROUPS,
+    "full+full": FULL_GROUPS,
+    "full+recurrent": (
+        GROUPS[0],
+        KVCacheGroup.from_layout(layout(), name="rec", kind="recurrent"),
+    ),
+    "full+chunked": (
+        GROUPS[0],
+        KVCacheGroup.from_layout(layout(), name="loc", kind="chunked", chunk=2 * BS),
+    ),
+}
+"""The model shapes every setting is checked on with several groups."""
+
+LAZY_FIELDS = frozenset({"store_mode", "lazy_offload_blocks"})
+SHAPE_REFUSES: dict[str, frozenset[str]] = {
+    "full+sliding_window": LAZY_FIELDS,
+    "full+full": frozenset(),
+    "full+recurrent": LAZY_FIELDS,
+    "full+chunked": LAZY_FIELDS,
+}
+"""Per shape, the fields `KVOffloader` refuses for it beyond `REFUSED` (lazy stores need
+every group to be full attention: docs/groups.md)."""
 
 
 def make(
@@ -154,10 +177,15 @@ async def group_lazy_needs_views(make_off: Callable[[], KVOffloader], seen: Seen
         return "eager"
 
 
+def _names(off: KVOffloader) -> list[str]:
+    assert off.groups is not None
+    return [g.name for g in off.groups if g.cacheable]
+
+
 async def group_lazy_window(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
     """Per group, the blocks one lazy plan takes from a view of 5 blocks."""
     async with make_off() as off:
-        plan = _grouped(off).plan_stores({g.name: _View(5) for g in FULL_GROUPS})
+        plan = _grouped(off).plan_stores({n: _View(5) for n in _names(off)})
         return {} if plan is None else {n: p.num_blocks for n, p in plan.plans.items()}
 
 
@@ -180,8 +208,8 @@ async def group_restores_evicted(make_off: Callable[[], KVOffloader], seen: Seen
         sched = off._groups.scheduler
         for rid, seed in (("a", 1), ("b", 2)):
             table: list[int | None] = list(range(seed * 8, seed * 8 + 8))
-            tables = {g.name: table for g in GROUPS}
-            sched.update(rid, tables, {g.name: chain(8, seed) for g in GROUPS}, 8 * BS)
+            tables = {n: table for n in _names(off)}
+            sched.update(rid, tables, {n: chain(8, seed) for n in _names(off)}, 8 * BS)
             plan = sched.plan_stores()
             assert plan is not None
             sched.complete_all(plan, True)
@@ -199,8 +227,8 @@ async def group_stores_per_step(make_off: Callable[[], KVOffloader], seen: Seen)
     async with make_off() as off:
         assert off._groups is not None
         sched = off._groups.scheduler
-        tables: dict[str, list[int | None]] = {g.name: list(range(4)) for g in GROUPS}
-        sched.update("r", tables, {g.name: chain(4) for g in GROUPS}, 4 * BS)
+        tables: dict[str, list[int | None]] = {n: list(range(4)) for n in _names(off)}
+        sched.update("r", tables, {n: chain(4) for n in _names(off)}, 4 * BS)
         plan = sched.plan_stores()
         return {} if plan is None else {n: p.num_blocks for n, p in plan.plans.items()}
 
@@ -261,8 +289,8 @@ def _grouped_stored_now(off: KVOffloader, n: int) -> Any:
     """As `stored_now()` on every group: a request of ``n`` computed blocks per group."""
     assert off._groups is not None
     sched = off._groups.scheduler
-    tables: dict[str, list[int | None]] = {g.name: list(range(n)) for g in GROUPS}
-    sched.update("r", tables, {g.name: chain(n) for g in GROUPS}, n * BS)
+    tables: dict[str, list[int | None]] = {g: list(range(n)) for g in _names(off)}
+    sched.update("r", tables, {g: chain(n) for g in _names(off)}, n * BS)
     sched.plan_stores()
     return sched
 
@@ -290,7 +318,7 @@ async def retains_a_prefix(make_off: Callable[[], KVOffloader], seen: Seen) -> o
         with off.request("r", prompt) as req:
             req.lookup()
             table = list(range(req.blocks_for(len(prompt))))
-            req.advance(table if off.groups is None else {g.name: table for g in GROUPS}, 9)
+            req.advance(table if off.groups is None else dict.fromkeys(_names(off), table), 9)
             off.store()
         await off.drain()
         try:
@@ -313,7 +341,7 @@ async def group_prefetched(make_off: Callable[[], KVOffloader], seen: Seen) -> o
         with off.request("r", prompt) as req:
             req.lookup()
             table = list(range(req.blocks_for(len(prompt))))
-            req.advance({g.name: table for g in GROUPS}, 17)
+            req.advance(dict.fromkeys(_names(off), table), 17)
             off.store()
         await off.drain()
         assert off.tiers is not None
@@ -344,8 +372,6 @@ class Decision:
     value: dict[str, Any]
     observe: dict[EntryPoint, Observe | str]
     with_: dict[str, Any] = field(default_factory=dict)
-    groups: tuple[KVCacheGroup, ...] = GROUPS
-    """The model of ``offloader_groups``."""
 
 
 def _tier(tmp: Path) -> dict[str, Any]:
@@ -368,13 +394,11 @@ TABLE: dict[str, Decision] = {
     "store_mode": Decision(
         {"store_mode": "lazy"},
         {"offloader": lazy_needs_a_view, "offloader_groups": group_lazy_needs_views},
-        groups=FULL_GROUPS,
     ),
     "lazy_offload_blocks": Decision(
         {"lazy_offload_blocks": 2},
         {"offloader": lazy_window, "offloader_groups": group_lazy_window},
         with_={"store_mode": "lazy"},
-        groups=FULL_GROUPS,
     ),
     "restore_evicted": Decision(
         {"restore_evicted": True},
@@ -439,14 +463,25 @@ def _config(values: dict[str, Any], tmp: Path) -> OffloadConfig:
     return OffloadConfig(**{**BASE, **values})
 
 
-@pytest.mark.parametrize("path", PATHS)
+CASES: list[tuple[EntryPoint, str]] = [("offloader", "full")] + [
+    ("offloader_groups", shape) for shape in SHAPES
+]
+"""Every entry point with every model shape it takes."""
+
+
+def _refused(name: str, path: EntryPoint, shape: str) -> bool:
+    return name in REFUSED[path] or (path == "offloader_groups" and name in SHAPE_REFUSES[shape])
+
+
+@pytest.mark.parametrize(("path", "shape"), CASES)
 @pytest.mark.parametrize("name", sorted(OffloadConfig.model_fields))
 async def test_each_field_is_honoured_or_refused(
-    name: str, path: EntryPoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    name: str, path: EntryPoint, shape: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     decision = TABLE.get(name)
     if decision is None:
         pytest.fail(f"OffloadConfig.{name} has no row in TABLE")
+    groups = SHAPES.get(shape, GROUPS)
     seen = Seen()
     create = HostKVBuffer.create
 
@@ -457,23 +492,78 @@ async def test_each_field_is_honoured_or_refused(
     monkeypatch.setattr(HostKVBuffer, "create", staticmethod(spy))
     changed = _config({**decision.with_, **decision.value}, tmp_path)
     observe = decision.observe.get(path)
-    if name in REFUSED[path] or observe == BLOCK_SIZE_CHECKED:
-        assert observe is None or observe == BLOCK_SIZE_CHECKED, (
-            f"{name} is both refused on {path} and observed"
-        )
+    if _refused(name, path, shape) or observe == BLOCK_SIZE_CHECKED:
         with pytest.raises(ConfigError) as info:
-            make(changed, path, decision.groups)
+            make(changed, path, groups)
         message = str(info.value)
-        assert f"{name}=" in message
+        assert f"{name}=" in message or (name in LAZY_FIELDS and "store_mode='lazy'" in message)
         assert ENTRY_POINTS[path] in message
+        if path == "offloader_groups" and name in SHAPE_REFUSES[shape]:
+            kinds = [g for g in groups if g.kind != "full"]
+            assert all(f"group {g.name!r} ({g.kind})" in message for g in kinds), message
         return
-    if observe is None or isinstance(observe, str):
+    assert observe is not None, f"{name} is not refused on {path} and has no observation"
+    if isinstance(observe, str):
         pytest.fail(f"OffloadConfig.{name} is neither observed nor refused on {path}")
     base = _config(decision.with_, tmp_path)
-    before = await observe(lambda: make(base, path, decision.groups), seen)
+    before = await observe(lambda: make(base, path, groups), seen)
     seen.calls.clear()
-    after = await observe(lambda: make(changed, path, decision.groups), seen)
-    assert before != after, f"{name}={decision.value} had no effect on {path} ({before!r})"
+    after = await observe(lambda: make(changed, path, groups), seen)
+    assert before != after, f"{name}={decision.value} had no effect on {path} ({shape}): {before!r}"
+
+
+def test_observed_fields_are_not_refused() -> None:
+    for name, decision in TABLE.items():
+        for path, observe in decision.observe.items():
+            if observe != BLOCK_SIZE_CHECKED:
+                assert name not in REFUSED[path], f"{name} is both refused on {path} and observed"
+
+
+DOCS_TABLE = Path(__file__).parent.parent / "docs" / "groups.md"
+DOCS_COLUMNS: dict[str, EntryPoint] = {
+    "`KVOffloader`, one group": "offloader",
+    "`KVOffloader`, several groups": "offloader_groups",
+    "vLLM connector, one group": "vllm",
+    "vLLM connector, several groups": "vllm_groups",
+}
+KIND_WORDS = {"sliding_window": "sliding-window", "chunked": "chunked", "recurrent": "recurrent"}
+
+
+def _docs_settings_table() -> dict[str, dict[EntryPoint, str]]:
+    """docs/groups.md's settings table: per field, per entry point, its cell."""
+    lines = DOCS_TABLE.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| setting |"))
+    header = [c.strip() for c in lines[start].strip("|").split("|")]
+    paths = [DOCS_COLUMNS[c] for c in header[1:]]
+    rows: dict[str, dict[EntryPoint, str]] = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        name = cells[0].strip("`").split("=")[0]
+        assert name not in rows, f"docs/groups.md names {name} in two rows"
+        rows[name] = dict(zip(paths, cells[1:], strict=True))
+    return rows
+
+
+def test_the_docs_table_has_one_row_per_setting_as_the_code_decides() -> None:
+    rows = _docs_settings_table()
+    assert sorted(rows) == sorted(OffloadConfig.model_fields)
+    for name, cells in rows.items():
+        for path, cell in cells.items():
+            refused = name in REFUSED[path]
+            assert cell.startswith("refused") == refused, (
+                f"docs/groups.md says {cell!r} for {name} on {path}; the code "
+                f"{'refuses' if refused else 'honours'} it"
+            )
+        refusing = [s for s, fields in SHAPE_REFUSES.items() if name in fields]
+        kinds = {g.kind for s in refusing for g in SHAPES[s] if g.kind != "full"}
+        text = cells["offloader_groups"]
+        if name == "lazy_offload_blocks":
+            text = rows["store_mode"]["offloader_groups"]
+        for kind in kinds:
+            assert KIND_WORDS[kind] in text, (name, kind, text)
+            assert "refused" in text, (name, kind, text)
 
 
 async def test_defaults_are_accepted_on_every_path(tmp_path: Path) -> None:
