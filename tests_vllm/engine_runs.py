@@ -122,8 +122,8 @@ def run_conversations(
     if connector is not None:
         result.stats = connector.scheduler_side.scheduler.statistics()
         worker = worker_connector_of(llm).worker_side
-        result.worker_bytes_loaded = worker.bytes_loaded
-        result.worker_bytes_stored = worker.bytes_stored
+        result.worker_bytes_loaded = worker.bytes_loaded[0]
+        result.worker_bytes_stored = worker.bytes_stored[0]
     return result
 
 

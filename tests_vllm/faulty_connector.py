@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from kvoffload.integrations.vllm import KVOffloadConnector
-from kvoffload.integrations.vllm.worker_groups import GroupedWorkerSide
 from kvoffload.transfer.plan import TransferPlan
 
 FAIL_EVERY = 3
@@ -54,7 +53,7 @@ class CorruptingKVOffloadConnector(KVOffloadConnector):
         worker = self.worker_side
         meta = getattr(worker, "_meta", None)
         group = corrupt["group"]
-        if not isinstance(worker, GroupedWorkerSide) or meta is None or group is None:
+        if worker is None or meta is None or group is None:
             return
         for transfer in meta.group_loads:
             if transfer.group == group and transfer.plan.gpu_block_ids:

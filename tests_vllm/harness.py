@@ -304,7 +304,8 @@ class Harness(Stepping):
         out = self.scheduler.schedule()
         self.outputs.append(out)
         meta = out.kv_connector_metadata
-        for plan in getattr(meta, "loads", ()):
+        for transfer in getattr(meta, "group_loads", ()):
+            plan = transfer.plan
             self.loaded_tokens[plan.request_id] = (
                 self.loaded_tokens.get(plan.request_id, 0) + plan.num_tokens
             )

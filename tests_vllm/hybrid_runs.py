@@ -75,15 +75,13 @@ def run_case(
         if connector is not None:
             side = connector.scheduler_side
             worker = worker_connector_of(llm).worker_side
+            run.bytes_loaded = dict(worker.bytes_loaded)
+            run.bytes_stored = dict(worker.bytes_stored)
             if isinstance(side, GroupedSchedulerSide):
                 run.loaded_tokens = side.loaded_tokens
                 run.group_stats = side.scheduler.statistics()
-                run.bytes_loaded = dict(worker.bytes_loaded)
-                run.bytes_stored = dict(worker.bytes_stored)
             else:  # one full-attention group: OffloadScheduler's path
                 stats = side.scheduler.statistics()
                 run.loaded_tokens = stats.loaded_tokens
                 run.group_stats = {"g0": stats}
-                run.bytes_loaded = {0: worker.bytes_loaded}
-                run.bytes_stored = {0: worker.bytes_stored}
     return run

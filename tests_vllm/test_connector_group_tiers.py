@@ -34,7 +34,7 @@ from vllm.v1.request import Request
 from kvoffload.integrations.vllm import tiers as vllm_tiers
 from kvoffload.integrations.vllm.group_tiers import GroupedSchedulerTiers, GroupedWorkerTiers
 from kvoffload.integrations.vllm.scheduler_groups import GroupedSchedulerSide
-from kvoffload.integrations.vllm.worker_groups import GroupedWorkerSide
+from kvoffload.integrations.vllm.worker_side import WorkerSide
 
 DISK_BYTES = 4 << 20
 PREFIX = 6  # blocks of the shared prefix
@@ -130,7 +130,7 @@ class TieredGroups(Stepping):
     def drain_copies(self) -> None:
         for conn, _ in self.workers:
             worker = conn.worker_side
-            assert isinstance(worker, GroupedWorkerSide)
+            assert isinstance(worker, WorkerSide)
             worker.wait_idle()
 
     def wrong_slots(self, request: Request) -> list[tuple[int, int, int]]:

@@ -86,7 +86,7 @@ def reported(h: Harness) -> CollectorRegistry:
 def worker_tiers(h: Harness) -> list[WorkerTiers]:
     out = []
     for w in h.workers:
-        wt = w.connector.worker_side.tiers  # type: ignore[union-attr]
+        (wt,) = w.connector.worker_side.tiers.parts.values()  # type: ignore[union-attr]
         assert isinstance(wt, WorkerTiers)
         out.append(wt)
     return out
@@ -207,7 +207,7 @@ def test_a_corrupted_block_is_a_miss_never_served(
         assert stats.blocks_failed >= 1
         assert h.wrong_slots(b) == []
         step_until(h, b.is_finished)
-        wt = h.workers[-1].connector.worker_side.tiers  # type: ignore[union-attr]
+        (wt,) = h.workers[-1].connector.worker_side.tiers.parts.values()  # type: ignore[union-attr]
         assert isinstance(wt, WorkerTiers)
         (tier,) = wt.statistics()
         assert tier.failed_checks >= 1

@@ -209,7 +209,7 @@ def test_a_dense_engine_publishes_the_blocks_it_wrote_down_to_a_tier(
     ):
         run = run_conversations(llm)
         events = sub.drain()
-        worker = worker_connector_of(llm).worker_side.tiers
+        (worker,) = worker_connector_of(llm).worker_side.tiers.parts.values()
         (tier,) = worker.statistics()
     cpu, gpu, written = stored(events, "CPU"), stored(events, "GPU"), stored(events, "DISK")
     # The blocks written down to the disk tier, published with its medium, under the

@@ -51,7 +51,7 @@ def redis_tier(url: str) -> dict[str, Any]:
 
 def sides(llm: LLM) -> tuple[SchedulerTiers, WorkerTiers]:
     sched = connector_of(llm).scheduler_side.tiers
-    worker = worker_of(llm).worker_side.tiers
+    (worker,) = worker_of(llm).worker_side.tiers.parts.values()
     assert isinstance(sched, SchedulerTiers)
     assert isinstance(worker, WorkerTiers)
     return sched, worker

@@ -38,7 +38,7 @@ from vllm.v1.request import Request
 
 from kvoffload.hashing import BlockHash, hash_block_tokens
 from kvoffload.integrations.vllm.scheduler_groups import GroupedSchedulerSide, tables_of
-from kvoffload.integrations.vllm.worker_groups import GroupedWorkerSide
+from kvoffload.integrations.vllm.worker_side import WorkerSide
 
 WINDOW = 32  # two blocks of 16 tokens: cdiv(W - 1, 16) = 2 blocks per hit
 HEADS, HEAD = 2, 32
@@ -147,7 +147,7 @@ class GroupHarness(Stepping):
 
     def drain_copies(self) -> None:
         worker = self.worker.worker_side
-        assert isinstance(worker, GroupedWorkerSide)
+        assert isinstance(worker, WorkerSide)
         worker.wait_idle()
 
     def wrong_slots(self, request: Request) -> list[tuple[int, int]]:
@@ -265,7 +265,7 @@ def test_a_preempted_request_restarts_from_what_every_group_stored(model_dir: Pa
     h.scheduler.add_request(a)
     h.step()  # the prompt's prefill: store points 16 ... 96
     worker = h.worker.worker_side
-    assert isinstance(worker, GroupedWorkerSide)
+    assert isinstance(worker, WorkerSide)
     worker.wait_idle()
     h.step()  # collects the stores; their GPU blocks are no longer referenced
     assert h.side.in_flight_plan_ids() == []
@@ -300,7 +300,7 @@ def test_the_pools_are_built_from_the_connector_settings(model_dir: Path) -> Non
     sizes = {n: s.num_cpu_blocks for n, s in sched.statistics().items()}
     assert sizes == {"g0": (1 << 19) // page, "g1": (1 << 19) // page}
     worker = h.worker.worker_side
-    assert isinstance(worker, GroupedWorkerSide)
+    assert isinstance(worker, WorkerSide)
     assert {i: g.num_cpu_blocks for i, g in worker.groups.items()} == {
         0: sizes["g0"],
         1: sizes["g1"],

@@ -22,6 +22,7 @@ from vllm.v1.request import RequestStatus
 
 from kvoffload.errors import ConfigError
 from kvoffload.hashing import BlockHash, hash_block_tokens
+from kvoffload.integrations.vllm.metadata import GroupTransfer, KVOffloadConnectorMetadata
 
 
 def prompt(prefix_blocks: int, tail: int, seed: int) -> list[int]:
@@ -41,6 +42,29 @@ def make(model_dir: Path, *, gpu_blocks: int = 64, world: int = 1, **extra: obje
         module="harness",
     )
     return Harness(config, kv_cache_config(gpu_blocks), world_size=world)
+
+
+def test_one_group_plans_travel_as_group_0_transfers_with_waited_loads(model_dir: Path) -> None:
+    """The one metadata format: a one-group step's plans are `GroupTransfer`s of vLLM's
+    group 0, reported under their plan id, with loads waited for (``async_loads`` off)."""
+    h = make(model_dir)
+    h.run(make_request("a", prompt(4, 5, seed=1), max_tokens=2))
+    h.settle()
+    assert h.scheduler.reset_prefix_cache()
+    h.scheduler.add_request(make_request("b", prompt(4, 7, seed=2), max_tokens=2))
+    h.step()
+    metas = [o.kv_connector_metadata for o in h.outputs]
+    assert all(isinstance(m, KVOffloadConnectorMetadata) for m in metas)
+    stores = [t for m in metas for t in m.group_stores]  # type: ignore[union-attr]
+    loads = [t for m in metas for t in m.group_loads]  # type: ignore[union-attr]
+    assert stores
+    assert len(loads) == 1
+    assert loads[0].plan.request_id == "b"
+    for t in stores + loads:
+        assert isinstance(t, GroupTransfer)
+        assert (t.group, t.key) == (0, t.plan.plan_id)
+    assert not any(m.async_loads for m in metas)  # type: ignore[union-attr]
+    assert len({t.key for t in stores + loads}) == len(stores) + len(loads)
 
 
 def test_prefix_stored_by_a_is_loaded_by_b_after_gpu_reset(model_dir: Path) -> None:
@@ -63,8 +87,8 @@ def test_prefix_stored_by_a_is_loaded_by_b_after_gpu_reset(model_dir: Path) -> N
     layout = h.side.layout
     worker = h.workers[0].connector.worker_side
     assert worker is not None
-    assert worker.bytes_loaded == 4 * layout.bytes_per_block
-    assert worker.bytes_stored >= worker.bytes_loaded
+    assert worker.bytes_loaded[0] == 4 * layout.bytes_per_block
+    assert worker.bytes_stored[0] >= worker.bytes_loaded[0]
     for _ in range(10):
         if b.is_finished():
             break

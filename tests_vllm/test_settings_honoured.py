@@ -26,7 +26,7 @@ from kvoffload.build import ENTRY_POINTS, REFUSED, EntryPoint
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import ConfigError, InvalidInputError
 from kvoffload.hashing import BlockHash, hash_block_tokens
-from kvoffload.integrations.vllm import _worker_base
+from kvoffload.integrations.vllm import worker_side
 from kvoffload.scheduler import OffloadScheduler
 from kvoffload.scheduler.groups import GroupedScheduler
 
@@ -213,7 +213,7 @@ class _Seen:
 def host_buffer_request(make: Make) -> object:
     conn = make(W)
     seen = _Seen()
-    real = _worker_base.HostKVBuffer
+    real = worker_side.HostKVBuffer
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         seen.calls.append(kwargs)
@@ -221,7 +221,7 @@ def host_buffer_request(make: Make) -> object:
 
     lay = KVLayout(num_layers=1, num_kv_heads=1, head_size=4, dtype="float32", block_size=BS)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_worker_base, "HostKVBuffer", spy)
+        mp.setattr(worker_side, "HostKVBuffer", spy)
         side = conn.worker_side
         assert side is not None
         side._host_buffer(lay, 1).close()

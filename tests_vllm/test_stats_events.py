@@ -274,8 +274,7 @@ def written_down(h: Harness) -> int:
     """Blocks every rank's tiers reported written (each rank writes its own shard)."""
     counts = []
     for w in h.workers:
-        tiers = w.connector.worker_side.tiers  # type: ignore[union-attr]
-        assert tiers is not None
+        (tiers,) = w.connector.worker_side.tiers.parts.values()  # type: ignore[union-attr]
         (tier,) = tiers.statistics()
         counts.append(tier.blocks_written)
     return min(counts)
@@ -327,8 +326,7 @@ def test_a_block_one_rank_did_not_report_written_is_not_published(
     model_dir: Path, tmp_path: Path
 ) -> None:
     with tier_harness(model_dir, tmp_path, world=2) as h:
-        rank1 = h.workers[1].connector.worker_side.tiers  # type: ignore[union-attr]
-        assert rank1 is not None
+        (rank1,) = h.workers[1].connector.worker_side.tiers.parts.values()  # type: ignore[union-attr]
         rank1.on_written = None  # rank 1 writes its shard but never says so
         events = published(h)
         h.run(make_request("a", prompt(3, 5, seed=8), max_tokens=2))

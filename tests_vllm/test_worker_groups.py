@@ -28,7 +28,6 @@ from kvoffload.integrations.vllm.metadata import (
     KVOffloadConnectorMetadata,
     KVOffloadWorkerMetadata,
 )
-from kvoffload.integrations.vllm.worker_groups import GroupedWorkerSide
 from kvoffload.integrations.vllm.worker_side import WorkerSide
 from kvoffload.transfer.plan import LoadPlan, StorePlan
 
@@ -179,7 +178,7 @@ def test_a_group_round_trip_is_bytes_exact_and_touches_only_its_own_pages(
     buffer, kv = tensors()  # type: ignore[operator]
     conn.register_kv_caches(kv)
     side = conn.worker_side
-    assert isinstance(side, GroupedWorkerSide)
+    assert isinstance(side, WorkerSide)
     assert sorted(side.groups) == [0, 1, 2, 3]
     before = buffer.clone()
     reports = run(
@@ -232,8 +231,9 @@ def test_mla_pages_round_trip_bytes_exact_as_one_opaque_group(
     conn = worker(model_dir, DEEPSEEK_V3, connectors)
     side = conn.worker_side
     assert isinstance(side, WorkerSide)
-    assert side.opaque
-    assert (side.layout.dtype, side.layout.bytes_per_layer_block) == ("uint8", 36864)
+    (group,) = side.groups.values()
+    assert group.opaque
+    assert (group.layout.dtype, group.layout.bytes_per_layer_block) == ("uint8", 36864)
     buffer, kv = deepseek_tensors()
     conn.register_kv_caches(kv)
     before = buffer.clone()
@@ -245,7 +245,9 @@ def test_mla_pages_round_trip_bytes_exact_as_one_opaque_group(
         request_ids=("r",),
         block_hashes=(b"h" * 32,),
     )
-    assert run(conn, KVOffloadConnectorMetadata(stores=(plan,))) == {1: True}
+    assert run(conn, KVOffloadConnectorMetadata(group_stores=(GroupTransfer(1, 0, plan),))) == {
+        1: True
+    }
     back = LoadPlan(
         plan_id=2,
         kind="load",
@@ -255,7 +257,9 @@ def test_mla_pages_round_trip_bytes_exact_as_one_opaque_group(
         request_id="r",
         num_tokens=32,
     )
-    assert run(conn, KVOffloadConnectorMetadata(loads=(back,))) == {2: True}
+    assert run(conn, KVOffloadConnectorMetadata(group_loads=(GroupTransfer(2, 0, back),))) == {
+        2: True
+    }
     expect = before.view(2, NUM_BLOCKS, 36864).clone()
     expect[:, 9] = expect[:, 4]
     assert torch.equal(buffer.view(2, NUM_BLOCKS, 36864), expect)
@@ -286,7 +290,7 @@ def test_a_failed_load_of_one_group_fails_the_request(
     TestConnector.fail_kinds = {"load"}
     try:
         loads = (load(0, [0], [40]), load(3, [0], [41]))
-        reports = run(conn, KVOffloadConnectorMetadata(group_loads=loads))
+        reports = run(conn, KVOffloadConnectorMetadata(group_loads=loads, async_loads=True))
     finally:
         TestConnector.fail_kinds = set()
     assert reports == {loads[0].key: False, loads[1].key: False}
@@ -294,6 +298,69 @@ def test_a_failed_load_of_one_group_fails_the_request(
     assert conn.get_block_ids_with_load_errors() == set()
     results = conn.get_transfer_results(set())
     assert (results.finished_recving, results.failed_recving) == ({"r"}, {"r"})
+
+
+SHAPES = {
+    "one-group": (DEEPSEEK_V3, deepseek_tensors, 36864),
+    "two-groups": (TWO_AND_ONE, two_and_one_layer_tensors, 8192),
+}
+
+
+@pytest.mark.parametrize("async_loads", [False, True], ids=["waited", "async"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_one_worker_side_class_takes_its_load_policy_from_the_metadata(
+    model_dir: Path, connectors: list[TestConnector], shape: str, async_loads: bool
+) -> None:
+    """One group or two, the same `WorkerSide`: with ``async_loads`` off (what the
+    one-group scheduler side sends) the load has landed when ``start_load_kv`` returns and
+    a failure names GPU blocks; with it on (several groups) vLLM learns of each request
+    through ``get_transfer_results``, a failure included."""
+    kv_config, tensors, page = SHAPES[shape]
+    conn = worker(model_dir, kv_config, connectors)
+    _, kv = tensors()  # type: ignore[operator]
+    conn.register_kv_caches(kv)
+    side = conn.worker_side
+    assert type(side) is WorkerSide
+    groups = sorted(side.groups)
+    assert len(groups) == {"one-group": 1, "two-groups": 2}[shape]
+    stores = tuple(store(g, [10 + g], [0]) for g in groups)
+    run(conn, KVOffloadConnectorMetadata(group_stores=stores))
+    stored = {
+        (g, name): pages(kv[name], page, 10 + g)
+        for g in groups
+        for name in side.groups[g].layer_names
+    }
+    loads = tuple(load(g, [0], [20 + g], rid="q") for g in groups)
+    conn.bind_connector_metadata(
+        KVOffloadConnectorMetadata(group_loads=loads, async_loads=async_loads)
+    )
+    conn.start_load_kv(None)  # type: ignore[arg-type]
+    for (g, name), want in stored.items():  # landed, before any later call
+        assert torch.equal(pages(kv[name], page, 20 + g), want), (g, name)
+    results = conn.get_transfer_results(set())
+    received = {"q"} if async_loads else set()
+    assert (results.finished_recving, results.failed_recving) == (received, set())
+    assert conn.get_block_ids_with_load_errors() == set()
+    conn.wait_for_save()
+    side.wait_idle()
+    conn.clear_connector_metadata()
+    report = conn.build_connector_worker_meta()
+    assert isinstance(report, KVOffloadWorkerMetadata)
+    assert report.reports == {t.key: {0: True} for t in loads}
+    TestConnector.fail_kinds = {"load"}
+    try:
+        failing = tuple(load(g, [0], [30 + g], rid="f") for g in groups)
+        meta = KVOffloadConnectorMetadata(group_loads=failing, async_loads=async_loads)
+        assert run(conn, meta) == {t.key: False for t in failing}
+    finally:
+        TestConnector.fail_kinds = set()
+    results = conn.get_transfer_results(set())
+    errors = conn.get_block_ids_with_load_errors()
+    if async_loads:
+        assert (results.finished_recving, results.failed_recving, errors) == ({"f"}, {"f"}, set())
+    else:
+        blocks = {30 + g for g in groups}
+        assert (results.finished_recving, results.failed_recving, errors) == (set(), set(), blocks)
 
 
 def test_a_tensor_that_is_not_block_major_pages_is_refused_by_name(

@@ -33,8 +33,7 @@ from kvoffload.integrations.vllm.setup import (
     single_group_layout,
 )
 from kvoffload.integrations.vllm.stats import KVOffloadConnectorStats, KVOffloadPromMetrics
-from kvoffload.integrations.vllm.worker_groups import GroupedWorkerSide, WorkerGroup
-from kvoffload.integrations.vllm.worker_side import WorkerSide
+from kvoffload.integrations.vllm.worker_side import WorkerGroup, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.attention.backends.abstract import AttentionMetadata
@@ -68,7 +67,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     It supports vLLM's hybrid KV cache manager (`SupportsHMA`): a model of one
     full-attention group keeps `OffloadScheduler`'s path exactly; a model of several
     groups (sliding window, chunked, recurrent state, full) is driven by kvoffload's
-    `GroupedScheduler` (`GroupedSchedulerSide`, `GroupedWorkerSide`).
+    `GroupedScheduler` (`GroupedSchedulerSide`). One `WorkerSide` copies for every
+    shape: its loads are waited for before the forward with one group, asynchronously
+    with several (the policy the step's metadata carries, ``async_loads``).
 
     ``tiers`` (disk, Redis, Redis Cluster, as for `KVOffloader`) sit below the CPU pool:
     stored blocks are written down by the workers, and a lookup that misses on CPU
@@ -137,7 +138,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self.offload_config = self.offload_config.model_copy(update={"enable_events": True})
         self.groups = accepted_groups(kv_cache_config)
         self.scheduler_side: SchedulerSide | GroupedSchedulerSide | None = None
-        self.worker_side: WorkerSide | GroupedWorkerSide | None = None
+        self.worker_side: WorkerSide | None = None
         model_id = model_namespace_id(vllm_config, self.offload_config)
         world_size = vllm_config.parallel_config.world_size
         if not is_single_full_group(self.groups):
@@ -159,17 +160,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 self.offload_config, self.layout, namespace, world_size=world_size
             )
         else:
-            self.worker_side = WorkerSide(
-                self.offload_config,
-                self.layout,
-                layer_names,
-                kv_cache_config.num_blocks,
-                rank=self._worker_rank(),
-                copy_hook=self._copy_hook(),
-                opaque=opaque,
-                namespace=bytes(namespace.root),
-                world_size=world_size,
-            )
+            cpu_blocks = self.offload_config.resolve_num_cpu_blocks(self.layout)
+            root = bytes(namespace.root)
+            group = WorkerGroup(0, layer_names, self.layout, cpu_blocks, opaque=opaque, root=root)
+            self._init_worker([group], kv_cache_config.num_blocks, world_size)
 
     def _init_grouped(
         self,
@@ -215,9 +209,13 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             for k in kv_groups
             if k.cacheable
         ]
-        self.worker_side = GroupedWorkerSide(
+        self._init_worker(workers, num_blocks, world_size)
+
+    def _init_worker(self, groups: list[WorkerGroup], num_blocks: int, world_size: int) -> None:
+        """The worker side, for one group or several."""
+        self.worker_side = WorkerSide(
             self.offload_config,
-            workers,
+            groups,
             num_blocks,
             rank=self._worker_rank(),
             copy_hook=self._copy_hook(),
@@ -244,7 +242,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             raise InvariantError("a scheduler-side method was called on a worker connector")
         return self.scheduler_side
 
-    def _worker(self) -> WorkerSide | GroupedWorkerSide:
+    def _worker(self) -> WorkerSide:
         if self.worker_side is None:
             raise InvariantError("a worker-side method was called on a scheduler connector")
         return self.worker_side
@@ -372,16 +370,17 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._worker().wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose asynchronous loads ended (a multi-group model; vLLM asks
-        `get_transfer_results`, which also names the failed ones); no request waits on a
-        store (frees are not delayed)."""
+        """Requests whose asynchronous loads ended (vLLM asks `get_transfer_results`,
+        which also names the failed ones); no request waits on a store (frees are not
+        delayed)."""
         return None, self.get_transfer_results(finished_req_ids).finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """A multi-group model's loads: the requests whose loads all ended, and those with
-        a failed load (vLLM recomputes them from the start). Nothing for one group."""
+        """Asynchronous loads (``async_loads``, a multi-group model): the requests whose
+        loads all ended, and those with a failed load (vLLM recomputes them from the
+        start). Nothing when the step's loads were waited for (one group)."""
         worker = self.worker_side
-        if not isinstance(worker, GroupedWorkerSide):
+        if worker is None:
             return KVConnectorTransferResults()
         done, failed = worker.take_received()
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)

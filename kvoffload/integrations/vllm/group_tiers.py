@@ -152,9 +152,9 @@ class GroupedSchedulerTiers(GroupPromotions[SchedulerTiers]):
 
 @final
 class GroupedWorkerTiers:
-    """One rank's tiers for several groups: one `WorkerTiers` per cacheable group (its own
-    bridge, host buffer and namespace), each answering the probes and reads that name
-    its group and writing down that group's stores.
+    """One rank's tiers: one `WorkerTiers` per cacheable group (its own bridge, host
+    buffer and namespace; a one-group model has one, group 0), each answering the probes
+    and reads that name its group and writing down that group's stores (`WorkerSide`).
 
     Args:
         parts: per vLLM group index, the group's opened `WorkerTiers`.

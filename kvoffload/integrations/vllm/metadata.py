@@ -1,9 +1,9 @@
 """What travels between vLLM's scheduler process and its workers.
 
 Scheduler → workers: the `KVOffloadConnectorMetadata` of a step (its load and store
-plans; for a model of several KV cache groups, one `GroupTransfer` per plan,
-naming its group). Workers → scheduler: `KVOffloadWorkerMetadata`, the outcome of every copy a
-rank finished, keyed by plan and rank; vLLM merges the ranks' reports of one step with
+plans, one `GroupTransfer` each, naming its group, for one KV cache group or several).
+Workers → scheduler: `KVOffloadWorkerMetadata`, the outcome of every copy a rank
+finished, keyed by transfer and rank; vLLM merges the ranks' reports of one step with
 `KVOffloadWorkerMetadata.aggregate`, and the scheduler side publishes a plan only once
 every rank reported it.
 """
@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvoffload.hashing import BlockHash
 from kvoffload.integrations.vllm.tiers import TierProbe, TierRead
-from kvoffload.transfer.plan import LoadPlan, StorePlan, TransferPlan
+from kvoffload.transfer.plan import TransferPlan
 
 __all__ = ["GroupTransfer", "KVOffloadConnectorMetadata", "KVOffloadWorkerMetadata"]
 
@@ -28,7 +28,7 @@ __all__ = ["GroupTransfer", "KVOffloadConnectorMetadata", "KVOffloadWorkerMetada
 @final
 @dataclass(frozen=True, slots=True)
 class GroupTransfer:
-    """One group's plan of a multi-group model.
+    """One group's plan (a model of one full-attention group has one group, id 0).
 
     Attributes:
         key: what workers report the copy under (unique per scheduler side: plan ids are
@@ -48,21 +48,18 @@ class KVOffloadConnectorMetadata(KVConnectorMetadata):
     """One step's work for every worker.
 
     Attributes:
-        loads: CPU → GPU copies that this step's forward pass reads; a worker finishes
-            them before the forward starts.
-        stores: GPU → CPU copies of blocks that exist once this step's forward ran; a
-            worker starts them after the forward.
-        group_loads: a multi-group model's loads (``loads`` is then empty).
-        group_stores: a multi-group model's stores (``stores`` is then empty).
-        async_loads: whether vLLM waits for ``group_loads`` asynchronously (workers
-            report each request whose loads ended, and whether one failed, in
-            ``get_transfer_results``); always so for a multi-group model.
+        group_loads: CPU → GPU copies, each into its group's layers.
+        group_stores: GPU → CPU copies of blocks that exist once this step's forward
+            ran; a worker starts them after the forward.
+        async_loads: how vLLM waits for ``group_loads`` (the scheduler side's policy).
+            ``False`` (one group): a worker finishes them before the forward reads them,
+            and reports failed GPU blocks (``get_block_ids_with_load_errors``). ``True``
+            (several groups): workers report each request whose loads ended, and whether
+            one failed, in ``get_transfer_results``.
         tier_probes: ask the tiers how many of these blocks they hold (`TierProbe`).
         tier_reads: read these blocks from the tiers into CPU blocks (`TierRead`).
     """
 
-    loads: tuple[LoadPlan, ...] = ()
-    stores: tuple[StorePlan, ...] = ()
     group_loads: tuple[GroupTransfer, ...] = ()
     group_stores: tuple[GroupTransfer, ...] = ()
     async_loads: bool = False

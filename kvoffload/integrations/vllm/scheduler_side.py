@@ -28,10 +28,10 @@ from kvoffload.integrations.vllm._scheduler_base import (
     grow_hashes,
     hash_extra,
 )
-from kvoffload.integrations.vllm.metadata import KVOffloadConnectorMetadata
+from kvoffload.integrations.vllm.metadata import GroupTransfer, KVOffloadConnectorMetadata
 from kvoffload.integrations.vllm.stats import ConnectorStatistics
 from kvoffload.integrations.vllm.tiers import SchedulerTiers, check_tier_settings
-from kvoffload.transfer.plan import LoadPlan, StorePlan
+from kvoffload.transfer.plan import StorePlan
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -110,7 +110,7 @@ class SchedulerSide(SchedulerSideBase[_RequestHashes]):
         self.scheduler = core.scheduler
         self._root = namespace.root
         self._block_size = layout.block_size
-        self._loads: list[LoadPlan] = []
+        self._loads: list[GroupTransfer] = []
         # Lazy mode: GPU block id -> (vLLM's hash when we saw it computed, our hash).
         self._gpu_hashes: dict[int, tuple[object, BlockHash]] = {}
         self.tiers: SchedulerTiers | None = None
@@ -176,7 +176,7 @@ class SchedulerSide(SchedulerSideBase[_RequestHashes]):
         block_ids = blocks.get_block_ids()[0]
         plan = self.scheduler.plan_load(rid, block_ids, num_external_tokens)
         if plan is not None:
-            self._loads.append(plan)
+            self._loads.append(GroupTransfer(plan.plan_id, 0, plan))
             self._tracked[plan.plan_id] = Tracked(plan, [])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVOffloadConnectorMetadata:
@@ -204,9 +204,10 @@ class SchedulerSide(SchedulerSideBase[_RequestHashes]):
             plan = sched.plan_stores(_FreeQueueView(self._gpu_pool, self._gpu_hashes))
         else:
             plan = sched.plan_stores()
-        stores: tuple[StorePlan, ...] = ()
+        stores: tuple[GroupTransfer, ...] = ()
         if plan is not None:
-            stores = (plan,)
+            # one group: vLLM's group 0, reported under the plan id (unique in one pool)
+            stores = (GroupTransfer(plan.plan_id, 0, plan),)
             self._tracked[plan.plan_id] = Tracked(plan, self._pin_gpu_blocks(plan.gpu_block_ids))
             if self.config.enable_events:
                 self.events.note_store(
@@ -217,7 +218,9 @@ class SchedulerSide(SchedulerSideBase[_RequestHashes]):
                     self._request_hashes,
                 )
         loads, self._loads = tuple(self._loads), []
-        return self._with_tier_work(KVOffloadConnectorMetadata(loads=loads, stores=stores))
+        return self._with_tier_work(
+            KVOffloadConnectorMetadata(group_loads=loads, group_stores=stores, async_loads=False)
+        )
 
     def _tiers(self) -> SchedulerTiers | None:
         return self.tiers
