@@ -12,7 +12,8 @@ from models import ModelCase, engine_kwargs, kv_cache_config_of, started
 from vllm import LLM, SamplingParams
 
 from kvoffload.integrations.vllm.groups import GroupDescription, describe_groups
-from kvoffload.integrations.vllm.scheduler_groups import GroupedSchedulerSide
+from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
+from kvoffload.integrations.vllm.worker_groups import GroupedWorkerSide
 
 
 @dataclass
@@ -75,15 +76,16 @@ def run_case(
         if connector is not None:
             side = connector.scheduler_side
             worker = worker_connector_of(llm).worker_side
-            if isinstance(side, GroupedSchedulerSide):
+            assert isinstance(side, SchedulerSide)
+            run.group_stats = side.scheduler.statistics()
+            if isinstance(worker, GroupedWorkerSide):
                 run.loaded_tokens = side.loaded_tokens
-                run.group_stats = side.scheduler.statistics()
                 run.bytes_loaded = dict(worker.bytes_loaded)
                 run.bytes_stored = dict(worker.bytes_stored)
-            else:  # one full-attention group: OffloadScheduler's path
-                stats = side.scheduler.statistics()
-                run.loaded_tokens = stats.loaded_tokens
-                run.group_stats = {"g0": stats}
+            else:  # one full-attention group: one worker side of one group
+                own = side.statistics().scheduler
+                assert own is not None
+                run.loaded_tokens = own.loaded_tokens
                 run.bytes_loaded = {0: worker.bytes_loaded}
                 run.bytes_stored = {0: worker.bytes_stored}
     return run

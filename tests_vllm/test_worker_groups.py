@@ -245,7 +245,9 @@ def test_mla_pages_round_trip_bytes_exact_as_one_opaque_group(
         request_ids=("r",),
         block_hashes=(b"h" * 32,),
     )
-    assert run(conn, KVOffloadConnectorMetadata(stores=(plan,))) == {1: True}
+    assert run(conn, KVOffloadConnectorMetadata(group_stores=(GroupTransfer(1, 0, plan),))) == {
+        1: True
+    }
     back = LoadPlan(
         plan_id=2,
         kind="load",
@@ -255,7 +257,9 @@ def test_mla_pages_round_trip_bytes_exact_as_one_opaque_group(
         request_id="r",
         num_tokens=32,
     )
-    assert run(conn, KVOffloadConnectorMetadata(loads=(back,))) == {2: True}
+    assert run(conn, KVOffloadConnectorMetadata(group_loads=(GroupTransfer(2, 0, back),))) == {
+        2: True
+    }
     expect = before.view(2, NUM_BLOCKS, 36864).clone()
     expect[:, 9] = expect[:, 4]
     assert torch.equal(buffer.view(2, NUM_BLOCKS, 36864), expect)

@@ -1,10 +1,11 @@
 """The connector's worker side: kvoffload's copy engines over the KV caches vLLM registers.
 
 Each worker (one per tensor-parallel rank) owns a host buffer with the same number of CPU
-blocks as the scheduler side's pool and copies its own shard of every plan. Loads finish
+blocks as the scheduler side's pool and copies its own shard of every plan (the one
+group's `GroupTransfer` of the step's ``group_loads`` and ``group_stores``). Loads finish
 before the step's forward reads them; stores start after the forward wrote their blocks.
 Finished copies are collected by a `CompletionPoller` driven from vLLM's step (no
-event loop) and reported back in the worker metadata, keyed by plan and rank.
+event loop) and reported back in the worker metadata, keyed by transfer key and rank.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import LayoutMismatchError
 from kvoffload.integrations.vllm._worker_base import WorkerSideBase, worker_rank
+from kvoffload.integrations.vllm.metadata import GroupTransfer
 from kvoffload.integrations.vllm.pages import page_views
 from kvoffload.integrations.vllm.tiers import WorkerTiers, open_worker_tiers
 from kvoffload.storage import HostKVBuffer
@@ -121,6 +123,7 @@ class WorkerSide(WorkerSideBase):
         self.engine: CopyEngine | None = None
         self.host: HostKVBuffer | None = None
         self._load_errors: set[int] = set()
+        self._keys: dict[int, int] = {}  # id(plan) -> its transfer key, while it runs
         self.bytes_loaded = 0
         self.bytes_stored = 0
 
@@ -166,7 +169,7 @@ class WorkerSide(WorkerSideBase):
     def _on_complete(self, task: TransferTask) -> None:
         ok = task.status is TransferStatus.DONE
         plan = task.plan
-        self._report(plan.plan_id, ok)
+        self._report(self._keys.pop(id(plan)), ok)
         if ok and self.tiers is not None and isinstance(plan, StorePlan):
             self.tiers.on_stored(plan)
         if plan.kind == "load":
@@ -177,12 +180,9 @@ class WorkerSide(WorkerSideBase):
         elif ok:
             self.bytes_stored += task.nbytes
 
-    def _submit(self, engine: CopyEngine, plan: object) -> TransferTask:
-        from kvoffload.transfer.plan import TransferPlan  # noqa: PLC0415
-
-        if not isinstance(plan, TransferPlan):
-            raise TypeError(f"expected a TransferPlan, got {type(plan).__name__}")
-        task = engine.submit(plan)
+    def _submit(self, engine: CopyEngine, transfer: GroupTransfer) -> TransferTask:
+        task = engine.submit(transfer.plan)
+        self._keys[id(transfer.plan)] = transfer.key
         self._poller.track(task)
         return task
 
@@ -191,17 +191,17 @@ class WorkerSide(WorkerSideBase):
         for `take_load_errors()`); on CUDA, make the compute stream wait for them."""
         meta = self._meta
         engine = self.engine
-        if meta is None or not meta.loads or engine is None:
+        if meta is None or not meta.group_loads or engine is None:
             return
-        self._wait_for_loads([self._submit(engine, plan) for plan in meta.loads])
+        self._wait_for_loads([self._submit(engine, t) for t in meta.group_loads])
 
     def wait_for_save(self) -> None:
         """Start the step's stores (after the forward that wrote their blocks)."""
         meta = self._meta
         engine = self.engine
         if meta is not None and engine is not None:
-            for plan in meta.stores:
-                self._submit(engine, plan)
+            for transfer in meta.group_stores:
+                self._submit(engine, transfer)
         self._poller.poll()
 
     def take_load_errors(self) -> set[int]:
