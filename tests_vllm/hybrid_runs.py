@@ -77,14 +77,15 @@ def run_case(
             side = connector.scheduler_side
             worker = worker_connector_of(llm).worker_side
             assert isinstance(side, SchedulerSide)
-            run.group_stats = side.scheduler.statistics()
             if isinstance(worker, GroupedWorkerSide):
+                run.group_stats = side.scheduler.statistics()
                 run.loaded_tokens = side.loaded_tokens
                 run.bytes_loaded = dict(worker.bytes_loaded)
                 run.bytes_stored = dict(worker.bytes_stored)
             else:  # one full-attention group: one worker side of one group
-                own = side.statistics().scheduler
+                own = side.statistics().scheduler  # the whole model's counters
                 assert own is not None
+                run.group_stats = {"g0": own}
                 run.loaded_tokens = own.loaded_tokens
                 run.bytes_loaded = {0: worker.bytes_loaded}
                 run.bytes_stored = {0: worker.bytes_stored}
