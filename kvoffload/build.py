@@ -118,11 +118,11 @@ ENTRY_POINTS: dict[EntryPoint, str] = {
 """Each entry point, as error messages name it."""
 
 _VLLM_GROUPS_EAGER = (
-    "the connector stores a model with several KV cache groups eagerly: its view of "
-    "vLLM's eviction order (the free block queue) maps one group's blocks to their hashes, "
-    "and vLLM gives several groups mostly to hybrid models, whose sliding-window, chunked "
-    "or recurrent group refuses lazy stores anyway (kvoffload.build.lazy_refusal()); "
-    "KVOffloader stores several full-attention groups lazily"
+    "the connector stores a model with several KV cache groups eagerly: vLLM gives several "
+    "groups mostly to hybrid models, whose sliding-window, chunked or recurrent group "
+    "refuses lazy stores anyway (kvoffload.build.lazy_refusal()), and lazy stores of "
+    "several full-attention groups are not tested with vLLM yet (KVOffloader stores "
+    "them lazily)"
 )
 
 

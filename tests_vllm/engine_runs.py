@@ -120,7 +120,7 @@ def run_conversations(
         history[conv] = prompt + answer
     connector = connector_of(llm)
     if connector is not None:
-        result.stats = connector.scheduler_side.scheduler.statistics()
+        result.stats = connector.scheduler_side.statistics().scheduler
         worker = worker_connector_of(llm).worker_side
         result.worker_bytes_loaded = worker.bytes_loaded[0]
         result.worker_bytes_stored = worker.bytes_stored[0]

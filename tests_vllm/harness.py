@@ -40,6 +40,8 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvoffload.integrations.vllm import KVOffloadConnector
+from kvoffload.pool.block_pool import CpuBlockPool
+from kvoffload.scheduler.stats import SchedulerStatistics
 from kvoffload.transfer.plan import TransferPlan
 
 BLOCK_SIZE = 16
@@ -304,8 +306,7 @@ class Harness(Stepping):
         out = self.scheduler.schedule()
         self.outputs.append(out)
         meta = out.kv_connector_metadata
-        for transfer in getattr(meta, "group_loads", ()):
-            plan = transfer.plan
+        for plan in (t.plan for t in getattr(meta, "group_loads", ())):
             self.loaded_tokens[plan.request_id] = (
                 self.loaded_tokens.get(plan.request_id, 0) + plan.num_tokens
             )
@@ -367,6 +368,17 @@ class Harness(Stepping):
                         wrong.append((pos, worker.rank))
                         break
         return wrong
+
+    @property
+    def pool(self) -> CpuBlockPool:
+        """The CPU block pool of the model's one group."""
+        return self.side.scheduler.ledger("g0").pool  # type: ignore[union-attr]
+
+    def stats(self) -> SchedulerStatistics:
+        """The scheduler side's whole-model counters."""
+        own = self.side.statistics().scheduler  # type: ignore[union-attr]
+        assert own is not None
+        return own
 
     def check(self) -> None:
         """Every invariant of the CPU pool and of kvoffload's scheduler."""

@@ -12,7 +12,7 @@ from models import ModelCase, engine_kwargs, kv_cache_config_of, started
 from vllm import LLM, SamplingParams
 
 from kvoffload.integrations.vllm.groups import GroupDescription, describe_groups
-from kvoffload.integrations.vllm.scheduler_groups import GroupedSchedulerSide
+from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
 
 
 @dataclass
@@ -75,13 +75,15 @@ def run_case(
         if connector is not None:
             side = connector.scheduler_side
             worker = worker_connector_of(llm).worker_side
+            assert isinstance(side, SchedulerSide)
             run.bytes_loaded = dict(worker.bytes_loaded)
             run.bytes_stored = dict(worker.bytes_stored)
-            if isinstance(side, GroupedSchedulerSide):
-                run.loaded_tokens = side.loaded_tokens
+            if len(side.groups) > 1:
                 run.group_stats = side.scheduler.statistics()
-            else:  # one full-attention group: OffloadScheduler's path
-                stats = side.scheduler.statistics()
-                run.loaded_tokens = stats.loaded_tokens
-                run.group_stats = {"g0": stats}
+                run.loaded_tokens = side.loaded_tokens
+            else:  # one full-attention group
+                own = side.statistics().scheduler  # the whole model's counters
+                assert own is not None
+                run.group_stats = {"g0": own}
+                run.loaded_tokens = own.loaded_tokens
     return run

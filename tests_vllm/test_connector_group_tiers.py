@@ -33,7 +33,7 @@ from vllm.v1.request import Request
 
 from kvoffload.integrations.vllm import tiers as vllm_tiers
 from kvoffload.integrations.vllm.group_tiers import GroupedSchedulerTiers, GroupedWorkerTiers
-from kvoffload.integrations.vllm.scheduler_groups import GroupedSchedulerSide
+from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
 from kvoffload.integrations.vllm.worker_side import WorkerSide
 
 DISK_BYTES = 4 << 20
@@ -69,7 +69,7 @@ class TieredGroups(Stepping):
         self.config = config
         self.scheduler = real_scheduler(config, kv_config(64))
         side = self.scheduler.connector.scheduler_side  # type: ignore[union-attr]
-        assert isinstance(side, GroupedSchedulerSide)
+        assert isinstance(side, SchedulerSide)
         self.side = side
         self.workers: list[tuple[TestConnector, torch.Tensor]] = []
         for rank in range(world):
@@ -219,7 +219,7 @@ def test_the_next_engine_promotes_a_prompt_from_the_disk_tier_in_every_group(
         out = h.step()
         # Both CPU pools are empty: each group's tiers are probed, the lookup asks again.
         assert "b" not in out.num_scheduled_tokens
-        stats = h.tiers.statistics()
+        stats = h.tiers.group_statistics()
         assert stats["g0"].probes >= 1
         assert stats["g1"].probes == 1
         waited = step_until(h, scheduled(h, "b"))
@@ -229,7 +229,7 @@ def test_the_next_engine_promotes_a_prompt_from_the_disk_tier_in_every_group(
         assert h.outputs[-1].num_scheduled_tokens["b"] == len(b.prompt_token_ids) - 96
         assert h.side.loaded_tokens == PREFIX * BLOCK_SIZE
         assert h.wrong_slots(b) == []  # every rank got its own shard of every group back
-        stats = h.tiers.statistics()
+        stats = h.tiers.group_statistics()
         assert stats["g1"].blocks_promoted == PREFIX
         assert stats["g0"].blocks_promoted >= 2
         assert stats["g0"].blocks_failed == stats["g1"].blocks_failed == 0
@@ -261,7 +261,7 @@ def test_the_next_engine_promotes_a_prompt_from_the_disk_tier_in_every_group(
 
         step_until(h, reported)
         registry = prometheus(h.connector_stats, h.config)
-        promotions = sum(s.promotions for s in h.tiers.statistics().values())
+        promotions = sum(s.promotions for s in h.tiers.group_statistics().values())
         assert metric(registry, "kvoffload_tiers_promotions_total") == promotions >= 2
 
 
@@ -281,7 +281,7 @@ def test_a_corrupted_block_is_a_miss_never_served(model_dir: Path, tmp_path: Pat
         assert h.outputs[-1].num_scheduled_tokens["b"] == len(b.prompt_token_ids)
         assert h.side.loaded_tokens == 0
         assert h.wrong_slots(b) == []
-        stats = h.tiers.statistics()
+        stats = h.tiers.group_statistics()
         assert stats["g1"].blocks_promoted == 0
         assert stats["g1"].blocks_failed >= 1
         step_until(h, b.is_finished)
@@ -308,7 +308,7 @@ def test_a_tier_that_never_answers_delays_no_request_beyond_the_budget(
         h.scheduler.add_request(b)
         waited = step_until(h, scheduled(h, "b"))
         assert waited >= 2  # asked again while the probes were out, then loaded
-        stats = h.tiers.statistics()
+        stats = h.tiers.group_statistics()
         dropped = sum(s.probes_dropped for s in stats.values())
         assert h.side.scheduler.deferrals_bounded + dropped >= 1
         assert h.side.loaded_tokens == 2 * BLOCK_SIZE  # the CPU hit, no more

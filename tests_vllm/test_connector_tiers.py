@@ -24,8 +24,9 @@ from test_stats_events import prometheus, value
 
 from kvoffload.integrations.vllm import KVOffloadConnector
 from kvoffload.integrations.vllm import tiers as vllm_tiers
+from kvoffload.integrations.vllm.group_tiers import GroupedSchedulerTiers
 from kvoffload.integrations.vllm.stats import KVOffloadConnectorStats
-from kvoffload.integrations.vllm.tiers import SchedulerTiers, WorkerTiers
+from kvoffload.integrations.vllm.tiers import WorkerTiers
 
 DISK_BYTES = 4 << 20
 PREFIX_BLOCKS = 4
@@ -61,9 +62,9 @@ def engine(model_dir: Path, tiers: list[dict[str, Any]], *, world: int = 1) -> I
             w.connector.shutdown()
 
 
-def sched_tiers(h: Harness) -> SchedulerTiers:
+def sched_tiers(h: Harness) -> GroupedSchedulerTiers:
     tiers = h.side.tiers  # type: ignore[union-attr]
-    assert isinstance(tiers, SchedulerTiers)
+    assert isinstance(tiers, GroupedSchedulerTiers)
     return tiers
 
 
@@ -113,8 +114,8 @@ def first_engine(model_dir: Path, tiers: list[dict[str, Any]], *, world: int = 1
         a = make_request("a", prompt(PREFIX_BLOCKS, 5, seed=1), max_tokens=2)
         h.run(a)
         h.settle()
-        assert h.side.scheduler.statistics().stored_blocks >= PREFIX_BLOCKS  # type: ignore[union-attr]
-        return h.side.layout.bytes_per_block  # type: ignore[union-attr]
+        assert h.stats().stored_blocks >= PREFIX_BLOCKS  # type: ignore[union-attr]
+        return h.connector.layout.bytes_per_block  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -140,13 +141,13 @@ def test_the_next_engine_promotes_a_prompt_from_the_disk_tier(
         assert h.loaded_tokens["b"] == PREFIX_BLOCKS * BLOCK_SIZE
         assert h.wrong_slots(b) == []  # every rank got its own shard back
         # the hit names the tier its blocks came from (the miss reasons' sources)
-        state = h.side.scheduler.request_state("b")  # type: ignore[union-attr]
-        assert state.tier_hits == {"disk0": PREFIX_BLOCKS}
+        _, _, tier_hits = h.side.scheduler.lookup_outcome("b")  # type: ignore[union-attr]
+        assert tier_hits == {"disk0": PREFIX_BLOCKS * BLOCK_SIZE}  # in tokens
         stats = sched_tiers(h).statistics()
         assert stats.promotions == 1
         assert stats.blocks_promoted == PREFIX_BLOCKS
         assert stats.blocks_failed == 0
-        assert h.side.scheduler.statistics().deferred_lookups >= 1  # type: ignore[union-attr]
+        assert h.stats().deferred_lookups >= 1  # type: ignore[union-attr]
         step_until(h, b.is_finished)
         h.settle()
         h.check()
@@ -241,7 +242,7 @@ def test_a_tier_that_never_answers_delays_no_request_beyond_the_budget(
         h.scheduler.add_request(b)
         waited = step_until(h, lambda: "b" in h.outputs[-1].num_scheduled_tokens)
         assert waited >= 1  # asked again while the probe was out
-        stats = h.side.scheduler.statistics()  # type: ignore[union-attr]
+        stats = h.stats()  # type: ignore[union-attr]
         # The wait ended at the budget, by one of its two ends (same deadline): the
         # request's run of "ask again" was spent, or the probe was dropped as stale
         # first (which of the two is a matter of the lookup's microseconds).

@@ -119,7 +119,7 @@ def test_vllms_metrics_count_the_prompt_tokens_kvoffload_served(model_dir: Path)
             server, prompts=8, prompt_tokens=prompt_tokens, repeat=3, max_tokens=4
         )
         served = workload.parse_counters(server.metrics()) - before
-        stats = connector_of(llm).scheduler_side.scheduler.statistics()
+        stats = connector_of(llm).scheduler_side.statistics().scheduler
     assert status == 0
     assert served.prompt_tokens == 11 * prompt_tokens
     assert served.external_kv_transfer == 3 * 5 * ENGINE_BLOCK_SIZE

@@ -93,7 +93,7 @@ def test_a_paused_cluster_primary_is_a_miss_within_the_lookup_budget(
             seconds = time.perf_counter() - start
             stats = sched.statistics()
             (tier,) = worker.statistics()
-            lookups = connector_of(llm).scheduler_side.scheduler.statistics()
+            lookups = connector_of(llm).scheduler_side.statistics().scheduler
         finally:
             cluster.resume(owner)
 

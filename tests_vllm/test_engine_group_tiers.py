@@ -69,8 +69,8 @@ def run(models_dir: Path, name: str, tiers: list[dict[str, Any]] | None) -> Engi
         need = {g.name: g.num_cpu_blocks * g.layout.bytes_per_block for g in worker.groups.values()}
         return Engine(
             turn,
-            promoted={n: s.blocks_promoted for n, s in sched.statistics().items()},
-            failed={n: s.blocks_failed for n, s in sched.statistics().items()},
+            promoted={n: s.blocks_promoted for n, s in sched.group_statistics().items()},
+            failed={n: s.blocks_failed for n, s in sched.group_statistics().items()},
             tiers={t.name: t for t in worker.tiers.statistics()},
             need=need,
             alignment=side.alignment,

@@ -33,7 +33,7 @@ from hybrid_runs import converse
 from models import CASES, engine_kwargs, started, write_model
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
-from kvoffload.integrations.vllm.scheduler_groups import GroupedSchedulerSide
+from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
 
 pytestmark = pytest.mark.engine
 
@@ -129,7 +129,7 @@ def test_a_dense_engine_shows_kvoffload_s_figures_and_publishes_its_blocks(
         events = sub.drain()
         own = run.stats
         side = connector_of(llm).scheduler_side
-        pool = side.pool.statistics()
+        pool = side.scheduler.ledger("g0").pool.statistics()
     assert own.loaded_tokens > 0
     assert scraped("kvoffload_scheduler_loaded_tokens_total") == own.loaded_tokens
     assert scraped("kvoffload_scheduler_stored_blocks_total") == own.stored_blocks
@@ -165,7 +165,7 @@ def test_a_hybrid_engine_shows_each_group_and_publishes_each_group_s_blocks(
         converse(llm, turn_tokens=150)
         events = sub.drain()
         side = connector_of(llm).scheduler_side
-        assert isinstance(side, GroupedSchedulerSide)
+        assert isinstance(side, SchedulerSide)
         per_group = side.scheduler.statistics()
         own = side.statistics().scheduler
         index = {g.name: i for i, g in enumerate(side.groups)}

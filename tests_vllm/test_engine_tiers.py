@@ -25,7 +25,8 @@ from test_engine_secondary_tier import (
 )
 from vllm import LLM
 
-from kvoffload.integrations.vllm.tiers import SchedulerTiers, WorkerTiers
+from kvoffload.integrations.vllm.group_tiers import GroupedSchedulerTiers
+from kvoffload.integrations.vllm.tiers import WorkerTiers
 
 pytestmark = pytest.mark.engine
 
@@ -49,10 +50,10 @@ def redis_tier(url: str) -> dict[str, Any]:
             "max_batch_blocks": 256, "retry_initial_s": 30}  # fmt: skip
 
 
-def sides(llm: LLM) -> tuple[SchedulerTiers, WorkerTiers]:
+def sides(llm: LLM) -> tuple[GroupedSchedulerTiers, WorkerTiers]:
     sched = connector_of(llm).scheduler_side.tiers
     (worker,) = worker_of(llm).worker_side.tiers.parts.values()
-    assert isinstance(sched, SchedulerTiers)
+    assert isinstance(sched, GroupedSchedulerTiers)
     assert isinstance(worker, WorkerTiers)
     return sched, worker
 
@@ -145,7 +146,7 @@ def test_a_paused_redis_server_is_a_miss_not_a_stalled_request(
                 seconds = time.perf_counter() - start
                 stats = sched.statistics()
                 (tier,) = worker.statistics()
-                lookups = connector_of(llm).scheduler_side.scheduler.statistics()
+                lookups = connector_of(llm).scheduler_side.statistics().scheduler
             finally:
                 server.resume()
 

@@ -37,7 +37,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
 from kvoffload.hashing import BlockHash, hash_block_tokens
-from kvoffload.integrations.vllm.scheduler_groups import GroupedSchedulerSide, tables_of
+from kvoffload.integrations.vllm.scheduler_side import SchedulerSide, tables_of
 from kvoffload.integrations.vllm.worker_side import WorkerSide
 
 WINDOW = 32  # two blocks of 16 tokens: cdiv(W - 1, 16) = 2 blocks per hit
@@ -92,7 +92,7 @@ class GroupHarness(Stepping):
         self.config = config
         self.scheduler = real_scheduler(config, kv)
         side = self.scheduler.connector.scheduler_side  # type: ignore[union-attr]
-        assert isinstance(side, GroupedSchedulerSide)
+        assert isinstance(side, SchedulerSide)
         self.side = side
         TestConnector.next_rank = 0
         self.worker = TestConnector(config, KVConnectorRole.WORKER, kv)

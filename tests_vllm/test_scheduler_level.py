@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -73,7 +74,7 @@ def test_prefix_stored_by_a_is_loaded_by_b_after_gpu_reset(model_dir: Path) -> N
     h.run(a)
     h.settle()
     h.check()
-    stats = h.side.scheduler.statistics()
+    stats = h.stats()
     assert stats.stored_blocks >= 4
     assert h.scheduler.reset_prefix_cache()  # vLLM's own prefix cache forgets the prefix
 
@@ -84,7 +85,7 @@ def test_prefix_stored_by_a_is_loaded_by_b_after_gpu_reset(model_dir: Path) -> N
     assert out.num_scheduled_tokens["b"] == len(b.prompt_token_ids) - 4 * BLOCK_SIZE
     assert h.loaded_tokens["b"] == 4 * BLOCK_SIZE
     assert h.wrong_slots(b) == []
-    layout = h.side.layout
+    layout = h.connector.layout
     worker = h.workers[0].connector.worker_side
     assert worker is not None
     assert worker.bytes_loaded[0] == 4 * layout.bytes_per_block
@@ -95,7 +96,7 @@ def test_prefix_stored_by_a_is_loaded_by_b_after_gpu_reset(model_dir: Path) -> N
         h.step()
     h.settle()
     h.check()
-    after = h.side.scheduler.statistics()
+    after = h.stats()
     assert after.loaded_blocks == 4
     assert after.bytes_loaded == 4 * layout.bytes_per_block
     assert after.live_requests == 0
@@ -142,7 +143,7 @@ def test_every_offload_config_field_is_accepted(model_dir: Path) -> None:
     config = h.side.config
     assert config.store_mode == "lazy"
     assert config.model_id == "tiny-llama@test"
-    assert h.side.pool.num_blocks == (1 << 20) // h.side.layout.bytes_per_block
+    assert h.pool.num_blocks == (1 << 20) // h.connector.layout.bytes_per_block
 
 
 def test_a_group_kvoffload_cannot_restore_is_refused_by_name(model_dir: Path) -> None:
@@ -176,20 +177,20 @@ def test_small_cpu_pool_defers_stores_without_evicting_in_flight_blocks(model_di
     a = make_request("a", prompt(6, 3, seed=1), max_tokens=2)
     h.scheduler.add_request(a)
     h.step()
-    stats = h.side.scheduler.statistics()
+    stats = h.stats()
     assert stats.store_plans == 1
     assert stats.deferred_blocks == 3  # 6 full blocks computed, 3 CPU blocks
-    assert h.side.pool.num_free == 0
+    assert h.pool.num_free == 0
     h.check()  # in-flight blocks keep their references: nothing evicted, nothing lost
     for _ in range(3):
         h.step()
         h.check()
         # The pool stays full of the in-flight store; later steps defer again.
-        assert h.side.scheduler.statistics().store_plans == 1
+        assert h.stats().store_plans == 1
     h.workers[0].hold_reports = False
     h.settle()
     h.check()
-    after = h.side.scheduler.statistics()
+    after = h.stats()
     assert after.stored_blocks >= 3
     assert after.deferred_steps >= 2
     assert after.failed_stores == 0
@@ -201,16 +202,19 @@ def test_preemption_resets_the_store_cursor(model_dir: Path) -> None:
     cursors: list[tuple[int, bool]] = []
     original = sched.preempt
 
+    def lane(request_id: str) -> Any:
+        return sched._requests[request_id].lanes["g0"]  # the one group's lane
+
     def preempt(request_id: str) -> None:
         original(request_id)
-        state = sched.request_state(request_id)
-        cursors.append((state.num_stored_blocks, state.preempted))
+        state = lane(request_id)
+        cursors.append((state.cursor, not state.table))  # started over: no table kept
 
     sched.preempt = preempt  # type: ignore[method-assign]
     a = make_request("a", prompt(3, 4, seed=3), max_tokens=6)
     h.scheduler.add_request(a)
     h.step()
-    assert sched.request_state("a").num_stored_blocks == 3
+    assert lane("a").cursor == 3
     # vLLM's reset refuses while any GPU block is referenced, stores in flight included.
     h.drain_copies()
     h.step()
@@ -219,7 +223,7 @@ def test_preemption_resets_the_store_cursor(model_dir: Path) -> None:
     h.step()
     assert cursors == [(0, True)]
     # Re-admitted, it rescans from block 0 (its blocks are already on CPU: skipped).
-    assert sched.request_state("a").num_stored_blocks == 3
+    assert lane("a").cursor == 3
     assert h.wrong_slots(a) == []
     h.check()
 
@@ -274,7 +278,7 @@ def test_failed_load_makes_vllm_recompute_exactly_those_blocks(model_dir: Path) 
     # vLLM recomputes from the first block that failed to load: block 0 (its own) is kept.
     assert recomputed == len(b.prompt_token_ids) - BLOCK_SIZE
     assert h.wrong_slots(b) == []
-    stats = h.side.scheduler.statistics()
+    stats = h.stats()
     assert stats.failed_loads == 1
     assert h.side.load_failures == 1
     h.settle()
@@ -303,9 +307,9 @@ def test_abort_mid_load_leaks_nothing(model_dir: Path) -> None:
     h.settle()
     h.check()
     sched = h.side.scheduler
-    assert sched.statistics().live_requests == 0
+    assert h.stats().live_requests == 0
     assert sched.num_in_flight == 0
-    assert all(h.side.pool.block(i).ref_cnt == 0 for i in range(h.side.pool.num_blocks))
+    assert all(h.pool.block(i).ref_cnt == 0 for i in range(h.pool.num_blocks))
     assert h.side.pinned_gpu_block_ids() == []
     pool = h.scheduler.kv_cache_manager.block_pool
     assert all(block.ref_cnt == 0 for block in pool.blocks if not block.is_null)
@@ -319,12 +323,12 @@ def test_two_tensor_parallel_workers_publish_only_when_both_finished(model_dir: 
     h.drain_copies()
     h.step()
     h.step()
-    stats = h.side.scheduler.statistics()
+    stats = h.stats()
     assert stats.stored_blocks == 0  # rank 0 finished long ago; rank 1 has not reported
     assert h.side.in_flight_plan_ids()
     h.workers[1].hold_reports = False
     h.settle()
-    assert h.side.scheduler.statistics().stored_blocks == 3
+    assert h.stats().stored_blocks == 3
     # Each rank holds its own shard: a later load brings each rank its own bytes back.
     assert h.scheduler.reset_prefix_cache()
     b = make_request("b", prompt(3, 5, seed=10), max_tokens=3)
@@ -359,7 +363,7 @@ def test_kv_events_reach_vllm_with_the_cpu_medium(model_dir: Path) -> None:
     h.step()
     after = [e for e in published if not isinstance(e, kv_events.BlockStored)]
     assert after
-    assert h.side.pool.num_cached == 0
+    assert h.pool.num_cached == 0
     assert h.side.get_num_new_matched_tokens(make_request("b", prompt(2, 3, seed=14)), 0) == (
         0,
         False,
@@ -431,14 +435,14 @@ def _chain(root: BlockHash, tokens: list[int], extra: bytes) -> list[BlockHash]:
 
 def test_a_salted_request_is_hashed_block_by_block_with_its_salt(model_dir: Path) -> None:
     h = make(model_dir)
-    root = h.side._root
+    root = h.side._roots["g0"]
     tokens = prompt(3, 5, seed=21)
     # Hashed in the chunks vLLM asks for, each block's hash mixes in the salt.
     b = make_request("b", tokens, max_tokens=1, cache_salt="tenant-z")
     want = _chain(root, tokens, b"salt:tenant-z")
     assert len(want) == 3
     for upto in (5, BLOCK_SIZE, 2 * BLOCK_SIZE + 3, len(tokens), 2 * BLOCK_SIZE):
-        assert list(h.side._hashes(b, upto)) == want[: upto // BLOCK_SIZE]
+        assert list(h.side._hashes(b, upto)["g0"]) == want[: upto // BLOCK_SIZE]
     assert want != _chain(root, tokens, b"")
 
     a = make_request("a", tokens, max_tokens=BLOCK_SIZE + 2, cache_salt="tenant-z")
@@ -447,5 +451,5 @@ def test_a_salted_request_is_hashed_block_by_block_with_its_salt(model_dir: Path
     h.check()
     stored = _chain(root, list(a.all_token_ids), b"salt:tenant-z")
     assert len(stored) == 4  # the prompt's three blocks and one of generated tokens
-    assert [h.side.pool.is_cached(x) for x in stored[:3]] == [True] * 3
-    assert not any(h.side.pool.is_cached(x) for x in _chain(root, tokens, b""))
+    assert [h.pool.is_cached(x) for x in stored[:3]] == [True] * 3
+    assert not any(h.pool.is_cached(x) for x in _chain(root, tokens, b""))

@@ -27,7 +27,6 @@ from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import ConfigError, InvalidInputError
 from kvoffload.hashing import BlockHash, hash_block_tokens
 from kvoffload.integrations.vllm import worker_side
-from kvoffload.scheduler import OffloadScheduler
 from kvoffload.scheduler.groups import GroupedScheduler
 
 BS = 32  # the specs' block size
@@ -58,14 +57,6 @@ def chain(n: int, seed: int = 0) -> list[BlockHash]:
     return hashes
 
 
-def _sched(conn: TestConnector) -> OffloadScheduler:
-    side = conn.scheduler_side
-    assert side is not None
-    sched = side.scheduler
-    assert isinstance(sched, OffloadScheduler)
-    return sched
-
-
 # -- observations: each takes a connector factory (role) and returns a fact --------------
 
 Make = Callable[[Any], TestConnector]
@@ -76,14 +67,12 @@ def pool_size(make: Make) -> object:
     side = make(S).scheduler_side
     assert side is not None
     sched = side.scheduler
-    if isinstance(sched, OffloadScheduler):
-        return sched.pool.num_blocks
     return sum(s.num_cpu_blocks for s in sched.statistics().values())
 
 
 def lazy_needs_a_view(make: Make) -> object:
     try:
-        _sched(make(S)).plan_stores()
+        _grouped(make(S)).plan_stores()
     except InvalidInputError:
         return "lazy"
     return "eager"
@@ -95,26 +84,9 @@ class _View:
 
 
 def lazy_window(make: Make) -> object:
-    plan = _sched(make(S)).plan_stores(_View())
-    return 0 if plan is None else plan.num_blocks
-
-
-def stores_per_step(make: Make) -> object:
-    sched = _sched(make(S))
-    sched.update("r", list(range(4)), chain(4), 4 * BS)
-    plan = sched.plan_stores()
-    return 0 if plan is None else plan.num_blocks
-
-
-def restores_evicted(make: Make) -> object:
-    sched = _sched(make(S))
-    for rid, seed in (("a", 1), ("b", 2)):  # b's 8 blocks evict a's 8
-        sched.update(rid, list(range(seed * 8, seed * 8 + 8)), chain(8, seed), 8 * BS)
-        plan = sched.plan_stores()
-        assert plan is not None
-        sched.complete(plan, True)
-    plan = sched.plan_stores()
-    return 0 if plan is None else plan.num_blocks
+    sched = _grouped(make(S))
+    plan = sched.plan_stores({g.name: _View() for g in sched.groups})
+    return 0 if plan is None else sum(p.num_blocks for p in plan.plans.values())
 
 
 def _grouped(conn: TestConnector) -> GroupedScheduler:
@@ -157,8 +129,6 @@ def policy(make: Make) -> object:
     side = make(S).scheduler_side
     assert side is not None
     sched = side.scheduler
-    if isinstance(sched, OffloadScheduler):
-        return [sched.pool.policy.name]
     return [sched.ledger(n).pool.policy.name for n in sched.statistics()]
 
 
@@ -168,10 +138,7 @@ def events(make: Make) -> object:
     side = make(S).scheduler_side
     assert side is not None
     sched = side.scheduler
-    if isinstance(sched, OffloadScheduler):
-        pools = [sched.pool]
-    else:
-        pools = [sched.ledger(n).pool for n in sched.statistics()]
+    pools = [sched.ledger(n).pool for n in sched.statistics()]
     for pool in pools:
         pool.publish(pool.allocate(1)[0], chain(1, 9)[0])
     return [len(pool.take_events()) for pool in pools]
@@ -255,11 +222,11 @@ TABLE: dict[str, Decision] = {
     ),
     "restore_evicted": Decision(
         {"restore_evicted": True},
-        {"vllm": restores_evicted, "vllm_groups": group_restores_evicted},
+        _both(group_restores_evicted),
     ),
     "max_store_blocks_per_step": Decision(
         {"max_store_blocks_per_step": 2},
-        {"vllm": stores_per_step, "vllm_groups": group_stores_per_step},
+        _both(group_stores_per_step),
     ),
     "pin_memory": Decision({"pin_memory": "never"}, _both(host_buffer_request)),
     "pin_chunk_bytes": Decision({"pin_chunk_bytes": 1 << 21}, _both(host_buffer_request)),
@@ -270,7 +237,7 @@ TABLE: dict[str, Decision] = {
     "eviction_policy": Decision({"eviction_policy": "arc"}, _both(policy)),
     "store_admission": Decision(
         {"store_admission": "seen_twice"},
-        {"vllm": stores_per_step, "vllm_groups": group_stores_per_step},
+        _both(group_stores_per_step),
     ),
     "tiers": Decision({"tiers": [TIER]}, _both(tiers_built)),
     "hold_blocks_on_finish": Decision({"hold_blocks_on_finish": True}, {}),

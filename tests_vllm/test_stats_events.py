@@ -95,7 +95,7 @@ def _reset_test_connector() -> Iterator[None]:
 def test_vllm_s_logger_and_prometheus_carry_the_connector_s_figures(model_dir: Path) -> None:
     h = harness(model_dir, world=2)
     b_after_a(h)
-    own = h.side.scheduler.statistics()
+    own = h.stats()
     assert own.loaded_tokens == 4 * BLOCK_SIZE
     assert own.stored_blocks >= 4
     assert own.lookup_misses  # a's first lookup missed everything (never stored)
@@ -113,7 +113,7 @@ def test_vllm_s_logger_and_prometheus_carry_the_connector_s_figures(model_dir: P
         assert counter("kvoffload_lookup_misses_total", reason=reason.value) == (
             own.lookup_misses.get(reason, 0)
         ), reason
-    pool = h.side.pool.statistics()
+    pool = h.pool.statistics()
     assert counter("kvoffload_pool_blocks") == pool.num_blocks
     assert counter("kvoffload_pool_cached_blocks") == pool.num_cached
     # Each worker's poller, by rank: vLLM's aggregator added the two ranks' statistics.
@@ -149,7 +149,7 @@ def test_the_statistics_are_increments_that_aggregate_as_vllm_adds_them(model_di
     for data in h.connector_stats:
         total.aggregate(KVOffloadConnector.build_kv_connector_stats(data))
     reduced = total.reduce()
-    stored = h.side.scheduler.statistics().stored_blocks
+    stored = h.stats().stored_blocks
     assert reduced["kvoffload_scheduler_stored_blocks"] == stored
     with pytest.raises(TypeError, match="KVOffloadConnectorStats cannot aggregate"):
         total.aggregate(offloading_stats())

@@ -17,12 +17,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvoffload.build import REFUSED, check_settings, grouped_pool_sizes
 from kvoffload.errors import InvariantError
-from kvoffload.hashing import HashNamespace
+from kvoffload.groups import KVCacheGroup, check_groups, hit_alignment
+from kvoffload.hashing import BlockHash, HashNamespace
 from kvoffload.integrations.vllm.events import events_enabled
 from kvoffload.integrations.vllm.groups import GroupDescription, to_kv_cache_group
 from kvoffload.integrations.vllm.metadata import KVOffloadConnectorMetadata
-from kvoffload.integrations.vllm.scheduler_groups import GroupedSchedulerSide, group_roots
-from kvoffload.integrations.vllm.scheduler_side import SchedulerSide
+from kvoffload.integrations.vllm.scheduler_side import SchedulerSide, group_roots
 from kvoffload.integrations.vllm.setup import (
     accepted_groups,
     is_single_full_group,
@@ -60,16 +60,16 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Offloads vLLM's KV blocks to a CPU pool with kvoffload and loads them back.
 
     vLLM builds one instance in its scheduler process (``role=SCHEDULER``: the decisions,
-    by `OffloadScheduler`) and one in every worker (``role=WORKER``: the copies, by
-    `ThreadCopyEngine` on CPU tensors or `CudaCopyEngine` on CUDA tensors). Settings come
-    from ``kv_connector_extra_config``: every `OffloadConfig` field under its own name.
+    by `SchedulerSide` over kvoffload's `GroupedScheduler`) and one in every worker
+    (``role=WORKER``: the copies, by `ThreadCopyEngine` on CPU tensors or
+    `CudaCopyEngine` on CUDA tensors). Settings come from ``kv_connector_extra_config``:
+    every `OffloadConfig` field under its own name.
 
-    It supports vLLM's hybrid KV cache manager (`SupportsHMA`): a model of one
-    full-attention group keeps `OffloadScheduler`'s path exactly; a model of several
-    groups (sliding window, chunked, recurrent state, full) is driven by kvoffload's
-    `GroupedScheduler` (`GroupedSchedulerSide`). One `WorkerSide` copies for every
-    shape: its loads are waited for before the forward with one group, asynchronously
-    with several (the policy the step's metadata carries, ``async_loads``).
+    It supports vLLM's hybrid KV cache manager (`SupportsHMA`): one `SchedulerSide` and
+    one `WorkerSide` serve a model of one full-attention group and one of several groups
+    (sliding window, chunked, recurrent state, full). Loads are waited for before the
+    forward with one group and asynchronous with several: a policy the step's metadata
+    carries (``async_loads``), not a second class.
 
     ``tiers`` (disk, Redis, Redis Cluster, as for `KVOffloader`) sit below the CPU pool:
     stored blocks are written down by the workers, and a lookup that misses on CPU
@@ -137,67 +137,51 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             # vLLM publishes KV events: the CPU pool's go with them.
             self.offload_config = self.offload_config.model_copy(update={"enable_events": True})
         self.groups = accepted_groups(kv_cache_config)
-        self.scheduler_side: SchedulerSide | GroupedSchedulerSide | None = None
+        self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         model_id = model_namespace_id(vllm_config, self.offload_config)
         world_size = vllm_config.parallel_config.world_size
-        if not is_single_full_group(self.groups):
-            self._init_grouped(
-                role,
-                kv_cache_config.num_blocks,
-                model_id,
-                world_size,
-                max_model_len=vllm_config.model_config.max_model_len,
+        kv_groups = [to_kv_cache_group(g) for g in self.groups]
+        single = is_single_full_group(self.groups)
+        if single:
+            check_settings(self.offload_config, "vllm")
+            self.layout, layer_names, opaque = single_group_layout(kv_cache_config)
+            namespace = HashNamespace.from_layout(
+                self.layout, model_id=model_id, salt=self.offload_config.hash_salt
             )
-            return
-        check_settings(self.offload_config, "vllm")
-        self.layout, layer_names, opaque = single_group_layout(kv_cache_config)
-        namespace = HashNamespace.from_layout(
-            self.layout, model_id=model_id, salt=self.offload_config.hash_salt
-        )
+            roots = {kv_groups[0].name: namespace.root}
+        else:
+            # groups whose hit alignment exceeds the model's context can never hit: refused
+            check_groups(kv_groups, max_model_len=vllm_config.model_config.max_model_len)
+            check_settings(self.offload_config, "vllm_groups")
+            roots = group_roots(kv_groups, model_id=model_id, salt=self.offload_config.hash_salt)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = SchedulerSide(
-                self.offload_config, self.layout, namespace, world_size=world_size
-            )
-        else:
-            cpu_blocks = self.offload_config.resolve_num_cpu_blocks(self.layout)
-            root = bytes(namespace.root)
-            group = WorkerGroup(0, layer_names, self.layout, cpu_blocks, opaque=opaque, root=root)
-            self._init_worker([group], kv_cache_config.num_blocks, world_size)
-
-    def _init_grouped(
-        self,
-        role: KVConnectorRole,
-        num_blocks: int,
-        model_id: str,
-        world_size: int,
-        *,
-        max_model_len: int,
-    ) -> None:
-        """Both sides of a multi-group model (the groups translated once, alike)."""
-        from kvoffload.groups import check_groups  # noqa: PLC0415
-
-        kv_groups = [to_kv_cache_group(g) for g in self.groups]
-        # groups whose hit alignment exceeds the model's context can never hit: refused
-        check_groups(kv_groups, max_model_len=max_model_len)
-        check_settings(self.offload_config, "vllm_groups")
-        if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = GroupedSchedulerSide(
                 self.offload_config,
                 kv_groups,
-                model_id=model_id,
+                roots,
                 world_size=world_size,
-                num_gpu_blocks=num_blocks,
+                num_gpu_blocks=kv_cache_config.num_blocks,
             )
-            return
-        from kvoffload.groups import hit_alignment  # noqa: PLC0415
+        elif single:
+            cpu_blocks = self.offload_config.resolve_num_cpu_blocks(self.layout)
+            root = bytes(roots[kv_groups[0].name])
+            group = WorkerGroup(0, layer_names, self.layout, cpu_blocks, opaque=opaque, root=root)
+            self._init_worker([group], kv_cache_config.num_blocks, world_size)
+        else:
+            self._init_worker(
+                self._worker_groups(kv_groups, roots), kv_cache_config.num_blocks, world_size
+            )
 
+    def _worker_groups(
+        self, kv_groups: list[KVCacheGroup], roots: dict[str, BlockHash]
+    ) -> list[WorkerGroup]:
+        """The cacheable groups of a multi-group model, as the worker side copies them."""
         sizes = grouped_pool_sizes(self.offload_config, kv_groups, hit_alignment(kv_groups))
         described: dict[str, GroupDescription] = {
             k.name: d for k, d in zip(kv_groups, self.groups, strict=True)
         }
-        roots = group_roots(kv_groups, model_id=model_id, salt=self.offload_config.hash_salt)
-        workers = [
+        return [
             WorkerGroup(
                 described[k.name].index,
                 described[k.name].layer_names,
@@ -209,7 +193,6 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             for k in kv_groups
             if k.cacheable
         ]
-        self._init_worker(workers, num_blocks, world_size)
 
     def _init_worker(self, groups: list[WorkerGroup], num_blocks: int, world_size: int) -> None:
         """The worker side, for one group or several."""
@@ -237,7 +220,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         """A hook run before each CPU copy (fault injection); ``None`` by default."""
         return None
 
-    def _sched(self) -> SchedulerSide | GroupedSchedulerSide:
+    def _sched(self) -> SchedulerSide:
         if self.scheduler_side is None:
             raise InvariantError("a scheduler-side method was called on a worker connector")
         return self.scheduler_side
@@ -370,9 +353,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._worker().wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose asynchronous loads ended (vLLM asks `get_transfer_results`,
-        which also names the failed ones); no request waits on a store (frees are not
-        delayed)."""
+        """Requests whose asynchronous loads ended (a multi-group model; vLLM asks
+        `get_transfer_results`, which also names the failed ones); no request waits on a
+        store (frees are not delayed)."""
         return None, self.get_transfer_results(finished_req_ids).finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:

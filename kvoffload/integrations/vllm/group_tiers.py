@@ -1,12 +1,13 @@
-"""The connector's tiers for a model of several KV cache groups (``tiers`` with vLLM's
-hybrid KV cache manager on).
+"""The connector's tiers, per KV cache group (``tiers``; one group or several).
 
-As `KVOffloader` does with several groups (`kvoffload.tiers.groups`), each cacheable
-group gets its own tier stack (`group_tier_stacks`: every tier named ``<tier>.<group>``,
-a disk tier's file ``<stem>.<group><suffix>`` with a share of ``capacity_bytes``), keyed
-by that group's namespace root, and with several ranks by `rank_namespace` of it (a disk
-file gets ``.rank<r>`` too). The conversation of one group is that of the one-group
-connector (`kvoffload.integrations.vllm.tiers`): one `SchedulerTiers` per group over
+A model of one group keeps ``config.tiers`` as they are (the names and files
+`KVOffloader` gives them). With several groups, as `KVOffloader` does
+(`kvoffload.tiers.groups`), each cacheable group gets its own tier stack
+(`group_tier_stacks`: every tier named ``<tier>.<group>``, a disk tier's file
+``<stem>.<group><suffix>`` with a share of ``capacity_bytes``), keyed by that group's
+namespace root, and with several ranks by `rank_namespace` of it (a disk file gets
+``.rank<r>`` too). Each group's conversation is that of
+`kvoffload.integrations.vllm.tiers`: one `SchedulerTiers` per group over
 that group's ledger on the scheduler side, one `WorkerTiers` per group over that group's
 host buffer on each worker; probes and reads name their group (`TierProbe.group`) and
 take their keys from one counter, so a worker's reports name one probe or read each.
@@ -20,6 +21,7 @@ the next longer hit lacks runs in any group, the grouped lookup answers "ask aga
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, final
@@ -136,10 +138,21 @@ class GroupedSchedulerTiers(GroupPromotions[SchedulerTiers]):
         for part in self._parts.values():
             part.reset()
 
-    def statistics(self) -> dict[str, VllmTierStatistics]:
+    def statistics(self) -> VllmTierStatistics:
+        """The groups' counters added up (`SchedulerTiers.statistics`), with the grouped
+        lookups that answered "ask again" while a promotion ran as ``deferred_lookups``:
+        for one group, its counters."""
+        parts = list(self.group_statistics().values())
+        sums = {
+            f.name: sum(getattr(p, f.name) for p in parts)
+            for f in dataclasses.fields(VllmTierStatistics)
+        }
+        sums["deferred_lookups"] += self._deferred
+        return VllmTierStatistics(**sums)
+
+    def group_statistics(self) -> dict[str, VllmTierStatistics]:
         """Per cacheable group, its counters (`SchedulerTiers.statistics`; a group's
-        ``deferred_lookups`` stay 0: the grouped lookup counts its own, in
-        `manager_statistics`)."""
+        ``deferred_lookups`` stay 0: the grouped lookup counts its own, in `statistics`)."""
         return {name: part.statistics() for name, part in self._parts.items()}
 
     def manager_statistics(self) -> TierManagerStatistics:

@@ -92,7 +92,8 @@ def accepted_groups(kv_cache_config: KVCacheConfig) -> tuple[GroupDescription, .
 
 
 def is_single_full_group(groups: tuple[GroupDescription, ...]) -> bool:
-    """Whether the model is one full-attention group: `OffloadScheduler`'s path."""
+    """Whether the model is one full-attention group (its layout is `single_group_layout`,
+    its worker side `WorkerSide`, its namespace and tiers those of `KVOffloader`)."""
     return len(groups) == 1 and groups[0].kind == "full"
 
 
