@@ -27,7 +27,6 @@ from kvoffload._logging import get_logger
 from kvoffload.build import build_grouped_scheduler
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import RequestStateError
-from kvoffload.group_launcher import GroupCounters, pool_statistics
 from kvoffload.groups import KVCacheGroup, hit_alignment
 from kvoffload.hashing import BlockHash, BlockHasher
 from kvoffload.integrations.vllm._scheduler_base import (
@@ -43,6 +42,7 @@ from kvoffload.integrations.vllm.group_tiers import (
 )
 from kvoffload.integrations.vllm.metadata import GroupTransfer, KVOffloadConnectorMetadata
 from kvoffload.integrations.vllm.stats import ConnectorStatistics
+from kvoffload.scheduler.group_totals import GroupCounters, pool_statistics
 from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler
 from kvoffload.tiers.groups import group_tier_stacks
 from kvoffload.transfer.plan import StorePlan, TransferPlan
