@@ -169,16 +169,9 @@ class TransferLauncher:
             ((group, plan),) = parts.items()
             return self.launch_one(group, plan, after, tokens=tokens)
         kind: TransferKind = "store" if next(iter(parts.values())).kind == "store" else "load"
-        pinned: list[tuple[str, TransferPlan]] = []
         try:
-            for group, plan in parts.items():
-                pinner = self._pinners.get(group)
-                if pinner is not None:
-                    pinner.pin(plan.gpu_block_ids)
-                    pinned.append((group, plan))
+            self._pin_each([(group, plan.gpu_block_ids) for group, plan in parts.items()])
         except Exception as exc:
-            for group, plan in pinned:
-                self._unpin(group, plan.gpu_block_ids, plan.plan_id)
             what = f"a {kind} of groups {sorted(parts)}"
             raise self._pin_failed(parts.items(), what, exc) from exc
         self._next_id += 1
@@ -223,6 +216,20 @@ class TransferLauncher:
             self._tokens[task] = tokens
         self.poller.track(task)
 
+    def _pin_each(self, parts: Iterable[tuple[str, Sequence[int]]]) -> None:
+        """Pin each group's blocks; when a ``pin`` raises, unpin what was pinned, re-raise."""
+        pinned: list[tuple[str, Sequence[int]]] = []
+        try:
+            for group, ids in parts:
+                pinner = self._pinners.get(group)
+                if pinner is not None:
+                    pinner.pin(ids)
+                    pinned.append((group, ids))
+        except Exception:
+            for group, ids in pinned:
+                self._unpin(group, ids, None)
+            raise
+
     def _pin_failed(
         self, parts: Iterable[tuple[str, TransferPlan]], what: str, exc: Exception
     ) -> PinnerError:
@@ -253,16 +260,9 @@ class TransferLauncher:
             PinnerError: a pinner's ``pin`` raised; the hold is cancelled (what was
                 pinned is unpinned).
         """
-        pinned: list[tuple[str, Sequence[int]]] = []
         try:
-            for group, ids in held.items():
-                pinner = self._pinners.get(group)
-                if pinner is not None:
-                    pinner.pin(ids)
-                    pinned.append((group, ids))
+            self._pin_each(held.items())
         except Exception as exc:
-            for group, ids in pinned:
-                self._unpin(group, ids, None)
             self._outcomes.cancel_hold(request_id)
             where = f" in groups {sorted(held)}" if len(held) > 1 else ""
             raise PinnerError(
