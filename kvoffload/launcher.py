@@ -24,7 +24,7 @@ too. The scheduler is reached through `Outcomes` (per group), so one launcher se
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Protocol, final
+from typing import Protocol, TypeAlias, final
 
 import anyio
 
@@ -33,7 +33,6 @@ from kvoffload.errors import PinnerError
 from kvoffload.pinner import GpuBlockPinner
 from kvoffload.scheduler import OffloadScheduler
 from kvoffload.transfer.engine import CopyEngine
-from kvoffload.transfer.grouped import GroupedTransferPlan, submit_grouped
 from kvoffload.transfer.plan import StorePlan, TransferKind, TransferPlan
 from kvoffload.transfer.poller import CompletionPoller
 from kvoffload.transfer.task import TransferStatus, TransferTask
@@ -41,6 +40,9 @@ from kvoffload.transfer.task import TransferStatus, TransferTask
 __all__ = ["OneGroup", "Outcomes", "TransferLauncher"]
 
 _log = get_logger("offloader")
+
+_Parts: TypeAlias = tuple[tuple[str, TransferPlan], ...]
+"""Per group, its plan: the parts of a transfer over several groups."""
 
 
 class Outcomes(Protocol):
@@ -128,8 +130,9 @@ class TransferLauncher:
         self._outcomes = outcomes
         self._engines = engines
         self._pinners = dict(pinners)
-        self._tasks: dict[TransferTask, str | None] = {}
-        """Tasks in flight: the group of a one-part transfer (``None``: several parts)."""
+        self._tasks: dict[TransferTask, str | _Parts] = {}
+        """Tasks in flight: the group of a one-part transfer, or the parts of one over
+        several groups."""
         self._tokens: dict[TransferTask, int] = {}
         self._next_id = 0
         self._pinner_error: BaseException | None = None
@@ -174,6 +177,9 @@ class TransferLauncher:
         except Exception as exc:
             what = f"a {kind} of groups {sorted(parts)}"
             raise self._pin_failed(parts.items(), what, exc) from exc
+        # A one-group process never loads the group code (tests/test_groups.py).
+        from kvoffload.transfer.grouped import submit_grouped  # noqa: PLC0415
+
         self._next_id += 1
         try:
             task = submit_grouped(
@@ -182,7 +188,7 @@ class TransferLauncher:
         except BaseException:
             self._undo(parts.items())
             raise
-        self._track(task, None, tokens)
+        self._track(task, tuple(parts.items()), tokens)
         return task
 
     def launch_one(
@@ -210,8 +216,8 @@ class TransferLauncher:
         self._track(task, group, tokens)
         return task
 
-    def _track(self, task: TransferTask, group: str | None, tokens: int) -> None:
-        self._tasks[task] = group
+    def _track(self, task: TransferTask, parts: str | _Parts, tokens: int) -> None:
+        self._tasks[task] = parts
         if tokens:
             self._tokens[task] = tokens
         self.poller.track(task)
@@ -302,9 +308,9 @@ class TransferLauncher:
         """
         if abandoned:
             wanted = {(g, p.plan_id) for g, plans in abandoned.items() for p in plans}
-            for task, group in self._tasks.items():
+            for task, parts in self._tasks.items():
                 if task.plan.kind == "load" and any(
-                    (g, p.plan_id) in wanted for g, p in _parts(task, group)
+                    (g, p.plan_id) in wanted for g, p in _parts(task, parts)
                 ):
                     task._give_up()  # the owner abandoning its load is what _give_up is for
         return {
@@ -338,7 +344,7 @@ class TransferLauncher:
             self._pinner_error = exc
 
     def _on_complete(self, task: TransferTask) -> None:
-        parts = _parts(task, self._tasks.pop(task, None))
+        parts = _parts(task, self._tasks.pop(task, ()))
         tokens = self._tokens.pop(task, 0) if self._tokens else 0
         status = task.status
         ok = status is TransferStatus.DONE
@@ -360,11 +366,6 @@ class TransferLauncher:
                 self._unpin(group, plan.gpu_block_ids, plan.plan_id)
 
 
-def _parts(task: TransferTask, group: str | None) -> Sequence[tuple[str, TransferPlan]]:
-    """Per group, the plan of each part of ``task`` (``group``: its one part's)."""
-    plan = task.plan
-    if group is not None:
-        return ((group, plan),)
-    if isinstance(plan, GroupedTransferPlan):
-        return tuple(plan.parts.items())
-    return ()
+def _parts(task: TransferTask, parts: str | _Parts) -> _Parts:
+    """Per group, the plan of each part of ``task`` (a group's name: its one part)."""
+    return ((parts, task.plan),) if isinstance(parts, str) else parts
