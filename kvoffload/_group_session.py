@@ -5,9 +5,10 @@ closed; same owner checks) for a model whose cache is several groups (docs/group
 It owns the `GroupedScheduler` (built by `build_grouped_scheduler()`), one host buffer
 and one copy engine per cacheable group (a group's copies touch only that group's
 tensors), the completion poller, and the step calls with per-group tables and hashes.
-Each grouped plan runs as one `TransferTask` (`submit_grouped()`) that completes once
-every group's part did; a failure in any part completes every part as failed (a store
-publishes nothing, its references are released).
+Its transfers run through the `TransferLauncher` one group uses too: a step that touches
+one group is submitted to that group's engine as itself; several groups' parts run as one
+`TransferTask` that completes once every part did, a failure in any part completing
+every part as failed (a store publishes nothing, its references are released).
 """
 
 from __future__ import annotations
@@ -25,21 +26,17 @@ from kvoffload._logging import get_logger
 from kvoffload._session import Lifecycle, _State
 from kvoffload.build import POOL_BOOKKEEPING_BYTES_PER_BLOCK, build_grouped_scheduler
 from kvoffload.config import KVLayout, OffloadConfig
-from kvoffload.errors import (
-    ConfigError,
-    HostMemoryError,
-    PinnerError,
-    RequestStateError,
-)
-from kvoffload.group_launcher import GroupLauncher, pool_statistics
+from kvoffload.errors import ConfigError, HostMemoryError, RequestStateError
 from kvoffload.groups import KVCacheGroup, check_groups, hit_alignment, page_layout
 from kvoffload.hashing import BlockHash, HashNamespace, hash_prompt
+from kvoffload.launcher import TransferLauncher
 from kvoffload.pinner import GpuBlockPinner
 from kvoffload.pool.block_pool import PoolEvent, PoolStatistics
 from kvoffload.pool.hints import RetentionHints
 from kvoffload.request_groups import GroupLanes, check_group_mapping
 from kvoffload.scheduler import GpuCacheView, SchedulerStatistics
 from kvoffload.scheduler.group_loads import find_hit
+from kvoffload.scheduler.group_totals import GroupCounters, pool_statistics
 from kvoffload.scheduler.groups import GroupedScheduler, GroupStatistics
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.storage.host_buffer import HostKVBuffer, available_host_memory
@@ -154,11 +151,13 @@ class GroupSession(Lifecycle):
         self._own_engines = engines is None
         self.hosts: dict[str, HostKVBuffer] = {}
         """Per cacheable group, its host buffer (when this session made the engines)."""
-        self.launcher = GroupLauncher(
+        self.launcher = TransferLauncher(
             self.scheduler, self.engines, pinners or {}, poll_interval_s=config.poll_interval_s
         )
         self.poller = self.launcher.poller
-        self.counters = self.launcher.counters
+        self.counters = GroupCounters()
+        """The whole model's counters (per group: `GroupedScheduler.statistics()`)."""
+        self.launcher.on_ended = self.counters.ended
         self._live: set[str] = set()
         self._init_lifecycle()
         self.group_tiers: GroupTiers | None = None
@@ -186,8 +185,8 @@ class GroupSession(Lifecycle):
 
     @property
     def num_in_flight(self) -> int:
-        """Grouped transfers launched and not completed yet."""
-        return len(self.launcher.tasks)
+        """Transfers launched and not completed yet."""
+        return self.launcher.num_in_flight
 
     def check_built(self) -> None:
         """Nothing to wait for: the pools are built at once."""
@@ -231,12 +230,8 @@ class GroupSession(Lifecycle):
         ``unpin`` failure once). Raises as `Session.check()`."""
         self._check_open(what)
         self.poller.check_health()
-        launcher = self.launcher
-        if pinner_error and launcher.pinner_error is not None:
-            error, launcher.pinner_error = launcher.pinner_error, None
-            raise PinnerError(
-                f"the GpuBlockPinner's unpin raised after a transfer completed: {error!r}"
-            ) from error
+        if pinner_error:
+            self.launcher.raise_pinner_error()
 
     async def shutdown(self) -> None:
         """Close the engines, process the last completions, stop the poller, free the
@@ -248,10 +243,7 @@ class GroupSession(Lifecycle):
                 self.launcher.unpin_released_holds()
                 for engine in self.engines.values():
                     await engine.aclose()
-                while self.poller.in_flight:
-                    self.poller.poll()
-                    if self.poller.in_flight:
-                        await anyio.sleep(self.config.poll_interval_s)
+                await self.launcher.collect(self.config.poll_interval_s)
                 # retain_prefix() owners and session hints end with the offloader
                 self.hints.clear()
                 for name in self._layouts:
@@ -337,7 +329,7 @@ class GroupSession(Lifecycle):
         if plan is None:
             return None
         self.counters.load_plans += 1
-        return self.launcher.launch(plan, None, num_tokens)
+        return self.launcher.launch(plan.plans, None, tokens=num_tokens)
 
     def abandon_load(self, request_id: str) -> dict[str, tuple[int, ...]]:
         """`KVOffloader.abandon_load()` with several groups: every group's part of the
@@ -379,7 +371,7 @@ class GroupSession(Lifecycle):
             if plan is None:
                 return []
             self.counters.store_plans += 1
-            return [self.launcher.launch(plan, after)]
+            return [self.launcher.launch(plan.plans, after)]
         finally:
             self.launcher.unpin_released_holds()
 
@@ -404,7 +396,7 @@ class GroupSession(Lifecycle):
         if self.scheduler.has_request(request_id):
             plan = self.scheduler.finish(request_id)
             if plan is not None:
-                self.launcher.launch(plan, None)
+                self.launcher.launch(plan.plans, None)
             held = self.scheduler.held_blocks(request_id)
             if held:
                 self.launcher.hold(request_id, held)
@@ -424,8 +416,7 @@ class GroupSession(Lifecycle):
         self.launcher.unpin_released_holds()
         if self.group_tiers is not None:
             self.group_tiers.reset()
-        for task in self.launcher.tasks.values():
-            task._abandon()
+        self.launcher.abandon_all()
         await self.poller.drain()
         stats = self.scheduler.statistics().values()
         return not self.scheduler.num_in_flight and not any(s.cached_cpu_blocks for s in stats)
@@ -491,8 +482,12 @@ class GroupSession(Lifecycle):
     # -- observation -------------------------------------------------------------------------
 
     def counters_now(self) -> SchedulerStatistics:
-        """The whole model's counters (see `GroupLauncher.scheduler_statistics()`)."""
-        return self.launcher.scheduler_statistics(len(self._live))
+        """The whole model's counters (see `GroupCounters.statistics()`)."""
+        return self.counters.statistics(
+            self.scheduler,
+            live_requests=len(self._live),
+            in_flight_transfers=self.launcher.num_in_flight,
+        )
 
     def statistics(
         self,

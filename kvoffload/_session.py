@@ -27,7 +27,7 @@ from kvoffload.build import CorePlan, build_tiers
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import ClosedError, ForkedProcessError, WrongContextError
 from kvoffload.hashing import BlockHash, HashNamespace
-from kvoffload.launcher import TransferLauncher
+from kvoffload.launcher import OneGroup, TransferLauncher
 from kvoffload.pinner import GpuBlockPinner
 from kvoffload.pool.block import CpuBlock
 from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
@@ -45,6 +45,9 @@ from kvoffload.transfer.thread_engine import ThreadCopyEngine
 __all__ = ["Lifecycle", "Session"]
 
 _log = get_logger("offloader")
+
+_GROUP = "g0"
+"""The name of the one group, for the launcher (`KVCacheGroup.from_layout()`'s default)."""
 
 
 class _State(enum.Enum):
@@ -164,6 +167,7 @@ class Session(Lifecycle):
 
     __slots__ = (
         "_config",
+        "_engines",
         "_gpu_kv",
         "_layout",
         "_namespace",
@@ -197,6 +201,7 @@ class Session(Lifecycle):
         self._init_lifecycle()
         self.engine = engine
         """The copy engine (made on `start` unless the caller gave one)."""
+        self._engines: dict[str, CopyEngine] = {}
         self.host: HostKVBuffer | None = None
         """The host buffer, when this session made the copy engine."""
         self.tiers: TierManager | None = None
@@ -218,7 +223,10 @@ class Session(Lifecycle):
         core = self._plan.build()
         self.pool, self.scheduler = core.pool, core.scheduler
         self.launcher = TransferLauncher(
-            core.scheduler, self._pinner, poll_interval_s=self._config.poll_interval_s
+            OneGroup(core.scheduler, _GROUP),
+            self._engines,
+            {_GROUP: self._pinner},
+            poll_interval_s=self._config.poll_interval_s,
         )
         self.built = True
 
@@ -276,12 +284,14 @@ class Session(Lifecycle):
             )
             engine_cls = CudaCopyEngine if self._gpu_kv[0].is_cuda else ThreadCopyEngine
             self.engine = engine_cls(layout, self._gpu_kv, self.host)
+        self._engines[_GROUP] = self.engine
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         await self._task_group.start(launcher.poller.run)
         if config.tiers:
             self.tiers = build_tiers(config, layout, self.scheduler, self.host, self._namespace)
-            launcher.on_stored = self.tiers.on_stored
+            on_stored = self.tiers.on_stored
+            launcher.on_stored = lambda _group, plan: on_stored(plan)
             await self._task_group.start(self.tiers.run)
         _log.info(
             "offloader_opened",
@@ -313,7 +323,7 @@ class Session(Lifecycle):
         self.check("finish", pinner_error=False)
         held = self.scheduler.finish(request_id)
         if held:
-            self.launcher.hold(request_id, held)
+            self.launcher.hold(request_id, {_GROUP: held})
         self.launcher.raise_pinner_error()
 
     def preempt(self, request_id: str) -> None:
@@ -339,16 +349,17 @@ class Session(Lifecycle):
         self, request_id: str, gpu_block_ids: Sequence[int], num_tokens: int
     ) -> TransferTask | None:
         """`KVOffloader.load()`: plan the load, then launch it (``None`` for 0 tokens)."""
-        engine = self.check("load")
+        self.check("load")
         plan = self.scheduler.plan_load(request_id, gpu_block_ids, num_tokens)
         if plan is None:
             return None
-        return self.launcher.launch(engine, plan, None)
+        return self.launcher.launch_one(_GROUP, plan, None)
 
     def abandon_load(self, request_id: str) -> tuple[int, ...]:
         """`KVOffloader.abandon_load()`: the GPU blocks the abandoned copies still write."""
         self.check("abandon_load", pinner_error=False)
-        return self.launcher.abandon_loads(self.scheduler.abandon_load(request_id))
+        plans = self.scheduler.abandon_load(request_id)
+        return self.launcher.abandon_loads({_GROUP: plans})[_GROUP]
 
     def update(
         self,
@@ -364,7 +375,7 @@ class Session(Lifecycle):
     def store(self, after: object | None, gpu_cache: GpuCacheView | None) -> list[TransferTask]:
         """`KVOffloader.store()`: plan this step's stores and launch them as one transfer;
         the holds that ended are unpinned whatever happens."""
-        engine = self.check("store")
+        self.check("store")
         hints = self.hints
         if hints:  # lazy expiry; nothing to do while no hint is live
             hints.expire()
@@ -373,7 +384,7 @@ class Session(Lifecycle):
         try:
             if plan is None:
                 return []
-            return [self.launcher.launch(engine, plan, after)]
+            return [self.launcher.launch_one(_GROUP, plan, after)]
         finally:
             self.launcher.unpin_released_holds()
 

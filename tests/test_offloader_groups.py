@@ -35,8 +35,10 @@ from kvoffload.pinner import RefCountPinner
 from kvoffload.pool import BlockRemoved, BlockStored
 from kvoffload.scheduler import OffloadScheduler
 from kvoffload.storage.host_buffer import HostKVBuffer
-from kvoffload.testing import CopyFaults
+from kvoffload.testing import ControllableCopyEngine, CopyFaults
 from kvoffload.transfer import ThreadCopyEngine
+from kvoffload.transfer.grouped import GroupedTransferPlan
+from kvoffload.transfer.plan import StorePlan
 
 pytestmark = pytest.mark.anyio
 
@@ -205,6 +207,70 @@ async def test_a_failed_copy_of_one_group_publishes_nothing_in_any_group() -> No
     finally:
         for host in hosts.values():
             host.close()
+
+
+async def test_a_step_that_stores_in_one_group_is_submitted_to_its_engine_as_itself() -> None:
+    """A store plan that touches one group goes to that group's engine as its own task (no
+    one-part grouped transfer); the step at a store point of both groups runs as one task
+    over both engines, and a failed part fails it whole: nothing is published in either
+    group, every reference and pin is released."""
+    model = Model(groups_of("recurrent"))
+    alloc = Tables(model)
+    engines = {g.name: ControllableCopyEngine(num_gpu_blocks=NUM_GPU) for g in model.groups}
+    pinners = {g.name: RefCountPinner() for g in model.groups}
+    async with KVOffloader(
+        config(checkpoint=16),
+        model.kv,
+        groups=model.groups,
+        pinner=pinners,
+        copy_engine=engines,
+    ) as off:
+        sched = off._groups.scheduler  # type: ignore[union-attr]
+        try:
+            tokens = list(range(1, 30))
+            with off.request("a", tokens) as req:
+                req.lookup()
+                tables = alloc.new(8)
+                req.advance(tables, 8)  # two full blocks, no recurrent store point yet
+                (task,) = off.store()
+                assert engines["full"].submitted == [task]
+                assert engines["rec"].submitted == []
+                assert isinstance(task.plan, StorePlan)
+                assert not isinstance(task.plan, GroupedTransferPlan)
+                assert task.plan.gpu_block_ids == tuple(tables["full"][:2])
+                assert pinners["full"].num_pinned == 2
+                engines["full"].complete(task)
+                await task
+                await off.drain()
+                assert pinners["full"].num_pinned == 0
+                assert sched.statistics()["full"].stored_blocks == 2
+                req.advance(tables, 16)  # the store point of both groups
+                (both,) = off.store()
+                plan = both.plan
+                assert isinstance(plan, GroupedTransferPlan)
+                assert set(plan.parts) == {"full", "rec"}
+                (full_part,) = engines["full"].pending
+                (rec_part,) = engines["rec"].pending
+                engines["full"].complete(full_part)
+                off._groups.poller.poll()  # type: ignore[union-attr]
+                assert not both.done()  # waits for every part
+                engines["rec"].fail(rec_part)
+                with pytest.raises(TransferError):
+                    await both
+                await off.drain()
+        finally:  # an assertion above must not leave copies pending on closing
+            for engine in engines.values():
+                engine.complete_all()
+        sched.check_invariants()
+        stats = sched.statistics()
+        assert stats["full"].stored_blocks == 2  # the full part's blocks 2, 3: unpublished
+        assert stats["rec"].stored_blocks == 0
+        assert stats["full"].cached_cpu_blocks == 2  # the first step's blocks only
+        assert stats["rec"].cached_cpu_blocks == 0
+        for name in ("full", "rec"):
+            assert stats[name].free_cpu_blocks == stats[name].num_cpu_blocks  # refs released
+            assert pinners[name].num_pinned == 0
+        assert off.statistics().scheduler.failed_stores == 1
 
 
 async def test_pinners_per_group_hold_the_blocks_of_copies_in_flight() -> None:

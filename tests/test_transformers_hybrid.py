@@ -249,7 +249,7 @@ async def test_a_load_past_its_deadline_is_abandoned_and_recomputed() -> None:
                         got[o.request_id] = o.result.output_token_ids
                 steps += 1
                 if steps == 1:  # b's load, abandoned: every group's part still in flight
-                    (task,) = [t for t in off._groups.launcher.tasks.values() if t.kind == "load"]
+                    (task,) = [t for t in off._groups.launcher.tasks if t.kind == "load"]
                     assert task.status is TransferStatus.ABANDONED
                     parts = task.plan.parts  # type: ignore[attr-defined]
                     late = {n: set(p.gpu_block_ids) for n, p in parts.items()}

@@ -38,7 +38,6 @@ from kvoffload._logging import get_logger
 from kvoffload.build import build_grouped_scheduler
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import ConfigError, InvariantError, RequestStateError
-from kvoffload.group_launcher import GroupCounters, pool_statistics
 from kvoffload.groups import KVCacheGroup, hit_alignment
 from kvoffload.hashing import BlockHash, BlockHasher
 from kvoffload.integrations.vllm.events import KVEvents, tier_medium
@@ -57,6 +56,7 @@ from kvoffload.integrations.vllm.stats import (
     StatsReporter,
 )
 from kvoffload.integrations.vllm.tiers import check_tier_settings
+from kvoffload.scheduler.group_totals import GroupCounters, pool_statistics
 from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler
 from kvoffload.tiers.groups import group_tier_stacks
 from kvoffload.transfer.plan import StorePlan, TransferPlan
