@@ -23,7 +23,8 @@ group, and applies the rules of `kvoffload.groups`:
 * a request's retention priority applies to its blocks in every group (`set_priority()`),
   and `retain()` holds exactly the blocks a lookup of a prefix needs, in every group.
 
-A single full-attention model never uses this class: it keeps `OffloadScheduler`.
+`KVOffloader` keeps `OffloadScheduler` for a single full-attention model; the vLLM
+connector's one scheduler side runs every model on this class, one group included.
 """
 
 from __future__ import annotations
