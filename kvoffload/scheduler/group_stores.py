@@ -24,7 +24,7 @@ from kvoffload.scheduler.group_state import (
 )
 from kvoffload.scheduler.holds import HeldBlocks
 from kvoffload.scheduler.ledger import BlockLedger
-from kvoffload.scheduler.stores import GpuCacheView, StoreBatch, scan_lazy
+from kvoffload.scheduler.stores import GpuCacheView, RunOffer, StoreBatch, run_offer, scan_lazy
 from kvoffload.transfer.plan import TransferPlan
 
 __all__ = [
@@ -98,6 +98,10 @@ def check_store_limit(groups: Sequence[KVCacheGroup], limit: int, align: int) ->
                 f"stored whole or deferred), so it could never be stored; set it to at "
                 f"least {need}"
             )
+
+
+def _nothing() -> None:
+    pass
 
 
 @final
@@ -441,13 +445,52 @@ class GroupStorePlanner:
             batch = StoreBatch(self._ledgers[name], self._limit)
             rec = StoreRecord([], {})
             want: dict[BlockHash, int] = {}
+            admission = self._admissions.get(name)
+            admit = admission.admit if admission is not None else None
             if self._restore and self.restore_needed[name] and not final:
                 self._restore_scan(batch, name, states, rec)
             # holds this plan ends once it is made (expired: given up unstored), in order
             ended: list[tuple[GroupedRequest, bool]] = []
+            offer: RunOffer | None = None  # the one-group loop, over a full lane's run
+            flush = _nothing
+            full = g.kind == "full"
+            bs = g.block_size
             for state in states:
                 lane = state.lanes[name]
                 fin = final or state.finished  # a hold: its last point too
+                if full and not fin and not state.priority:
+                    # a full lane whose new blocks all hold the request's KV: one run of
+                    # the one-group store loop (else: the store-point scan below)
+                    start = lane.cursor
+                    table, hashes = lane.table, lane.hashes
+                    end = min(len(table), len(hashes), state.num_computed_tokens // bs)
+                    if start >= end:
+                        continue  # nothing new
+                    if start >= lane.valid_from and None not in table[start:end]:
+                        if batch.deferred:
+                            batch.deferred += end - start
+                            batch.skipped.append(hashes[start])
+                            continue
+                        if offer is None:
+                            offer, flush = run_offer(batch, self.live_refs[name], admit)
+                        rid = state.request_id
+                        i = offer(hashes, table, start, end, rid)
+                        if i != start:
+                            rec.cursors[rid] = start
+                            rec.lives[rid] = len(lane.live)
+                            lane.live.extend(
+                                zip(
+                                    range(start, i),
+                                    range((start + 1) * bs, i * bs + 1, bs),
+                                    strict=True,
+                                )
+                            )
+                            lane.cursor = i
+                            batch.end_run()
+                        continue
+                if offer is not None:
+                    flush()  # the batch's own offer() takes over
+                    offer, flush = None, _nothing
                 if state.finished and self.plan_calls > state.hold_deadline:
                     if lane.held:  # hold_max_steps passed
                         ended.append((state, True))
@@ -474,6 +517,7 @@ class GroupStorePlanner:
                     ended.append((state, False))
                 lane.cursor = max(lane.cursor, new)
                 batch.end_run()
+            flush()
             if prioritized:  # every planned block, re-stores too, as with one group
                 batch.owner_priorities(lambda rid: prioritized.get(rid, 0), want)
             deferred = deferred or bool(batch.deferred)
@@ -542,7 +586,7 @@ class GroupStorePlanner:
         plan = ledger.open_store(
             batch.hashes,
             batch.gpu_ids,
-            tuple(dict.fromkeys(r for r, _, _ in rec.blocks)),
+            tuple(dict.fromkeys(batch.owners)),
             protect=batch.protect,
             evicted=evicted,
             ends=batch.run_ends(),

@@ -1,19 +1,20 @@
 """The store planner: which computed blocks each step copies to CPU, and the cursors.
 
 Eager mode scans every live request from its cursor over newly computed full blocks (the
-hot loop: `StorePlanner._scan_eager`); ``restore_evicted`` first re-stores blocks below
-live cursors that were evicted; lazy mode walks the engine's GPU cache from the block
-closest to eviction. Blocks already cached or being filled (the ledger's pending hashes)
-are skipped; the admission filter may refuse a block. When no CPU block is free the rest
-is *deferred*: cursors stay, nothing referenced is evicted.
+hot loop: `run_offer()`, which each full group's lanes of a `GroupedScheduler` run too);
+``restore_evicted`` first re-stores blocks below live cursors that were evicted; lazy
+mode walks the engine's GPU cache from the block closest to eviction. Blocks already
+cached or being filled (the ledger's pending hashes) are skipped; the admission filter
+may refuse a block. When no CPU block is free the rest is *deferred*: cursors stay,
+nothing referenced is evicted.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, final
+from typing import Protocol, TypeAlias, final
 
 from kvoffload._logging import get_logger
 from kvoffload.config import OffloadConfig
@@ -28,7 +29,15 @@ from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import StorePlan
 
-__all__ = ["GpuCacheView", "StoreBatch", "StorePlanner", "StoreUndo", "scan_lazy"]
+__all__ = [
+    "GpuCacheView",
+    "RunOffer",
+    "StoreBatch",
+    "StorePlanner",
+    "StoreUndo",
+    "run_offer",
+    "scan_lazy",
+]
 
 _log = get_logger("scheduler")
 
@@ -181,6 +190,81 @@ def scan_lazy(gpu_cache: GpuCacheView, batch: StoreBatch, window: int) -> None:
             return
 
 
+RunOffer: TypeAlias = Callable[[Sequence[BlockHash], Sequence[int | None], int, int, str], int]
+"""`run_offer()`'s loop: ``(hashes, gpu_ids, i, end, rid)`` → the index the run stopped at."""
+
+
+def run_offer(
+    batch: StoreBatch,
+    live_refs: dict[BlockHash, int],
+    admit: Callable[[BlockHash], bool] | None,
+) -> tuple[RunOffer, Callable[[], None]]:
+    """The eager store loop of full-attention blocks, every path's: one group's
+    `StorePlanner` and each full group's lanes of a `GroupedScheduler` run it, one call
+    per request's run of blocks ``[i, end)`` (``gpu_ids[i:end]`` all ids).
+
+    It is `StoreBatch.offer()` with the batch's state held by the loop (no attribute
+    read per call): a cached block is skipped (and protected from this plan's own
+    allocation while a block is free), a pending or planned one skipped, a new one
+    planned for ``rid``, or refused by ``admit`` (``store_admission``); each block passed
+    counts once more in ``live_refs``. The first new block that finds no CPU block (or no
+    room under the step limit) defers the rest of the run (``batch.deferred``).
+
+    Returns:
+        The loop, returning where each run stopped (``end``, or the block that did not
+        fit), and ``flush``, which writes the free blocks and room the loop kept back to
+        ``batch``: call it before anything else reads or offers to ``batch``, and make a
+        new loop after that.
+    """
+    get_cached = batch.get_cached
+    pending = batch.pending
+    planned = batch.planned
+    protect = batch.protect
+    out_hashes = batch.hashes
+    out_gpu = batch.gpu_ids
+    owners = batch.owners
+    free, left = batch.free, batch.left
+
+    def offer(
+        hashes: Sequence[BlockHash], gpu_ids: Sequence[int | None], i: int, end: int, rid: str
+    ) -> int:
+        nonlocal free, left
+        room, limit = free, left
+        while i < end:
+            block_hash = hashes[i]
+            block = get_cached(block_hash)
+            if block is not None:
+                if block.ref_cnt == 0 and room > 0 and block not in protect:
+                    protect.add(block)
+                    room -= 1
+            elif block_hash not in pending and block_hash not in planned:
+                if room <= 0 or limit <= 0:
+                    batch.deferred = end - i
+                    batch.deferred_request = rid
+                    batch.skipped.append(block_hash)
+                    break
+                if admit is not None and not admit(block_hash):
+                    batch.refused.append(block_hash)
+                    live_refs[block_hash] = live_refs.get(block_hash, 0) + 1
+                    i += 1
+                    continue  # refused by OffloadConfig.store_admission
+                room -= 1
+                limit -= 1
+                planned.add(block_hash)
+                out_hashes.append(block_hash)
+                out_gpu.append(gpu_ids[i])  # type: ignore[arg-type]  # a run: ids only
+                owners.append(rid)
+            live_refs[block_hash] = live_refs.get(block_hash, 0) + 1
+            i += 1
+        free, left = room, limit
+        return i
+
+    def flush() -> None:
+        batch.free, batch.left = free, left
+
+    return offer, flush
+
+
 @final
 class StorePlanner:
     """Plans the stores of each step and keeps the request cursors.
@@ -322,23 +406,13 @@ class StorePlanner:
         return self._ledger.prioritize(want, batch.planned)
 
     def _scan_eager(self, batch: StoreBatch, hold_done: list[RequestOffloadState]) -> None:
-        # The hot loop: StoreBatch.offer() inlined, with its state in locals. The count
-        # map updates are inlined too (no call per block).
+        # The hot loop over requests; each request's run goes through `run_offer()`'s loop.
         bs = self._block_size
         ends = batch.ends
         rollback = batch.rollback
         calls = self.plan_calls
-        live_refs = self.live_refs
-        get_cached = batch.get_cached
-        pending = batch.pending
-        planned = batch.planned
-        protect = batch.protect
         out_hashes = batch.hashes
-        out_gpu = batch.gpu_ids
-        owners = batch.owners
-        free, left = batch.free, batch.left
-        admit = self._admit
-        refused = batch.refused
+        offer, flush = run_offer(batch, self.live_refs, self._admit)
         live, holding = _LIVE, _HOLDING
         for state in self._table.requests.values():
             phase = state.phase
@@ -353,48 +427,24 @@ class StorePlanner:
                 continue  # a table to check again first (after a reset)
             hashes = state.block_hashes
             end = min(state.num_computed_tokens // bs, len(hashes), len(state.gpu_block_ids))
-            i = start = state.num_stored_blocks
+            start = state.num_stored_blocks
             if batch.deferred:
-                if end > i:
-                    batch.deferred += end - i
-                    batch.skipped.append(hashes[i])
+                if end > start:
+                    batch.deferred += end - start
+                    batch.skipped.append(hashes[start])
                 continue
-            gpu_ids = state.gpu_block_ids
-            rid = state.request_id
-            while i < end:
-                block_hash = hashes[i]
-                block = get_cached(block_hash)
-                if block is not None:
-                    if block.ref_cnt == 0 and free > 0 and block not in protect:
-                        protect.add(block)
-                        free -= 1
-                elif block_hash not in pending and block_hash not in planned:
-                    if free <= 0 or left <= 0:
-                        batch.deferred = end - i
-                        batch.deferred_request = rid
-                        batch.skipped.append(block_hash)
-                        break
-                    if admit is not None and not admit(block_hash):
-                        refused.append(block_hash)
-                        live_refs[block_hash] = live_refs.get(block_hash, 0) + 1
-                        i += 1
-                        continue  # refused by OffloadConfig.store_admission
-                    free -= 1
-                    left -= 1
-                    planned.add(block_hash)
-                    out_hashes.append(block_hash)
-                    out_gpu.append(gpu_ids[i])
-                    owners.append(rid)
-                live_refs[block_hash] = live_refs.get(block_hash, 0) + 1
-                i += 1
-            if i != start:
-                state.num_stored_blocks = i
-                rollback.append((state, start))
-                if len(out_hashes) > (ends[-1] if ends else 0):
-                    ends.append(len(out_hashes))
+            i = start
+            if i < end:
+                rid = state.request_id
+                i = offer(hashes, state.gpu_block_ids, i, end, rid)
+                if i != start:
+                    state.num_stored_blocks = i
+                    rollback.append((state, start))
+                    if len(out_hashes) > (ends[-1] if ends else 0):
+                        ends.append(len(out_hashes))
             if i >= end and phase is holding:
                 hold_done.append(state)
-        batch.free, batch.left = free, left
+        flush()
 
     def _scan_restore(self, batch: StoreBatch) -> None:
         """Re-store blocks below live cursors that were evicted (``restore_evicted``)."""
