@@ -25,6 +25,7 @@ from kvoffload.scheduler.requests import (
     check_distinct,
     check_request_priority,
     fresh_ids,
+    grown_hashes,
 )
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import TransferPlan
@@ -383,23 +384,22 @@ def check_tables(
 
 
 def check_hashes(
-    cacheable: Sequence[KVCacheGroup], rid: str, state: GroupedRequest, hashes: GroupHashes
-) -> None:
-    """Check one hash list per cacheable group, grown from what ``state`` knows."""
+    cacheable: Sequence[KVCacheGroup],
+    rid: str,
+    state: GroupedRequest | None,
+    hashes: GroupHashes,
+) -> list[Sequence[BlockHash]]:
+    """Check one hash list per cacheable group, grown from what ``state`` knows (none:
+    from nothing) by the one-group rule (`grown_hashes()`); per group in order, its new
+    hashes."""
+    out: list[Sequence[BlockHash]] = []
     for g in cacheable:
         new = hashes.get(g.name)
         if new is None:
             raise InvalidInputError(f"request {rid!r}: no block hashes for group {g.name!r}")
-        old = state.lanes[g.name].hashes
-        if len(new) < len(old) or (old and new[len(old) - 1] != old[-1]):
-            raise InvalidInputError(
-                f"request {rid!r}: group {g.name!r}: block hashes shrank or changed"
-            )
-        for h in new[len(old) :]:
-            if not isinstance(h, bytes):
-                raise InputTypeError(
-                    f"request {rid!r}: group {g.name!r}: a block hash is {type(h).__name__}"
-                )
+        old = state.lanes[g.name].hashes if state is not None else ()
+        out.append(grown_hashes(old, new, rid, f"block_hashes[{g.name!r}]"))
+    return out
 
 
 def load_destinations(

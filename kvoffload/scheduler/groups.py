@@ -70,7 +70,6 @@ from kvoffload.scheduler.group_state import (
     GroupRequests,
     GroupStatistics,
     GroupTables,
-    Lane,
     check_hashes,
     check_tables,
     table_changes,
@@ -313,19 +312,21 @@ class GroupedScheduler:
             tables,
             every_entry=self._check_all_entries,
         )
-        probe = existing or GroupedRequest(request_id, {g.name: Lane() for g in self._cacheable})
-        check_hashes(self._cacheable, request_id, probe, block_hashes)
-        state = self._table.state(request_id)
-        for name, lane in state.lanes.items():
-            append, new = changes[name]
+        grown = check_hashes(self._cacheable, request_id, existing, block_hashes)
+        state = existing if existing is not None else self._table.state(request_id)
+        lanes = state.lanes
+        for g, hashes in zip(self._cacheable, grown, strict=True):
+            lane = lanes[g.name]
+            append, new = changes[g.name]
             if append:
-                lane.table.extend(new)
-                lane.ids.update(new)  # type: ignore[arg-type]  # fresh_ids(): ints
+                if new:
+                    lane.table.extend(new)
+                    lane.ids.update(new)  # type: ignore[arg-type]  # fresh_ids(): ints
             else:
                 lane.table = new
                 lane.ids = {e for e in new if e is not None}
-            hashes = block_hashes[name]
-            lane.hashes.extend(hashes[len(lane.hashes) :])
+            if hashes:
+                lane.hashes.extend(hashes)
         state.num_computed_tokens = num_computed_tokens
 
     # -- lookup and loads ------------------------------------------------------------------
@@ -362,8 +363,7 @@ class GroupedScheduler:
         num_tokens = as_int(num_tokens, "num_tokens", request_id)
         num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", request_id)
         check_lookup_counts(request_id, num_tokens, num_computed_tokens, align)
-        probe = GroupedRequest(request_id, {g.name: Lane() for g in self._cacheable})
-        check_hashes(self._cacheable, request_id, probe, block_hashes)
+        check_hashes(self._cacheable, request_id, None, block_hashes)
         state = self._table.state(request_id)
         self.release(request_id)
         note_prefix(self._cacheable, state, num_computed_tokens)

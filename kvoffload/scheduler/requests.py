@@ -36,6 +36,7 @@ __all__ = [
     "check_distinct",
     "check_hash",
     "fresh_ids",
+    "grown_hashes",
     "length",
 ]
 
@@ -90,6 +91,36 @@ def check_hash(value: object, what: str, rid: str) -> None:
         raise InputTypeError(
             f"request {rid!r}: {what} must be a block hash (bytes), got {type(value).__name__}"
         )
+
+
+def grown_hashes(
+    old: Sequence[BlockHash],
+    block_hashes: Sequence[BlockHash],
+    rid: str,
+    what: str = "block_hashes",
+) -> Sequence[BlockHash]:
+    """Check a request's hash list against the ``old`` one it must have grown from; its
+    new entries. The one rule of every path: one group's `update()`, each group's hashes
+    of a `GroupedScheduler`'s `update()` and `lookup()` (``what`` names them).
+
+    Raises:
+        InvalidInputError: it shrank, or its last known entry changed.
+        InputTypeError: not a sequence, or a new entry not bytes.
+    """
+    n = length(block_hashes, what, rid)
+    n_old = len(old)
+    if n < n_old:
+        raise InvalidInputError(
+            f"request {rid!r}: {what} shrank from {n_old} to {n} entries "
+            "(preempt the request to start over)"
+        )
+    if n_old and block_hashes[n_old - 1] != old[n_old - 1]:
+        raise InvalidInputError(f"request {rid!r}: {what}[{n_old - 1}] changed since the last call")
+    new = block_hashes[n_old:]
+    if new and set(map(type, new)) != {bytes}:
+        for k, h in enumerate(new):
+            check_hash(h, f"{what}[{n_old + k}]", rid)
+    return new
 
 
 def check_request_priority(request_id: str, priority: object) -> int:
@@ -361,7 +392,9 @@ class RequestTable:
             )
         state = self.known(rid)
         new_ids = self.new_table_entries(state, gpu_block_ids, rid)
-        new_hashes = self.new_hashes(state, block_hashes, rid)
+        new_hashes = grown_hashes(
+            state.block_hashes if state is not None else (), block_hashes, rid
+        )
         if state is None:
             state = self.register(rid)
         if state.phase is _PREEMPTED:
@@ -533,29 +566,6 @@ class RequestTable:
                 _out_of_range(g, j, rid, limit)
             new.append(g)
         check_distinct(new, rid, earlier=old, earlier_set=seen)
-        return new
-
-    @staticmethod
-    def new_hashes(
-        state: RequestOffloadState | None, block_hashes: Sequence[BlockHash], rid: str
-    ) -> Sequence[BlockHash]:
-        """Validate a hash list against what is known; return its new entries."""
-        n = length(block_hashes, "block_hashes", rid)
-        old = state.block_hashes if state is not None else []
-        n_old = len(old)
-        if n < n_old:
-            raise InvalidInputError(
-                f"request {rid!r}: block_hashes shrank from {n_old} to {n} entries "
-                "(preempt the request to start over)"
-            )
-        if n_old and block_hashes[n_old - 1] != old[n_old - 1]:
-            raise InvalidInputError(
-                f"request {rid!r}: block_hashes[{n_old - 1}] changed since the last call"
-            )
-        new = block_hashes[n_old:]
-        if new and set(map(type, new)) != {bytes}:
-            for k, h in enumerate(new):
-                check_hash(h, f"block_hashes[{n_old + k}]", rid)
         return new
 
     def load_destinations(
