@@ -24,6 +24,7 @@ from kvoffload.scheduler.group_state import (
 )
 from kvoffload.scheduler.holds import HeldBlocks
 from kvoffload.scheduler.ledger import BlockLedger
+from kvoffload.scheduler.requests import PriorityCount
 from kvoffload.scheduler.stores import GpuCacheView, RunOffer, StoreBatch, run_offer, scan_lazy
 from kvoffload.transfer.plan import TransferPlan
 
@@ -120,6 +121,8 @@ class GroupStorePlanner:
         admission: ``store_admission``, a filter per group pool (hashes differ per group).
         restore: ``restore_evicted``: a live request's blocks evicted from a group's pool
             are stored again from its GPU blocks (`StorePlanner`'s rule, per group).
+        priorities: the requests' `PriorityCount` (while it is 0, no request's priority
+            is looked at; ``None``: every call looks).
         holds: with ``hold_blocks_on_finish``, each group's `HeldBlocks` (the one-group
             rules of finish holds, per group pool); ``None``: no holds.
     """
@@ -134,6 +137,7 @@ class GroupStorePlanner:
         align: int,
         checkpoint: int,
         config: OffloadConfig | None = None,
+        priorities: PriorityCount | None = None,
     ) -> None:
         # the store settings (``None``: none of them, as `GroupedScheduler` alone)
         limit = None if config is None else config.max_store_blocks_per_step
@@ -158,6 +162,7 @@ class GroupStorePlanner:
         self._requests = requests
         self._align = align
         self._checkpoint = checkpoint
+        self._priorities = priorities
         self.records: dict[tuple[str, int], StoreRecord] = {}
         """(group, plan id) → who the store plan serves and the cursors before it."""
         self._restore = config is not None and config.restore_evicted
@@ -436,7 +441,12 @@ class GroupStorePlanner:
         if self.lazy_window:
             return self.plan_lazy(gpu_cache)
         plans: dict[str, TransferPlan] = {}
-        prioritized = {s.request_id: s.priority for s in states if s.priority}
+        count = self._priorities
+        prioritized = (
+            {s.request_id: s.priority for s in states if s.priority}
+            if count is None or count.count
+            else {}
+        )
         deferred = False
         for g in self._cacheable:
             if final and g.kind == "full":
@@ -466,7 +476,9 @@ class GroupStorePlanner:
                     end = min(len(table), len(hashes), state.num_computed_tokens // bs)
                     if start >= end:
                         continue  # nothing new
-                    if start >= lane.valid_from and None not in table[start:end]:
+                    if start >= lane.valid_from and (
+                        len(lane.ids) == len(table) or None not in table[start:end]
+                    ):
                         if batch.deferred:
                             batch.deferred += end - start
                             batch.skipped.append(hashes[start])
@@ -486,7 +498,9 @@ class GroupStorePlanner:
                                 )
                             )
                             lane.cursor = i
-                            batch.end_run()
+                            ends, n = batch.ends, len(batch.hashes)
+                            if n > (ends[-1] if ends else 0):
+                                ends.append(n)  # batch.end_run()
                         continue
                 if offer is not None:
                     flush()  # the batch's own offer() takes over

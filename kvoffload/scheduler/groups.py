@@ -72,6 +72,7 @@ from kvoffload.scheduler.group_state import (
     GroupTables,
     check_hashes,
     check_tables,
+    hashes_args,
     table_changes,
 )
 from kvoffload.scheduler.group_stores import CacheViews, GroupStorePlanner
@@ -196,8 +197,10 @@ class GroupedScheduler:
             align=self._align,
             checkpoint=checkpoint_tokens,
             config=config,
+            priorities=self._table.priorities,
         )
         self._check_all_entries = config is not None and config.restore_evicted
+        self._hash_args = hashes_args(self._cacheable)
 
     def __repr__(self) -> str:
         return (
@@ -312,7 +315,7 @@ class GroupedScheduler:
             tables,
             every_entry=self._check_all_entries,
         )
-        grown = check_hashes(self._cacheable, request_id, existing, block_hashes)
+        grown = check_hashes(self._cacheable, request_id, existing, block_hashes, self._hash_args)
         state = existing if existing is not None else self._table.state(request_id)
         lanes = state.lanes
         for g, hashes in zip(self._cacheable, grown, strict=True):
@@ -363,7 +366,7 @@ class GroupedScheduler:
         num_tokens = as_int(num_tokens, "num_tokens", request_id)
         num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", request_id)
         check_lookup_counts(request_id, num_tokens, num_computed_tokens, align)
-        check_hashes(self._cacheable, request_id, None, block_hashes)
+        check_hashes(self._cacheable, request_id, None, block_hashes, self._hash_args)
         state = self._table.state(request_id)
         self.release(request_id)
         note_prefix(self._cacheable, state, num_computed_tokens)
@@ -536,7 +539,8 @@ class GroupedScheduler:
         live = [s for s in self._requests.values() if not s.finished or s.holding]
         plan = self._planner.plan(live, False, gpu_cache)
         for state in live:
-            self._table.drop_if_done(state)  # a hold the plan ended, or that expired
+            if state.finished:
+                self._table.drop_if_done(state)  # a hold the plan ended, or that expired
         return plan
 
     # -- finish, preempt, reset ------------------------------------------------------------
