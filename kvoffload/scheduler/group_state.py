@@ -404,12 +404,12 @@ def check_hashes(
     from nothing) by the one-group rule (`grown_hashes()`; ``args``: `hashes_args()`);
     per group in order, its new hashes."""
     out: list[Sequence[BlockHash]] = []
-    for g, what in zip(cacheable, args, strict=True):
+    for k, g in enumerate(cacheable):
         new = hashes.get(g.name)
         if new is None:
             raise InvalidInputError(f"request {rid!r}: no block hashes for group {g.name!r}")
         old = state.lanes[g.name].hashes if state is not None else ()
-        out.append(grown_hashes(old, new, rid, what))
+        out.append(grown_hashes(old, new, rid, args[k]))
     return out
 
 

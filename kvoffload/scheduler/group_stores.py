@@ -490,13 +490,8 @@ class GroupStorePlanner:
                         if i != start:
                             rec.cursors[rid] = start
                             rec.lives[rid] = len(lane.live)
-                            lane.live.extend(
-                                zip(
-                                    range(start, i),
-                                    range((start + 1) * bs, i * bs + 1, bs),
-                                    strict=True,
-                                )
-                            )
+                            points = range((start + 1) * bs, i * bs + 1, bs)
+                            lane.live.extend(zip(range(start, i), points))  # noqa: B905 - equal
                             lane.cursor = i
                             ends, n = batch.ends, len(batch.hashes)
                             if n > (ends[-1] if ends else 0):

@@ -318,7 +318,8 @@ class GroupedScheduler:
         grown = check_hashes(self._cacheable, request_id, existing, block_hashes, self._hash_args)
         state = existing if existing is not None else self._table.state(request_id)
         lanes = state.lanes
-        for g, hashes in zip(self._cacheable, grown, strict=True):
+        for k, g in enumerate(self._cacheable):
+            hashes = grown[k]
             lane = lanes[g.name]
             append, new = changes[g.name]
             if append:

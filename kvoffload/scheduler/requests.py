@@ -46,6 +46,9 @@ _PREEMPTED = RequestPhase.PREEMPTED
 _HOLDING = RequestPhase.HOLDING
 _DRAINING = RequestPhase.DRAINING
 
+_INTS = frozenset((int,))
+_BYTES = frozenset((bytes,))
+
 FINISHED_IDS_REMEMBERED = 65536
 """How many finished request ids a scheduler remembers to refuse their reuse."""
 
@@ -107,7 +110,7 @@ def grown_hashes(
         InvalidInputError: it shrank, or its last known entry changed.
         InputTypeError: not a sequence, or a new entry not bytes.
     """
-    n = length(block_hashes, what, rid)
+    n = len(block_hashes) if type(block_hashes) is list else length(block_hashes, what, rid)
     n_old = len(old)
     if n < n_old:
         raise InvalidInputError(
@@ -117,7 +120,7 @@ def grown_hashes(
     if n_old and block_hashes[n_old - 1] != old[n_old - 1]:
         raise InvalidInputError(f"request {rid!r}: {what}[{n_old - 1}] changed since the last call")
     new = block_hashes[n_old:]
-    if new and set(map(type, new)) != {bytes}:
+    if new and set(map(type, new)) != _BYTES:
         for k, h in enumerate(new):
             check_hash(h, f"{what}[{n_old + k}]", rid)
     return new
@@ -188,7 +191,7 @@ def fresh_ids(new: list[Any], seen: Collection[int], limit: int | None) -> bool:
     ``seen``. ``False`` asks the caller for the entry-by-entry check that names the fault."""
     fresh = set(new)
     return (
-        set(map(type, new)) == {int}
+        set(map(type, new)) == _INTS
         and min(new) >= 0
         and (limit is None or max(new) < limit)
         and len(fresh) == len(new)
