@@ -25,7 +25,7 @@ from kvoffload.scheduler.group_state import (
 from kvoffload.scheduler.holds import HeldBlocks
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.requests import PriorityCount
-from kvoffload.scheduler.stores import GpuCacheView, RunOffer, StoreBatch, run_offer, scan_lazy
+from kvoffload.scheduler.stores import GpuCacheView, StoreBatch, run_offer, scan_lazy
 from kvoffload.transfer.plan import TransferPlan
 
 __all__ = [
@@ -99,10 +99,6 @@ def check_store_limit(groups: Sequence[KVCacheGroup], limit: int, align: int) ->
                 f"stored whole or deferred), so it could never be stored; set it to at "
                 f"least {need}"
             )
-
-
-def _nothing() -> None:
-    pass
 
 
 @final
@@ -461,8 +457,6 @@ class GroupStorePlanner:
                 self._restore_scan(batch, name, states, rec)
             # holds this plan ends once it is made (expired: given up unstored), in order
             ended: list[tuple[GroupedRequest, bool]] = []
-            offer: RunOffer | None = None  # the one-group loop, over a full lane's run
-            flush = _nothing
             full = g.kind == "full"
             bs = g.block_size
             for state in states:
@@ -483,23 +477,18 @@ class GroupStorePlanner:
                             batch.deferred += end - start
                             batch.skipped.append(hashes[start])
                             continue
-                        if offer is None:
-                            offer, flush = run_offer(batch, self.live_refs[name], admit)
                         rid = state.request_id
-                        i = offer(hashes, table, start, end, rid)
+                        run_offer(
+                            batch, self.live_refs[name], admit, ((hashes, table, start, end, rid),)
+                        )
+                        i = batch.stopped
                         if i != start:
                             rec.cursors[rid] = start
                             rec.lives[rid] = len(lane.live)
                             points = range((start + 1) * bs, i * bs + 1, bs)
                             lane.live.extend(zip(range(start, i), points))  # noqa: B905 - equal
                             lane.cursor = i
-                            ends, n = batch.ends, len(batch.hashes)
-                            if n > (ends[-1] if ends else 0):
-                                ends.append(n)  # batch.end_run()
                         continue
-                if offer is not None:
-                    flush()  # the batch's own offer() takes over
-                    offer, flush = None, _nothing
                 if state.finished and self.plan_calls > state.hold_deadline:
                     if lane.held:  # hold_max_steps passed
                         ended.append((state, True))
@@ -526,7 +515,6 @@ class GroupStorePlanner:
                     ended.append((state, False))
                 lane.cursor = max(lane.cursor, new)
                 batch.end_run()
-            flush()
             if prioritized:  # every planned block, re-stores too, as with one group
                 batch.owner_priorities(lambda rid: prioritized.get(rid, 0), want)
             deferred = deferred or bool(batch.deferred)

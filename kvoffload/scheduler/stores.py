@@ -12,7 +12,7 @@ nothing referenced is evicted.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias, final
 
@@ -31,7 +31,7 @@ from kvoffload.transfer.plan import StorePlan
 
 __all__ = [
     "GpuCacheView",
-    "RunOffer",
+    "Run",
     "StoreBatch",
     "StorePlanner",
     "StoreUndo",
@@ -91,6 +91,7 @@ class StoreBatch:
         "refused",
         "rollback",
         "skipped",
+        "stopped",
     )
 
     def __init__(self, ledger: BlockLedger, limit: int) -> None:
@@ -111,6 +112,8 @@ class StoreBatch:
         self.refused: list[BlockHash] = []
         # The first block of each request's deferred run (for `MissReason`).
         self.skipped: list[BlockHash] = []
+        # Where `run_offer()`'s last run stopped.
+        self.stopped = 0
 
     def offer(self, block_hash: BlockHash, gpu_block_id: int, owner: str | None) -> bool:
         """Add a block unless it is cached or being filled; ``False`` when it needs a CPU
@@ -190,31 +193,30 @@ def scan_lazy(gpu_cache: GpuCacheView, batch: StoreBatch, window: int) -> None:
             return
 
 
-RunOffer: TypeAlias = Callable[[Sequence[BlockHash], Sequence[int | None], int, int, str], int]
-"""`run_offer()`'s loop: ``(hashes, gpu_ids, i, end, rid)`` → the index the run stopped at."""
+Run: TypeAlias = tuple[Sequence[BlockHash], Sequence[int | None], int, int, str]
+"""One request's run for `run_offer()`: ``(hashes, gpu_ids, i, end, rid)``, blocks
+``[i, end)`` (``gpu_ids[i:end]`` all ids)."""
 
 
 def run_offer(
     batch: StoreBatch,
     live_refs: dict[BlockHash, int],
     admit: Callable[[BlockHash], bool] | None,
-) -> tuple[RunOffer, Callable[[], None]]:
+    runs: Iterable[Run],
+) -> None:
     """The eager store loop of full-attention blocks, every path's: one group's
-    `StorePlanner` and each full group's lanes of a `GroupedScheduler` run it, one call
-    per request's run of blocks ``[i, end)`` (``gpu_ids[i:end]`` all ids).
+    `StorePlanner` (one call per plan, ``runs`` a generator over the live requests) and
+    each full group's lanes of a `GroupedScheduler` (one call per run) run it.
 
-    It is `StoreBatch.offer()` with the batch's state held by the loop (no attribute
-    read per call): a cached block is skipped (and protected from this plan's own
-    allocation while a block is free), a pending or planned one skipped, a new one
-    planned for ``rid``, or refused by ``admit`` (``store_admission``); each block passed
-    counts once more in ``live_refs``. The first new block that finds no CPU block (or no
-    room under the step limit) defers the rest of the run (``batch.deferred``).
-
-    Returns:
-        The loop, returning where each run stopped (``end``, or the block that did not
-        fit), and ``flush``, which writes the free blocks and room the loop kept back to
-        ``batch``: call it before anything else reads or offers to ``batch``, and make a
-        new loop after that.
+    It is `StoreBatch.offer()` with the batch's state held in the loop's locals: a cached
+    block is skipped (and protected from this plan's own allocation while a block is
+    free), a pending or planned one skipped, a new one planned for ``rid``, or refused by
+    ``admit`` (``store_admission``); each block passed counts once more in ``live_refs``.
+    The first new block that finds no CPU block (or no room under the step limit) defers
+    the rest of the run (``batch.deferred``). After each run, ``batch.stopped`` is where
+    it stopped (``end``, or the block that did not fit; ``runs`` reads it when resumed)
+    and the run is closed (`StoreBatch.end_run()`). ``runs`` must not offer to ``batch``
+    itself (the free blocks and room are written back when the loop is over).
     """
     get_cached = batch.get_cached
     pending = batch.pending
@@ -223,13 +225,10 @@ def run_offer(
     out_hashes = batch.hashes
     out_gpu = batch.gpu_ids
     owners = batch.owners
-    free, left = batch.free, batch.left
-
-    def offer(
-        hashes: Sequence[BlockHash], gpu_ids: Sequence[int | None], i: int, end: int, rid: str
-    ) -> int:
-        nonlocal free, left
-        room, limit = free, left
+    ends = batch.ends
+    room, limit = batch.free, batch.left
+    for hashes, gpu_ids, start, end, rid in runs:
+        i = start
         while i < end:
             block_hash = hashes[i]
             block = get_cached(block_hash)
@@ -256,13 +255,11 @@ def run_offer(
                 owners.append(rid)
             live_refs[block_hash] = live_refs.get(block_hash, 0) + 1
             i += 1
-        free, left = room, limit
-        return i
-
-    def flush() -> None:
-        batch.free, batch.left = free, left
-
-    return offer, flush
+        batch.stopped = i
+        n = len(out_hashes)
+        if n > (ends[-1] if ends else 0):
+            ends.append(n)  # end_run()
+    batch.free, batch.left = room, limit
 
 
 @final
@@ -406,13 +403,15 @@ class StorePlanner:
         return self._ledger.prioritize(want, batch.planned)
 
     def _scan_eager(self, batch: StoreBatch, hold_done: list[RequestOffloadState]) -> None:
-        # The hot loop over requests; each request's run goes through `run_offer()`'s loop.
+        # The hot loop: one `run_offer()` over every request's run.
+        run_offer(batch, self.live_refs, self._admit, self._eager_runs(batch, hold_done))
+
+    def _eager_runs(self, batch: StoreBatch, hold_done: list[RequestOffloadState]) -> Iterator[Run]:
+        """Each live request's run of new full blocks, for `run_offer()`; moves the
+        cursors where each run stopped."""
         bs = self._block_size
-        ends = batch.ends
         rollback = batch.rollback
         calls = self.plan_calls
-        out_hashes = batch.hashes
-        offer, flush = run_offer(batch, self.live_refs, self._admit)
         live, holding = _LIVE, _HOLDING
         for state in self._table.requests.values():
             phase = state.phase
@@ -427,24 +426,20 @@ class StorePlanner:
                 continue  # a table to check again first (after a reset)
             hashes = state.block_hashes
             end = min(state.num_computed_tokens // bs, len(hashes), len(state.gpu_block_ids))
-            start = state.num_stored_blocks
+            i = start = state.num_stored_blocks
             if batch.deferred:
-                if end > start:
-                    batch.deferred += end - start
-                    batch.skipped.append(hashes[start])
+                if end > i:
+                    batch.deferred += end - i
+                    batch.skipped.append(hashes[i])
                 continue
-            i = start
             if i < end:
-                rid = state.request_id
-                i = offer(hashes, state.gpu_block_ids, i, end, rid)
+                yield hashes, state.gpu_block_ids, i, end, state.request_id
+                i = batch.stopped
                 if i != start:
                     state.num_stored_blocks = i
                     rollback.append((state, start))
-                    if len(out_hashes) > (ends[-1] if ends else 0):
-                        ends.append(len(out_hashes))
             if i >= end and phase is holding:
                 hold_done.append(state)
-        flush()
 
     def _scan_restore(self, batch: StoreBatch) -> None:
         """Re-store blocks below live cursors that were evicted (``restore_evicted``)."""
