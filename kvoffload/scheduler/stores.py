@@ -425,7 +425,12 @@ class StorePlanner:
             elif state.recheck_table:
                 continue  # a table to check again first (after a reset)
             hashes = state.block_hashes
-            end = min(state.num_computed_tokens // bs, len(hashes), len(state.gpu_block_ids))
+            gpu_ids = state.gpu_block_ids
+            end = state.num_computed_tokens // bs  # min() of the three, without a call
+            if len(hashes) < end:  # noqa: PLR1730 - no call per request
+                end = len(hashes)
+            if len(gpu_ids) < end:  # noqa: PLR1730
+                end = len(gpu_ids)
             i = start = state.num_stored_blocks
             if batch.deferred:
                 if end > i:
@@ -433,7 +438,7 @@ class StorePlanner:
                     batch.skipped.append(hashes[i])
                 continue
             if i < end:
-                yield hashes, state.gpu_block_ids, i, end, state.request_id
+                yield hashes, gpu_ids, i, end, state.request_id
                 i = batch.stopped
                 if i != start:
                     state.num_stored_blocks = i
