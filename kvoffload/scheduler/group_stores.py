@@ -467,7 +467,11 @@ class GroupStorePlanner:
                     # the one-group store loop (else: the store-point scan below)
                     start = lane.cursor
                     table, hashes = lane.table, lane.hashes
-                    end = min(len(table), len(hashes), state.num_computed_tokens // bs)
+                    end = state.num_computed_tokens // bs  # min() of the three, without a call
+                    if len(table) < end:  # noqa: PLR1730 - no call per request
+                        end = len(table)
+                    if len(hashes) < end:  # noqa: PLR1730
+                        end = len(hashes)
                     if start >= end:
                         continue  # nothing new
                     if start >= lane.valid_from and (
