@@ -215,6 +215,7 @@ def find_hit(
     published in every group's pool. A full group's leading run bounds ``N`` first; the
     other kinds are checked at each candidate, from the largest down."""
     cap = max(0, num_tokens - 1) // align * align
+    others = [g for g in groups if g.kind != "full"]  # a full group's run bounds the cap
     for g in groups:
         if g.kind == "full":
             get = pools[g.name].get_cached
@@ -225,7 +226,7 @@ def find_hit(
                 i += 1
             cap = min(cap, i * g.block_size // align * align)
     n = cap
-    while n > computed and not _valid(groups, pools, lanes, n, computed):
+    while n > computed and others and not _valid(others, pools, lanes, n, computed):
         n -= align
     return max(n, computed)
 

@@ -25,6 +25,7 @@ from kvoffload.scheduler.requests import (
     check_distinct,
     check_request_priority,
     fresh_ids,
+    grown_hashes,
 )
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import TransferPlan
@@ -39,6 +40,7 @@ __all__ = [
     "Lane",
     "StoreRecord",
     "check_hashes",
+    "hashes_args",
     "check_tables",
     "table_changes",
     "load_destinations",
@@ -364,6 +366,10 @@ def check_tables(
                 f"request {rid!r}: group {g.name!r}: block table must be a sequence"
             )
         limit = limits.get(g.name)
+        entries = list(table)
+        if entries and fresh_ids(entries, (), limit):
+            out[g.name] = entries  # every entry an id in range, none twice: the fast check
+            continue
         for pos, entry in enumerate(table):
             if entry is None:
                 continue
@@ -377,29 +383,34 @@ def check_tables(
                     f"request {rid!r}: group {g.name!r}: GPU block id {entry} at "
                     f"position {pos} is out of range"
                 )
-        out[g.name] = list(table)
-        check_distinct(out[g.name], rid, group=g.name)
+        out[g.name] = entries
+        check_distinct(entries, rid, group=g.name)
     return out
 
 
+def hashes_args(cacheable: Sequence[KVCacheGroup]) -> tuple[str, ...]:
+    """How `check_hashes()`'s messages name each group's hash list (made once)."""
+    return tuple(f"block_hashes[{g.name!r}]" for g in cacheable)
+
+
 def check_hashes(
-    cacheable: Sequence[KVCacheGroup], rid: str, state: GroupedRequest, hashes: GroupHashes
-) -> None:
-    """Check one hash list per cacheable group, grown from what ``state`` knows."""
-    for g in cacheable:
+    cacheable: Sequence[KVCacheGroup],
+    rid: str,
+    state: GroupedRequest | None,
+    hashes: GroupHashes,
+    args: Sequence[str],
+) -> list[Sequence[BlockHash]]:
+    """Check one hash list per cacheable group, grown from what ``state`` knows (none:
+    from nothing) by the one-group rule (`grown_hashes()`; ``args``: `hashes_args()`);
+    per group in order, its new hashes."""
+    out: list[Sequence[BlockHash]] = []
+    for k, g in enumerate(cacheable):
         new = hashes.get(g.name)
         if new is None:
             raise InvalidInputError(f"request {rid!r}: no block hashes for group {g.name!r}")
-        old = state.lanes[g.name].hashes
-        if len(new) < len(old) or (old and new[len(old) - 1] != old[-1]):
-            raise InvalidInputError(
-                f"request {rid!r}: group {g.name!r}: block hashes shrank or changed"
-            )
-        for h in new[len(old) :]:
-            if not isinstance(h, bytes):
-                raise InputTypeError(
-                    f"request {rid!r}: group {g.name!r}: a block hash is {type(h).__name__}"
-                )
+        old = state.lanes[g.name].hashes if state is not None else ()
+        out.append(grown_hashes(old, new, rid, args[k]))
+    return out
 
 
 def load_destinations(

@@ -24,7 +24,8 @@ from kvoffload.scheduler.group_state import (
 )
 from kvoffload.scheduler.holds import HeldBlocks
 from kvoffload.scheduler.ledger import BlockLedger
-from kvoffload.scheduler.stores import GpuCacheView, StoreBatch, scan_lazy
+from kvoffload.scheduler.requests import PriorityCount
+from kvoffload.scheduler.stores import GpuCacheView, StoreBatch, run_offer, scan_lazy
 from kvoffload.transfer.plan import TransferPlan
 
 __all__ = [
@@ -116,6 +117,8 @@ class GroupStorePlanner:
         admission: ``store_admission``, a filter per group pool (hashes differ per group).
         restore: ``restore_evicted``: a live request's blocks evicted from a group's pool
             are stored again from its GPU blocks (`StorePlanner`'s rule, per group).
+        priorities: the requests' `PriorityCount` (while it is 0, no request's priority
+            is looked at; ``None``: every call looks).
         holds: with ``hold_blocks_on_finish``, each group's `HeldBlocks` (the one-group
             rules of finish holds, per group pool); ``None``: no holds.
     """
@@ -130,6 +133,7 @@ class GroupStorePlanner:
         align: int,
         checkpoint: int,
         config: OffloadConfig | None = None,
+        priorities: PriorityCount | None = None,
     ) -> None:
         # the store settings (``None``: none of them, as `GroupedScheduler` alone)
         limit = None if config is None else config.max_store_blocks_per_step
@@ -154,6 +158,7 @@ class GroupStorePlanner:
         self._requests = requests
         self._align = align
         self._checkpoint = checkpoint
+        self._priorities = priorities
         self.records: dict[tuple[str, int], StoreRecord] = {}
         """(group, plan id) → who the store plan serves and the cursors before it."""
         self._restore = config is not None and config.restore_evicted
@@ -432,7 +437,12 @@ class GroupStorePlanner:
         if self.lazy_window:
             return self.plan_lazy(gpu_cache)
         plans: dict[str, TransferPlan] = {}
-        prioritized = {s.request_id: s.priority for s in states if s.priority}
+        count = self._priorities
+        prioritized = (
+            {s.request_id: s.priority for s in states if s.priority}
+            if count is None or count.count
+            else {}
+        )
         deferred = False
         for g in self._cacheable:
             if final and g.kind == "full":
@@ -441,13 +451,48 @@ class GroupStorePlanner:
             batch = StoreBatch(self._ledgers[name], self._limit)
             rec = StoreRecord([], {})
             want: dict[BlockHash, int] = {}
+            admission = self._admissions.get(name)
+            admit = admission.admit if admission is not None else None
             if self._restore and self.restore_needed[name] and not final:
                 self._restore_scan(batch, name, states, rec)
             # holds this plan ends once it is made (expired: given up unstored), in order
             ended: list[tuple[GroupedRequest, bool]] = []
+            full = g.kind == "full"
+            bs = g.block_size
             for state in states:
                 lane = state.lanes[name]
                 fin = final or state.finished  # a hold: its last point too
+                if full and not fin and not state.priority:
+                    # a full lane whose new blocks all hold the request's KV: one run of
+                    # the one-group store loop (else: the store-point scan below)
+                    start = lane.cursor
+                    table, hashes = lane.table, lane.hashes
+                    end = state.num_computed_tokens // bs  # min() of the three, without a call
+                    if len(table) < end:  # noqa: PLR1730 - no call per request
+                        end = len(table)
+                    if len(hashes) < end:  # noqa: PLR1730
+                        end = len(hashes)
+                    if start >= end:
+                        continue  # nothing new
+                    if start >= lane.valid_from and (
+                        len(lane.ids) == len(table) or None not in table[start:end]
+                    ):
+                        if batch.deferred:
+                            batch.deferred += end - start
+                            batch.skipped.append(hashes[start])
+                            continue
+                        rid = state.request_id
+                        run_offer(
+                            batch, self.live_refs[name], admit, ((hashes, table, start, end, rid),)
+                        )
+                        i = batch.stopped
+                        if i != start:
+                            rec.cursors[rid] = start
+                            rec.lives[rid] = len(lane.live)
+                            points = range((start + 1) * bs, i * bs + 1, bs)
+                            lane.live.extend(zip(range(start, i), points))  # noqa: B905 - equal
+                            lane.cursor = i
+                        continue
                 if state.finished and self.plan_calls > state.hold_deadline:
                     if lane.held:  # hold_max_steps passed
                         ended.append((state, True))
@@ -542,7 +587,7 @@ class GroupStorePlanner:
         plan = ledger.open_store(
             batch.hashes,
             batch.gpu_ids,
-            tuple(dict.fromkeys(r for r, _, _ in rec.blocks)),
+            tuple(dict.fromkeys(batch.owners)),
             protect=batch.protect,
             evicted=evicted,
             ends=batch.run_ends(),

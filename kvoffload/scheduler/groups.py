@@ -71,9 +71,9 @@ from kvoffload.scheduler.group_state import (
     GroupRequests,
     GroupStatistics,
     GroupTables,
-    Lane,
     check_hashes,
     check_tables,
+    hashes_args,
     table_changes,
 )
 from kvoffload.scheduler.group_stores import CacheViews, GroupStorePlanner
@@ -198,8 +198,10 @@ class GroupedScheduler:
             align=self._align,
             checkpoint=checkpoint_tokens,
             config=config,
+            priorities=self._table.priorities,
         )
         self._check_all_entries = config is not None and config.restore_evicted
+        self._hash_args = hashes_args(self._cacheable)
 
     def __repr__(self) -> str:
         return (
@@ -314,19 +316,22 @@ class GroupedScheduler:
             tables,
             every_entry=self._check_all_entries,
         )
-        probe = existing or GroupedRequest(request_id, {g.name: Lane() for g in self._cacheable})
-        check_hashes(self._cacheable, request_id, probe, block_hashes)
-        state = self._table.state(request_id)
-        for name, lane in state.lanes.items():
-            append, new = changes[name]
+        grown = check_hashes(self._cacheable, request_id, existing, block_hashes, self._hash_args)
+        state = existing if existing is not None else self._table.state(request_id)
+        lanes = state.lanes
+        for k, g in enumerate(self._cacheable):
+            hashes = grown[k]
+            lane = lanes[g.name]
+            append, new = changes[g.name]
             if append:
-                lane.table.extend(new)
-                lane.ids.update(new)  # type: ignore[arg-type]  # fresh_ids(): ints
+                if new:
+                    lane.table.extend(new)
+                    lane.ids.update(new)  # type: ignore[arg-type]  # fresh_ids(): ints
             else:
                 lane.table = new
                 lane.ids = {e for e in new if e is not None}
-            hashes = block_hashes[name]
-            lane.hashes.extend(hashes[len(lane.hashes) :])
+            if hashes:
+                lane.hashes.extend(hashes)
         state.num_computed_tokens = num_computed_tokens
 
     # -- lookup and loads ------------------------------------------------------------------
@@ -363,8 +368,7 @@ class GroupedScheduler:
         num_tokens = as_int(num_tokens, "num_tokens", request_id)
         num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", request_id)
         check_lookup_counts(request_id, num_tokens, num_computed_tokens, align)
-        probe = GroupedRequest(request_id, {g.name: Lane() for g in self._cacheable})
-        check_hashes(self._cacheable, request_id, probe, block_hashes)
+        check_hashes(self._cacheable, request_id, None, block_hashes, self._hash_args)
         state = self._table.state(request_id)
         self.release(request_id)
         note_prefix(self._cacheable, state, num_computed_tokens)
@@ -537,7 +541,8 @@ class GroupedScheduler:
         live = [s for s in self._requests.values() if not s.finished or s.holding]
         plan = self._planner.plan(live, False, gpu_cache)
         for state in live:
-            self._table.drop_if_done(state)  # a hold the plan ended, or that expired
+            if state.finished:
+                self._table.drop_if_done(state)  # a hold the plan ended, or that expired
         return plan
 
     # -- finish, preempt, reset ------------------------------------------------------------

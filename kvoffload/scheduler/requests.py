@@ -36,6 +36,7 @@ __all__ = [
     "check_distinct",
     "check_hash",
     "fresh_ids",
+    "grown_hashes",
     "length",
 ]
 
@@ -44,6 +45,9 @@ _log = get_logger("scheduler")
 _PREEMPTED = RequestPhase.PREEMPTED
 _HOLDING = RequestPhase.HOLDING
 _DRAINING = RequestPhase.DRAINING
+
+_INTS = frozenset((int,))
+_BYTES = frozenset((bytes,))
 
 FINISHED_IDS_REMEMBERED = 65536
 """How many finished request ids a scheduler remembers to refuse their reuse."""
@@ -90,6 +94,36 @@ def check_hash(value: object, what: str, rid: str) -> None:
         raise InputTypeError(
             f"request {rid!r}: {what} must be a block hash (bytes), got {type(value).__name__}"
         )
+
+
+def grown_hashes(
+    old: Sequence[BlockHash],
+    block_hashes: Sequence[BlockHash],
+    rid: str,
+    what: str = "block_hashes",
+) -> Sequence[BlockHash]:
+    """Check a request's hash list against the ``old`` one it must have grown from; its
+    new entries. The one rule of every path: one group's `update()`, each group's hashes
+    of a `GroupedScheduler`'s `update()` and `lookup()` (``what`` names them).
+
+    Raises:
+        InvalidInputError: it shrank, or its last known entry changed.
+        InputTypeError: not a sequence, or a new entry not bytes.
+    """
+    n = len(block_hashes) if type(block_hashes) is list else length(block_hashes, what, rid)
+    n_old = len(old)
+    if n < n_old:
+        raise InvalidInputError(
+            f"request {rid!r}: {what} shrank from {n_old} to {n} entries "
+            "(preempt the request to start over)"
+        )
+    if n_old and block_hashes[n_old - 1] != old[n_old - 1]:
+        raise InvalidInputError(f"request {rid!r}: {what}[{n_old - 1}] changed since the last call")
+    new = block_hashes[n_old:]
+    if new and set(map(type, new)) != _BYTES:
+        for k, h in enumerate(new):
+            check_hash(h, f"{what}[{n_old + k}]", rid)
+    return new
 
 
 def check_request_priority(request_id: str, priority: object) -> int:
@@ -157,7 +191,7 @@ def fresh_ids(new: list[Any], seen: Collection[int], limit: int | None) -> bool:
     ``seen``. ``False`` asks the caller for the entry-by-entry check that names the fault."""
     fresh = set(new)
     return (
-        set(map(type, new)) == {int}
+        set(map(type, new)) == _INTS
         and min(new) >= 0
         and (limit is None or max(new) < limit)
         and len(fresh) == len(new)
@@ -361,7 +395,9 @@ class RequestTable:
             )
         state = self.known(rid)
         new_ids = self.new_table_entries(state, gpu_block_ids, rid)
-        new_hashes = self.new_hashes(state, block_hashes, rid)
+        new_hashes = grown_hashes(
+            state.block_hashes if state is not None else (), block_hashes, rid
+        )
         if state is None:
             state = self.register(rid)
         if state.phase is _PREEMPTED:
@@ -533,29 +569,6 @@ class RequestTable:
                 _out_of_range(g, j, rid, limit)
             new.append(g)
         check_distinct(new, rid, earlier=old, earlier_set=seen)
-        return new
-
-    @staticmethod
-    def new_hashes(
-        state: RequestOffloadState | None, block_hashes: Sequence[BlockHash], rid: str
-    ) -> Sequence[BlockHash]:
-        """Validate a hash list against what is known; return its new entries."""
-        n = length(block_hashes, "block_hashes", rid)
-        old = state.block_hashes if state is not None else []
-        n_old = len(old)
-        if n < n_old:
-            raise InvalidInputError(
-                f"request {rid!r}: block_hashes shrank from {n_old} to {n} entries "
-                "(preempt the request to start over)"
-            )
-        if n_old and block_hashes[n_old - 1] != old[n_old - 1]:
-            raise InvalidInputError(
-                f"request {rid!r}: block_hashes[{n_old - 1}] changed since the last call"
-            )
-        new = block_hashes[n_old:]
-        if new and set(map(type, new)) != {bytes}:
-            for k, h in enumerate(new):
-                check_hash(h, f"block_hashes[{n_old + k}]", rid)
         return new
 
     def load_destinations(

@@ -1,19 +1,20 @@
 """The store planner: which computed blocks each step copies to CPU, and the cursors.
 
 Eager mode scans every live request from its cursor over newly computed full blocks (the
-hot loop: `StorePlanner._scan_eager`); ``restore_evicted`` first re-stores blocks below
-live cursors that were evicted; lazy mode walks the engine's GPU cache from the block
-closest to eviction. Blocks already cached or being filled (the ledger's pending hashes)
-are skipped; the admission filter may refuse a block. When no CPU block is free the rest
-is *deferred*: cursors stay, nothing referenced is evicted.
+hot loop: `run_offer()`, which each full group's lanes of a `GroupedScheduler` run too);
+``restore_evicted`` first re-stores blocks below live cursors that were evicted; lazy
+mode walks the engine's GPU cache from the block closest to eviction. Blocks already
+cached or being filled (the ledger's pending hashes) are skipped; the admission filter
+may refuse a block. When no CPU block is free the rest is *deferred*: cursors stay,
+nothing referenced is evicted.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, final
+from typing import Protocol, TypeAlias, final
 
 from kvoffload._logging import get_logger
 from kvoffload.config import OffloadConfig
@@ -28,7 +29,15 @@ from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import StorePlan
 
-__all__ = ["GpuCacheView", "StoreBatch", "StorePlanner", "StoreUndo", "scan_lazy"]
+__all__ = [
+    "GpuCacheView",
+    "Run",
+    "StoreBatch",
+    "StorePlanner",
+    "StoreUndo",
+    "run_offer",
+    "scan_lazy",
+]
 
 _log = get_logger("scheduler")
 
@@ -82,6 +91,7 @@ class StoreBatch:
         "refused",
         "rollback",
         "skipped",
+        "stopped",
     )
 
     def __init__(self, ledger: BlockLedger, limit: int) -> None:
@@ -102,6 +112,8 @@ class StoreBatch:
         self.refused: list[BlockHash] = []
         # The first block of each request's deferred run (for `MissReason`).
         self.skipped: list[BlockHash] = []
+        # Where `run_offer()`'s last run stopped.
+        self.stopped = 0
 
     def offer(self, block_hash: BlockHash, gpu_block_id: int, owner: str | None) -> bool:
         """Add a block unless it is cached or being filled; ``False`` when it needs a CPU
@@ -179,6 +191,75 @@ def scan_lazy(gpu_cache: GpuCacheView, batch: StoreBatch, window: int) -> None:
             batch.deferred = 1
             batch.skipped.append(block_hash)
             return
+
+
+Run: TypeAlias = tuple[Sequence[BlockHash], Sequence[int | None], int, int, str]
+"""One request's run for `run_offer()`: ``(hashes, gpu_ids, i, end, rid)``, blocks
+``[i, end)`` (``gpu_ids[i:end]`` all ids)."""
+
+
+def run_offer(
+    batch: StoreBatch,
+    live_refs: dict[BlockHash, int],
+    admit: Callable[[BlockHash], bool] | None,
+    runs: Iterable[Run],
+) -> None:
+    """The eager store loop of full-attention blocks, every path's: one group's
+    `StorePlanner` (one call per plan, ``runs`` a generator over the live requests) and
+    each full group's lanes of a `GroupedScheduler` (one call per run) run it.
+
+    It is `StoreBatch.offer()` with the batch's state held in the loop's locals: a cached
+    block is skipped (and protected from this plan's own allocation while a block is
+    free), a pending or planned one skipped, a new one planned for ``rid``, or refused by
+    ``admit`` (``store_admission``); each block passed counts once more in ``live_refs``.
+    The first new block that finds no CPU block (or no room under the step limit) defers
+    the rest of the run (``batch.deferred``). After each run, ``batch.stopped`` is where
+    it stopped (``end``, or the block that did not fit; ``runs`` reads it when resumed)
+    and the run is closed (`StoreBatch.end_run()`). ``runs`` must not offer to ``batch``
+    itself (the free blocks and room are written back when the loop is over).
+    """
+    get_cached = batch.get_cached
+    pending = batch.pending
+    planned = batch.planned
+    protect = batch.protect
+    out_hashes = batch.hashes
+    out_gpu = batch.gpu_ids
+    owners = batch.owners
+    ends = batch.ends
+    room, limit = batch.free, batch.left
+    for hashes, gpu_ids, start, end, rid in runs:
+        i = start
+        while i < end:
+            block_hash = hashes[i]
+            block = get_cached(block_hash)
+            if block is not None:
+                if block.ref_cnt == 0 and room > 0 and block not in protect:
+                    protect.add(block)
+                    room -= 1
+            elif block_hash not in pending and block_hash not in planned:
+                if room <= 0 or limit <= 0:
+                    batch.deferred = end - i
+                    batch.deferred_request = rid
+                    batch.skipped.append(block_hash)
+                    break
+                if admit is not None and not admit(block_hash):
+                    batch.refused.append(block_hash)
+                    live_refs[block_hash] = live_refs.get(block_hash, 0) + 1
+                    i += 1
+                    continue  # refused by OffloadConfig.store_admission
+                room -= 1
+                limit -= 1
+                planned.add(block_hash)
+                out_hashes.append(block_hash)
+                out_gpu.append(gpu_ids[i])  # type: ignore[arg-type]  # a run: ids only
+                owners.append(rid)
+            live_refs[block_hash] = live_refs.get(block_hash, 0) + 1
+            i += 1
+        batch.stopped = i
+        n = len(out_hashes)
+        if n > (ends[-1] if ends else 0):
+            ends.append(n)  # end_run()
+    batch.free, batch.left = room, limit
 
 
 @final
@@ -322,23 +403,15 @@ class StorePlanner:
         return self._ledger.prioritize(want, batch.planned)
 
     def _scan_eager(self, batch: StoreBatch, hold_done: list[RequestOffloadState]) -> None:
-        # The hot loop: StoreBatch.offer() inlined, with its state in locals. The count
-        # map updates are inlined too (no call per block).
+        # The hot loop: one `run_offer()` over every request's run.
+        run_offer(batch, self.live_refs, self._admit, self._eager_runs(batch, hold_done))
+
+    def _eager_runs(self, batch: StoreBatch, hold_done: list[RequestOffloadState]) -> Iterator[Run]:
+        """Each live request's run of new full blocks, for `run_offer()`; moves the
+        cursors where each run stopped."""
         bs = self._block_size
-        ends = batch.ends
         rollback = batch.rollback
         calls = self.plan_calls
-        live_refs = self.live_refs
-        get_cached = batch.get_cached
-        pending = batch.pending
-        planned = batch.planned
-        protect = batch.protect
-        out_hashes = batch.hashes
-        out_gpu = batch.gpu_ids
-        owners = batch.owners
-        free, left = batch.free, batch.left
-        admit = self._admit
-        refused = batch.refused
         live, holding = _LIVE, _HOLDING
         for state in self._table.requests.values():
             phase = state.phase
@@ -352,49 +425,26 @@ class StorePlanner:
             elif state.recheck_table:
                 continue  # a table to check again first (after a reset)
             hashes = state.block_hashes
-            end = min(state.num_computed_tokens // bs, len(hashes), len(state.gpu_block_ids))
+            gpu_ids = state.gpu_block_ids
+            end = state.num_computed_tokens // bs  # min() of the three, without a call
+            if len(hashes) < end:  # noqa: PLR1730 - no call per request
+                end = len(hashes)
+            if len(gpu_ids) < end:  # noqa: PLR1730
+                end = len(gpu_ids)
             i = start = state.num_stored_blocks
             if batch.deferred:
                 if end > i:
                     batch.deferred += end - i
                     batch.skipped.append(hashes[i])
                 continue
-            gpu_ids = state.gpu_block_ids
-            rid = state.request_id
-            while i < end:
-                block_hash = hashes[i]
-                block = get_cached(block_hash)
-                if block is not None:
-                    if block.ref_cnt == 0 and free > 0 and block not in protect:
-                        protect.add(block)
-                        free -= 1
-                elif block_hash not in pending and block_hash not in planned:
-                    if free <= 0 or left <= 0:
-                        batch.deferred = end - i
-                        batch.deferred_request = rid
-                        batch.skipped.append(block_hash)
-                        break
-                    if admit is not None and not admit(block_hash):
-                        refused.append(block_hash)
-                        live_refs[block_hash] = live_refs.get(block_hash, 0) + 1
-                        i += 1
-                        continue  # refused by OffloadConfig.store_admission
-                    free -= 1
-                    left -= 1
-                    planned.add(block_hash)
-                    out_hashes.append(block_hash)
-                    out_gpu.append(gpu_ids[i])
-                    owners.append(rid)
-                live_refs[block_hash] = live_refs.get(block_hash, 0) + 1
-                i += 1
-            if i != start:
-                state.num_stored_blocks = i
-                rollback.append((state, start))
-                if len(out_hashes) > (ends[-1] if ends else 0):
-                    ends.append(len(out_hashes))
+            if i < end:
+                yield hashes, gpu_ids, i, end, state.request_id
+                i = batch.stopped
+                if i != start:
+                    state.num_stored_blocks = i
+                    rollback.append((state, start))
             if i >= end and phase is holding:
                 hold_done.append(state)
-        batch.free, batch.left = free, left
 
     def _scan_restore(self, batch: StoreBatch) -> None:
         """Re-store blocks below live cursors that were evicted (``restore_evicted``)."""
