@@ -98,9 +98,8 @@ def tables_of(
 def group_roots(
     groups: Sequence[KVCacheGroup], *, model_id: str, salt: str
 ) -> dict[str, BlockHash]:
-    """Per cacheable group of a multi-group model, the root of its hash namespace (its
-    block hashes chain from it; its tiers' keys and headers are under it): the same on
-    both sides."""
+    """Per cacheable group, the root of its hash namespace (its block hashes chain from
+    it; its tiers' keys and headers are under it): the same on both sides."""
     return {g.name: g.namespace(model_id=model_id, salt=salt).root for g in groups if g.cacheable}
 
 
@@ -252,9 +251,7 @@ class SchedulerSide:
         """Prompt tokens planned to load from the CPU pool (beyond vLLM's own hits)."""
         self.counters = GroupCounters()
         """The whole model's counters."""
-        self._page_bytes = {
-            g.name: g.num_layers * g.bytes_per_layer_block for g in self.groups
-        }  # one rank's shard of a block
+        self._page_bytes = {g.name: g.bytes_per_block for g in self.groups}  # a rank's shard
         self._stats = StatsReporter()
         self.events = KVEvents(tier_media=[tier_medium(t.kind) for t in config.tiers])
         """The vLLM view of the blocks stores write (``enable_events``)."""
