@@ -38,6 +38,7 @@ from kvoffload.integrations.vllm.tiers import (
 from kvoffload.tiers.groups import (
     GroupLedgerPart,
     GroupPromotions,
+    group_tier_stacks,
     sum_tier_statistics,
 )
 
@@ -48,7 +49,24 @@ if TYPE_CHECKING:
     from kvoffload.tiers.stats import TierManagerStatistics, TierStatistics
     from kvoffload.transfer.plan import StorePlan
 
-__all__ = ["GroupedSchedulerTiers", "GroupedWorkerTiers", "check_group_tier_settings"]
+__all__ = [
+    "GroupedSchedulerTiers",
+    "GroupedWorkerTiers",
+    "check_group_tier_settings",
+    "connector_tier_stacks",
+]
+
+
+def connector_tier_stacks(
+    settings: Sequence[AnyTierSettings], need: Mapping[str, int]
+) -> dict[str, list[AnyTierSettings]]:
+    """Per cacheable group, its tiers, the one rule of both connector sides: one group's
+    are ``settings`` as they are (the names and files `KVOffloader` gives them); several
+    groups' are named and split by ``need``, each group's CPU pool in bytes
+    (`group_tier_stacks`)."""
+    if len(need) == 1:
+        return {name: list(settings) for name in need}
+    return group_tier_stacks(settings, need)
 
 
 def check_group_tier_settings(
@@ -60,12 +78,15 @@ def check_group_tier_settings(
     no tier accepts stop start-up in the scheduler process.
 
     Raises:
-        ConfigError: a tier refuses its settings for a group (the group and tier named).
+        ConfigError: a tier refuses its settings for a group (the tier named, and the
+            group with several).
     """
     for name, stack in stacks.items():
         try:
             check_tier_settings(stack, namespace=roots[name], block_nbytes=block_nbytes[name])
         except ConfigError as exc:
+            if len(stacks) == 1:
+                raise
             raise ConfigError(f"group {name!r}: {exc}") from exc
 
 

@@ -44,6 +44,7 @@ from kvoffload.integrations.vllm.events import KVEvents, tier_medium
 from kvoffload.integrations.vllm.group_tiers import (
     GroupedSchedulerTiers,
     check_group_tier_settings,
+    connector_tier_stacks,
 )
 from kvoffload.integrations.vllm.metadata import (
     GroupTransfer,
@@ -55,10 +56,8 @@ from kvoffload.integrations.vllm.stats import (
     KVOffloadConnectorStats,
     StatsReporter,
 )
-from kvoffload.integrations.vllm.tiers import check_tier_settings
 from kvoffload.scheduler.group_totals import GroupCounters, pool_statistics
 from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler
-from kvoffload.tiers.groups import group_tier_stacks
 from kvoffload.transfer.plan import StorePlan, TransferPlan
 
 if TYPE_CHECKING:
@@ -263,19 +262,12 @@ class SchedulerSide:
             )  # fmt: skip
 
     def _tier_stacks(self, settings: Sequence[AnyTierSettings]) -> dict[str, list[AnyTierSettings]]:
-        """Per cacheable group, its tiers, checked: one group's are ``settings`` as they
-        are (the names and files `KVOffloader` gives them); several groups' are named and
-        split per group (`group_tier_stacks`)."""
-        if len(self._cacheable) == 1:
-            (g,) = self._cacheable
-            block_nbytes = self._page_bytes[g.name]
-            check_tier_settings(settings, namespace=self._roots[g.name], block_nbytes=block_nbytes)
-            return {g.name: list(settings)}
+        """Per cacheable group, its tiers (`connector_tier_stacks`), checked."""
         need = {
             g.name: self._page_bytes[g.name] * self.scheduler.ledger(g.name).pool.num_blocks
             for g in self._cacheable
         }
-        stacks = group_tier_stacks(settings, need)
+        stacks = connector_tier_stacks(settings, need)
         check_group_tier_settings(stacks, self._roots, self._page_bytes)
         return stacks
 

@@ -36,7 +36,7 @@ from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import InvariantError, LayoutMismatchError
 from kvoffload.integrations.vllm.events import TierWrites
-from kvoffload.integrations.vllm.group_tiers import GroupedWorkerTiers
+from kvoffload.integrations.vllm.group_tiers import GroupedWorkerTiers, connector_tier_stacks
 from kvoffload.integrations.vllm.metadata import (
     GroupTransfer,
     KVOffloadConnectorMetadata,
@@ -50,7 +50,6 @@ from kvoffload.integrations.vllm.stats import (
 )
 from kvoffload.integrations.vllm.tiers import open_worker_tiers
 from kvoffload.storage import HostKVBuffer
-from kvoffload.tiers.groups import group_tier_stacks
 from kvoffload.transfer import (
     CompletionPoller,
     CopyEngine,
@@ -283,15 +282,12 @@ class WorkerSide:
         )
 
     def _open_tiers(self) -> GroupedWorkerTiers:
-        """Each group's tiers on this rank (with several groups `group_tier_stacks`, as the
+        """Each group's tiers on this rank (`connector_tier_stacks`, as the
         scheduler side builds them), opened over the group's host buffer."""
         groups = list(self.groups.values())
         several = len(groups) > 1
-        if several:
-            need = {g.name: g.num_cpu_blocks * g.layout.bytes_per_block for g in groups}
-            stacks = group_tier_stacks(self.config.tiers, need)
-        else:
-            stacks = {g.name: list(self.config.tiers) for g in groups}
+        need = {g.name: g.num_cpu_blocks * g.layout.bytes_per_block for g in groups}
+        stacks = connector_tier_stacks(self.config.tiers, need)
         hosts = {g.index: g.host for g in groups if g.host is not None}
         parts = {}
         try:
