@@ -26,6 +26,7 @@ from kvoffload.scheduler.requests import (
     check_request_priority,
     fresh_ids,
     grown_hashes,
+    grown_table,
 )
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import TransferPlan
@@ -319,28 +320,23 @@ def table_changes(
     can: per group, ``(True, entries to append to its lane's table)``, or ``(False,
     the whole checked table)`` to replace it when it is new or its known entries changed.
 
-    As one group (`RequestTable.new_table_entries()`): a table whose entries a store may
-    still read (a full group's from its cursor on, every entry of the other kinds) are
-    unchanged and that only grew has its new entries checked with `fresh_ids()`; any
-    other table is checked in full by `check_tables()`. With ``every_entry``
+    By the one-group rule (`grown_table()`, which `RequestTable.new_table_entries()`
+    calls too): a table whose entries a store may still read (a full group's from its
+    cursor on, every entry of the other kinds) are unchanged and that only grew has its
+    new entries checked with `fresh_ids()`; any other table is checked in full by
+    `check_tables()`. With ``every_entry``
     (``restore_evicted``: a store may read any entry again) a full group's entries are
     compared from the first, as with one group."""
     out: dict[str, tuple[bool, list[int | None]]] = {}
     full: list[KVCacheGroup] = []
     for g in cacheable:
-        table = tables.get(g.name)
         lane = state.lanes[g.name] if state is not None else None
-        if lane is None or not lane.table or type(table) is not list:
+        if lane is None or not lane.table:
             full.append(g)
             continue
-        old = lane.table
-        n_old = len(old)
-        start = min(lane.cursor, n_old - 1) if g.kind == "full" and not every_entry else 0
-        if len(table) < n_old or table[start:n_old] != old[start:]:
-            full.append(g)
-            continue
-        new = table[n_old:]
-        if new and not fresh_ids(new, lane.ids, limits.get(g.name)):
+        read_from = lane.cursor if g.kind == "full" and not every_entry else 0
+        new = grown_table(tables.get(g.name), lane.table, lane.ids, read_from, limits.get(g.name))
+        if new is None:
             full.append(g)
             continue
         out[g.name] = (True, new)
