@@ -312,7 +312,7 @@ class GroupRequests:
                 for lane, new, hashes in grown:
                     if new:
                         lane.table.extend(new)
-                        lane.ids.update(new)  # fresh_ids(): ints
+                        lane.ids.update(new)  # type: ignore[arg-type]  # fresh_ids(): ints
                     if hashes:
                         lane.hashes.extend(hashes)
                 existing.num_computed_tokens = num_computed_tokens
