@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias, final
+from typing import Any, TypeAlias, final
 
 from kvoffload.errors import (
     BlockTableError,
@@ -46,7 +46,6 @@ __all__ = [
     "check_hashes",
     "hashes_args",
     "check_tables",
-    "grown_lanes",
     "table_changes",
     "live_blocks",
     "live_mark",
@@ -245,6 +244,7 @@ class GroupRequests:
 
     __slots__ = (
         "_cacheable",
+        "_checks",
         "_every_entry",
         "_lanes",
         "_limits",
@@ -266,6 +266,10 @@ class GroupRequests:
         self._every_entry = every_entry
         self.hash_args = hashes_args(lanes)
         """How the checks' messages name each group's hash list."""
+        # per lane in order: its group's name, GPU block count and hash list's name
+        self._checks = tuple(
+            (g.name, self._limits.get(g.name), self.hash_args[g.name]) for g in lanes
+        )
         self.requests: dict[str, GroupedRequest] = {}
         """Every request with state, by id (the store planner reads it too)."""
         self.priorities = PriorityCount()
@@ -300,19 +304,36 @@ class GroupRequests:
         if existing is not None:
             if existing.finished:
                 raise RequestStateError(f"request {request_id!r} is finished")
-            grown = grown_lanes(
-                existing,
-                tables,
-                block_hashes,
-                self._limits,
-                self.hash_args,
-                every_entry=self._every_entry,
-            )
-            if grown is not None:  # every table and hash list only grew
+            # the common case, in one pass: every lane's table only grew by the one-group
+            # rule (`grown_table()`) and its hashes too (`grown_hashes()`); else (nothing
+            # raised here) the full checks below name what the call did wrong first
+            grown: list[tuple[Lane, list[Any], Sequence[BlockHash]]] = []
+            every, checks = self._every_entry, self._checks
+            k = 0
+            for lane in existing.lanes.values():  # the cacheable groups' lanes, in order
+                name, limit, what = checks[k]
+                k += 1  # noqa: SIM113 - no enumerate object per call
+                old = lane.table
+                if not old:
+                    break
+                try:
+                    table, added = tables[name], block_hashes[name]
+                except KeyError:
+                    break
+                read_from = lane.cursor if lane.full and not every else 0
+                new = grown_table(table, old, lane.ids, read_from, limit)
+                if new is None:
+                    break
+                try:
+                    hashes = grown_hashes(lane.hashes, added, request_id, what)
+                except KvOffloadError:
+                    break
+                grown.append((lane, new, hashes))
+            else:
                 for lane, new, hashes in grown:
                     if new:
                         lane.table.extend(new)
-                        lane.ids.update(new)  # type: ignore[arg-type]  # fresh_ids(): ints
+                        lane.ids.update(new)
                     if hashes:
                         lane.hashes.extend(hashes)
                 existing.num_computed_tokens = num_computed_tokens
@@ -416,39 +437,6 @@ class StoreRecord:
     # holds the plan ended (request id, held ids, cursor before, and the lane's live
     # blocks: `LiveCopy`): a cancel gives them back (`HeldBlocks.give_back()`)
     holds: list[tuple[str, list[int], int, LiveCopy]] = field(default_factory=list)
-
-
-def grown_lanes(
-    state: GroupedRequest,
-    tables: GroupTables,
-    hashes: GroupHashes,
-    limits: Mapping[str, int],
-    args: Mapping[str, str],
-    *,
-    every_entry: bool,
-) -> list[tuple[Lane, list[int | None], Sequence[BlockHash]]] | None:
-    """`update()`'s common case, checked in one pass: every lane's table only grew by
-    the one-group rule (`grown_table()`; ``every_entry``: a full lane's entries compared
-    from the first, as `table_changes()`) and its hashes too (`grown_hashes()`); per
-    lane in order, its new entries and new hashes. ``None`` when some table or hash list
-    is not so (nothing raised here): `table_changes()` and `check_hashes()` then check
-    the call in full, and raise what it did wrong first."""
-    out: list[tuple[Lane, list[int | None], Sequence[BlockHash]]] = []
-    rid = state.request_id
-    for name, lane in state.lanes.items():  # the cacheable groups' lanes, in order
-        old = lane.table
-        if not old:
-            return None
-        read_from = lane.cursor if lane.full and not every_entry else 0
-        new = grown_table(tables.get(name), old, lane.ids, read_from, limits.get(name))
-        added = hashes.get(name)
-        if new is None or added is None:
-            return None
-        try:
-            out.append((lane, new, grown_hashes(lane.hashes, added, rid, args[name])))
-        except KvOffloadError:
-            return None  # a later table may be at fault too: the full checks name the first
-    return out
 
 
 def table_changes(
