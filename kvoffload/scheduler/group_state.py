@@ -342,7 +342,7 @@ class GroupRequests:
         changes = table_changes(
             cacheable, self._limits, request_id, existing, tables, every_entry=self._every_entry
         )
-        added = check_hashes(cacheable, request_id, existing, block_hashes, self.hash_args)
+        new_hashes = check_hashes(cacheable, request_id, existing, block_hashes, self.hash_args)
         state = existing if existing is not None else self.state(request_id)
         for k, lane in enumerate(state.lanes.values()):  # the cacheable groups' lanes
             append, entries = changes[k]
@@ -352,7 +352,7 @@ class GroupRequests:
             else:
                 lane.table = entries
                 lane.ids = {e for e in entries if e is not None}
-            lane.hashes.extend(added[k])
+            lane.hashes.extend(new_hashes[k])
         state.num_computed_tokens = num_computed_tokens
 
     def known(self, request_id: str) -> GroupedRequest:
