@@ -447,6 +447,9 @@ class GroupStorePlanner:
         counts = self._counts[g.name]
         admission = self._admissions.get(g.name)
         admit = admission.admit if admission is not None else None
+        # a full lane's live blocks are a prefix up to its cursor; a finished lane's were
+        # dropped (nothing below its cursor is live), so nothing it passes is live either
+        prefix = lane.live_end == lane.cursor
         k = 0
         while k < len(wanted):
             point = wanted[k][1]
@@ -470,16 +473,17 @@ class GroupStorePlanner:
                 return (point - 1) // self._checkpoint * self._checkpoint
             counts.skipped_null += (end - k) - len(usable)
             refs = self.live.refs[g.name]
-            if lane.full:  # a prefix, with holes where an entry was None (`Lane.live_end`)
+            if not lane.full:
+                for i in usable:
+                    lane.live.append((i, point))
+                    count_up(refs, hashes[i])
+            elif prefix:  # a prefix, with holes where an entry was None (`Lane.live_end`)
                 for j, _ in wanted[k:end]:
                     if j < 0:
                         lane.holes.append(-1 - j)
                     lane.live_end = (j if j >= 0 else -1 - j) + 1
-            else:
                 for i in usable:
-                    lane.live.append((i, point))
-            for i in usable:
-                count_up(refs, hashes[i])
+                    count_up(refs, hashes[i])
             if admit is not None:  # OffloadConfig.store_admission, block by block
                 refused = [i for i in new if not admit(hashes[i])]
                 if refused:
