@@ -28,6 +28,7 @@ from kvoffload.scheduler.group_state import (
 from kvoffload.scheduler.holds import HeldBlocks
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.requests import PriorityCount
+from kvoffload.scheduler.stats import Counters
 from kvoffload.scheduler.stores import GpuCacheView, Run, StoreBatch, run_offer, scan_lazy
 from kvoffload.transfer.plan import TransferPlan
 
@@ -108,8 +109,9 @@ def check_store_limit(groups: Sequence[KVCacheGroup], limit: int, align: int) ->
 class GroupLiveBlocks:
     """The one owner of every group's live-block counts: per group, how many live lanes
     passed each hash (`Lane.live_end` and `Lane.holes` of a full lane, `Lane.live` of the
-    others), and whether a live block was evicted since the last restore
-    (``restore_evicted``), as one group's `StorePlanner.live_refs`.
+    others), whether a live block was evicted since the last restore, and the restore
+    scan that offers those blocks again (``restore_evicted``), as one group's
+    `StorePlanner.live_refs` and restore scan.
 
     Args:
         names: the cacheable groups' names.
@@ -163,6 +165,41 @@ class GroupLiveBlocks:
         refs, hashes = self.refs[name], lane.hashes
         for i, _ in live_blocks(lane):
             count_up(refs, hashes[i])
+
+    def restore(
+        self,
+        batch: StoreBatch,
+        name: str,
+        states: Sequence[GroupedRequest],
+        rec: StoreRecord,
+        counters: Counters,
+    ) -> None:
+        """Offer again the live blocks of ``states`` in group ``name`` (``restore_evicted``,
+        as `StorePlanner`'s restore scan: cached or pending ones are skipped; when no CPU
+        block is left the rest waits, the flag stays set; ``counters``: the group's)."""
+        before = len(batch.hashes)
+        for state in states:
+            if state.finished:
+                continue  # only live requests' blocks are restored
+            lane = state.lanes[name]
+            table, hashes, rid = lane.table, lane.hashes, state.request_id
+            for i, point in live_blocks(lane):
+                entry = table[i] if i < len(table) else None
+                if entry is None or i < lane.valid_from:
+                    continue  # the engine no longer holds it
+                n = len(batch.hashes)
+                if not batch.offer(hashes[i], entry, rid):
+                    batch.deferred = 1
+                    batch.deferred_request = rid
+                    batch.skipped.append(hashes[i])
+                    batch.end_run()
+                    counters.restored_blocks += len(batch.hashes) - before
+                    return
+                if len(batch.hashes) > n and not lane.full:
+                    rec.blocks.append((rid, i, point))
+            batch.end_run()
+        counters.restored_blocks += len(batch.hashes) - before
+        self.restore_needed[name] = False
 
     def check(self, requests: Iterable[GroupedRequest]) -> None:
         """The counts are the lanes' (and a live full lane's blocks end at its cursor).
@@ -358,37 +395,6 @@ class GroupStorePlanner:
 
     # -- live blocks -------------------------------------------------------------------------
 
-    def _restore_scan(
-        self, batch: StoreBatch, name: str, states: Sequence[GroupedRequest], rec: StoreRecord
-    ) -> None:
-        """Offer again the live blocks of ``states`` in group ``name`` (``restore_evicted``,
-        as `StorePlanner`'s restore scan: cached or pending ones are skipped; when no CPU
-        block is left the rest waits, the flag stays set)."""
-        before = len(batch.hashes)
-        counters = self._counts[name].counters
-        for state in states:
-            if state.finished:
-                continue  # only live requests' blocks are restored
-            lane = state.lanes[name]
-            table, hashes, rid = lane.table, lane.hashes, state.request_id
-            for i, point in live_blocks(lane):
-                entry = table[i] if i < len(table) else None
-                if entry is None or i < lane.valid_from:
-                    continue  # the engine no longer holds it
-                n = len(batch.hashes)
-                if not batch.offer(hashes[i], entry, rid):
-                    batch.deferred = 1
-                    batch.deferred_request = rid
-                    batch.skipped.append(hashes[i])
-                    batch.end_run()
-                    counters.restored_blocks += len(batch.hashes) - before
-                    return
-                if len(batch.hashes) > n and not lane.full:
-                    rec.blocks.append((rid, i, point))
-            batch.end_run()
-        counters.restored_blocks += len(batch.hashes) - before
-        self.live.restore_needed[name] = False
-
     def scan(
         self, state: GroupedRequest, name: str, g: KVCacheGroup, final: bool
     ) -> list[tuple[int, int]]:
@@ -534,7 +540,7 @@ class GroupStorePlanner:
             rec = StoreRecord()
             want: dict[BlockHash, int] = {}
             if self._restore and self.live.restore_needed[name] and not final:
-                self._restore_scan(batch, name, states, rec)
+                self.live.restore(batch, name, states, rec, self._counts[name].counters)
             # holds this plan ends once it is made (expired: given up unstored), in order
             ended: list[tuple[GroupedRequest, bool]] = []
             if g.kind == "full":
