@@ -505,3 +505,28 @@ def test_a_single_group_process_never_imports_the_group_code() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_full_lane_keeps_its_live_blocks_as_a_prefix_and_cancel_rolls_it_back() -> None:
+    """A full lane records no block one by one: its live blocks are the blocks below its
+    cursor but those whose entry was ``None`` (as one group's are those below its
+    cursor); a cancelled store plan moves the cursor and the live blocks back together."""
+    sw = group("win", "sliding_window", 4, window=9)
+    rig = Rig([FULL4, sw], checkpoint_tokens=8)
+    sched = rig.sched
+    h = rig.hashes(tokens(16))
+    table: dict[str, list[int | None]] = {"attn": [0, None, 2, 3], "win": [4, 5, 6, 7]}
+    sched.update("a", table, h, 16)
+    plan = sched.plan_stores()
+    assert plan is not None
+    lane = sched._requests["a"].lanes["attn"]
+    assert (lane.cursor, lane.live_end, lane.holes, lane.live) == (4, 4, [1], [])
+    sched.check_invariants()
+    sched.cancel("attn", plan.plans["attn"])
+    assert (lane.cursor, lane.live_end, lane.holes, lane.live) == (0, 0, [], [])
+    sched.check_invariants()
+    table["attn"][1] = 1
+    sched.update("a", table, h, 16)
+    rig.run(sched.plan_stores())
+    assert (lane.cursor, lane.live_end, lane.holes) == (4, 4, [])
+    sched.check_invariants()

@@ -574,3 +574,25 @@ async def test_the_offloader_stores_two_full_groups_lazily() -> None:
         await task
         with off.request("y", prompt) as req:
             assert req.lookup() == 3 * BS
+
+
+def test_a_finished_full_lane_holding_nothing_passes_no_live_block() -> None:
+    """With finish holds, a full lane that holds nothing (its blocks past the cursor are
+    ``None``) while another lane holds: its live blocks were dropped at finish, and the
+    plans that store the other lane's hold make none of its blocks live again."""
+    full = group("attn", "full", 4)
+    win = group("win", "sliding_window", 4, window=9)
+    rig = Rig([full, win], checkpoint_tokens=8, config=config(hold_blocks_on_finish=True))
+    sched = rig.sched
+    h = rig.hashes([i % 50_000 for i in range(16)])
+    sched.update("a", {"attn": [0, 1], "win": [2, 3]}, {k: v[:2] for k, v in h.items()}, 8)
+    rig.run(sched.plan_stores())
+    sched.update("a", {"attn": [0, 1, None, None], "win": [2, 3, 4, 5]}, h, 16)
+    assert sched.finish("a") is None
+    assert sched.held_blocks("a") == {"win": [4, 5]}
+    sched.check_invariants()
+    plan = sched.plan_stores()  # stores the window's hold, passes the full lane's Nones
+    sched.check_invariants()
+    rig.run(plan)
+    sched.check_invariants()
+    assert sched.held_blocks("a") == {}

@@ -25,7 +25,8 @@ from kvoffload.errors import (
 )
 from kvoffload.hashing import hash_prompt
 from kvoffload.pool import CpuBlockPool
-from kvoffload.scheduler import OffloadScheduler
+from kvoffload.scheduler import OffloadScheduler, group_state, requests
+from kvoffload.scheduler.requests import grown_table
 from kvoffload.transfer.plan import LoadPlan, StorePlan
 
 
@@ -413,3 +414,26 @@ def test_computed_tokens_far_past_the_hashes_warn_once() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         sched.update("a", [0, 1, 2, 3, 4], hs[:2], 5 * BS)  # once only
+
+
+def test_one_table_growth_rule_serves_one_group_and_each_group() -> None:
+    """`grown_table()` is the one rule: a list that only grew, with the entries a store
+    may still read (and the last known one) unchanged and fresh new ids, gives its new
+    entries; anything else asks for the full check (``None``). One group's
+    `RequestTable` and `GroupedScheduler`'s table check both call it."""
+    assert group_state.grown_table is requests.grown_table
+    old = [4, 5, 6]
+    seen = set(old)
+    assert grown_table([4, 5, 6, 7, 8], old, seen, 1, None) == [7, 8]
+    assert grown_table([4, 5, 6], old, seen, 1, None) == []
+    assert grown_table([9, 5, 6, 7], old, seen, 1, None) == [7]  # below the cursor: unread
+    assert grown_table([4, 9, 6, 7], old, seen, 1, None) is None  # read by a store
+    assert grown_table([4, 5, 9, 7], old, seen, 5, None) is None  # the last known entry
+    assert grown_table([4, 5], old, seen, 0, None) is None  # shrank
+    assert grown_table((4, 5, 6, 7), old, seen, 0, None) is None  # not a list
+    assert grown_table([4, 5, 6, 5], old, seen, 0, None) is None  # an id named twice
+    assert grown_table([4, 5, 6, 7, 7], old, seen, 0, None) is None
+    assert grown_table([4, 5, 6, None], old, seen, 0, None) is None
+    assert grown_table([4, 5, 6, 8], old, seen, 0, 8) is None  # out of range
+    assert grown_table([4, 5, 6, -1], old, seen, 0, None) is None
+    assert grown_table([1, 2], [], set(), 0, 8) == [1, 2]

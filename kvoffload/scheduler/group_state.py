@@ -6,12 +6,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import final
+from typing import Any, TypeAlias, final
 
 from kvoffload.errors import (
     BlockTableError,
     InputTypeError,
     InvalidInputError,
+    KvOffloadError,
     RequestStateError,
     UnknownRequestError,
 )
@@ -22,10 +23,12 @@ from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.requests import (
     PriorityCount,
+    as_int,
     check_distinct,
     check_request_priority,
     fresh_ids,
     grown_hashes,
+    grown_table,
 )
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import TransferPlan
@@ -38,11 +41,14 @@ __all__ = [
     "GroupedPlan",
     "GroupedRequest",
     "Lane",
+    "LiveCopy",
     "StoreRecord",
     "check_hashes",
     "hashes_args",
     "check_tables",
     "table_changes",
+    "live_blocks",
+    "live_mark",
     "load_destinations",
 ]
 
@@ -151,10 +157,17 @@ class Lane:
     cursor: int = 0
     pin: list[CpuBlock] | None = None
     pin_start: int = 0
-    # (block index, store point) of every block the cursor passed that held the request's
-    # KV (stored, cached, in flight or refused by admission): the blocks `restore_evicted`
-    # stores again, and whose hashes count as live (`evicted_while_live`)
+    # the blocks the cursor passed that held the request's KV (stored, cached, in flight
+    # or refused by admission): the blocks `restore_evicted` stores again, and whose
+    # hashes count as live (`evicted_while_live`). A full lane's are a prefix, as one
+    # group's are the blocks below its cursor: its first ``live_end`` blocks but the
+    # ``holes`` (entries that were ``None`` when the cursor passed them); the other kinds'
+    # are listed as (block index, store point) in ``live``
     live: list[tuple[int, int]] = field(default_factory=list)
+    live_end: int = 0
+    holes: list[int] = field(default_factory=list)
+    # a full lane's block size (0: a lane of another kind)
+    full: int = 0
     # a finished request's hold (`hold_blocks_on_finish`): the GPU blocks this lane holds
     # until a store plan reads them, and the tokens its stores stop at
     held: list[int] = field(default_factory=list)
@@ -195,6 +208,26 @@ class GroupedRequest:
         return any(lane.held for lane in self.lanes.values())
 
 
+def live_blocks(lane: Lane) -> list[tuple[int, int]]:
+    """``(block index, store point)`` of ``lane``'s live blocks, in order (a full lane's
+    from its prefix: `Lane.live_end` and `Lane.holes`)."""
+    bs = lane.full
+    if not bs:
+        return lane.live
+    holes = lane.holes
+    return [(i, (i + 1) * bs) for i in range(lane.live_end) if i not in holes]
+
+
+LiveCopy: TypeAlias = "tuple[int, list[int], list[tuple[int, int]]]"
+"""A copy of a lane's live blocks: `Lane.live_end`, `Lane.holes` and `Lane.live`."""
+
+
+def live_mark(lane: Lane) -> int:
+    """Where ``lane``'s live blocks end now (a full lane's: the block index; the other
+    kinds': the length of `Lane.live`), for `GroupStorePlanner.drop_live()`."""
+    return lane.live_end if lane.full else len(lane.live)
+
+
 @final
 class GroupRequests:
     """The one owner of a `GroupedScheduler`'s request states, as `RequestTable` is of
@@ -203,13 +236,40 @@ class GroupRequests:
     left.
 
     Args:
-        lanes: the cacheable groups' names (one `Lane` each per request).
+        lanes: the cacheable groups (one `Lane` each per request).
+        limits: per group name, its GPU block count (`update()` refuses ids past it).
+        every_entry: ``restore_evicted`` (a store may read any table entry again, so
+            `update()` compares a full lane's entries from the first, as one group does).
     """
 
-    __slots__ = ("_names", "priorities", "requests")
+    __slots__ = (
+        "_cacheable",
+        "_checks",
+        "_every_entry",
+        "_lanes",
+        "_limits",
+        "hash_args",
+        "priorities",
+        "requests",
+    )
 
-    def __init__(self, lanes: Sequence[str]) -> None:
-        self._names = tuple(lanes)
+    def __init__(
+        self,
+        lanes: Sequence[KVCacheGroup],
+        *,
+        limits: Mapping[str, int] | None = None,
+        every_entry: bool = False,
+    ) -> None:
+        self._cacheable = tuple(lanes)
+        self._lanes = tuple((g.name, g.block_size if g.kind == "full" else 0) for g in lanes)
+        self._limits = dict(limits or {})
+        self._every_entry = every_entry
+        self.hash_args = hashes_args(lanes)
+        """How the checks' messages name each group's hash list."""
+        # per lane in order: its group's name, GPU block count and hash list's name
+        self._checks = tuple(
+            (g.name, self._limits.get(g.name), self.hash_args[g.name]) for g in lanes
+        )
         self.requests: dict[str, GroupedRequest] = {}
         """Every request with state, by id (the store planner reads it too)."""
         self.priorities = PriorityCount()
@@ -220,11 +280,80 @@ class GroupRequests:
         finished, unless ``live`` is false)."""
         state = self.requests.get(request_id)
         if state is None:
-            state = GroupedRequest(request_id, {name: Lane() for name in self._names})
+            state = GroupedRequest(request_id, {name: Lane(full=bs) for name, bs in self._lanes})
             self.requests[request_id] = state
         elif live and state.finished:
             raise RequestStateError(f"request {request_id!r} is finished")
         return state
+
+    def update(
+        self,
+        request_id: str,
+        tables: GroupTables,
+        block_hashes: GroupHashes,
+        num_computed_tokens: int,
+    ) -> None:
+        """Check a `GroupedScheduler.update()` call in full, then apply it (a refused
+        call changes nothing), as one group's `RequestTable.update()`."""
+        num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", request_id)
+        if num_computed_tokens < 0:
+            raise InvalidInputError(
+                f"request {request_id!r}: num_computed_tokens={num_computed_tokens!r}"
+            )
+        existing = self.requests.get(request_id)
+        if existing is not None:
+            if existing.finished:
+                raise RequestStateError(f"request {request_id!r} is finished")
+            # the common case, in one pass: every lane's table only grew by the one-group
+            # rule (`grown_table()`) and its hashes too (`grown_hashes()`); else (nothing
+            # raised here) the full checks below name what the call did wrong first
+            grown: list[tuple[Lane, list[Any], Sequence[BlockHash]]] = []
+            every, checks = self._every_entry, self._checks
+            k = 0
+            for lane in existing.lanes.values():  # the cacheable groups' lanes, in order
+                name, limit, what = checks[k]
+                k += 1  # noqa: SIM113 - no enumerate object per call
+                old = lane.table
+                if not old:
+                    break
+                try:
+                    table, added = tables[name], block_hashes[name]
+                except KeyError:
+                    break
+                read_from = lane.cursor if lane.full and not every else 0
+                new = grown_table(table, old, lane.ids, read_from, limit)
+                if new is None:
+                    break
+                try:
+                    hashes = grown_hashes(lane.hashes, added, request_id, what)
+                except KvOffloadError:
+                    break
+                grown.append((lane, new, hashes))
+            else:
+                for lane, new, hashes in grown:
+                    if new:
+                        lane.table.extend(new)
+                        lane.ids.update(new)
+                    if hashes:
+                        lane.hashes.extend(hashes)
+                existing.num_computed_tokens = num_computed_tokens
+                return
+        cacheable = self._cacheable
+        changes = table_changes(
+            cacheable, self._limits, request_id, existing, tables, every_entry=self._every_entry
+        )
+        new_hashes = check_hashes(cacheable, request_id, existing, block_hashes, self.hash_args)
+        state = existing if existing is not None else self.state(request_id)
+        for k, lane in enumerate(state.lanes.values()):  # the cacheable groups' lanes
+            append, entries = changes[k]
+            if append:
+                lane.table.extend(entries)
+                lane.ids.update(e for e in entries if e is not None)
+            else:
+                lane.table = entries
+                lane.ids = {e for e in entries if e is not None}
+            lane.hashes.extend(new_hashes[k])
+        state.num_computed_tokens = num_computed_tokens
 
     def known(self, request_id: str) -> GroupedRequest:
         """The state of ``request_id`` (`UnknownRequestError`: none)."""
@@ -294,16 +423,20 @@ class GroupCounts:
 
 @dataclass(slots=True, eq=False)
 class StoreRecord:
-    # (request id, block index, store point, cursor before) per block; cursors per request
-    blocks: list[tuple[str, int, int]]
-    cursors: dict[str, int]
-    # per request, the length of its lane's ``live`` before the plan
-    lives: dict[str, int] = field(default_factory=dict)
+    """What undoing one group's store plan needs (`GroupStorePlanner.cancel()`)."""
+
+    # (request, its lane's cursor and `live_mark()` before the plan) of every request the
+    # plan moved, one entry each, as one group's `StoreUndo.rollback`
+    rollback: list[tuple[GroupedRequest, int, int]] = field(default_factory=list)
+    # (request id, block index, store point) of the blocks a lane of a kind other than
+    # full attention plans (`check_invariants()` checks they lie in their point's needed
+    # blocks; a full lane's always do, and are not listed, as with one group)
+    blocks: list[tuple[str, int, int]] = field(default_factory=list)
     # hashes the admission filter refused while the plan was built (undone on cancel)
     refused: tuple[BlockHash, ...] = ()
-    # holds the plan ended (request id, held ids, cursor and live blocks before): a cancel
-    # gives them back (`HeldBlocks.give_back()`)
-    holds: list[tuple[str, list[int], int, list[tuple[int, int]]]] = field(default_factory=list)
+    # holds the plan ended (request id, held ids, cursor before, and the lane's live
+    # blocks: `LiveCopy`): a cancel gives them back (`HeldBlocks.give_back()`)
+    holds: list[tuple[str, list[int], int, LiveCopy]] = field(default_factory=list)
 
 
 def table_changes(
@@ -314,41 +447,36 @@ def table_changes(
     tables: GroupTables,
     *,
     every_entry: bool = False,
-) -> dict[str, tuple[bool, list[int | None]]]:
+) -> list[tuple[bool, list[int | None]]]:
     """`update()`'s check of one table per cacheable group, in O(new entries) where it
-    can: per group, ``(True, entries to append to its lane's table)``, or ``(False,
-    the whole checked table)`` to replace it when it is new or its known entries changed.
+    can: per group in order, ``(True, entries to append to its lane's table)``, or
+    ``(False, the whole checked table)`` to replace it when it is new or its known
+    entries changed.
 
-    As one group (`RequestTable.new_table_entries()`): a table whose entries a store may
-    still read (a full group's from its cursor on, every entry of the other kinds) are
-    unchanged and that only grew has its new entries checked with `fresh_ids()`; any
-    other table is checked in full by `check_tables()`. With ``every_entry``
-    (``restore_evicted``: a store may read any entry again) a full group's entries are
-    compared from the first, as with one group."""
-    out: dict[str, tuple[bool, list[int | None]]] = {}
+    By the one-group rule (`grown_table()`, which `RequestTable.new_table_entries()`
+    calls too): a table whose entries a store may still read (a full group's from its
+    cursor on, every entry of the other kinds) are unchanged and that only grew has its
+    new entries checked with `fresh_ids()`; any other table is checked in full by
+    `check_tables()`. With ``every_entry`` (``restore_evicted``: a store may read any
+    entry again) a full group's entries are compared from the first, as with one group."""
+    out: list[tuple[bool, list[int | None]]] = []
     full: list[KVCacheGroup] = []
     for g in cacheable:
-        table = tables.get(g.name)
         lane = state.lanes[g.name] if state is not None else None
-        if lane is None or not lane.table or type(table) is not list:
+        if lane is None or not lane.table:
             full.append(g)
             continue
-        old = lane.table
-        n_old = len(old)
-        start = min(lane.cursor, n_old - 1) if g.kind == "full" and not every_entry else 0
-        if len(table) < n_old or table[start:n_old] != old[start:]:
+        read_from = lane.cursor if lane.full and not every_entry else 0
+        new = grown_table(tables.get(g.name), lane.table, lane.ids, read_from, limits.get(g.name))
+        if new is None:
             full.append(g)
             continue
-        new = table[n_old:]
-        if new and not fresh_ids(new, lane.ids, limits.get(g.name)):
-            full.append(g)
-            continue
-        out[g.name] = (True, new)
-    if full:
-        checked = check_tables(full, limits, rid, tables)
-        for g in full:
-            out[g.name] = (False, checked[g.name])
-    return out
+        out.append((True, new))
+    if not full:
+        return out
+    checked = check_tables(full, limits, rid, tables)
+    grown = iter(out)
+    return [(False, checked[g.name]) if g.name in checked else next(grown) for g in cacheable]
 
 
 def check_tables(
@@ -388,9 +516,9 @@ def check_tables(
     return out
 
 
-def hashes_args(cacheable: Sequence[KVCacheGroup]) -> tuple[str, ...]:
+def hashes_args(cacheable: Sequence[KVCacheGroup]) -> dict[str, str]:
     """How `check_hashes()`'s messages name each group's hash list (made once)."""
-    return tuple(f"block_hashes[{g.name!r}]" for g in cacheable)
+    return {g.name: f"block_hashes[{g.name!r}]" for g in cacheable}
 
 
 def check_hashes(
@@ -398,18 +526,25 @@ def check_hashes(
     rid: str,
     state: GroupedRequest | None,
     hashes: GroupHashes,
-    args: Sequence[str],
+    args: Mapping[str, str],
 ) -> list[Sequence[BlockHash]]:
     """Check one hash list per cacheable group, grown from what ``state`` knows (none:
     from nothing) by the one-group rule (`grown_hashes()`; ``args``: `hashes_args()`);
     per group in order, its new hashes."""
     out: list[Sequence[BlockHash]] = []
-    for k, g in enumerate(cacheable):
-        new = hashes.get(g.name)
+    if state is None:
+        for g in cacheable:
+            name = g.name
+            new = hashes.get(name)
+            if new is None:
+                raise InvalidInputError(f"request {rid!r}: no block hashes for group {name!r}")
+            out.append(grown_hashes((), new, rid, args[name]))
+        return out
+    for name, lane in state.lanes.items():  # the cacheable groups' lanes, in order
+        new = hashes.get(name)
         if new is None:
-            raise InvalidInputError(f"request {rid!r}: no block hashes for group {g.name!r}")
-        old = state.lanes[g.name].hashes if state is not None else ()
-        out.append(grown_hashes(old, new, rid, args[k]))
+            raise InvalidInputError(f"request {rid!r}: no block hashes for group {name!r}")
+        out.append(grown_hashes(lane.hashes, new, rid, args[name]))
     return out
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TypeAlias, final
 
 from kvoffload.config import OffloadConfig
@@ -20,12 +20,16 @@ from kvoffload.scheduler.group_state import (
     GroupedPlan,
     GroupedRequest,
     Lane,
+    LiveCopy,
     StoreRecord,
+    live_blocks,
+    live_mark,
 )
 from kvoffload.scheduler.holds import HeldBlocks
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.requests import PriorityCount
-from kvoffload.scheduler.stores import GpuCacheView, StoreBatch, run_offer, scan_lazy
+from kvoffload.scheduler.stats import Counters
+from kvoffload.scheduler.stores import GpuCacheView, Run, StoreBatch, run_offer, scan_lazy
 from kvoffload.transfer.plan import TransferPlan
 
 __all__ = [
@@ -102,6 +106,127 @@ def check_store_limit(groups: Sequence[KVCacheGroup], limit: int, align: int) ->
 
 
 @final
+class GroupLiveBlocks:
+    """The one owner of every group's live-block counts: per group, how many live lanes
+    passed each hash (`Lane.live_end` and `Lane.holes` of a full lane, `Lane.live` of the
+    others), whether a live block was evicted since the last restore, and the restore
+    scan that offers those blocks again (``restore_evicted``), as one group's
+    `StorePlanner.live_refs` and restore scan.
+
+    Args:
+        names: the cacheable groups' names.
+    """
+
+    __slots__ = ("refs", "restore_needed")
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.refs: dict[str, dict[BlockHash, int]] = {name: {} for name in names}
+        """Per group, hash → live lanes whose cursor passed it."""
+        self.restore_needed = dict.fromkeys(names, False)
+        """Per group, whether a live request's block was evicted since the last restore."""
+
+    def reset(self) -> None:
+        """The cache was reset: nothing evicted is waiting to be stored again."""
+        for name in self.restore_needed:
+            self.restore_needed[name] = False
+
+    def forget(self, state: GroupedRequest) -> None:
+        """``state``'s cursors went back to 0 (finish, preemption, reset): its blocks are
+        not live any more."""
+        for name, lane in state.lanes.items():
+            self.drop(name, lane, 0)
+
+    def drop(self, name: str, lane: Lane, keep: int) -> None:
+        """Only ``lane``'s live blocks before ``keep`` (a `live_mark()`) stay live."""
+        refs, hashes = self.refs[name], lane.hashes
+        if lane.full:
+            end = lane.live_end
+            if keep >= end:
+                return
+            holes = lane.holes
+            if holes:
+                for i in range(keep, end):
+                    if i not in holes:
+                        count_down(refs, hashes[i])
+                lane.holes = [i for i in holes if i < keep]
+            else:
+                for block_hash in hashes[keep:end]:
+                    count_down(refs, block_hash)
+            lane.live_end = keep
+            return
+        live = lane.live
+        for i, _ in live[keep:]:
+            count_down(refs, hashes[i])
+        del live[keep:]
+
+    def give_back(self, name: str, lane: Lane, live: LiveCopy) -> None:
+        """A cancelled plan's hold comes back: so do the lane's live blocks it dropped."""
+        lane.live_end, lane.holes, lane.live = live
+        refs, hashes = self.refs[name], lane.hashes
+        for i, _ in live_blocks(lane):
+            count_up(refs, hashes[i])
+
+    def restore(
+        self,
+        batch: StoreBatch,
+        name: str,
+        states: Sequence[GroupedRequest],
+        rec: StoreRecord,
+        counters: Counters,
+    ) -> None:
+        """Offer again the live blocks of ``states`` in group ``name`` (``restore_evicted``,
+        as `StorePlanner`'s restore scan: cached or pending ones are skipped; when no CPU
+        block is left the rest waits, the flag stays set; ``counters``: the group's)."""
+        before = len(batch.hashes)
+        for state in states:
+            if state.finished:
+                continue  # only live requests' blocks are restored
+            lane = state.lanes[name]
+            table, hashes, rid = lane.table, lane.hashes, state.request_id
+            for i, point in live_blocks(lane):
+                entry = table[i] if i < len(table) else None
+                if entry is None or i < lane.valid_from:
+                    continue  # the engine no longer holds it
+                n = len(batch.hashes)
+                if not batch.offer(hashes[i], entry, rid):
+                    batch.deferred = 1
+                    batch.deferred_request = rid
+                    batch.skipped.append(hashes[i])
+                    batch.end_run()
+                    counters.restored_blocks += len(batch.hashes) - before
+                    return
+                if len(batch.hashes) > n and not lane.full:
+                    rec.blocks.append((rid, i, point))
+            batch.end_run()
+        counters.restored_blocks += len(batch.hashes) - before
+        self.restore_needed[name] = False
+
+    def check(self, requests: Iterable[GroupedRequest]) -> None:
+        """The counts are the lanes' (and a live full lane's blocks end at its cursor).
+
+        Raises:
+            InvariantError: naming the group and the breach.
+        """
+        states = list(requests)
+        for name, refs in self.refs.items():
+            want: dict[BlockHash, int] = {}
+            for state in states:
+                lane = state.lanes[name]
+                for i, _ in live_blocks(lane):
+                    count_up(want, lane.hashes[i])
+                if lane.full and (
+                    (lane.live_end != lane.cursor and not state.finished)
+                    or any(i >= lane.live_end for i in lane.holes)
+                ):
+                    raise InvariantError(
+                        f"group {name!r}: request {state.request_id!r}: live blocks end at "
+                        f"{lane.live_end} (holes {lane.holes}), its cursor is {lane.cursor}"
+                    )
+            if want != refs:
+                raise InvariantError(f"group {name!r}: live block counts disagree with the lanes")
+
+
+@final
 class GroupStorePlanner:
     """Plans the stores of every group; owns the records of the store plans in flight.
 
@@ -162,10 +287,8 @@ class GroupStorePlanner:
         self.records: dict[tuple[str, int], StoreRecord] = {}
         """(group, plan id) → who the store plan serves and the cursors before it."""
         self._restore = config is not None and config.restore_evicted
-        self.live_refs: dict[str, dict[BlockHash, int]] = {g.name: {} for g in cacheable}
-        """Per group, hash → live lanes whose cursor passed it (`Lane.live`)."""
-        self.restore_needed = dict.fromkeys(self.live_refs, False)
-        """Per group, whether a live request's block was evicted since the last restore."""
+        self.live = GroupLiveBlocks([g.name for g in cacheable])
+        """Every group's live-block counts."""
         self.holds = (
             {name: HeldBlocks(config, c.counters) for name, c in counts.items()}
             if config is not None and config.hold_blocks_on_finish and not self.lazy_window
@@ -242,7 +365,7 @@ class GroupStorePlanner:
         lane = state.lanes[name]
         held, lane.held = lane.held, []
         self.holds[name].end(held, report=report, expired=expired)
-        self.drop_live(name, lane, 0)
+        self.live.drop(name, lane, 0)
 
     def _end_holds(
         self,
@@ -259,7 +382,9 @@ class GroupStorePlanner:
             lane = state.lanes[name]
             rid = state.request_id
             if plan is not None and not expired and rid in plan.request_ids:
-                rec.holds.append((rid, lane.held, rec.cursors[rid], lane.live[:]))
+                cursor = next(old for s, old, _ in rec.rollback if s is state)
+                live: LiveCopy = (lane.live_end, lane.holes[:], lane.live[:])
+                rec.holds.append((rid, lane.held, cursor, live))
             self.end_hold(state, name, expired=expired)
 
     def expire(self, state: GroupedRequest, *, report: bool = True) -> None:
@@ -269,55 +394,6 @@ class GroupStorePlanner:
                 self.end_hold(state, name, report=report, expired=True)
 
     # -- live blocks -------------------------------------------------------------------------
-
-    def reset(self) -> None:
-        """The cache was reset: nothing evicted is waiting to be stored again."""
-        for name in self.restore_needed:
-            self.restore_needed[name] = False
-
-    def forget(self, state: GroupedRequest) -> None:
-        """``state``'s cursors went back to 0 (finish, preemption, reset): its blocks are
-        not live any more."""
-        for name, lane in state.lanes.items():
-            self.drop_live(name, lane, 0)
-
-    def drop_live(self, name: str, lane: Lane, keep: int) -> None:
-        """Only the first ``keep`` of ``lane``'s live blocks stay live."""
-        live, refs, hashes = lane.live, self.live_refs[name], lane.hashes
-        for i, _ in live[keep:]:
-            count_down(refs, hashes[i])
-        del live[keep:]
-
-    def _restore_scan(
-        self, batch: StoreBatch, name: str, states: Sequence[GroupedRequest], rec: StoreRecord
-    ) -> None:
-        """Offer again the live blocks of ``states`` in group ``name`` (``restore_evicted``,
-        as `StorePlanner`'s restore scan: cached or pending ones are skipped; when no CPU
-        block is left the rest waits, the flag stays set)."""
-        before = len(batch.hashes)
-        counters = self._counts[name].counters
-        for state in states:
-            if state.finished:
-                continue  # only live requests' blocks are restored
-            lane = state.lanes[name]
-            table, hashes, rid = lane.table, lane.hashes, state.request_id
-            for i, point in lane.live:
-                entry = table[i] if i < len(table) else None
-                if entry is None or i < lane.valid_from:
-                    continue  # the engine no longer holds it
-                n = len(batch.hashes)
-                if not batch.offer(hashes[i], entry, rid):
-                    batch.deferred = 1
-                    batch.deferred_request = rid
-                    batch.skipped.append(hashes[i])
-                    batch.end_run()
-                    counters.restored_blocks += len(batch.hashes) - before
-                    return
-                if len(batch.hashes) > n:
-                    rec.blocks.append((rid, i, point))
-            batch.end_run()
-        counters.restored_blocks += len(batch.hashes) - before
-        self.restore_needed[name] = False
 
     def scan(
         self, state: GroupedRequest, name: str, g: KVCacheGroup, final: bool
@@ -377,6 +453,9 @@ class GroupStorePlanner:
         counts = self._counts[g.name]
         admission = self._admissions.get(g.name)
         admit = admission.admit if admission is not None else None
+        # a full lane's live blocks are a prefix up to its cursor; a finished lane's were
+        # dropped (nothing below its cursor is live), so nothing it passes is live either
+        prefix = lane.live_end == lane.cursor
         k = 0
         while k < len(wanted):
             point = wanted[k][1]
@@ -399,10 +478,18 @@ class GroupStorePlanner:
                     return point // g.block_size - 1
                 return (point - 1) // self._checkpoint * self._checkpoint
             counts.skipped_null += (end - k) - len(usable)
-            refs = self.live_refs[g.name]
-            for i in usable:
-                lane.live.append((i, point))
-                count_up(refs, hashes[i])
+            refs = self.live.refs[g.name]
+            if not lane.full:
+                for i in usable:
+                    lane.live.append((i, point))
+                    count_up(refs, hashes[i])
+            elif prefix:  # a prefix, with holes where an entry was None (`Lane.live_end`)
+                for j, _ in wanted[k:end]:
+                    if j < 0:
+                        lane.holes.append(-1 - j)
+                    lane.live_end = (j if j >= 0 else -1 - j) + 1
+                for i in usable:
+                    count_up(refs, hashes[i])
             if admit is not None:  # OffloadConfig.store_admission, block by block
                 refused = [i for i in new if not admit(hashes[i])]
                 if refused:
@@ -416,7 +503,8 @@ class GroupStorePlanner:
                     raise InvariantError(f"group {g.name!r}: a null entry was planned")
                 if not batch.offer(hashes[i], entry, rid) and i in fresh:
                     raise InvariantError(f"group {g.name!r}: a store point did not fit")
-            rec.blocks.extend((rid, i, point) for i in new)
+            if not lane.full:
+                rec.blocks.extend((rid, i, point) for i in new)
             if passed is not None:
                 passed.extend(usable)
             k = end
@@ -449,76 +537,29 @@ class GroupStorePlanner:
                 continue
             name = g.name
             batch = StoreBatch(self._ledgers[name], self._limit)
-            rec = StoreRecord([], {})
+            rec = StoreRecord()
             want: dict[BlockHash, int] = {}
-            admission = self._admissions.get(name)
-            admit = admission.admit if admission is not None else None
-            if self._restore and self.restore_needed[name] and not final:
-                self._restore_scan(batch, name, states, rec)
+            if self._restore and self.live.restore_needed[name] and not final:
+                self.live.restore(batch, name, states, rec, self._counts[name].counters)
             # holds this plan ends once it is made (expired: given up unstored), in order
             ended: list[tuple[GroupedRequest, bool]] = []
-            full = g.kind == "full"
-            bs = g.block_size
-            for state in states:
-                lane = state.lanes[name]
-                fin = final or state.finished  # a hold: its last point too
-                if full and not fin and not state.priority:
-                    # a full lane whose new blocks all hold the request's KV: one run of
-                    # the one-group store loop (else: the store-point scan below)
-                    start = lane.cursor
-                    table, hashes = lane.table, lane.hashes
-                    end = state.num_computed_tokens // bs  # min() of the three, without a call
-                    if len(table) < end:  # noqa: PLR1730 - no call per request
-                        end = len(table)
-                    if len(hashes) < end:  # noqa: PLR1730
-                        end = len(hashes)
-                    if start >= end:
-                        continue  # nothing new
-                    if start >= lane.valid_from and (
-                        len(lane.ids) == len(table) or None not in table[start:end]
-                    ):
-                        if batch.deferred:
-                            batch.deferred += end - start
-                            batch.skipped.append(hashes[start])
-                            continue
-                        rid = state.request_id
-                        run_offer(
-                            batch, self.live_refs[name], admit, ((hashes, table, start, end, rid),)
-                        )
-                        i = batch.stopped
-                        if i != start:
-                            rec.cursors[rid] = start
-                            rec.lives[rid] = len(lane.live)
-                            points = range((start + 1) * bs, i * bs + 1, bs)
-                            lane.live.extend(zip(range(start, i), points))  # noqa: B905 - equal
-                            lane.cursor = i
-                        continue
-                if state.finished and self.plan_calls > state.hold_deadline:
-                    if lane.held:  # hold_max_steps passed
-                        ended.append((state, True))
-                    continue
-                wanted = self.scan(state, name, g, fin)
-                if batch.deferred:
-                    usable = [i for i, _ in wanted if i >= 0]
-                    if usable:
-                        batch.deferred += len(usable)
-                        batch.skipped.append(lane.hashes[usable[0]])
-                    continue
-                rec.cursors[state.request_id] = lane.cursor
-                rec.lives[state.request_id] = len(lane.live)
-                passed: list[int] | None = [] if state.priority else None
-                cut = self._offer(batch, state, g, wanted, rec, passed=passed)
-                if passed:
-                    prio = state.priority
-                    for i in passed:
-                        h = lane.hashes[i]
-                        if prio > want.get(h, 0):
-                            want[h] = prio
-                new = self.advance(g, state, fin) if cut is None else cut
-                if cut is None and lane.held:  # every held point planned
-                    ended.append((state, False))
-                lane.cursor = max(lane.cursor, new)
-                batch.end_run()
+            if g.kind == "full":
+                # the one-group store loop over the lanes whose new blocks all hold their
+                # request's KV, one call per stretch of them; a lane that needs the
+                # store-point scan stops the stretch, is planned, and the next one starts
+                refs = self.live.refs[name]
+                admission = self._admissions.get(name)
+                admit = admission.admit if admission is not None else None
+                todo = iter(states)
+                stopped: list[GroupedRequest] = []
+                while True:
+                    run_offer(batch, refs, admit, self._full_runs(batch, g, todo, rec, stopped))
+                    if not stopped:
+                        break
+                    self._plan_points(batch, stopped.pop(), g, final, rec, want=want, ended=ended)
+            else:
+                for state in states:
+                    self._plan_points(batch, state, g, final, rec, want=want, ended=ended)
             if prioritized:  # every planned block, re-stores too, as with one group
                 batch.owner_priorities(lambda rid: prioritized.get(rid, 0), want)
             deferred = deferred or bool(batch.deferred)
@@ -528,6 +569,94 @@ class GroupStorePlanner:
                 plans[name] = plan
         self.deferred_steps += deferred
         return GroupedPlan("store", plans) if plans else None
+
+    def _full_runs(
+        self,
+        batch: StoreBatch,
+        g: KVCacheGroup,
+        states: Iterator[GroupedRequest],
+        rec: StoreRecord,
+        stopped: list[GroupedRequest],
+    ) -> Iterator[Run]:
+        """Each live request's run of new blocks in full group ``g``, for `run_offer()`
+        (as one group's `StorePlanner`: the cursor moves where the run stopped; a run
+        after a deferral is counted deferred). Stops at a request whose lane needs the
+        store-point scan (`_plan_points()`: a retention priority, a hold, an entry that
+        is ``None`` or below ``valid_from``), handing it over in ``stopped``."""
+        name = g.name
+        bs = g.block_size
+        rollback = rec.rollback
+        for state in states:
+            lane = state.lanes[name]
+            if state.finished or state.priority:
+                stopped.append(state)
+                return
+            start = lane.cursor
+            table, hashes = lane.table, lane.hashes
+            end = state.num_computed_tokens // bs  # min() of the three, without a call
+            if len(table) < end:  # noqa: PLR1730 - no call per request
+                end = len(table)
+            if len(hashes) < end:  # noqa: PLR1730
+                end = len(hashes)
+            if start >= end:
+                continue  # nothing new
+            if start < lane.valid_from or (
+                len(lane.ids) != len(table) and None in table[start:end]
+            ):
+                stopped.append(state)
+                return
+            if batch.deferred:
+                batch.deferred += end - start
+                batch.skipped.append(hashes[start])
+                continue
+            yield hashes, table, start, end, state.request_id
+            i = batch.stopped
+            if i != start:
+                rollback.append((state, start, lane.live_end))
+                lane.cursor = lane.live_end = i
+
+    def _plan_points(
+        self,
+        batch: StoreBatch,
+        state: GroupedRequest,
+        g: KVCacheGroup,
+        final: bool,
+        rec: StoreRecord,
+        *,
+        want: dict[BlockHash, int],
+        ended: list[tuple[GroupedRequest, bool]],
+    ) -> None:
+        """Plan ``state``'s store points in group ``g`` (`scan()`, `_offer()`): its
+        computed ones, and its last one when ``final`` or finished (a hold); a hold past
+        ``hold_max_steps`` goes to ``ended`` as expired, one whose points are all planned
+        as ended; ``want`` gets the retention priority of every block passed."""
+        lane = state.lanes[g.name]
+        fin = final or state.finished  # a hold: its last point too
+        if state.finished and self.plan_calls > state.hold_deadline:
+            if lane.held:  # hold_max_steps passed
+                ended.append((state, True))
+            return
+        wanted = self.scan(state, g.name, g, fin)
+        if batch.deferred:
+            usable = [i for i, _ in wanted if i >= 0]
+            if usable:
+                batch.deferred += len(usable)
+                batch.skipped.append(lane.hashes[usable[0]])
+            return
+        rec.rollback.append((state, lane.cursor, live_mark(lane)))
+        passed: list[int] | None = [] if state.priority else None
+        cut = self._offer(batch, state, g, wanted, rec, passed=passed)
+        if passed:
+            prio = state.priority
+            for i in passed:
+                h = lane.hashes[i]
+                if prio > want.get(h, 0):
+                    want[h] = prio
+        new = self.advance(g, state, fin) if cut is None else cut
+        if cut is None and lane.held:  # every held point planned
+            ended.append((state, False))
+        lane.cursor = max(lane.cursor, new)
+        batch.end_run()
 
     def plan_lazy(self, gpu_caches: CacheViews | None) -> GroupedPlan | None:
         """One store plan per group from each group's cache view (``store_mode="lazy"``,
@@ -564,7 +693,7 @@ class GroupStorePlanner:
             batch = StoreBatch(self._ledgers[name], self._limit)
             scan_lazy(gpu_caches[name], batch, self.lazy_window)
             deferred = deferred or bool(batch.deferred)
-            plan = self._open(name, batch, StoreRecord([], {}), {})
+            plan = self._open(name, batch, StoreRecord(), {})
             if plan is not None:
                 plans[name] = plan
         self.deferred_steps += deferred
@@ -593,16 +722,18 @@ class GroupStorePlanner:
             ends=batch.run_ends(),
             priorities=priorities,
         )
-        refs = self.live_refs[name]
+        refs = self.live.refs[name]
         for block_hash in evicted:
             if block_hash in refs:
                 counters.evicted_while_live += 1
-                self.restore_needed[name] = True
+                self.live.restore_needed[name] = True
         counters.store_plans += 1
         rec.refused = tuple(batch.refused)
         self.records[(name, plan.plan_id)] = rec
+        key = (name, plan.plan_id)
+        requests = self._requests
         for rid in plan.request_ids:
-            self._requests[rid].in_flight.add((name, plan.plan_id))
+            requests[rid].in_flight.add(key)
         return plan
 
     def advance(self, g: KVCacheGroup, state: GroupedRequest, final: bool) -> int:
@@ -624,7 +755,7 @@ class GroupStorePlanner:
         if admission is not None:
             admission.undo(hashes, store.refused)
         if self._restore:
-            self.restore_needed[group] = True  # the plan may have held re-stores
+            self.live.restore_needed[group] = True  # the plan may have held re-stores
         if self.holds is not None:
             book = self.holds[group]
             for rid, held, cursor, live in store.holds:
@@ -632,17 +763,15 @@ class GroupStorePlanner:
                 if state is not None and book.give_back(held):
                     lane = state.lanes[group]
                     lane.held, lane.cursor = held, cursor
-                    for i, point in live:
-                        lane.live.append((i, point))
-                        count_up(self.live_refs[group], lane.hashes[i])
+                    self.live.give_back(group, lane, live)
         if not current:
             return
-        for rid, old in store.cursors.items():
-            state = self._requests.get(rid)
-            if state is not None and (not state.finished or state.lanes[group].held):
-                lane = state.lanes[group]
+        requests = self._requests
+        for state, old, mark in store.rollback:
+            lane = state.lanes[group]
+            if requests.get(state.request_id) is state and (not state.finished or lane.held):
                 lane.cursor = min(lane.cursor, old)
-                self.drop_live(group, lane, store.lives[rid])
+                self.live.drop(group, lane, mark)
 
     def check_invariants(self) -> None:
         """Every block of a store in flight lies in ``needed(g, point)`` of its point, the
@@ -652,14 +781,8 @@ class GroupStorePlanner:
             InvariantError: naming the group and the breach.
         """
         groups = {g.name: g for g in self._cacheable}
-        for name, refs in self.live_refs.items():
-            want: dict[BlockHash, int] = {}
-            for state in self._requests.values():
-                lane = state.lanes[name]
-                for i, _ in lane.live:
-                    count_up(want, lane.hashes[i])
-            if want != refs:
-                raise InvariantError(f"group {name!r}: live block counts disagree with the lanes")
+        self.live.check(self._requests.values())
+        for name in self.live.refs:
             held = sum(len(s.lanes[name].held) for s in self._requests.values())
             if self.holds is not None and held != self.holds[name].total:
                 raise InvariantError(

@@ -37,7 +37,6 @@ from kvoffload.config import OffloadConfig
 from kvoffload.errors import (
     ConfigError,
     InvalidInputError,
-    RequestStateError,
     UnknownRequestError,
 )
 from kvoffload.groups import (
@@ -73,8 +72,6 @@ from kvoffload.scheduler.group_state import (
     GroupTables,
     check_hashes,
     check_tables,
-    hashes_args,
-    table_changes,
 )
 from kvoffload.scheduler.group_stores import CacheViews, GroupStorePlanner
 from kvoffload.scheduler.ledger import BlockLedger
@@ -173,7 +170,11 @@ class GroupedScheduler:
         self._align = hit_alignment(groups)
         self._checkpoint = checkpoint_tokens
         self._ledgers = {g.name: BlockLedger(pools[g.name]) for g in self._cacheable}
-        self._table = GroupRequests([g.name for g in self._cacheable])
+        self._table = GroupRequests(
+            self._cacheable,
+            limits=self._limits,
+            every_entry=config is not None and config.restore_evicted,
+        )
         self._requests = self._table.requests
         self._counts = {
             g.name: GroupCounts(Counters(g.block_size, g.bytes_per_block)) for g in self._cacheable
@@ -200,8 +201,6 @@ class GroupedScheduler:
             config=config,
             priorities=self._table.priorities,
         )
-        self._check_all_entries = config is not None and config.restore_evicted
-        self._hash_args = hashes_args(self._cacheable)
 
     def __repr__(self) -> str:
         return (
@@ -300,39 +299,7 @@ class GroupedScheduler:
             InvalidInputError: a negative count, missing or changed hashes.
             InputTypeError: an entry not an int or ``None``; a float or bool count.
         """
-        num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", request_id)
-        if num_computed_tokens < 0:
-            raise InvalidInputError(
-                f"request {request_id!r}: num_computed_tokens={num_computed_tokens!r}"
-            )
-        existing = self._requests.get(request_id)
-        if existing is not None and existing.finished:
-            raise RequestStateError(f"request {request_id!r} is finished")
-        changes = table_changes(
-            self._cacheable,
-            self._limits,
-            request_id,
-            existing,
-            tables,
-            every_entry=self._check_all_entries,
-        )
-        grown = check_hashes(self._cacheable, request_id, existing, block_hashes, self._hash_args)
-        state = existing if existing is not None else self._table.state(request_id)
-        lanes = state.lanes
-        for k, g in enumerate(self._cacheable):
-            hashes = grown[k]
-            lane = lanes[g.name]
-            append, new = changes[g.name]
-            if append:
-                if new:
-                    lane.table.extend(new)
-                    lane.ids.update(new)  # type: ignore[arg-type]  # fresh_ids(): ints
-            else:
-                lane.table = new
-                lane.ids = {e for e in new if e is not None}
-            if hashes:
-                lane.hashes.extend(hashes)
-        state.num_computed_tokens = num_computed_tokens
+        self._table.update(request_id, tables, block_hashes, num_computed_tokens)
 
     # -- lookup and loads ------------------------------------------------------------------
 
@@ -368,7 +335,7 @@ class GroupedScheduler:
         num_tokens = as_int(num_tokens, "num_tokens", request_id)
         num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", request_id)
         check_lookup_counts(request_id, num_tokens, num_computed_tokens, align)
-        check_hashes(self._cacheable, request_id, None, block_hashes, self._hash_args)
+        check_hashes(self._cacheable, request_id, None, block_hashes, self._table.hash_args)
         state = self._table.state(request_id)
         self.release(request_id)
         note_prefix(self._cacheable, state, num_computed_tokens)
@@ -576,7 +543,7 @@ class GroupedScheduler:
         state.finished = True
         for name, lane in state.lanes.items():
             if not lane.held:
-                planner.drop_live(name, lane, 0)
+                planner.live.drop(name, lane, 0)
         self._table.drop_if_done(state)
         return plan
 
@@ -614,7 +581,7 @@ class GroupedScheduler:
         """
         state = self._table.live(request_id)
         self.release(request_id)
-        self._planner.forget(state)
+        self._planner.live.forget(state)
         for lane in state.lanes.values():
             lane.table, lane.cursor, lane.valid_from = [], 0, 0
             lane.ids = set()
@@ -631,10 +598,10 @@ class GroupedScheduler:
         self.release_all_holds()
         for state in self._requests.values():
             self.release(state.request_id)
-            self._planner.forget(state)
+            self._planner.live.forget(state)
             for lane in state.lanes.values():
                 lane.cursor = 0
-        self._planner.reset()
+        self._planner.live.reset()
         for ledger in self._ledgers.values():
             ledger.reset()
         return not self.num_in_flight
@@ -695,11 +662,14 @@ class GroupedScheduler:
         return True
 
     def _detach(self, group: str, plan: TransferPlan) -> None:
+        key = (group, plan.plan_id)
+        requests = self._requests
         for rid in plan.request_ids:
-            state = self._requests.get(rid)
+            state = requests.get(rid)
             if state is not None:
-                state.in_flight.discard((group, plan.plan_id))
-                self._table.drop_if_done(state)
+                state.in_flight.discard(key)
+                if state.finished:
+                    self._table.drop_if_done(state)
 
     # -- observation -----------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ __all__ = [
     "check_hash",
     "fresh_ids",
     "grown_hashes",
+    "grown_table",
     "length",
 ]
 
@@ -197,6 +198,28 @@ def fresh_ids(new: list[Any], seen: Collection[int], limit: int | None) -> bool:
         and len(fresh) == len(new)
         and fresh.isdisjoint(seen)
     )
+
+
+def grown_table(
+    table: object, old: list[Any], seen: Collection[int], read_from: int, limit: int | None
+) -> list[Any] | None:
+    """The one table-growth rule of every path (one group's `update()`, each group's
+    table of a `GroupedScheduler`'s): ``table``'s new entries when it is a list that only
+    grew from ``old``, with the known entries a store may still read (from ``read_from``
+    on, and always the last one) unchanged, and new entries that `fresh_ids()` accepts
+    (none in ``seen``, the int entries of ``old``; ids below ``limit``). ``None`` asks
+    the caller for its full check, which names the fault or takes the table as it is."""
+    if type(table) is not list:
+        return None
+    n_old = len(old)
+    if n_old:
+        start = read_from if read_from < n_old else n_old - 1
+        if len(table) < n_old or table[start:n_old] != old[start:]:
+            return None
+    new = table[n_old:]
+    if new and not fresh_ids(new, seen, limit):
+        return None
+    return new
 
 
 def check_distinct(
@@ -534,34 +557,32 @@ class RequestTable:
         cursor on, or all of them after a reset or under ``restore_evicted``) are unchanged.
         Entries below the cursor are read by nothing any more and are not compared.
         """
-        n = length(table, "gpu_block_ids", rid)
         old: list[int] = []
         seen: set[int] = set()
         check_from = 0
         if state is not None and state.phase is not _PREEMPTED:
             old, seen = state.gpu_block_ids, state.gpu_block_set
             if not (state.recheck_table or self._restore_evicted):
-                check_from = min(state.num_stored_blocks, len(old) - 1) if old else 0
+                check_from = state.num_stored_blocks
+        limit = self._num_gpu_blocks
+        grown = grown_table(table, old, seen, check_from, limit)
+        if grown is not None:
+            return grown
+        # the full check: it names the fault, or takes entries the fast rule does not
+        n = length(table, "gpu_block_ids", rid)
         n_old = len(old)
         if n < n_old:
             raise BlockTableError(
                 f"request {rid!r}: gpu_block_ids shrank from {n_old} to {n} entries "
                 "(preempt the request to start over)"
             )
-        if check_from < n_old and (
-            type(table) is not list or table[check_from:n_old] != old[check_from:]
-        ):
-            for i in range(check_from, n_old):
-                if table[i] != old[i]:
-                    raise BlockTableError(
-                        f"request {rid!r}: gpu_block_ids[{i}] changed from {old[i]} to "
-                        f"{table[i]!r} since the last call (preempt the request to start over)"
-                    )
-        limit = self._num_gpu_blocks
-        if type(table) is list and n > n_old:
-            new = table[n_old:]
-            if fresh_ids(new, seen, limit):
-                return new
+        check_from = min(check_from, n_old - 1) if n_old else 0
+        for i in range(check_from, n_old):
+            if table[i] != old[i]:
+                raise BlockTableError(
+                    f"request {rid!r}: gpu_block_ids[{i}] changed from {old[i]} to "
+                    f"{table[i]!r} since the last call (preempt the request to start over)"
+                )
         new = []
         for j in range(n_old, n):
             g = as_int(table[j], f"gpu_block_ids[{j}]", rid)
