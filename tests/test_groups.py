@@ -530,3 +530,22 @@ def test_a_full_lane_keeps_its_live_blocks_as_a_prefix_and_cancel_rolls_it_back(
     rig.run(sched.plan_stores())
     assert (lane.cursor, lane.live_end, lane.holes) == (4, 4, [])
     sched.check_invariants()
+
+
+def test_an_abandoned_load_forgets_the_gpu_blocks_it_wrote_in_every_lane() -> None:
+    """After `abandon_load()` a lane's kept GPU block ids are its trimmed table's (the
+    store loop's "no None here" shortcut counts them), as one group's `forget_from()`."""
+    rig = Rig([group("a", "full", 4), group("b", "full", 4)])
+    _store_prompt(rig, "a", 32)
+    prompt = rig.hashes(tokens(33))
+    assert rig.sched.lookup("b", prompt, 33) == 32
+    tabs = Tables(rig, 36)
+    assert rig.sched.plan_load("b", tabs.t, 32) is not None
+    rig.sched.update("b", tabs.t, prompt, 32)  # the engine reported the hit as computed
+    abandoned = rig.sched.abandon_load("b")
+    assert set(abandoned) == {"a", "b"}
+    rig.sched.check_invariants()
+    # the engine recomputes into the blocks it had given the load: not "named twice"
+    again = {name: table[:3] for name, table in tabs.t.items()}
+    rig.sched.update("b", again, prompt, 12)
+    rig.sched.check_invariants()

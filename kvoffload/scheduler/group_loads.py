@@ -177,6 +177,7 @@ def abandon_grouped(
             prefix = rec.prefix if prefix is None else min(prefix, rec.prefix)
             lane.valid_from = min(lane.valid_from, rec.valid_from)
         del lane.table[first:]
+        lane.ids = {e for e in lane.table if e is not None}
     if prefix is not None:
         state.num_computed_tokens = min(state.num_computed_tokens, prefix)
     return out
@@ -347,8 +348,10 @@ def _gap(  # noqa: PLR0917 - one group's view of one step
 
 def check_request(groups: Mapping[str, KVCacheGroup], state: GroupedRequest, align: int) -> None:
     """A request's pins cover exactly ``load_range(g, N)`` in every group for its one
-    aligned hit ``N`` (none without a hit); a finished request is kept only while its
-    transfers run or it holds GPU blocks (``hold_blocks_on_finish``).
+    aligned hit ``N`` (none without a hit); each lane's ``ids`` are exactly its table's
+    int entries (the store loop's "no ``None`` here" shortcut reads them); a finished
+    request is kept only while its transfers run or it holds GPU blocks
+    (``hold_blocks_on_finish``).
 
     Raises:
         InvariantError: naming the request, the group and the breach.
@@ -356,6 +359,12 @@ def check_request(groups: Mapping[str, KVCacheGroup], state: GroupedRequest, ali
     rid = state.request_id
     if state.finished and not state.in_flight and not state.holding:
         raise InvariantError(f"finished request {rid!r} kept")
+    for name, lane in state.lanes.items():
+        if lane.ids != {e for e in lane.table if e is not None}:
+            raise InvariantError(
+                f"request {rid!r}: group {name!r}: the GPU block ids kept "
+                f"{sorted(lane.ids)} are not the table's {lane.table}"
+            )
     if state.hit is None:
         if any(lane.pin is not None for lane in state.lanes.values()):
             raise InvariantError(f"request {rid!r}: pins without a hit")
