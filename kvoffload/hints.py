@@ -33,7 +33,7 @@ class _Hasher(Protocol[P_co]):
 
 
 class _Retention(Protocol[P]):
-    """What the hints call: a `Session` (one group) or a `GroupSession`."""
+    """What the hints call: the offloader's `Session` (one KV cache group or several)."""
 
     @property
     def hints(self) -> RetentionHints[P]: ...

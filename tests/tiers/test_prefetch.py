@@ -185,7 +185,7 @@ async def test_a_prefetch_never_takes_a_block_with_a_store_in_flight(tmp_path: P
     async with KVOffloader(cfg, kv) as off:
         prompt = tokens(9, 4)
         await stored_then_evicted(off, kv, prompt)
-        engine = off._session.engine
+        engine = off._life.engines["g0"]
         assert isinstance(engine, ThreadCopyEngine)
         gate = threading.Event()
         engine._copy_hook = CopyFaults(gate=gate)  # the stores' copies wait on the gate
