@@ -219,7 +219,7 @@ async def swap_in_other_group_blocks(off: KVOffloader, how: str, tmp_path: Path)
         hasher = BlockHasher(ns.root, BS)
         hasher.extend(TURN1)
         keys[n] = list(hasher.block_hashes)
-    nbytes = session.hosts["swa"].layout.bytes_per_block
+    nbytes = off._life.hosts["swa"].layout.bytes_per_block
     await tiers["full"].delete(keys["full"])
     for mine, theirs in zip(keys["full"], keys["swa"], strict=True):
         buf = memoryview(bytearray(nbytes))
