@@ -2,18 +2,21 @@
 
 A `Session` owns, for any number of groups, the lifecycle, the host buffers, copy
 engines and pinners (keyed by group name), the launcher's poller, the tiers' lifecycle,
-the hints, events and statistics. What truly differs with the shape sits in one `Front`:
-the scheduler's call signatures (one group's flat lists for an `OffloadScheduler`, a
-mapping per group name for a `GroupedScheduler`), how a plan is launched, how a prompt is
-hashed, how the tiers are wired. `OneGroupFront` (here) serves one full-attention group;
-`GroupsFront` (`kvoffload._group_front`, imported on first use: a one-group process never
-loads the group code) serves several.
+the hints, events and statistics. What truly differs with the shape sits in one *front*
+with the same methods either way: the scheduler's call signatures (one group's flat lists
+for an `OffloadScheduler`, a mapping per group name for a `GroupedScheduler`), how a plan
+is launched, how a prompt is hashed, how the tiers are built and wired, how the pools are
+counted. `OneGroupFront` (here) serves one full-attention group; `GroupsFront`
+(`kvoffload._group_front`, imported on first use: a one-group process never loads the
+group code) serves several. The session checks every call first (open, owner, poller,
+pinner error); a front only turns it into the scheduler's calls and the launcher's
+launches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, final
+from typing import TYPE_CHECKING, Any, final
 
 import anyio.abc
 
@@ -29,204 +32,17 @@ from kvoffload.pool.hints import RetentionHints, leading_runs
 from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.storage.host_buffer import HostKVBuffer
-from kvoffload.tiers.front import TierFront
 from kvoffload.tiers.manager import TierManager
 from kvoffload.transfer.engine import CopyEngine
 from kvoffload.transfer.task import TransferTask
 
 if TYPE_CHECKING:
-    from kvoffload.groups import KVCacheGroup
     from kvoffload.request_groups import GroupLanes
-    from kvoffload.scheduler.groups import GroupStatistics
 
-__all__ = ["GROUP", "Front", "OneGroupFront", "RunningTiers"]
+__all__ = ["GROUP", "OneGroupFront"]
 
 GROUP = "g0"
 """The name of the one group, for the launcher (`KVCacheGroup.from_layout()`'s default)."""
-
-
-class RunningTiers(TierFront, Protocol):
-    """The tiers a `Session` runs: the `TierFront` it shows, and what it tells them."""
-
-    def reset(self) -> None:
-        """Forget every promotion and write-down (`KVOffloader.reset()`)."""
-        ...
-
-    async def aclose(self) -> None:
-        """Stop and close every tier."""
-        ...
-
-
-class Front(Protocol):
-    """The scheduler of a `Session` in the shape of its groups (see the module).
-
-    The session checks every call first (open, owner, poller, pinner error); a front
-    only turns it into the scheduler's calls and the launcher's launches.
-    """
-
-    launcher: TransferLauncher
-    """The launcher (once built)."""
-    update: Callable[[str, Any, Any, int], None]
-    """`KVOffloader.update()` (once built; one group: the scheduler's own method)."""
-
-    @property
-    def builds_inline(self) -> bool:
-        """Whether `build` runs at once (else on opening, in a worker thread)."""
-        ...
-
-    @property
-    def groups(self) -> tuple[KVCacheGroup, ...] | None:
-        """`KVOffloader.groups` (``None``: one group)."""
-        ...
-
-    @property
-    def tiers(self) -> RunningTiers | None:
-        """The tiers, once `start_tiers` built them."""
-        ...
-
-    @property
-    def hash_block_size(self) -> int:
-        """The block size `KVOffloader.hash_prompt()` hashes with (the first group's)."""
-        ...
-
-    def build(
-        self,
-        engines: Mapping[str, CopyEngine],
-        pinners: Mapping[str, GpuBlockPinner],
-        poll_interval_s: float,
-    ) -> TransferLauncher:
-        """Build the scheduler (one group: its pool) and the launcher over ``engines``."""
-        ...
-
-    def pool_blocks(self) -> dict[str, int]:
-        """Per cacheable group, its CPU pool's blocks (its host buffer's size)."""
-        ...
-
-    async def start_tiers(
-        self, task_group: anyio.abc.TaskGroup, hosts: Mapping[str, HostKVBuffer]
-    ) -> None:
-        """Build the tiers over ``hosts`` (`tiers` from now on), wire them to the
-        launcher, start them."""
-        ...
-
-    def make_hints(self) -> RetentionHints[Any]:
-        """The session hints, retained through the scheduler."""
-        ...
-
-    def one_group(self, what: str) -> OffloadScheduler:
-        """The one group's scheduler, for `KVOffloader.scheduler`/``pool``.
-
-        Raises:
-            InvalidInputError: several groups (the message names them).
-        """
-        ...
-
-    def handle_shape(self, request_id: str) -> tuple[int, GroupLanes | None]:
-        """A new handle's block size (the hit alignment) and per-group lanes."""
-        ...
-
-    def reserve(self, request_id: str) -> None:
-        """Hold ``request_id`` for a new handle until it finishes."""
-        ...
-
-    def set_priority(self, request_id: str, priority: int) -> None:
-        """The request's retention priority."""
-        ...
-
-    def has_request(self, request_id: str) -> bool:
-        """`KVOffloader.has_request()`."""
-        ...
-
-    def lookup(
-        self,
-        request_id: str,
-        block_hashes: Any,
-        num_tokens: int,
-        num_computed_tokens: int,
-        *,
-        allow_defer: bool,
-        no_read: bool,
-    ) -> int | None:
-        """`KVOffloader.lookup()`."""
-        ...
-
-    def lookup_outcome(self, request_id: str) -> tuple[MissReason, dict[str, int]]:
-        """The last lookup's `MissReason` and the tokens each tier brought in."""
-        ...
-
-    def load(self, request_id: str, tables: Any, num_tokens: int) -> TransferTask | None:
-        """Plan and launch a load (``None`` for 0 tokens)."""
-        ...
-
-    def abandon_load(self, request_id: str) -> tuple[int, ...] | dict[str, tuple[int, ...]]:
-        """Abandon the request's loads: the GPU blocks their copies still write."""
-        ...
-
-    def store(self, after: object | None, gpu_cache: Any) -> list[TransferTask]:
-        """Plan this step's stores and launch them as one transfer (or none)."""
-        ...
-
-    def finish(self, request_id: str) -> None:
-        """Finish the request; launch its last store, hold its unstored blocks."""
-        ...
-
-    def preempt(self, request_id: str) -> None:
-        """`KVOffloader.preempt()`."""
-        ...
-
-    def release(self, request_id: str) -> None:
-        """`KVOffloader.release()`."""
-        ...
-
-    def hash_prompt(self, token_ids: Sequence[int]) -> Any:
-        """A prompt's hashes, as `retain()` and the hints take them."""
-        ...
-
-    def retain(self, block_hashes: Any, owner: Hashable) -> int:
-        """`KVOffloader.retain_prefix()` of hashes: how many blocks are retained."""
-        ...
-
-    def release_retained(self, owner: Hashable) -> int:
-        """`KVOffloader.release_retained()`."""
-        ...
-
-    def hint_prefix(self, block_hashes: Any) -> Any:
-        """The hashes a hint keeps (frozen)."""
-        ...
-
-    async def prefetch(self, block_hashes: Any, num_tokens: int) -> int:
-        """`SessionHints.prefetch()` of hashes."""
-        ...
-
-    def release_all_holds(self) -> None:
-        """Let go of every finished request's held blocks (closing)."""
-        ...
-
-    def release_all_retained(self) -> None:
-        """End every `retain_prefix()` owner (closing)."""
-        ...
-
-    def reset(self) -> None:
-        """Empty the pools, abandon the plans in flight (`KVOffloader.reset()`)."""
-        ...
-
-    def is_empty(self) -> bool:
-        """Whether nothing is cached and nothing is in flight."""
-        ...
-
-    def take_events(self) -> list[PoolEvent]:
-        """The pools' events since the last call."""
-        ...
-
-    def statistics(
-        self,
-    ) -> tuple[PoolStatistics, SchedulerStatistics, dict[str, GroupStatistics] | None]:
-        """The pool's, the scheduler's and (several groups) each group's statistics."""
-        ...
-
-    def check_invariants(self) -> None:
-        """Check the scheduler's invariants (and the tiers' where the scheduler does not)."""
-        ...
 
 
 @final
@@ -325,10 +141,6 @@ class OneGroupFront:
         """`OffloadScheduler.reserve()`."""
         self.scheduler.reserve(request_id)
 
-    def set_priority(self, request_id: str, priority: int) -> None:
-        """`OffloadScheduler.set_priority()`."""
-        self.scheduler.set_priority(request_id, priority)
-
     def has_request(self, request_id: str) -> bool:
         """`OffloadScheduler.has_request()`."""
         return self.scheduler.has_request(request_id)
@@ -336,7 +148,7 @@ class OneGroupFront:
     def lookup(
         self,
         request_id: str,
-        block_hashes: Sequence[BlockHash],
+        block_hashes: Sequence[BlockHash] | Mapping[str, Sequence[BlockHash]],
         num_tokens: int,
         num_computed_tokens: int,
         *,
@@ -364,7 +176,12 @@ class OneGroupFront:
         bs = self._plan.config.block_size
         return state.miss_reason, {name: n * bs for name, n in tier_hits.items()}
 
-    def load(self, request_id: str, tables: Sequence[int], num_tokens: int) -> TransferTask | None:
+    def load(
+        self,
+        request_id: str,
+        tables: Sequence[int] | Mapping[str, Sequence[int | None]],
+        num_tokens: int,
+    ) -> TransferTask | None:
         """Plan the load of one table, then launch it."""
         if isinstance(tables, Mapping):
             raise _mapping(request_id, tables)
@@ -378,7 +195,9 @@ class OneGroupFront:
         plans = self.scheduler.abandon_load(request_id)
         return self.launcher.abandon_loads({GROUP: plans})[GROUP]
 
-    def store(self, after: object | None, gpu_cache: GpuCacheView | None) -> list[TransferTask]:
+    def store(
+        self, after: object | None, gpu_cache: GpuCacheView | Mapping[str, GpuCacheView] | None
+    ) -> list[TransferTask]:
         """Plan this step's stores and launch them as one transfer."""
         if isinstance(gpu_cache, Mapping):
             raise InputTypeError(
@@ -399,10 +218,6 @@ class OneGroupFront:
     def preempt(self, request_id: str) -> None:
         """`OffloadScheduler.preempt()`."""
         self.scheduler.preempt(request_id)
-
-    def release(self, request_id: str) -> None:
-        """`OffloadScheduler.release()`."""
-        self.scheduler.release(request_id)
 
     def hash_prompt(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """The prompt's full blocks' hashes."""
@@ -432,17 +247,9 @@ class OneGroupFront:
             )
         return await tiers.prefetch(block_hashes)
 
-    def release_all_holds(self) -> None:
-        """`OffloadScheduler.release_all_holds()`."""
-        self.scheduler.release_all_holds()
-
     def release_all_retained(self) -> None:
         """`BlockLedger.release_all_retained()`."""
         self.scheduler.ledger.release_all_retained()
-
-    def reset(self) -> None:
-        """`OffloadScheduler.reset()`."""
-        self.scheduler.reset()
 
     def is_empty(self) -> bool:
         """Nothing cached, nothing in flight."""

@@ -186,10 +186,6 @@ class GroupsFront:
             )
         self._live.add(request_id)
 
-    def set_priority(self, request_id: str, priority: int) -> None:
-        """`GroupedScheduler.set_priority()`."""
-        self.scheduler.set_priority(request_id, priority)
-
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` has a live handle or copies in flight."""
         return request_id in self._live or self.scheduler.has_request(request_id)
@@ -291,10 +287,6 @@ class GroupsFront:
         if self.scheduler.has_request(request_id):
             self.scheduler.preempt(request_id)
 
-    def release(self, request_id: str) -> None:
-        """Drop the lookup's pins in every group."""
-        self.scheduler.release(request_id)
-
     # -- retention and session hints, in every group ----------------------------------------
 
     def hash_prompt(self, token_ids: Sequence[int]) -> dict[str, list[BlockHash]]:
@@ -333,18 +325,10 @@ class GroupsFront:
             return find_hit(groups, pools, lanes, num_tokens, computed=0, align=self.alignment)
         return await tiers.prefetch(lanes, num_tokens)
 
-    def release_all_holds(self) -> None:
-        """`GroupedScheduler.release_all_holds()`."""
-        self.scheduler.release_all_holds()
-
     def release_all_retained(self) -> None:
         """Every group's ledger's `release_all_retained()`."""
         for name, _, _ in self.lanes:
             self.scheduler.ledger(name).release_all_retained()
-
-    def reset(self) -> None:
-        """`GroupedScheduler.reset()`."""
-        self.scheduler.reset()
 
     def is_empty(self) -> bool:
         """Nothing cached in any group, nothing in flight."""

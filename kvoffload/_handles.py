@@ -64,5 +64,5 @@ def open_handle(  # noqa: PLR0917 - the offloader, its session, then request()'s
     # Last, once nothing can be refused any more (see the module's docstring).
     front.reserve(request_id)
     if priority:
-        front.set_priority(request_id, priority)
+        front.scheduler.set_priority(request_id, priority)
     return handle

@@ -25,15 +25,16 @@ import anyio.abc
 import anyio.to_thread
 import torch
 
-from kvoffload._front import GROUP, Front, RunningTiers
+from kvoffload._front import GROUP, OneGroupFront
 from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import ClosedError, ForkedProcessError, WrongContextError
+from kvoffload.hashing import BlockHash
 from kvoffload.launcher import TransferLauncher
 from kvoffload.pinner import GpuBlockPinner
 from kvoffload.pool.block_pool import PoolEvent, PoolStatistics
 from kvoffload.pool.hints import RetentionHints
-from kvoffload.scheduler import SchedulerStatistics
+from kvoffload.scheduler import GpuCacheView, SchedulerStatistics
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.tiers.stats import TierManagerStatistics
 from kvoffload.transfer.cuda_engine import CudaCopyEngine
@@ -42,8 +43,11 @@ from kvoffload.transfer.poller import PollerStatistics
 from kvoffload.transfer.task import TransferTask
 from kvoffload.transfer.thread_engine import ThreadCopyEngine
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # imported on first use (`make_session()`): one group never loads it
+    from kvoffload._group_front import GroupsFront
     from kvoffload.scheduler.groups import GroupStatistics
+    from kvoffload.tiers.groups import GroupTiers
+    from kvoffload.tiers.manager import TierManager
 
 __all__ = ["Lifecycle", "Session"]
 
@@ -183,7 +187,7 @@ class Session(Lifecycle):
     def __init__(  # noqa: PLR0917 - one positional per part, named at the only call
         self,
         config: OffloadConfig,
-        front: Front,
+        front: OneGroupFront | GroupsFront,
         layouts: Mapping[str, KVLayout],
         gpu_kv: Mapping[str, Sequence[torch.Tensor]],
         pinners: Mapping[str, GpuBlockPinner],
@@ -224,7 +228,7 @@ class Session(Lifecycle):
             )
 
     @property
-    def tiers(self) -> RunningTiers | None:
+    def tiers(self) -> TierManager | GroupTiers | None:
         """The tiers' front, when ``config.tiers`` is set and the session is open."""
         return self.front.tiers
 
@@ -302,7 +306,7 @@ class Session(Lifecycle):
         flight and wait for them; whether nothing is cached or in flight on return."""
         self.check("reset")
         front = self.front
-        front.reset()
+        front.scheduler.reset()
         self.hints.clear()  # the reset released every retained block
         if front.tiers is not None:
             front.tiers.reset()
@@ -333,14 +337,19 @@ class Session(Lifecycle):
     def release(self, request_id: str) -> None:
         """`KVOffloader.release()`."""
         self.check("release")
-        self.front.release(request_id)
+        self.front.scheduler.release(request_id)
 
     async def drain(self) -> None:
         """`KVOffloader.drain()`: wait for every transfer in flight."""
         self.check("drain")
         await self.launcher.poller.drain()
 
-    def load(self, request_id: str, tables: Any, num_tokens: int) -> TransferTask | None:
+    def load(
+        self,
+        request_id: str,
+        tables: Sequence[int] | Mapping[str, Sequence[int | None]],
+        num_tokens: int,
+    ) -> TransferTask | None:
         """`KVOffloader.load()`: plan the load, then launch it (``None`` for 0 tokens)."""
         self.check("load")
         return self.front.load(request_id, tables, num_tokens)
@@ -351,13 +360,19 @@ class Session(Lifecycle):
         return self.front.abandon_load(request_id)
 
     def update(
-        self, request_id: str, tables: Any, block_hashes: Any, num_computed_tokens: int
+        self,
+        request_id: str,
+        tables: Sequence[int] | Mapping[str, Sequence[int | None]],
+        block_hashes: Sequence[BlockHash] | Mapping[str, Sequence[BlockHash]],
+        num_computed_tokens: int,
     ) -> None:
         """`KVOffloader.update()`."""
         self.check("update")
         self.front.update(request_id, tables, block_hashes, num_computed_tokens)
 
-    def store(self, after: object | None, gpu_cache: Any) -> list[TransferTask]:
+    def store(
+        self, after: object | None, gpu_cache: GpuCacheView | Mapping[str, GpuCacheView] | None
+    ) -> list[TransferTask]:
         """`KVOffloader.store()`: plan this step's stores and launch them as one transfer;
         the holds that ended are unpinned whatever happens."""
         self.check("store")
@@ -463,7 +478,7 @@ class Session(Lifecycle):
                     # Every copy has ended now. Deliver what the poller has not (it may
                     # have been cancelled with the scope around 'async with').
                     await self.launcher.collect(self._config.poll_interval_s)
-                    front.release_all_holds()
+                    front.scheduler.release_all_holds()
                     self.launcher.unpin_released_holds()
                     # retain_prefix() owners and session hints end with the offloader
                     self.hints.clear()
