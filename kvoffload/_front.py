@@ -121,13 +121,16 @@ class OneGroupFront:
         await task_group.start(tiers.run)
 
     def make_hints(self) -> RetentionHints[Sequence[BlockHash]]:
-        """Hints retained through the scheduler's ledger, leading runs only."""
-        ledger = self.scheduler.ledger
+        """Hints retained through the scheduler's ledger, leading runs only (made before
+        a large pool is built: the ledger is found when a hint is given)."""
 
         def retain(hashes: Sequence[BlockHash], owner: Hashable, fit: bool) -> list[CpuBlock]:
-            return ledger.retain(hashes, owner, fit=fit)
+            return self.scheduler.ledger.retain(hashes, owner, fit=fit)
 
-        return RetentionHints(leading_runs(retain), ledger.release_retained)
+        def release(owner: Hashable) -> int:
+            return self.scheduler.ledger.release_retained(owner)
+
+        return RetentionHints(leading_runs(retain), release)
 
     def one_group(self, what: str) -> OffloadScheduler:
         """The scheduler."""

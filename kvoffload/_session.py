@@ -205,7 +205,7 @@ class Session(Lifecycle):
         self.hosts: dict[str, HostKVBuffer] = {}
         """Per cacheable group, its host buffer, when this session made the copy engines."""
         self.launcher: TransferLauncher
-        self.hints: RetentionHints[Any]
+        self.hints: RetentionHints[Any] = front.make_hints()
         """The session hints (``retain_for_s``), retained through the scheduler."""
         self.built = False
         """Whether the scheduler and the launcher exist."""
@@ -216,7 +216,6 @@ class Session(Lifecycle):
         """Build the scheduler and the launcher (on `open` in a worker thread for large
         pools)."""
         self.launcher = self.front.build(self.engines, self._pinners, self._config.poll_interval_s)
-        self.hints = self.front.make_hints()
         self.built = True
 
     def check_built(self) -> None:
