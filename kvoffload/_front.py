@@ -47,7 +47,7 @@ GROUP = "g0"
 
 @final
 class OneGroupFront:
-    """The `Front` of one full-attention group: an `OffloadScheduler` over one pool.
+    """The front of one full-attention group: an `OffloadScheduler` over one pool.
 
     Args:
         plan: the core, sized and checked (built by `build`).

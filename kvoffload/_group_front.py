@@ -1,4 +1,4 @@
-"""`GroupsFront`: the `Front` of a `Session` for a model with several KV cache groups.
+"""`GroupsFront`: the front of a `Session` for a model with several KV cache groups.
 
 It turns the session's calls into a `GroupedScheduler`'s (built by
 `build_grouped_scheduler()`): tables and hashes one per group name, a hit valid for
@@ -64,7 +64,7 @@ def _check_host_memory(
 
 @final
 class GroupsFront:
-    """The `Front` of several KV cache groups (or one that is not ``full``).
+    """The front of several KV cache groups (or one that is not ``full``).
 
     Args:
         config: the settings (``cpu_bytes`` is split across the groups by need).

@@ -5,7 +5,7 @@ One `Session` serves one KV cache group and several. It owns the offloader's lif
 loop's thread, the task that entered), and, keyed by group name (one group: a mapping of
 one), the layouts, the GPU tensors, the pinners and the parts that exist only while it
 is open: the host buffers and copy engines, the task group that runs the completion
-poller and the tiers. It checks every step-loop call, then hands it to its `Front`: the
+poller and the tiers. It checks every step-loop call, then hands it to its front: the
 one object that knows the shape of the groups (the scheduler's call signatures, how a
 plan is launched, how a prompt is hashed; `OneGroupFront` or `GroupsFront`). The front
 builds the scheduler and the `TransferLauncher`, at once or, for a large one-group pool,

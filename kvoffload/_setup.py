@@ -1,6 +1,6 @@
 """How a `KVOffloader` is set up: its session, for one KV cache group or several.
 
-`make_session()` turns the constructor's arguments into a `Session` over its `Front`:
+`make_session()` turns the constructor's arguments into a `Session` over its front:
 `OneGroupFront` for one full-attention group (the layout given or inferred, the pool
 sized and checked), `GroupsFront` for several groups (imported on first use: a
 single-group process never loads the group code), each group's layout and tensors keyed
