@@ -156,7 +156,7 @@ class KVOffloader:
     def hints(self) -> SessionHints[Any]:
         """Session hints: retain for a pause, release, prefetch (docs/hints.md); with
         several KV cache groups, retained in every group."""
-        return SessionHints(self._life, self._life)
+        return SessionHints(self._life)
 
     @property
     def groups(self) -> tuple[KVCacheGroup, ...] | None:
