@@ -266,10 +266,6 @@ class OneGroupFront:
         """The pool's and the scheduler's statistics."""
         return self.pool.statistics(), self.scheduler.statistics(), None
 
-    def check_invariants(self) -> None:
-        """`OffloadScheduler.check_invariants()`."""
-        self.scheduler.check_invariants()
-
 
 def _mapping(request_id: str, value: Mapping[str, object]) -> InvalidInputError:
     """One group takes one table and one hash list, never a mapping of group names."""

@@ -354,9 +354,3 @@ class GroupsFront:
             in_flight_transfers=self.launcher.num_in_flight,
         )
         return pool_statistics(self.scheduler), counters, self.scheduler.statistics()
-
-    def check_invariants(self) -> None:
-        """Check the scheduler's invariants, then every group's tier manager's."""
-        self.scheduler.check_invariants()
-        if self.tiers is not None:
-            self.tiers.check_invariants()

@@ -441,9 +441,12 @@ class Session(Lifecycle):
         )
 
     def check_invariants(self) -> None:
-        """The scheduler's invariants (see `KVOffloader.check_invariants()`)."""
+        """The scheduler's invariants, then the tiers' (see `KVOffloader.check_invariants()`)."""
         self.check_built()
-        self.front.check_invariants()
+        self.front.scheduler.check_invariants()
+        tiers = self.front.tiers
+        if tiers is not None:
+            tiers.check_invariants()
 
     # -- checks ------------------------------------------------------------------------
 

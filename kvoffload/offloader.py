@@ -164,9 +164,9 @@ class KVOffloader:
         return self._life.front.groups
 
     def check_invariants(self) -> None:
-        """Check the scheduler's invariants (every group's, and the cross-group rules,
-        and with tiers every group's tier manager's); raises `InvariantError` naming what
-        does not hold."""
+        """Check the scheduler's invariants (every group's, and the cross-group rules),
+        then, with tiers, the tier manager's (every group's); raises `InvariantError`
+        naming what does not hold."""
         self._life.check_invariants()
 
     def has_request(self, request_id: str) -> bool:
