@@ -10,16 +10,12 @@ handle gets the request's per-group lanes; its priority applies in every group.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from kvoffload._session import Session
-from kvoffload.config import OffloadConfig
 from kvoffload.hashing import HashNamespace
 from kvoffload.request import OffloadRequest
 from kvoffload.scheduler.requests import check_request_priority
-
-if TYPE_CHECKING:  # the group code is imported on first use: one group never loads it
-    from kvoffload._group_session import GroupSession
 
 __all__ = ["open_handle"]
 
@@ -28,14 +24,12 @@ class _Offloader(Protocol):
     """What `open_handle()` reads of the offloader the handle calls."""
 
     @property
-    def config(self) -> OffloadConfig: ...
-    @property
     def namespace(self) -> HashNamespace: ...
 
 
 def open_handle(  # noqa: PLR0917 - the offloader, its session, then request()'s arguments
     off: _Offloader,
-    life: Session | GroupSession,
+    life: Session,
     request_id: str,
     prompt_token_ids: Sequence[int],
     num_computed_tokens: int,
@@ -45,10 +39,10 @@ def open_handle(  # noqa: PLR0917 - the offloader, its session, then request()'s
     in ``life`` (the offloader's session) and its ``priority`` set.
 
     Args:
-        off: the offloader, which the handle calls; its block size and namespace root
-            are the handle's with one group (with several, the groups' alignment and
-            the lanes' own roots).
-        life: the offloader's session (one group) or group session.
+        off: the offloader, which the handle calls; its namespace root is the handle's
+            with one group (with several, the lanes' own roots).
+        life: the offloader's session; its front gives the handle's block size (the
+            hit alignment) and, with several groups, its lanes.
         request_id, prompt_token_ids, num_computed_tokens, priority: as `request()`.
 
     Raises:
@@ -56,12 +50,8 @@ def open_handle(  # noqa: PLR0917 - the offloader, its session, then request()'s
     """
     life.check("request")
     check_request_priority(request_id, priority)
-    block_size = off.config.block_size
-    if isinstance(life, Session):
-        lanes = None
-    else:
-        lanes = life.lanes_for(request_id)
-        block_size = life.alignment
+    front = life.front
+    block_size, lanes = front.handle_shape(request_id)
     handle: OffloadRequest = OffloadRequest._create(
         off,
         request_id,
@@ -72,10 +62,7 @@ def open_handle(  # noqa: PLR0917 - the offloader, its session, then request()'s
         lanes=lanes,
     )
     # Last, once nothing can be refused any more (see the module's docstring).
-    if isinstance(life, Session):
-        life.scheduler.reserve(request_id)
-    else:
-        life.reserve(request_id)
+    front.reserve(request_id)
     if priority:
-        life.scheduler.set_priority(request_id, priority)
+        front.scheduler.set_priority(request_id, priority)
     return handle

@@ -1,12 +1,15 @@
 """The parts of a `KVOffloader` and their lifecycle: what ``async with`` starts and stops.
 
-A `Session` builds the core (`CorePlan.build()`: pool and scheduler) and the
-`TransferLauncher`, at once or, for a large pool, in a worker thread on entering. It owns
-the offloader's lifecycle (created, open, closing, closed), who may call it (the process
-that made it, the event loop's thread, the task that entered), and the parts that exist
-only while it is open: the host buffer, the copy engine, the task group that runs the
-completion poller and the tiers, and the tier manager. `KVOffloader` is the face: it
-checks each call here and hands it to the scheduler, the launcher or the tiers.
+One `Session` serves one KV cache group and several. It owns the offloader's lifecycle
+(created, open, closing, closed), who may call it (the process that made it, the event
+loop's thread, the task that entered), and, keyed by group name (one group: a mapping of
+one), the layouts, the GPU tensors, the pinners and the parts that exist only while it
+is open: the host buffers and copy engines, the task group that runs the completion
+poller and the tiers. It checks every step-loop call, then hands it to its front: the
+one object that knows the shape of the groups (the scheduler's call signatures, how a
+plan is launched, how a prompt is hashed; `OneGroupFront` or `GroupsFront`). The front
+builds the scheduler and the `TransferLauncher`, at once or, for a large one-group pool,
+in a worker thread on entering. `KVOffloader` is the face.
 """
 
 from __future__ import annotations
@@ -14,27 +17,25 @@ from __future__ import annotations
 import enum
 import os
 import threading
-from collections.abc import Hashable, Sequence
-from typing import final
+from collections.abc import Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, final
 
 import anyio
 import anyio.abc
 import anyio.to_thread
 import torch
 
+from kvoffload._front import GROUP, OneGroupFront
 from kvoffload._logging import get_logger
-from kvoffload.build import CorePlan, build_tiers
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import ClosedError, ForkedProcessError, WrongContextError
-from kvoffload.hashing import BlockHash, HashNamespace
-from kvoffload.launcher import OneGroup, TransferLauncher
+from kvoffload.hashing import BlockHash
+from kvoffload.launcher import TransferLauncher
 from kvoffload.pinner import GpuBlockPinner
-from kvoffload.pool.block import CpuBlock
-from kvoffload.pool.block_pool import CpuBlockPool, PoolEvent, PoolStatistics
-from kvoffload.pool.hints import RetentionHints, leading_runs
-from kvoffload.scheduler import GpuCacheView, OffloadScheduler, SchedulerStatistics
+from kvoffload.pool.block_pool import PoolEvent, PoolStatistics
+from kvoffload.pool.hints import RetentionHints
+from kvoffload.scheduler import GpuCacheView, SchedulerStatistics
 from kvoffload.storage.host_buffer import HostKVBuffer
-from kvoffload.tiers.manager import TierManager
 from kvoffload.tiers.stats import TierManagerStatistics
 from kvoffload.transfer.cuda_engine import CudaCopyEngine
 from kvoffload.transfer.engine import CopyEngine
@@ -42,12 +43,15 @@ from kvoffload.transfer.poller import PollerStatistics
 from kvoffload.transfer.task import TransferTask
 from kvoffload.transfer.thread_engine import ThreadCopyEngine
 
+if TYPE_CHECKING:  # imported on first use (`make_session()`): one group never loads it
+    from kvoffload._group_front import GroupsFront
+    from kvoffload.scheduler.groups import GroupStatistics
+    from kvoffload.tiers.groups import GroupTiers
+    from kvoffload.tiers.manager import TierManager
+
 __all__ = ["Lifecycle", "Session"]
 
 _log = get_logger("offloader")
-
-_GROUP = "g0"
-"""The name of the one group, for the launcher (`KVCacheGroup.from_layout()`'s default)."""
 
 
 class _State(enum.Enum):
@@ -72,9 +76,9 @@ class _State(enum.Enum):
 
 
 class Lifecycle:
-    """The lifecycle and owner checks that `Session` and `GroupSession` share: the
-    state (created, open, closing, closed), the process that made it, the event loop's
-    thread and the task that entered it, and the task group that runs while open."""
+    """The lifecycle and owner checks of a `Session`: the state (created, open,
+    closing, closed), the process that made it, the event loop's thread and the task
+    that entered it, and the task group that runs while open."""
 
     __slots__ = ("_loop_thread", "_owner_task", "_pid", "_state", "_task_group")
 
@@ -155,88 +159,82 @@ class Session(Lifecycle):
     """The parts, the lifecycle and the owner checks of one `KVOffloader`.
 
     Args:
-        plan: the core, sized and checked (its pool is built now when small enough, else
-            on `open`).
-        layout: the KV layout.
-        gpu_kv: the engine's per-layer KV tensors.
-        namespace: the hash namespace (the tiers' too).
-        pinner: the engine's pinner, for the launcher.
-        engine: the caller's copy engine; ``None`` makes a host buffer and an engine on
-            `open`.
+        config: the settings.
+        front: the scheduler in the shape of the groups (built now when it
+            `builds_inline`, else on `open`).
+        layouts: per cacheable group, its layout.
+        gpu_kv: per cacheable group, the engine's layer tensors.
+        pinners: per group, its pinner (a group not named is not pinned).
+        engines: per cacheable group, a copy engine given by the caller (then no host
+            buffer is made), or ``None``: a host buffer and an engine per group are made
+            on `open`.
     """
 
     __slots__ = (
         "_config",
-        "_engines",
-        "_gpu_kv",
-        "_layout",
-        "_namespace",
-        "_pinner",
-        "_plan",
+        "_kv",
+        "_layouts",
+        "_own_engines",
+        "_pinners",
         "built",
-        "engine",
+        "engines",
+        "front",
         "hints",
-        "host",
+        "hosts",
         "launcher",
-        "pool",
-        "scheduler",
-        "tiers",
     )
 
     def __init__(  # noqa: PLR0917 - one positional per part, named at the only call
         self,
-        plan: CorePlan,
-        layout: KVLayout,
-        gpu_kv: Sequence[torch.Tensor],
-        namespace: HashNamespace,
-        pinner: GpuBlockPinner,
-        engine: CopyEngine | None,
+        config: OffloadConfig,
+        front: OneGroupFront | GroupsFront,
+        layouts: Mapping[str, KVLayout],
+        gpu_kv: Mapping[str, Sequence[torch.Tensor]],
+        pinners: Mapping[str, GpuBlockPinner],
+        engines: Mapping[str, CopyEngine] | None,
     ) -> None:
-        self._plan = plan
-        self._config: OffloadConfig = plan.config
-        self._layout = layout
-        self._gpu_kv = tuple(gpu_kv)
-        self._namespace = namespace
-        self._pinner = pinner
+        self._config = config
+        self.front = front
+        self._layouts = dict(layouts)
+        self._kv = {name: tuple(kv) for name, kv in gpu_kv.items()}
+        self._pinners = dict(pinners)
         self._init_lifecycle()
-        self.engine = engine
-        """The copy engine (made on `start` unless the caller gave one)."""
-        self._engines: dict[str, CopyEngine] = {}
-        self.host: HostKVBuffer | None = None
-        """The host buffer, when this session made the copy engine."""
-        self.tiers: TierManager | None = None
-        """The tier manager, when ``config.tiers`` is set."""
-        self.pool: CpuBlockPool
-        self.scheduler: OffloadScheduler
+        self._own_engines = engines is None
+        self.engines: dict[str, CopyEngine] = dict(engines or {})
+        """Per cacheable group, its copy engine (made on `open` unless the caller gave them)."""
+        self.hosts: dict[str, HostKVBuffer] = {}
+        """Per cacheable group, its host buffer, when this session made the copy engines."""
         self.launcher: TransferLauncher
+        self.hints: RetentionHints[Any] = front.make_hints()
+        """The session hints (``retain_for_s``), retained through the scheduler."""
         self.built = False
-        """Whether `pool`, `scheduler` and `launcher` exist."""
-        self.hints: RetentionHints[Sequence[BlockHash]] = RetentionHints(
-            leading_runs(self._hint_retain), self._hint_release
-        )
-        """The session hints (``retain_for_s``), retained through the scheduler's ledger."""
-        if plan.builds_inline:
+        """Whether the scheduler and the launcher exist."""
+        if front.builds_inline:
             self.build()
 
     def build(self) -> None:
-        """Build the core and the launcher (on `open` in a worker thread for large pools)."""
-        core = self._plan.build()
-        self.pool, self.scheduler = core.pool, core.scheduler
-        self.launcher = TransferLauncher(
-            OneGroup(core.scheduler, _GROUP),
-            self._engines,
-            {_GROUP: self._pinner},
-            poll_interval_s=self._config.poll_interval_s,
-        )
+        """Build the scheduler and the launcher (on `open` in a worker thread for large
+        pools)."""
+        self.launcher = self.front.build(self.engines, self._pinners, self._config.poll_interval_s)
         self.built = True
 
     def check_built(self) -> None:
         """Raises ClosedError while a large pool is not built yet."""
         if not self.built:
             raise ClosedError(
-                f"KVOffloader's pool of {self._plan.num_cpu_blocks} blocks is built on entering "
-                "'async with' (off the event loop); use it inside"
+                f"KVOffloader's pool of {sum(self.front.pool_blocks().values())} blocks is "
+                "built on entering 'async with' (off the event loop); use it inside"
             )
+
+    @property
+    def tiers(self) -> TierManager | GroupTiers | None:
+        """The tiers' front, when ``config.tiers`` is set and the session is open."""
+        return self.front.tiers
+
+    @property
+    def host(self) -> HostKVBuffer | None:
+        """The host buffer of one group, when this session made the copy engine."""
+        return self.hosts.get(GROUP) if self.front.groups is None else None
 
     @property
     def num_in_flight(self) -> int:
@@ -252,12 +250,12 @@ class Session(Lifecycle):
 
     async def open(self) -> None:
         """Become open, owned by this thread and the current task; build what is not
-        built yet, make the host buffer and copy engine, start the poller and the tiers.
+        built yet, make the host buffers and copy engines, start the poller and the tiers.
 
         Raises:
             ClosedError: entered before (a session opens once).
-            HostMemoryError: the host buffer could not be allocated or pinned.
-            ConfigError: tiers with a copy engine given by the caller, or a tier's
+            HostMemoryError: a host buffer could not be allocated or pinned.
+            ConfigError: tiers with copy engines given by the caller, or a tier's
                 settings that do not fit.
 
         On an error (also a cancellation) whatever was made is released again.
@@ -274,71 +272,71 @@ class Session(Lifecycle):
     async def _start(self) -> None:
         if not self.built:
             await anyio.to_thread.run_sync(self.build)
-        config, layout, launcher = self._config, self._layout, self.launcher
-        if self.engine is None:
-            self.host = await HostKVBuffer.create(
-                layout,
-                self._plan.num_cpu_blocks,
-                pin_memory=config.pin_memory,
-                pin_chunk_bytes=int(config.pin_chunk_bytes),
-            )
-            engine_cls = CudaCopyEngine if self._gpu_kv[0].is_cuda else ThreadCopyEngine
-            self.engine = engine_cls(layout, self._gpu_kv, self.host)
-        self._engines[_GROUP] = self.engine
+        config, front = self._config, self.front
+        if self._own_engines:
+            blocks = front.pool_blocks()
+            for name, layout in self._layouts.items():
+                host = self.hosts[name] = await HostKVBuffer.create(
+                    layout,
+                    blocks[name],
+                    pin_memory=config.pin_memory,
+                    pin_chunk_bytes=int(config.pin_chunk_bytes),
+                )
+                kv = self._kv[name]
+                engine_cls = CudaCopyEngine if kv[0].is_cuda else ThreadCopyEngine
+                self.engines[name] = engine_cls(layout, kv, host)
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
-        await self._task_group.start(launcher.poller.run)
+        await self._task_group.start(self.launcher.poller.run)
         if config.tiers:
-            self.tiers = build_tiers(config, layout, self.scheduler, self.host, self._namespace)
-            on_stored = self.tiers.on_stored
-            launcher.on_stored = lambda _group, plan: on_stored(plan)
-            await self._task_group.start(self.tiers.run)
+            await front.start_tiers(self._task_group, self.hosts)
         _log.info(
             "offloader_opened",
-            cpu_blocks=self._plan.num_cpu_blocks,
-            bytes_per_block=layout.bytes_per_block,
-            engine=type(self.engine).__name__,
-            pinned=self.host.is_pinned if self.host is not None else None,
+            cpu_blocks=front.pool_blocks(),
+            bytes_per_block={n: lay.bytes_per_block for n, lay in self._layouts.items()},
+            engines={n: type(e).__name__ for n, e in self.engines.items()},
+            pinned={n: h.is_pinned for n, h in self.hosts.items()},
         )
 
     # -- what the offloader asks of its parts ------------------------------------------
 
     async def reset(self) -> bool:
-        """`KVOffloader.reset()`: empty the pool (and tiers), abandon the transfers in
+        """`KVOffloader.reset()`: empty the pools (and tiers), abandon the transfers in
         flight and wait for them; whether nothing is cached or in flight on return."""
         self.check("reset")
-        self.scheduler.reset()
+        front = self.front
+        front.scheduler.reset()
         self.hints.clear()  # the reset released every retained block
-        if self.tiers is not None:
-            self.tiers.reset()
+        if front.tiers is not None:
+            front.tiers.reset()
         launcher = self.launcher
         launcher.unpin_released_holds()
         launcher.abandon_all()
         await launcher.poller.drain()
-        return self.pool.num_cached == 0 and self.scheduler.num_in_flight == 0
+        return front.is_empty()
 
     def finish(self, request_id: str) -> None:
-        """`KVOffloader.finish()`: finish the request, hold its unstored blocks, then raise
-        an earlier pinner error (the request is finished first)."""
+        """`KVOffloader.finish()`: finish the request, launch its last store, hold its
+        unstored blocks, then raise an earlier pinner error (the request is finished
+        first)."""
         self.check("finish", pinner_error=False)
-        held = self.scheduler.finish(request_id)
-        if held:
-            self.launcher.hold(request_id, {_GROUP: held})
+        self.front.finish(request_id)
         self.launcher.raise_pinner_error()
 
     def preempt(self, request_id: str) -> None:
         """`KVOffloader.preempt()`."""
         self.check("preempt")
-        self.scheduler.preempt(request_id)
+        self.front.preempt(request_id)
 
     def has_request(self, request_id: str) -> bool:
         """`KVOffloader.has_request()`."""
-        return self.scheduler.has_request(request_id)
+        self.check_built()
+        return self.front.has_request(request_id)
 
     def release(self, request_id: str) -> None:
         """`KVOffloader.release()`."""
         self.check("release")
-        self.scheduler.release(request_id)
+        self.front.scheduler.release(request_id)
 
     async def drain(self) -> None:
         """`KVOffloader.drain()`: wait for every transfer in flight."""
@@ -346,33 +344,34 @@ class Session(Lifecycle):
         await self.launcher.poller.drain()
 
     def load(
-        self, request_id: str, gpu_block_ids: Sequence[int], num_tokens: int
+        self,
+        request_id: str,
+        tables: Sequence[int] | Mapping[str, Sequence[int | None]],
+        num_tokens: int,
     ) -> TransferTask | None:
         """`KVOffloader.load()`: plan the load, then launch it (``None`` for 0 tokens)."""
         self.check("load")
-        plan = self.scheduler.plan_load(request_id, gpu_block_ids, num_tokens)
-        if plan is None:
-            return None
-        return self.launcher.launch_one(_GROUP, plan, None)
+        return self.front.load(request_id, tables, num_tokens)
 
-    def abandon_load(self, request_id: str) -> tuple[int, ...]:
+    def abandon_load(self, request_id: str) -> tuple[int, ...] | dict[str, tuple[int, ...]]:
         """`KVOffloader.abandon_load()`: the GPU blocks the abandoned copies still write."""
         self.check("abandon_load", pinner_error=False)
-        plans = self.scheduler.abandon_load(request_id)
-        return self.launcher.abandon_loads({_GROUP: plans})[_GROUP]
+        return self.front.abandon_load(request_id)
 
     def update(
         self,
         request_id: str,
-        gpu_block_ids: Sequence[int],
-        block_hashes: Sequence[BlockHash],
+        tables: Sequence[int] | Mapping[str, Sequence[int | None]],
+        block_hashes: Sequence[BlockHash] | Mapping[str, Sequence[BlockHash]],
         num_computed_tokens: int,
     ) -> None:
         """`KVOffloader.update()`."""
         self.check("update")
-        self.scheduler.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
+        self.front.update(request_id, tables, block_hashes, num_computed_tokens)
 
-    def store(self, after: object | None, gpu_cache: GpuCacheView | None) -> list[TransferTask]:
+    def store(
+        self, after: object | None, gpu_cache: GpuCacheView | Mapping[str, GpuCacheView] | None
+    ) -> list[TransferTask]:
         """`KVOffloader.store()`: plan this step's stores and launch them as one transfer;
         the holds that ended are unpinned whatever happens."""
         self.check("store")
@@ -380,79 +379,79 @@ class Session(Lifecycle):
         if hints:  # lazy expiry; nothing to do while no hint is live
             hints.expire()
             hints.retry()
-        plan = self.scheduler.plan_stores(gpu_cache)
         try:
-            if plan is None:
-                return []
-            return [self.launcher.launch_one(_GROUP, plan, after)]
+            return self.front.store(after, gpu_cache)
         finally:
             self.launcher.unpin_released_holds()
 
-    def retain(self, block_hashes: Sequence[BlockHash], owner: Hashable) -> int:
+    def hash_prompt(self, token_ids: Sequence[int]) -> Any:
+        """A prompt's hashes, as the hints take them (per group with several)."""
+        return self.front.hash_prompt(token_ids)
+
+    def retain(self, block_hashes: Any, owner: Hashable) -> int:
         """`KVOffloader.retain_prefix()` of a hashed prompt: how many blocks are retained."""
         self.check("retain_prefix")
-        return len(self.scheduler.ledger.retain(block_hashes, owner))
+        return self.front.retain(block_hashes, owner)
 
     def release_retained(self, owner: Hashable) -> int:
         """`KVOffloader.release_retained()`."""
         self.check("release_retained")
-        return self.scheduler.ledger.release_retained(owner)
+        return self.front.release_retained(owner)
 
-    def retain_for(
-        self, block_hashes: Sequence[BlockHash], retain_for_s: float, session: Hashable
-    ) -> int:
+    def retain_for(self, block_hashes: Any, retain_for_s: float, session: Hashable) -> int:
         """`KVOffloader.retain_for()` of a hashed prompt: how many blocks are retained now."""
         self.check("retain_for")
-        return self.hints.hint(session, tuple(block_hashes), retain_for_s)
+        return self.hints.hint(session, self.front.hint_prefix(block_hashes), retain_for_s)
 
-    async def prefetch(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> int:
-        """`SessionHints.prefetch()` of a hashed prompt: leading blocks on CPU on return
-        (one group: its full blocks are the prefix, whatever ``num_tokens``)."""
-        del num_tokens
+    async def prefetch(self, block_hashes: Any, num_tokens: int) -> int:
+        """`SessionHints.prefetch()` of a hashed prompt of ``num_tokens`` tokens: the
+        leading blocks (several groups: the tokens) a lookup finds on CPU on return."""
         self.check("prefetch")
-        tiers = self.tiers
-        if tiers is None:
-            is_cached = self.scheduler.pool.is_cached
-            return next(
-                (i for i, h in enumerate(block_hashes) if not is_cached(h)), len(block_hashes)
-            )
-        return await tiers.prefetch(block_hashes)
+        return await self.front.prefetch(block_hashes, num_tokens)
 
     def release_hint(self, session: Hashable) -> int:
         """`KVOffloader.release_hint()`."""
         self.check("release_hint")
         return self.hints.release(session)
 
-    def _hint_retain(
-        self, block_hashes: Sequence[BlockHash], owner: Hashable, fit: bool
-    ) -> list[CpuBlock]:
-        return self.scheduler.ledger.retain(block_hashes, owner, fit=fit)
-
-    def _hint_release(self, owner: Hashable) -> int:
-        return self.scheduler.ledger.release_retained(owner)
-
     def take_events(self) -> list[PoolEvent]:
-        """`KVOffloader.take_events()`: the pool's events since the last call."""
+        """`KVOffloader.take_events()`: the pools' events since the last call."""
         self.check_built()
-        return self.pool.take_events()
+        return self.front.take_events()
 
     def statistics(
         self,
-    ) -> tuple[PoolStatistics, SchedulerStatistics, PollerStatistics, TierManagerStatistics | None]:
+    ) -> tuple[
+        PoolStatistics,
+        SchedulerStatistics,
+        PollerStatistics,
+        TierManagerStatistics | None,
+        dict[str, GroupStatistics] | None,
+    ]:
         """The parts' statistics, for `OffloaderStatistics`."""
         self.check_built()
-        tiers = self.tiers
+        pool, scheduler, groups = self.front.statistics()
+        tiers = self.front.tiers
         return (
-            self.pool.statistics(),
-            self.scheduler.statistics(),
+            pool,
+            scheduler,
             self.launcher.poller.statistics(),
             tiers.statistics() if tiers is not None else None,
+            groups,
         )
+
+    def check_invariants(self) -> None:
+        """The scheduler's invariants, then the tiers' (see `KVOffloader.check_invariants()`)."""
+        self.check_built()
+        self.front.scheduler.check_invariants()
+        tiers = self.front.tiers
+        if tiers is not None:
+            tiers.check_invariants()
 
     # -- checks ------------------------------------------------------------------------
 
-    def check(self, what: str, *, pinner_error: bool = True) -> CopyEngine:
-        """The copy engine, for a step-loop call named ``what``.
+    def check(self, what: str, *, pinner_error: bool = True) -> None:
+        """Refuse a step-loop call named ``what`` unless it may run now.
 
         Raises:
             ForkedProcessError: called in a forked child.
@@ -462,43 +461,41 @@ class Session(Lifecycle):
             PinnerError: with ``pinner_error``, an earlier ``unpin`` raised (once).
         """
         self._check_open(what)
-        engine = self.engine
-        if engine is None:  # a session is open only with its engine; this keeps it so
-            raise self._closed()
         launcher = self.launcher
         launcher.poller.check_health()
         if pinner_error:
             launcher.raise_pinner_error()
-        return engine
 
     async def shutdown(self) -> None:
-        """Close the copy engine, process the last completions, release every hold, close
-        the tiers, the task group and the host buffer; shielded from cancellation."""
+        """Close the copy engines, process the last completions, release every hold and
+        every retained block, close the tiers, the task group and the host buffers;
+        shielded from cancellation."""
         self._state = _State.CLOSING
+        front = self.front
         try:
             with anyio.CancelScope(shield=True):
-                if self.engine is not None:
-                    await self.engine.aclose()
+                for engine in self.engines.values():
+                    await engine.aclose()
                 if self.built:
                     # Every copy has ended now. Deliver what the poller has not (it may
                     # have been cancelled with the scope around 'async with').
                     await self.launcher.collect(self._config.poll_interval_s)
-                    self.scheduler.release_all_holds()
+                    front.scheduler.release_all_holds()
                     self.launcher.unpin_released_holds()
                     # retain_prefix() owners and session hints end with the offloader
                     self.hints.clear()
-                    self.scheduler.ledger.release_all_retained()
-                if self.tiers is not None:
-                    await self.tiers.aclose()
+                    front.release_all_retained()
+                if front.tiers is not None:
+                    await front.tiers.aclose()
         finally:
             try:
                 await self._close_task_group()
             finally:
-                if self.host is not None:
-                    self.host.close()
+                for host in self.hosts.values():
+                    host.close()
                 self._state = _State.CLOSED
                 if self.built:
-                    _log.info("offloader_closed", **_counts(self.scheduler.statistics()))
+                    _log.info("offloader_closed", **_counts(front.statistics()[1]))
 
 
 def _counts(stats: SchedulerStatistics) -> dict[str, int]:

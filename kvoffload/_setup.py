@@ -1,9 +1,10 @@
-"""How a `KVOffloader` is set up: its session, single-group or multi-group.
+"""How a `KVOffloader` is set up: its session, for one KV cache group or several.
 
-`make_session()` turns the constructor's arguments into a `Session` (one full-attention
-group: the layout given or inferred, the pool sized and checked) or a `GroupSession`
-(several KV cache groups, imported on first use: a single-group process never loads the
-group code), with the layout, namespace and pool size the offloader reports.
+`make_session()` turns the constructor's arguments into a `Session` over its front:
+`OneGroupFront` for one full-attention group (the layout given or inferred, the pool
+sized and checked), `GroupsFront` for several groups (imported on first use: a
+single-group process never loads the group code), each group's layout and tensors keyed
+by its name; with the layout, namespace and pool size the offloader reports.
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from kvoffload._front import GROUP, OneGroupFront
 from kvoffload._session import Session
 from kvoffload.build import CorePlan, check_settings, plan_core
 from kvoffload.config import KVLayout, OffloadConfig
-from kvoffload.errors import InvalidInputError, LayoutMismatchError
+from kvoffload.errors import ConfigError, InvalidInputError, LayoutMismatchError
 from kvoffload.hashing import HashNamespace
 from kvoffload.pinner import GpuBlockPinner, NoOpPinner
 from kvoffload.transfer.engine import CopyEngine
 
 if TYPE_CHECKING:
-    from kvoffload._group_session import GroupSession
     from kvoffload.groups import KVCacheGroup
 
 __all__ = ["make_session"]
@@ -56,29 +57,23 @@ def make_session(  # noqa: PLR0917 - the constructor's arguments, in its order
     copy_engine: CopyEngine | Mapping[str, CopyEngine] | None,
     pinner: GpuBlockPinner | Mapping[str, GpuBlockPinner] | None,
     groups: Sequence[KVCacheGroup] | None,
-) -> tuple[Session | GroupSession, KVLayout, HashNamespace, int]:
+) -> tuple[Session, KVLayout, HashNamespace, int]:
     """The session of a `KVOffloader`, its (first group's) layout, namespace and pool size.
 
-    Several groups, or one that is not ``full``, make a `GroupSession`; one ``full``
+    Several groups, or one that is not ``full``, make a `GroupsFront`; one ``full``
     group is today's single-group offloader: its layout (given, the group's, or inferred
     from 5-d K/V tensors), or, for a page with no K/V layout (an MLA latent), the page
     as opaque bytes (`page_layout()` with the group's block size). Either way the
     settings that path cannot honour are refused first (`check_settings()`).
     """
     if groups is not None and (len(groups) != 1 or groups[0].kind != "full"):
-        from kvoffload._group_session import GroupSession  # noqa: PLC0415 - groups only
-        from kvoffload.groups import check_groups  # noqa: PLC0415 - groups only
-
-        check_groups(groups)  # what the groups are comes before what a setting asks of them
-        check_settings(config, "offloader_groups", groups=groups)
-        g = GroupSession(
+        return _several(
             config,
             groups,
             _by_group(gpu_kv),
             None if pinner is None else _by_group(pinner),
             None if copy_engine is None else _by_group(copy_engine),
         )
-        return g, g.layout, g.namespaces[g.layout_group], g.num_cpu_blocks
     check_settings(config, "offloader")
     kv: Sequence[torch.Tensor] | Mapping[str, Sequence[torch.Tensor]] | None = gpu_kv
     engine, pin = copy_engine, pinner
@@ -101,8 +96,67 @@ def make_session(  # noqa: PLR0917 - the constructor's arguments, in its order
         )
     layout, plan = _plan_core(config, kv, layout, host_buffer=engine is None)
     namespace = HashNamespace.from_layout(layout, model_id=config.model_id, salt=config.hash_salt)
-    session = Session(plan, layout, kv, namespace, pin if pin is not None else NoOpPinner(), engine)
+    session = Session(
+        config,
+        OneGroupFront(plan, layout, namespace),
+        {GROUP: layout},
+        {GROUP: kv},
+        {GROUP: pin if pin is not None else NoOpPinner()},
+        None if engine is None else {GROUP: engine},
+    )
     return session, layout, namespace, plan.num_cpu_blocks
+
+
+def _several(
+    config: OffloadConfig,
+    groups: Sequence[KVCacheGroup],
+    gpu_kv: Mapping[str, Sequence[torch.Tensor]],
+    pinners: Mapping[str, GpuBlockPinner] | None,
+    engines: Mapping[str, CopyEngine] | None,
+) -> tuple[Session, KVLayout, HashNamespace, int]:
+    """`make_session()` of several groups (or one that is not ``full``).
+
+    Raises:
+        ConfigError: groups refused by `check_groups()` (no cacheable group, names not
+            unique, an alignment that allows no hit), a setting refused for them
+            (`check_settings()`), tiers with copy engines given by the caller, a tensor,
+            pinner or copy engine mapping that misses a group or names an unknown one,
+            or a pool that does not fit (see `build_grouped_scheduler()`).
+        LayoutMismatchError: a group's tensors disagree with it.
+        HostMemoryError: the host buffers exceed the memory left.
+    """
+    from kvoffload._group_front import GroupsFront  # noqa: PLC0415 - groups only
+    from kvoffload.groups import check_groups, page_layout  # noqa: PLC0415 - groups only
+
+    check_groups(groups)  # what the groups are comes before what a setting asks of them
+    check_settings(config, "offloader_groups", groups=groups)
+    if config.tiers and engines is not None:
+        raise ConfigError(
+            "tiers need the host buffers this offloader makes; they cannot be used with "
+            f"a copy_engine given by the caller (groups {[g.name for g in groups]})"
+        )
+    cacheable = [g for g in groups if g.cacheable]
+    names = {g.name for g in cacheable}
+    for what, given in (("gpu_kv", gpu_kv), ("copy_engine", engines), ("pinner", pinners)):
+        if given is not None and set(given) != names:
+            raise ConfigError(
+                f"{what} must name exactly the cacheable groups {sorted(names)}; missing "
+                f"{sorted(names - set(given))}, unknown {sorted(set(given) - names)}"
+            )
+    layouts: dict[str, KVLayout] = {}
+    kv: dict[str, list[torch.Tensor]] = {}
+    for g in cacheable:
+        layouts[g.name], kv[g.name] = page_layout(g, gpu_kv[g.name])
+    num_gpu = {name: layouts[name].num_gpu_blocks(kv[name]) for name in layouts}
+    front = GroupsFront(config, groups, layouts, num_gpu, host_buffer=engines is None)
+    session = Session(config, front, layouts, kv, pinners or {}, engines)
+    first = cacheable[0].name
+    return (
+        session,
+        layouts[first],
+        front.namespaces[first],
+        sum(front.pool_blocks().values()),
+    )
 
 
 def _plan_core(

@@ -25,18 +25,14 @@ __all__ = ["SessionHints"]
 
 P = TypeVar("P")
 """A hashed prompt: one group's block hashes, or one list per KV cache group."""
-P_co = TypeVar("P_co", covariant=True)
-
-
-class _Hasher(Protocol[P_co]):
-    def hash_prompt(self, token_ids: Sequence[int]) -> P_co: ...
 
 
 class _Retention(Protocol[P]):
-    """What the hints call: a `Session` (one group) or a `GroupSession`."""
+    """What the hints call: the offloader's `Session` (one KV cache group or several)."""
 
     @property
     def hints(self) -> RetentionHints[P]: ...
+    def hash_prompt(self, token_ids: Sequence[int]) -> P: ...
     def retain(self, block_hashes: P, owner: Hashable) -> int: ...
     def release_retained(self, owner: Hashable) -> int: ...
     def retain_for(self, block_hashes: P, retain_for_s: float, session: Hashable) -> int: ...
@@ -53,10 +49,9 @@ class SessionHints(Generic[P]):
     open (else `ClosedError`, `WrongContextError`).
     """
 
-    __slots__ = ("_hasher", "_session")
+    __slots__ = ("_session",)
 
-    def __init__(self, hasher: _Hasher[P], session: _Retention[P]) -> None:
-        self._hasher = hasher
+    def __init__(self, session: _Retention[P]) -> None:
         self._session = session
 
     def retain_prefix(self, token_ids: Sequence[int], *, owner: Hashable) -> int:
@@ -75,7 +70,7 @@ class SessionHints(Generic[P]):
                 nothing is retained in any group).
             InputTypeError: ``token_ids`` not a sequence of ints, ``owner`` not hashable.
         """
-        return self._session.retain(self._hasher.hash_prompt(token_ids), owner)
+        return self._session.retain(self._session.hash_prompt(token_ids), owner)
 
     def release_retained(self, owner: Hashable) -> int:
         """Let the blocks `retain_prefix()` kept for ``owner`` be evicted again; return
@@ -102,7 +97,7 @@ class SessionHints(Generic[P]):
                 nothing is retained then.
             InputTypeError: ``token_ids`` not a sequence of ints, ``session`` not hashable.
         """
-        hashes = self._hasher.hash_prompt(token_ids)
+        hashes = self._session.hash_prompt(token_ids)
         return self._session.retain_for(hashes, retain_for_s, session)
 
     def retain_hashes_for(self, block_hashes: P, retain_for_s: float, session: Hashable) -> int:
@@ -141,7 +136,7 @@ class SessionHints(Generic[P]):
         Raises:
             InputTypeError: ``token_ids`` not a sequence of ints.
         """
-        hashes = self._hasher.hash_prompt(token_ids)
+        hashes = self._session.hash_prompt(token_ids)
         return await self._session.prefetch(hashes, len(token_ids))
 
     def deadline(self, session: Hashable) -> float | None:

@@ -21,7 +21,6 @@ from kvoffload._session import Session
 from kvoffload._setup import make_session
 from kvoffload.build import POOL_BOOKKEEPING_BYTES_PER_BLOCK
 from kvoffload.config import KVLayout, OffloadConfig
-from kvoffload.errors import InputTypeError, InvalidInputError
 from kvoffload.hashing import BlockHash, HashNamespace, hash_prompt
 from kvoffload.hints import SessionHints
 from kvoffload.pinner import GpuBlockPinner
@@ -37,7 +36,6 @@ from kvoffload.transfer.poller import PollerStatistics
 from kvoffload.transfer.task import TransferTask
 
 if TYPE_CHECKING:  # the group code is imported on first use: one group never loads it
-    from kvoffload._group_session import GroupSession
     from kvoffload.groups import KVCacheGroup
     from kvoffload.scheduler.groups import GroupStatistics
 
@@ -108,12 +106,7 @@ class KVOffloader:
             config, gpu_kv, layout, copy_engine, pinner, groups
         )
         self._config = config
-        self._life: Session | GroupSession = life
-        self._groups: GroupSession | None = None
-        if isinstance(life, Session):
-            self._session = life
-        else:
-            self._groups = life
+        self._life: Session = life
 
     def __repr__(self) -> str:
         life = self._life
@@ -163,20 +156,18 @@ class KVOffloader:
     def hints(self) -> SessionHints[Any]:
         """Session hints: retain for a pause, release, prefetch (docs/hints.md); with
         several KV cache groups, retained in every group."""
-        if self._groups is not None:
-            return SessionHints(self._groups, self._groups)
-        return SessionHints(self, self._session)
+        return SessionHints(self._life)
 
     @property
     def groups(self) -> tuple[KVCacheGroup, ...] | None:
         """The KV cache groups of a multi-group offloader (``None``: one group)."""
-        return self._groups.groups if self._groups is not None else None
+        return self._life.front.groups
 
     def check_invariants(self) -> None:
-        """Check the scheduler's invariants (every group's, and the cross-group rules,
-        and with tiers every group's tier manager's); raises `InvariantError` naming what
-        does not hold."""
-        (self._groups or self.scheduler).check_invariants()
+        """Check the scheduler's invariants (every group's, and the cross-group rules),
+        then, with tiers, the tier manager's (every group's); raises `InvariantError`
+        naming what does not hold."""
+        self._life.check_invariants()
 
     def has_request(self, request_id: str) -> bool:
         """Whether state is kept for ``request_id`` (a live handle, or copies in flight)."""
@@ -200,16 +191,16 @@ class KVOffloader:
     @property
     def scheduler(self) -> OffloadScheduler:
         """The scheduler (for inspection; drive it through this object)."""
-        session = _single(self, "scheduler")
-        session.check_built()
-        return session.scheduler
+        life = self._life
+        life.check_built()
+        return life.front.one_group("scheduler")
 
     @property
     def pool(self) -> CpuBlockPool:
         """The CPU block pool."""
-        session = _single(self, "pool")
-        session.check_built()
-        return session.pool
+        life = self._life
+        life.check_built()
+        return life.front.one_group("pool").pool
 
     @property
     def host(self) -> HostKVBuffer | None:
@@ -218,8 +209,7 @@ class KVOffloader:
 
     def hash_prompt(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """Hash a prompt's full blocks in this offloader's (first group's) namespace."""
-        bs = self._config.block_size if self._groups is None else self._groups.lanes[0][1]
-        return hash_prompt(token_ids, bs, self._namespace)
+        return hash_prompt(token_ids, self._life.front.hash_block_size, self._namespace)
 
     def request(
         self,
@@ -314,21 +304,14 @@ class KVOffloader:
                 step-loop call checks this). PinnerError: the pinner's ``unpin`` raised
                 after an earlier completion (once).
         """
-        if allow_defer:
-            return self.lookup_or_defer(
-                request_id, block_hashes, num_tokens, num_computed_tokens, no_read=no_read
-            )
-        if self._groups is not None:
-            return self._groups.lookup(
-                request_id, block_hashes, num_tokens, num_computed_tokens, no_read=no_read
-            )
-        session = self._session
-        session.check("lookup")  # with tiers, the scheduler asks the tier manager next
-        return session.scheduler.lookup(
+        life = self._life
+        life.check("lookup")  # with tiers, the scheduler asks the tier manager next
+        return life.front.lookup(
             request_id,
-            _flat(block_hashes, request_id),
+            block_hashes,
             num_tokens,
             num_computed_tokens,
+            allow_defer=allow_defer,
             no_read=no_read,
         )
 
@@ -344,22 +327,12 @@ class KVOffloader:
         """`lookup()` that may answer ``None`` ("ask again later"): when, see
         `OffloadScheduler.lookup_or_defer()`. Raises as `lookup()` does.
         """
-        if self._groups is not None:
-            return self._groups.lookup(
-                request_id,
-                block_hashes,
-                num_tokens,
-                num_computed_tokens,
-                allow_defer=True,
-                no_read=no_read,
-            )
-        session = self._session
-        session.check("lookup")
-        return session.scheduler.lookup_or_defer(
+        return self.lookup(
             request_id,
-            _flat(block_hashes, request_id),
+            block_hashes,
             num_tokens,
             num_computed_tokens,
+            allow_defer=True,
             no_read=no_read,
         )
 
@@ -381,14 +354,7 @@ class KVOffloader:
         return self._lookup_outcome(request_id)[1]
 
     def _lookup_outcome(self, request_id: str) -> tuple[MissReason, dict[str, int]]:
-        if self._groups is not None:
-            return self._groups.lookup_outcome(request_id)
-        state = self._session.scheduler.request_state(request_id)
-        tier_hits = state.tier_hits
-        if tier_hits is None:
-            return state.miss_reason, {}
-        bs = self._config.block_size
-        return state.miss_reason, {name: n * bs for name, n in tier_hits.items()}
+        return self._life.front.lookup_outcome(request_id)
 
     def load(
         self,
@@ -419,9 +385,7 @@ class KVOffloader:
             PinnerError: the pinner's ``pin`` raised; the load was not started and the
                 hit stays pinned.
         """
-        if self._groups is not None:
-            return self._groups.load(request_id, gpu_block_ids, num_tokens)
-        return self._session.load(request_id, _flat(gpu_block_ids, request_id), num_tokens)
+        return self._life.load(request_id, gpu_block_ids, num_tokens)
 
     def abandon_load(self, request_id: str) -> tuple[int, ...] | dict[str, tuple[int, ...]]:
         """Stop waiting for the request's loads in flight; see `OffloadRequest.abandon_load()`.
@@ -445,11 +409,7 @@ class KVOffloader:
         See `OffloadScheduler.update()`; with several KV cache groups, the tables and the
         hashes per group name (`GroupedScheduler.update()`).
         """
-        groups = self._groups
-        if groups is None:  # the hot path: one check, then the session
-            self._session.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)  # type: ignore[arg-type]
-        else:
-            groups.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
+        self._life.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
 
     def store(
         self,
@@ -478,14 +438,7 @@ class KVOffloader:
                 that do not name exactly the cacheable groups (InputTypeError: not a
                 mapping).
         """
-        if self._groups is not None:
-            return self._groups.store(after, gpu_cache)
-        if isinstance(gpu_cache, Mapping):
-            raise InputTypeError(
-                f"gpu_cache={type(gpu_cache).__name__}: this offloader has one KV cache "
-                "group; give its GpuCacheView, not a mapping of group names"
-            )
-        return self._session.store(after, gpu_cache)
+        return self._life.store(after, gpu_cache)
 
     def finish(self, request_id: str) -> None:
         """The engine finished a request. See `OffloadScheduler.finish()`.
@@ -540,31 +493,3 @@ class KVOffloader:
     def take_events(self) -> list[PoolEvent]:
         """Pool events since the last call (``enable_events=True``), for KV-aware routers."""
         return self._life.take_events()
-
-
-def _flat(value: Sequence[Any] | Mapping[str, Any], request_id: str) -> Sequence[Any]:
-    """``value`` for an offloader of one KV cache group: never a per-group mapping.
-
-    Raises:
-        InvalidInputError: a mapping (one group takes one table and one hash list).
-    """
-    if isinstance(value, Mapping):
-        raise InvalidInputError(
-            f"request {request_id!r}: this offloader has one KV cache group: give one list, "
-            f"not a mapping of group names ({sorted(value)})"
-        )
-    return value
-
-
-def _single(off: KVOffloader, what: str) -> Session:
-    """The single-group session of ``off``, for a property that names one group's part.
-
-    Raises:
-        InvalidInputError: ``off`` has several KV cache groups (the message names them).
-    """
-    if off._groups is not None:
-        raise InvalidInputError(
-            f"KVOffloader.{what} is one group's; this offloader has the KV cache groups "
-            f"{[g.name for g in off._groups.groups]}: see statistics().groups"
-        )
-    return off._session

@@ -76,7 +76,7 @@ engine = ControllableCopyEngine(num_gpu_blocks=gpu_blocks, num_cpu_blocks=cpu_bl
 
 def settle(off):
     engine.complete_all()
-    off._session.launcher.poller.poll()
+    off._life.launcher.poller.poll()
 
 
 def run_decode(off):

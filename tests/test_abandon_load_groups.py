@@ -70,8 +70,8 @@ class Rig:
 
     @property
     def sched(self) -> GroupedScheduler:
-        assert self.off._groups is not None
-        return self.off._groups.scheduler
+        assert self.off._life.front is not None
+        return self.off._life.front.scheduler
 
     def hold(self) -> None:
         """From now on, copies stay in flight until `land()`."""

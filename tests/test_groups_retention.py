@@ -39,7 +39,7 @@ def offloader(model: Model, num_cpu: int = 16, fraction: float = 0.5) -> KVOfflo
 
 
 def pools(off: KVOffloader) -> dict[str, CpuBlockPool]:
-    groups = off._groups
+    groups = off._life.front
     assert groups is not None
     return {n: groups.scheduler.ledger(n).pool for n in groups.scheduler.statistics()}
 
@@ -142,7 +142,7 @@ async def test_a_high_priority_requests_blocks_outlive_a_low_ones_in_every_group
                 off.store()
                 await off.drain()
         await scan(off, model, 10)  # LRU alone evicts hi first: it is the oldest
-        groups = off._groups
+        groups = off._life.front
         assert groups is not None
         for g in model.groups:
             pool = pools(off)[g.name]

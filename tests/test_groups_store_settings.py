@@ -556,8 +556,8 @@ async def test_the_offloader_stores_two_full_groups_lazily() -> None:
     cfg = config(store_mode="lazy", lazy_offload_blocks=2, num_cpu_blocks=8)
     async with KVOffloader(cfg, kv, groups=groups) as off:
         prompt = list(range(3 * BS + 1))
-        assert off._groups is not None
-        hashes = off._groups.hash_prompt(prompt)
+        assert off._life.front is not None
+        hashes = off._life.front.hash_prompt(prompt)
         order = {n: View([(9, hs[2]), (8, hs[1]), (7, hs[0])]) for n, hs in hashes.items()}
         with pytest.raises(InputTypeError, match=r"one GpuCacheView per group name"):
             off.store(gpu_cache=order["a"])

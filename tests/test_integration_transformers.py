@@ -516,7 +516,7 @@ def surface_pinner_error_at(off: KVOffloader, call: str, nth: int, pinner: Unpin
         if seen["calls"] == nth:
             seen["fired"] += 1
             pinner.armed = True
-            off._session.launcher._unpin(
+            off._life.launcher._unpin(
                 "g0", [], None
             )  # what a completion does when its unpin raises
             assert not pinner.armed
@@ -665,7 +665,7 @@ async def test_a_pinner_error_from_the_drain_of_a_step_that_waits_for_blocks(mod
                 fired.append(True)
                 copies.complete_all()
                 pinner.armed = True
-                off._session.launcher._unpin(
+                off._life.launcher._unpin(
                     "g0", [], None
                 )  # what a completion does when its unpin raises
             return real()

@@ -60,7 +60,7 @@ async def test_a_grouped_lookup_stops_deferring_at_the_bound_and_answers_from_cp
     tokens = list(range(17))
     now = [100.0]
     async with KVOffloader(config, kv, groups=GROUPS, copy_engine=engines) as off:
-        off._groups.scheduler.clock = lambda: now[0]  # type: ignore[union-attr]
+        off._life.front.scheduler.clock = lambda: now[0]  # type: ignore[union-attr]
         with off.request("a", tokens) as a:
             assert a.lookup() == 0
             a.advance({g.name: list(range(5)) for g in GROUPS}, 16)

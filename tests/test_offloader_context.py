@@ -283,6 +283,18 @@ async def test_a_large_pool_is_built_off_the_event_loop(monkeypatch: pytest.Monk
         assert len(built_on) == 1
 
 
+async def test_the_hints_of_a_large_pool_exist_before_it_is_built() -> None:
+    tiny = KVLayout(num_layers=1, num_kv_heads=1, head_size=1, dtype="float16", block_size=BS)
+    kv = [torch.zeros(tiny.tensor_shape(8), dtype=torch.float16)]
+    off = KVOffloader(config(num_cpu_blocks=70_000), kv)
+    off.hints.clock = lambda: 5.0  # set before entering, kept once the pool is built
+    assert off.hints.sessions == ()
+    async with off:
+        assert off.hints.clock() == 5.0
+        assert off.hints.retain_for(list(range(3 * BS)), 10.0, session="s") == 0
+        assert off.hints.deadline("s") == 15.0
+
+
 def test_the_pool_benchmark_measures_bookkeeping_per_block() -> None:
     measured = bookkeeping_bytes_per_block(20_000)
     assert 40 < measured <= POOL_BOOKKEEPING_BYTES_PER_BLOCK

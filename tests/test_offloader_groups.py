@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvoffload import KVOffloader, OffloadConfig
-from kvoffload._group_session import page_layout
 from kvoffload.errors import (
     BlockTableError,
     ClosedError,
@@ -29,7 +28,7 @@ from kvoffload.errors import (
     TransferError,
     WrongContextError,
 )
-from kvoffload.groups import KVCacheGroup, needed
+from kvoffload.groups import KVCacheGroup, needed, page_layout
 from kvoffload.layout import KVLayout
 from kvoffload.pinner import RefCountPinner
 from kvoffload.pool import BlockRemoved, BlockStored
@@ -173,7 +172,7 @@ async def test_a_second_turn_loads_every_group_bytes_exact(kind: str) -> None:
         assert set(stats.groups) == {g.name for g in model.groups}
         assert all(s.loaded_blocks > 0 for s in stats.groups.values())
         assert stats.scheduler.loaded_blocks == sum(s.loaded_blocks for s in stats.groups.values())
-        off._groups.scheduler.check_invariants()  # type: ignore[union-attr]
+        off._life.front.scheduler.check_invariants()  # type: ignore[union-attr]
 
 
 async def test_a_failed_copy_of_one_group_publishes_nothing_in_any_group() -> None:
@@ -195,7 +194,7 @@ async def test_a_failed_copy_of_one_group_publishes_nothing_in_any_group() -> No
                 with pytest.raises(TransferError):
                     await task
             await off.drain()
-            sched = off._groups.scheduler  # type: ignore[union-attr]
+            sched = off._life.front.scheduler  # type: ignore[union-attr]
             sched.check_invariants()
             assert faults["swa"].calls == 1
             full = sched.statistics()["full"]
@@ -225,7 +224,7 @@ async def test_a_step_that_stores_in_one_group_is_submitted_to_its_engine_as_its
         pinner=pinners,
         copy_engine=engines,
     ) as off:
-        sched = off._groups.scheduler  # type: ignore[union-attr]
+        sched = off._life.front.scheduler  # type: ignore[union-attr]
         try:
             tokens = list(range(1, 30))
             with off.request("a", tokens) as req:
@@ -252,7 +251,7 @@ async def test_a_step_that_stores_in_one_group_is_submitted_to_its_engine_as_its
                 (full_part,) = engines["full"].pending
                 (rec_part,) = engines["rec"].pending
                 engines["full"].complete(full_part)
-                off._groups.poller.poll()  # type: ignore[union-attr]
+                off._life.launcher.poller.poll()  # type: ignore[union-attr]
                 assert not both.done()  # waits for every part
                 engines["rec"].fail(rec_part)
                 with pytest.raises(TransferError):
@@ -365,7 +364,7 @@ async def test_a_multi_group_offloader_has_the_owner_checks_of_one() -> None:
 
 
 def test_the_groups_host_memory_is_checked_all_together(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvoffload._group_session as gs  # noqa: PLC0415
+    import kvoffload._group_front as gs  # noqa: PLC0415
 
     model = Model(groups_of("sliding"))
     one_group = 32 * ATTN.bytes_per_block  # each group alone fits, both do not
@@ -534,7 +533,7 @@ def test_conversations_with_faults_load_exact_bytes_in_every_group(
             async with KVOffloader(
                 config(num_cpu, checkpoint=8), model.kv, groups=model.groups, copy_engine=engines
             ) as off:
-                sched = off._groups.scheduler  # type: ignore[union-attr]
+                sched = off._life.front.scheduler  # type: ignore[union-attr]
                 tokens: list[int] = []
                 for i, extra in enumerate(turns):
                     tokens = [*tokens, *range(100 + 10 * i, 100 + 10 * i + extra)]
@@ -572,7 +571,7 @@ async def test_events_carry_their_group_and_never_collide(kind: str) -> None:
         # two groups' pools both start at block 0: the ids alone would collide
         assert len({e.block_id for e in stored}) < len(keys)
         for g in model.groups:
-            pool = off._groups.scheduler.ledger(g.name).pool  # type: ignore[union-attr]
+            pool = off._life.front.scheduler.ledger(g.name).pool  # type: ignore[union-attr]
             mine = {(e.block_hash, e.block_id) for e in stored if e.group == g.name}
             assert len(mine) == pool.num_cached
             for block_hash, block_id in mine:

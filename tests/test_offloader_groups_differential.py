@@ -97,8 +97,8 @@ async def _run(pair: Pair, seed: int, steps: int) -> tuple[list[object], Any]:
     log: list[object] = []
     async with pair.one as one, pair.two as two:
         one.scheduler._loads.clock = lambda: 0.0  # deferral bounds by time: one clock
-        assert two._groups is not None
-        two._groups.scheduler.clock = lambda: 0.0
+        assert two._life.front is not None
+        two._life.front.scheduler.clock = lambda: 0.0
         try:
             for step in range(steps):
                 loads: list[Any] = []

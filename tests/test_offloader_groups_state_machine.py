@@ -147,14 +147,14 @@ class OffloaderGroupsMachine(RuleBasedStateMachine):
     def _pools(self) -> dict[str, CpuBlockPool]:
         if self.one:
             return {"full": self.off.pool}
-        session = self.off._groups
+        session = self.off._life.front
         assert session is not None
         return {n: session.scheduler.ledger(n).pool for n in self.names}
 
     def _hashes(self, tokens: list[int]) -> dict[str, list[Any]]:
         if self.one:
             return {"full": self.off.hash_prompt(tokens)}
-        session = self.off._groups
+        session = self.off._life.front
         assert session is not None
         return dict(session.hash_prompt(tokens))
 

@@ -75,7 +75,7 @@ async def test_a_retained_prefix_survives_a_scan_that_evicts_everything_else(
 ) -> None:
     system = tokens(1, 3)
     async with offloader(max_retained_fraction=0.25) as off:
-        assert isinstance(off._session.engine, ThreadCopyEngine)
+        assert isinstance(off._life.engines["g0"], ThreadCopyEngine)
         await compute_and_store(off, "sys", [*system, 7])
         if retain:
             assert off.retain_prefix(system, owner="system-prompt") == 3

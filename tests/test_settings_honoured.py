@@ -124,7 +124,7 @@ def _sched(off: KVOffloader) -> OffloadScheduler:
 
 
 def _pools(off: KVOffloader) -> list[CpuBlockPool]:
-    groups = off._groups
+    groups = off._life.front if off.groups is not None else None
     if groups is None:
         return [off.pool]
     return [groups.scheduler.ledger(n).pool for n in groups.scheduler.statistics()]
@@ -164,8 +164,8 @@ async def lazy_window(make_off: Callable[[], KVOffloader], seen: Seen) -> object
 
 
 def _grouped(off: KVOffloader) -> GroupedScheduler:
-    assert off._groups is not None
-    return off._groups.scheduler
+    assert off._life.front is not None
+    return off._life.front.scheduler
 
 
 async def group_lazy_needs_views(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
@@ -204,8 +204,8 @@ async def restores_evicted(make_off: Callable[[], KVOffloader], seen: Seen) -> o
 async def group_restores_evicted(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
     """As `restores_evicted`, per group: blocks stored again after b evicted a's."""
     async with make_off() as off:
-        assert off._groups is not None
-        sched = off._groups.scheduler
+        assert off._life.front is not None
+        sched = off._life.front.scheduler
         for rid, seed in (("a", 1), ("b", 2)):
             table: list[int | None] = list(range(seed * 8, seed * 8 + 8))
             tables = {n: table for n in _names(off)}
@@ -225,8 +225,8 @@ async def stores_per_step(make_off: Callable[[], KVOffloader], seen: Seen) -> ob
 async def group_stores_per_step(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
     """Blocks each group's plan holds for a request of 4 computed blocks per group."""
     async with make_off() as off:
-        assert off._groups is not None
-        sched = off._groups.scheduler
+        assert off._life.front is not None
+        sched = off._life.front.scheduler
         tables: dict[str, list[int | None]] = {n: list(range(4)) for n in _names(off)}
         sched.update("r", tables, {n: chain(4) for n in _names(off)}, 4 * BS)
         plan = sched.plan_stores()
@@ -241,7 +241,7 @@ async def host_buffer_request(make_off: Callable[[], KVOffloader], seen: Seen) -
 async def poll_interval(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
     async with make_off() as off:
         life = off._life
-        poller = life.poller if off._groups is not None else life.launcher.poller
+        poller = life.launcher.poller
         return poller._interval
 
 
@@ -287,8 +287,8 @@ async def hold_released(make_off: Callable[[], KVOffloader], seen: Seen) -> obje
 
 def _grouped_stored_now(off: KVOffloader, n: int) -> Any:
     """As `stored_now()` on every group: a request of ``n`` computed blocks per group."""
-    assert off._groups is not None
-    sched = off._groups.scheduler
+    assert off._life.front is not None
+    sched = off._life.front.scheduler
     tables: dict[str, list[int | None]] = {g: list(range(n)) for g in _names(off)}
     sched.update("r", tables, {g: chain(n) for g in _names(off)}, n * BS)
     sched.plan_stores()
@@ -349,16 +349,16 @@ async def group_prefetched(make_off: Callable[[], KVOffloader], seen: Seen) -> o
             await anyio.sleep(0.01)
         assert await off.reset()
         await off.hints.prefetch(prompt)
-        assert off._groups is not None
-        assert off._groups.group_tiers is not None
-        stats = off._groups.group_tiers.group_statistics()
+        assert off._life.front is not None
+        assert off._life.front.tiers is not None
+        stats = off._life.front.tiers.group_statistics()
         return {name: s.prefetch_blocks_promoted for name, s in stats.items()}
 
 
 async def store_points(make_off: Callable[[], KVOffloader], seen: Seen) -> object:
     async with make_off() as off:
-        assert off._groups is not None
-        return off._groups.scheduler.checkpoint_tokens
+        assert off._life.front is not None
+        return off._life.front.scheduler.checkpoint_tokens
 
 
 BLOCK_SIZE_CHECKED = "refused unless every group has that block size"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvoffload import ConfigError, KVOffloader, OffloadConfig, TransferStatus
-from kvoffload._group_session import page_layout
+from kvoffload.groups import page_layout
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.testing import CopyFaults
 from kvoffload.transfer import ThreadCopyEngine
@@ -239,7 +239,7 @@ async def test_a_load_past_its_deadline_is_abandoned_and_recomputed() -> None:
             gate.clear()
             engine.add_request("b", prompt, max_new_tokens=4)
             engine.add_request("c", other, max_new_tokens=6)
-            assert off._groups is not None
+            assert off._life.front is not None
             got: dict[str, list[int]] = {}
             late: dict[str, set[int]] = {}
             steps = 0
@@ -249,7 +249,7 @@ async def test_a_load_past_its_deadline_is_abandoned_and_recomputed() -> None:
                         got[o.request_id] = o.result.output_token_ids
                 steps += 1
                 if steps == 1:  # b's load, abandoned: every group's part still in flight
-                    (task,) = [t for t in off._groups.launcher.tasks if t.kind == "load"]
+                    (task,) = [t for t in off._life.front.launcher.tasks if t.kind == "load"]
                     assert task.status is TransferStatus.ABANDONED
                     parts = task.plan.parts  # type: ignore[attr-defined]
                     late = {n: set(p.gpu_block_ids) for n, p in parts.items()}
@@ -435,7 +435,7 @@ async def test_a_corrupted_cpu_block_of_one_group_changes_the_answer(
         await engine.run_until_done()
         await off.drain()
         if corrupt is not None:
-            host = off._groups.hosts[corrupt]  # type: ignore[union-attr]
+            host = off._life.hosts[corrupt]  # type: ignore[union-attr]
             host.raw.fill_(0x47)  # every float becomes about 51,000
         turn2 = [*prompt, *first.output_token_ids, 7, 8, 9]
         engine.add_request("t2", turn2, max_new_tokens=4)
@@ -464,7 +464,7 @@ async def test_a_session_hint_retains_every_groups_blocks_of_a_hybrid(
         await off.drain()
         off.store()  # a hint given before the last store completed is retained now
         assert off.hints.sessions == ("s",)
-        groups = off._groups
+        groups = off._life.front
         assert groups is not None
         pools = [groups.scheduler.ledger(g).pool for g in groups.scheduler.statistics()]
         assert all(p.num_retained > 0 for p in pools)

@@ -97,10 +97,10 @@ async def test_every_group_is_written_down_and_promoted_back_bytes_exact(
         for n, s in tier_stats(off).items():
             assert s.blocks_promoted > 0, n
             assert s.failed_checks == 0, n
-        session = off._groups
+        session = off._life.front
         assert session is not None
-        assert session.group_tiers is not None
-        per_group = session.group_tiers.group_statistics()
+        assert session.tiers is not None
+        per_group = session.tiers.group_statistics()
         total = tiers_of(off)
         assert total.promotions == sum(p.promotions for p in per_group.values()) >= 2
         assert total.promotion_errors == 0
@@ -210,16 +210,16 @@ async def swap_in_other_group_blocks(off: KVOffloader, how: str, tmp_path: Path)
     if how == "file":
         await anyio.to_thread.run_sync(copy_over, swa, full)
         return
-    session = off._groups
+    session = off._life.front
     assert session is not None
-    assert session.group_tiers is not None
-    tiers = {n: m.tiers[0] for n, m in session.group_tiers.managers.items()}
+    assert session.tiers is not None
+    tiers = {n: m.tiers[0] for n, m in session.tiers.managers.items()}
     keys = {}
     for n, ns in session.namespaces.items():
         hasher = BlockHasher(ns.root, BS)
         hasher.extend(TURN1)
         keys[n] = list(hasher.block_hashes)
-    nbytes = session.hosts["swa"].layout.bytes_per_block
+    nbytes = off._life.hosts["swa"].layout.bytes_per_block
     await tiers["full"].delete(keys["full"])
     for mine, theirs in zip(keys["full"], keys["swa"], strict=True):
         buf = memoryview(bytearray(nbytes))
@@ -277,10 +277,10 @@ async def test_a_failing_tier_of_one_group_gives_no_hit_and_corrupts_nothing(
     async with KVOffloader(cfg, model.kv, groups=model.groups) as off:
         await serve(off, model, alloc, "a", TURN1)
         await settle(off)
-        session = off._groups
+        session = off._life.front
         assert session is not None
-        assert session.group_tiers is not None
-        rec = session.group_tiers.managers["rec"].tiers[0]
+        assert session.tiers is not None
+        rec = session.tiers.managers["rec"].tiers[0]
 
         async def broken(*args: object) -> NoReturn:
             raise OSError(errno.EIO, "Input/output error")
@@ -320,10 +320,10 @@ async def test_off_tiers_is_the_groups_tier_front(kind: str, tmp_path: Path) -> 
     async with KVOffloader(cfg, model.kv, groups=model.groups) as off:
         front = off.tiers
         assert front is not None
-        session = off._groups
+        session = off._life.front
         assert session is not None
-        assert session.group_tiers is front
-        managers = session.group_tiers.managers
+        assert session.tiers is front
+        managers = session.tiers.managers
         assert [t.name for t in front.tiers] == [f"d.{g.name}" for g in model.groups]
         assert (
             front.max_prefetch_blocks
@@ -394,7 +394,7 @@ async def test_a_grouped_lookup_asks_again_at_most_until_the_tiers_deadline(
     cfg = tiered(tmp_path / "kv.bin", op_timeout_s=3)
     now = [50.0]
     async with KVOffloader(cfg, model.kv, groups=model.groups) as off:
-        session = off._groups
+        session = off._life.front
         assert session is not None
         assert off.tiers is not None
         session.scheduler.clock = lambda: now[0]

@@ -22,10 +22,10 @@ KINDS = ["sliding", "recurrent"]
 
 
 def group_tiers(off: KVOffloader) -> GroupTiers:
-    session = off._groups
+    session = off._life.front
     assert session is not None
-    assert session.group_tiers is not None
-    return session.group_tiers
+    assert session.tiers is not None
+    return session.tiers
 
 
 async def written_then_emptied(off: KVOffloader, model: Model, prompt: list[int]) -> None:

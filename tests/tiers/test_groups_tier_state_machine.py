@@ -74,10 +74,10 @@ class TieredGroupsMachine(OffloaderGroupsMachine):
             assert manager is not None
             self.tiers = {"full": manager.tiers[0]}  # type: ignore[union-attr]
         else:
-            session = off._groups
+            session = off._life.front
             assert session is not None
-            assert session.group_tiers is not None
-            self.tiers = {n: m.tiers[0] for n, m in session.group_tiers.managers.items()}
+            assert session.tiers is not None
+            self.tiers = {n: m.tiers[0] for n, m in session.tiers.managers.items()}
 
     def teardown(self) -> None:
         try:

@@ -22,7 +22,7 @@ from tier_helpers import (
     tokens,
 )
 
-from kvoffload.errors import InputTypeError
+from kvoffload.errors import InputTypeError, InvariantError
 from kvoffload.groups import KVCacheGroup
 from kvoffload.metrics import OffloaderCollector
 from kvoffload.offloader import KVOffloader
@@ -73,6 +73,22 @@ async def test_a_prefetch_makes_the_next_lookup_a_cpu_hit(tmp_path: Path) -> Non
         assert not manager(off).is_promoting(hashes[0])
         off.finish("b")
         check(off)
+
+
+async def test_the_offloader_checks_its_tier_managers_invariants(tmp_path: Path) -> None:
+    """`KVOffloader.check_invariants()` checks the tier manager's bookkeeping with one
+    group as with several."""
+    kv = make_kv()
+    async with KVOffloader(config([disk(tmp_path / "kv.bin")]), kv) as off:
+        off.check_invariants()
+        promoter = manager(off)._promoter
+        promoter.prefetch_blocks = -1  # a bookkeeping breach only the manager can see
+        try:
+            with pytest.raises(InvariantError, match="prefetches hold -1 CPU blocks"):
+                off.check_invariants()
+        finally:
+            promoter.prefetch_blocks = 0
+        off.check_invariants()
 
 
 async def test_without_tiers_a_prefetch_answers_what_is_on_cpu() -> None:
@@ -185,7 +201,7 @@ async def test_a_prefetch_never_takes_a_block_with_a_store_in_flight(tmp_path: P
     async with KVOffloader(cfg, kv) as off:
         prompt = tokens(9, 4)
         await stored_then_evicted(off, kv, prompt)
-        engine = off._session.engine
+        engine = off._life.engines["g0"]
         assert isinstance(engine, ThreadCopyEngine)
         gate = threading.Event()
         engine._copy_hook = CopyFaults(gate=gate)  # the stores' copies wait on the gate

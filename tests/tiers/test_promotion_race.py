@@ -36,7 +36,7 @@ async def test_promotion_skips_a_hash_whose_store_is_in_flight(tmp_path: Path) -
         assert await off.reset()
         # Store the same prompt again, behind a gate that holds every copy.
         gate = threading.Event()
-        engine = off._session.engine
+        engine = off._life.engines["g0"]
         assert isinstance(engine, ThreadCopyEngine)
         engine._copy_hook = CopyFaults(gate=gate)
         try:

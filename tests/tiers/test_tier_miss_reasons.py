@@ -178,10 +178,10 @@ def grouped_config(path: Path, **disk_kw: object) -> OffloadConfig:
 
 
 def group_tier(off: KVOffloader, group: str) -> SecondaryTier:
-    session = off._groups
+    session = off._life.front
     assert session is not None
-    assert session.group_tiers is not None
-    return session.group_tiers.managers[group].tiers[0]
+    assert session.tiers is not None
+    return session.tiers.managers[group].tiers[0]
 
 
 class GroupTally:
@@ -261,7 +261,7 @@ async def test_groups_a_tier_that_lacks_a_group_s_blocks_reads_group_missing(
 
 def group_hashes(off: KVOffloader, group: str) -> list[BlockHash]:
     """``group``'s block hashes of TURN2 (its tier's keys)."""
-    session = off._groups
+    session = off._life.front
     assert session is not None
     hasher = BlockHasher(session.namespaces[group].root, BS)
     hasher.extend(TURN2)

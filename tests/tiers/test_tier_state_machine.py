@@ -184,7 +184,7 @@ class TierMachine(RuleBasedStateMachine):
         p = prompt(family, length)
         hashes = self.o.hash_prompt(p)
         writer, reader = self.rid(), self.rid()
-        engine = self.o._session.engine
+        engine = self.o._life.engines["g0"]
         assert isinstance(engine, ThreadCopyEngine)
         gate = threading.Event()
         engine._copy_hook = CopyFaults(gate=gate)
