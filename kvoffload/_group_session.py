@@ -485,7 +485,10 @@ class GroupSession(Lifecycle):
         """The whole model's counters (see `GroupCounters.statistics()`)."""
         return self.counters.statistics(
             self.scheduler,
-            live_requests=len(self._live),
+            # as one group counts them: every request the scheduler keeps state for
+            # (finished ones whose copies run or whose blocks are held too), and live
+            # handles that have not looked up yet
+            live_requests=len(self._live.union(self.scheduler.request_ids)),
             in_flight_transfers=self.launcher.num_in_flight,
         )
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 import pytest
+import torch
 
 from kvoffload import KVOffloader, OffloadConfig
 from kvoffload.errors import InvalidInputError, TransferError
@@ -97,7 +98,7 @@ class Pair:
         self.engines = {n: self._eng(t) for n, t in kvs.items()}
         self.two = KVOffloader(config, kvs, groups=groups, copy_engine=dict(self.engines))
 
-    def _eng(self, kv: list[Any]) -> ControllableCopyEngine:
+    def _eng(self, kv: list[torch.Tensor]) -> ControllableCopyEngine:
         host = HostKVBuffer(ATTN, CPU_BLOCKS, pin_memory="never")
         self.hosts.append(host)
         return ControllableCopyEngine(layout=ATTN, gpu_kv=kv, host=host)
@@ -112,9 +113,7 @@ class Pair:
             host.close()
 
 
-def _zeros() -> Any:
-    import torch
-
+def _zeros() -> torch.Tensor:
     return torch.zeros(ATTN.tensor_shape(NUM_GPU))
 
 
@@ -122,12 +121,13 @@ def same(one: object, two: object, what: object) -> None:
     assert one == two, (what, one, two)
 
 
-def call(fn1: Any, fn2: Any, what: object) -> tuple[Any, Any]:
-    """Both calls, which return or raise alike (the error's type)."""
+def call(what: object, fn1: Any, fn2: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """Both calls with the same arguments, which return or raise alike (the error's
+    type)."""
     out: list[Any] = []
     for fn in (fn1, fn2):
         try:
-            out.append(fn())
+            out.append(fn(*args, **kwargs))
         except InvalidInputError as exc:
             out.append(type(exc))
     if out[0] is InvalidInputError or out[1] is InvalidInputError:
@@ -183,7 +183,7 @@ async def run(seed: int, mix: Mix, steps: int = 40) -> dict[str, int]:
         pair.close()
 
 
-async def _run(pair: Pair, seed: int, mix: Mix, steps: int) -> dict[str, int]:  # noqa: C901, PLR0912, PLR0915
+async def _run(pair: Pair, seed: int, mix: Mix, steps: int) -> dict[str, int]:
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1000) for _ in range(rng.choice((8, 12, 16)))] for _ in range(3)]
     free = list(range(NUM_GPU))
@@ -206,9 +206,11 @@ async def _run(pair: Pair, seed: int, mix: Mix, steps: int) -> dict[str, int]:  
                     prefix = rng.choice(prefixes)
                     owner = ("owner", step)
                     n1, n2 = call(
-                        lambda: one.retain_prefix(prefix, owner=owner),
-                        lambda: two.retain_prefix(prefix, owner=owner),
                         (seed, step, "retain_prefix"),
+                        one.retain_prefix,
+                        two.retain_prefix,
+                        prefix,
+                        owner=owner,
                     )
                     if isinstance(n1, int):
                         same(len(NAMES) * n1, n2, (seed, step, "retain_prefix"))
@@ -217,9 +219,10 @@ async def _run(pair: Pair, seed: int, mix: Mix, steps: int) -> dict[str, int]:  
                 if mix.retain and owners and rng.random() < 0.1:
                     owner = owners.pop(rng.randrange(len(owners)))
                     r1, r2 = call(
-                        lambda: one.release_retained(owner),
-                        lambda: two.release_retained(owner),
                         (seed, step, "release_retained"),
+                        one.release_retained,
+                        two.release_retained,
+                        owner,
                     )
                     if isinstance(r1, int):
                         same(len(NAMES) * r1, r2, (seed, step, "release_retained"))

@@ -30,7 +30,7 @@ connector's one scheduler side runs every model on this class, one group include
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, KeysView, Mapping, Sequence
 from typing import final
 
 from kvoffload.config import OffloadConfig
@@ -242,6 +242,12 @@ class GroupedScheduler:
     def has_request(self, request_id: str) -> bool:
         """Whether state is kept for ``request_id``."""
         return request_id in self._requests
+
+    @property
+    def request_ids(self) -> KeysView[str]:
+        """The ids state is kept for: live requests, and finished ones whose copies are
+        in flight or whose blocks are held (`OffloadScheduler`'s ``live_requests``)."""
+        return self._requests.keys()
 
     # -- requests --------------------------------------------------------------------------
 
