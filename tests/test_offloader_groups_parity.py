@@ -15,6 +15,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -29,6 +30,8 @@ from kvoffload.request import OffloadRequest
 from kvoffload.scheduler import SchedulerStatistics
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.testing import ControllableCopyEngine
+from kvoffload.tiers.groups import GroupTiers
+from kvoffload.tiers.stats import TierStatistics
 from tests.test_offloader_groups import ATTN, BS
 from tests.test_offloader_groups_differential import CPU_BLOCKS, NUM_GPU
 
@@ -96,10 +99,15 @@ class Pair:
             {"num_cpu_blocks": CPU_BLOCKS, "block_size": BS, **settings}
         )
         kv = [_zeros() for _ in range(ATTN.num_layers)]
-        self.engine = self._eng(kv)
-        self.one = KVOffloader(config, kv, copy_engine=self.engine)
         groups = [KVCacheGroup.from_layout(ATTN, name=n) for n in NAMES]
         kvs = {n: [_zeros() for _ in range(ATTN.num_layers)] for n in NAMES}
+        if config.tiers:  # tiers copy through the host buffers the offloaders make
+            self.engine, self.engines = None, {}
+            self.one = KVOffloader(config, kv)
+            self.two = KVOffloader(config, kvs, groups=groups)
+            return
+        self.engine = self._eng(kv)
+        self.one = KVOffloader(config, kv, copy_engine=self.engine)
         self.engines = {n: self._eng(t) for n, t in kvs.items()}
         self.two = KVOffloader(config, kvs, groups=groups, copy_engine=dict(self.engines))
 
@@ -110,7 +118,7 @@ class Pair:
 
     def complete_all(self) -> None:
         for engine in (self.engine, *self.engines.values()):
-            for task in list(engine.pending):
+            for task in list(engine.pending) if engine is not None else ():
                 engine.complete(task)
 
     def close(self) -> None:
@@ -172,6 +180,47 @@ def compare_events(one: KVOffloader, two: KVOffloader, what: object) -> None:
     for n in NAMES:
         mine = [(type(e).__name__, getattr(e, "block_id", None)) for e in e2 if e.group == n]
         same(e1, mine, (what, "events", n))
+
+
+async def settle(off: KVOffloader) -> None:
+    """Wait until no write-down or promotion of ``off``'s tiers runs."""
+    tiers = off.tiers
+    assert tiers is not None
+    with anyio.fail_after(30):
+        while True:
+            await off.drain()
+            stats = tiers.statistics()
+            if not stats.refs_held and not stats.promotions_in_flight:
+                return
+            await anyio.sleep(0.002)
+
+
+# A tier's counters that do not count time or name the tier.
+TIER_COUNTERS = tuple(
+    f.name for f in fields(TierStatistics) if f.type in ("int", "bool") or f.name == "last_error"
+)
+
+
+def compare_tiers(one: KVOffloader, two: KVOffloader, what: object) -> None:
+    """Each group's tier stack counts what the one group's counts; the whole model's
+    promotion counters are every group's added up, its ``deferred_lookups`` are the
+    lookups' (each counted once)."""
+    assert one.tiers is not None
+    assert isinstance(two.tiers, GroupTiers)
+    want = one.tiers.statistics()
+    per = two.tiers.group_statistics()
+    whole = two.tiers.statistics()
+    for n in NAMES:
+        got = per[n]
+        for name in ("promotions", "promotions_no_space", "promotion_errors", "refs_held"):
+            same(getattr(want, name), getattr(got, name), (what, n, name))
+            same(len(NAMES) * getattr(want, name), getattr(whole, name), (what, "whole", name))
+        [t1] = want.tiers
+        [t2] = got.tiers
+        assert t2.name == f"{t1.name}.{n}", (what, t2.name)
+        for name in TIER_COUNTERS:
+            same(getattr(t1, name), getattr(t2, name), (what, n, "tier", name))
+    same(want.deferred_lookups, whole.deferred_lookups, (what, "whole", "deferred_lookups"))
 
 
 async def _wait(task: Any) -> None:
@@ -273,10 +322,15 @@ class Workload:
         return self.seen
 
     async def complete(self) -> None:
-        """End every copy in flight, in submission order, and wait for the loads."""
+        """End every copy in flight, in submission order, and wait for the loads (with
+        tiers: every write-down and promotion too)."""
         self.pair.complete_all()
         await self.one.drain()
         await self.two.drain()
+        if self.one.tiers is not None:
+            await settle(self.one)
+            await settle(self.two)
+            compare_tiers(self.one, self.two, self.what("tiers"))
         for r in self.reqs.values():
             if r.loading is not None:
                 for task in r.loading:
@@ -456,6 +510,21 @@ MIXES = {
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_two_full_groups_are_one_group_with_every_feature(mix: str, seed: int) -> None:
     anyio.run(run, seed, MIXES[mix])
+
+
+def disk(path: Path) -> dict[str, object]:
+    """A disk tier large enough never to evict (each group's file takes a share)."""
+    return {"kind": "disk", "name": "d", "path": str(path), "capacity_bytes": "4MiB"}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_two_full_groups_are_one_group_with_a_disk_tier(seed: int, tmp_path: Path) -> None:
+    """Write-downs, promotions (a lookup that asks again while one runs, then hits what
+    it promoted), each group's tier statistics: as one group's, after every step (every
+    copy, write-down and promotion ended, so thread timing decides nothing)."""
+    mix = Mix({"tiers": [disk(tmp_path / "kv.bin")], **RETAIN}, retain=True)
+    seen = anyio.run(run, seed, mix)
+    assert seen["hits"] > 0
 
 
 def test_the_mixes_reach_what_they_compare() -> None:
