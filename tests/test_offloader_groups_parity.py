@@ -26,8 +26,10 @@ from kvoffload import KVOffloader, OffloadConfig
 from kvoffload.errors import InvalidInputError, TransferError
 from kvoffload.groups import KVCacheGroup
 from kvoffload.hashing import BlockHash
+from kvoffload.pool.events import PoolStatistics
 from kvoffload.request import OffloadRequest
 from kvoffload.scheduler import SchedulerStatistics
+from kvoffload.scheduler.misses import MissReason
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.testing import ControllableCopyEngine
 from kvoffload.tiers.groups import GroupTiers
@@ -65,6 +67,11 @@ SUM = (
     "held_blocks",
     "hold_expired_blocks",
 )
+
+
+# Calls to `CpuBlockPool.lookup()`, which a multi-group lookup does not make (it reads
+# each pool's published blocks itself): not compared.
+POOL_CALLS = ("lookups", "hit_blocks")
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,15 @@ def compare_statistics(one: KVOffloader, two: KVOffloader, what: object) -> None
     groups = stats.groups
     assert groups is not None
     per = {f.name for f in fields(next(iter(groups.values())))}
+    pool = one.pool.statistics()
+    for n in NAMES:
+        got = (groups[n].num_cpu_blocks, groups[n].free_cpu_blocks, groups[n].cached_cpu_blocks)
+        same((pool.num_blocks, pool.num_free, pool.num_cached), got, (what, "pool", n))
+    for f in fields(PoolStatistics):  # the groups' pools added up
+        if f.name in POOL_CALLS:
+            continue
+        value = getattr(pool, f.name)
+        same(len(NAMES) * value, getattr(stats.pool, f.name), (what, "pool", f.name))
     for f in fields(SchedulerStatistics):
         name = f.name
         value = getattr(want, name)
@@ -292,11 +308,20 @@ class Workload:
             self.retention()
             self.admit_new()
             self.abandon()
+            hits: list[Req] = []
             for rid, r in list(self.reqs.items()):
                 if r.waiting:
-                    self.lookup(rid, r)
+                    if self.lookup(rid, r):
+                        hits.append(r)
                 elif r.loading is None:
                     self.advance(r)
+            if one.tiers is not None:
+                # the promotions those lookups started end before any copy runs (their
+                # CPU blocks are taken from a pool that the copies do not change meanwhile)
+                await settle(one)
+                await settle(two)
+            for r in hits:
+                r.loading = (r.one.load(r.table), r.two.load(dict.fromkeys(NAMES, r.table)))
             self.store()
             self.end_some()
             compare_statistics(one, two, self.what("in flight"))
@@ -401,13 +426,14 @@ class Workload:
                 self.seen["abandoned"] += 1
                 r.computed, r.loading = 0, None
 
-    def lookup(self, rid: str, r: Req) -> None:
+    def lookup(self, rid: str, r: Req) -> bool:
+        """Look ``r`` up; whether to load its hit (once the step's lookups are made)."""
         defer = self.rng.random() < 0.5
         hit = r.one.lookup(allow_defer=defer)
         same(hit, r.two.lookup(allow_defer=defer), self.what(rid, "hit"))
         if hit is None:
             self.seen["asks"] += 1
-            return
+            return False
         self.seen["hits"] += hit
         r.waiting = False
         need = -(-len(r.tokens) // BS)
@@ -415,11 +441,12 @@ class Workload:
         for gpu in r.table:
             self.cached.pop(gpu, None)
         if hit and self.rng.random() < 0.8:
-            r.loading = (r.one.load(r.table), r.two.load(dict.fromkeys(NAMES, r.table)))
             r.computed = hit
-        elif hit:
+            return True
+        if hit:
             r.one.release()
             r.two.release()
+        return False
 
     def advance(self, r: Req) -> None:
         if r.computed >= len(r.tokens):
@@ -548,3 +575,33 @@ def test_the_mixes_reach_what_they_compare() -> None:
                 seen[name] = seen.get(name, 0) + value
         for name in names:
             assert seen[name] > 0, (mix, name, seen)
+
+
+@pytest.mark.parametrize("allow_defer", [False, True])
+def test_a_lookup_while_a_promotion_runs_counts_alike(allow_defer: bool, tmp_path: Path) -> None:
+    """A lookup that starts a tier's probe: answered from CPU (a miss, ``in_flight``), or
+    "ask again" with ``allow_defer``, counted as a deferred lookup (no hit or miss
+    tokens: the request asks again), by one group and by two."""
+
+    async def main() -> None:
+        pair = Pair(tiers=[disk(tmp_path / "kv.bin")])
+        try:
+            async with pair.one as one, pair.two as two:
+                prompt = list(range(1, 15))
+                for off in (one, two):
+                    with off.request("r", prompt) as req:
+                        hit = req.lookup(allow_defer=allow_defer)
+                        assert hit == (None if allow_defer else 0)
+                        assert req.miss_reason is MissReason.IN_FLIGHT
+                    await settle(off)
+                compare_statistics(one, two, allow_defer)
+                compare_tiers(one, two, allow_defer)
+                stats = one.statistics().scheduler
+                assert stats.deferred_lookups == int(allow_defer)
+                assert stats.miss_tokens == (0 if allow_defer else len(prompt))
+                misses = {} if allow_defer else {MissReason.IN_FLIGHT: 1}
+                assert dict(stats.lookup_misses) == misses
+        finally:
+            pair.close()
+
+    anyio.run(main)
