@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -32,12 +33,14 @@ from kvoffload.scheduler import SchedulerStatistics
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.testing import ControllableCopyEngine
+from kvoffload.tiers import promote
 from kvoffload.tiers.groups import GroupTiers
 from kvoffload.tiers.stats import TierStatistics
 from tests.test_offloader_groups import ATTN, BS
 from tests.test_offloader_groups_differential import CPU_BLOCKS, NUM_GPU
 
 NAMES = ("a", "b")
+PRIORITIES = (0, 0, 3)
 GPU_CACHED = 12  # free GPU blocks that keep their KV (the engine's prefix cache), at most
 
 # What each whole-model counter of two identical groups is, against the one group's:
@@ -285,7 +288,7 @@ class Workload:
         )
         self.owners: list[object] = []
         self.sessions: list[object] = []
-        self.now = 0.0
+        Workload.now = 0.0
         self.step = 0
         self.lazy = mix.settings.get("store_mode") == "lazy"
         # the engine's free GPU blocks holding KV (lazy stores), evicted oldest first
@@ -294,8 +297,11 @@ class Workload:
     def what(self, *more: object) -> tuple[object, ...]:
         return (self.seed, self.step, *more)
 
+    now = 0.0
+    """The workload's clock (a second a step): one for both offloaders."""
+
     def clock(self) -> float:
-        return self.now
+        return Workload.now
 
     async def run(self, steps: int) -> dict[str, int]:
         one, two = self.one, self.two
@@ -304,7 +310,7 @@ class Workload:
         one.scheduler._loads.clock = two._groups.scheduler.clock = self.clock
         one.hints.clock = two.hints.clock = self.clock
         for self.step in range(steps):
-            self.now += 1.0
+            Workload.now += 1.0
             self.retention()
             self.admit_new()
             self.abandon()
@@ -313,15 +319,19 @@ class Workload:
                 if r.waiting:
                     if self.lookup(rid, r):
                         hits.append(r)
+                    if one.tiers is not None:
+                        # the promotions this lookup started end before anything else
+                        # runs (two promotions, or a promotion and a copy, would take
+                        # CPU blocks in the order the threads end them)
+                        await settle(one)
+                        await settle(two)
                 elif r.loading is None:
                     self.advance(r)
-            if one.tiers is not None:
-                # the promotions those lookups started end before any copy runs (their
-                # CPU blocks are taken from a pool that the copies do not change meanwhile)
-                await settle(one)
-                await settle(two)
             for r in hits:
                 r.loading = (r.one.load(r.table), r.two.load(dict.fromkeys(NAMES, r.table)))
+            if one.tiers is not None:
+                await self.complete()  # the copy engines' threads end loads and stores
+                # in any order: the loads end first
             self.store()
             self.end_some()
             compare_statistics(one, two, self.what("in flight"))
@@ -406,7 +416,7 @@ class Workload:
             prefix = rng.choice(self.prefixes) if rng.random() < 0.8 else []
             prompt = prefix + [rng.randrange(1000) for _ in range(rng.randrange(1, 10))]
             tokens = prompt + [rng.randrange(1000) for _ in range(rng.randrange(0, 10))]
-            rid, priority = f"r{self.step}", rng.choice((0, 0, 3))
+            rid, priority = f"r{self.step}", rng.choice(PRIORITIES)
             self.reqs[rid] = Req(
                 tokens,
                 len(prompt),
@@ -545,10 +555,14 @@ def disk(path: Path) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_two_full_groups_are_one_group_with_a_disk_tier(seed: int, tmp_path: Path) -> None:
+def test_two_full_groups_are_one_group_with_a_disk_tier(
+    seed: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Write-downs, promotions (a lookup that asks again while one runs, then hits what
     it promoted), each group's tier statistics: as one group's, after every step (every
-    copy, write-down and promotion ended, so thread timing decides nothing)."""
+    copy, write-down and promotion ended, so thread timing decides nothing; the tiers'
+    memory of absent blocks runs on the workload's clock, a second a step)."""
+    monkeypatch.setattr(promote, "time", SimpleNamespace(monotonic=lambda: Workload.now))
     mix = Mix({"tiers": [disk(tmp_path / "kv.bin")], **RETAIN}, retain=True)
     seen = anyio.run(run, seed, mix)
     assert seen["hits"] > 0
@@ -601,6 +615,42 @@ def test_a_lookup_while_a_promotion_runs_counts_alike(allow_defer: bool, tmp_pat
                 assert stats.miss_tokens == (0 if allow_defer else len(prompt))
                 misses = {} if allow_defer else {MissReason.IN_FLIGHT: 1}
                 assert dict(stats.lookup_misses) == misses
+        finally:
+            pair.close()
+
+    anyio.run(main)
+
+
+def test_a_promoted_block_counts_for_its_tier_at_one_lookup_only(tmp_path: Path) -> None:
+    """Blocks a promotion brought in count in `tier_hit_tokens` (and are kept from a
+    promotion's evictions) until a lookup pins them, once, with one group and two: the
+    next lookup of the same prompt found them on CPU."""
+
+    async def main() -> None:
+        pair = Pair(num_cpu_blocks=16, tiers=[disk(tmp_path / "kv.bin")])
+        try:
+            async with pair.one as one, pair.two as two:
+                prompt = list(range(1, 14))  # three full blocks, a hit of 12 tokens
+                table = list(range(4))
+                for off, tables in ((one, table), (two, dict.fromkeys(NAMES, table))):
+                    with off.request("a", prompt) as req:
+                        assert req.lookup() == 0
+                        req.advance(tables, 12)  # type: ignore[arg-type]
+                        off.store()
+                    await settle(off)
+                    assert await off.reset()  # the tier keeps them
+                    with off.request("b", prompt) as req:
+                        assert req.lookup(allow_defer=True) is None  # promoting
+                        await settle(off)
+                        assert req.lookup(allow_defer=True) == 12
+                        assert req.tier_hit_tokens == {"d": 12}
+                    with off.request("c", prompt) as req:
+                        assert req.lookup(allow_defer=True) == 12
+                        assert req.tier_hit_tokens == {}, off.groups
+                await settle(one)
+                await settle(two)
+                compare_statistics(one, two, "promoted")
+                compare_tiers(one, two, "promoted")
         finally:
             pair.close()
 
