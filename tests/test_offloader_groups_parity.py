@@ -533,6 +533,9 @@ MIXES = {
         lag=True,
     ),
     "lazy": Mix({"store_mode": "lazy", "lazy_offload_blocks": 4}, lag=True),
+    # a policy told of every lookup (`on_lookup`), and one that is not
+    "adaptive": Mix({"eviction_policy": "adaptive"}, lag=True),
+    "s3fifo": Mix({"eviction_policy": "s3fifo"}, lag=True),
     "all": Mix(
         {"enable_events": True, "restore_evicted": True, "max_store_blocks_per_step": 3, **RETAIN},
         retain=True,
