@@ -72,11 +72,6 @@ SUM = (
 )
 
 
-# Calls to `CpuBlockPool.lookup()`, which a multi-group lookup does not make (it reads
-# each pool's published blocks itself): not compared.
-POOL_CALLS = ("lookups", "hit_blocks")
-
-
 @dataclass(frozen=True)
 class Mix:
     """What the workload mixes in besides lookups, loads, stores, finishes, preemptions."""
@@ -172,8 +167,6 @@ def compare_statistics(one: KVOffloader, two: KVOffloader, what: object) -> None
         got = (groups[n].num_cpu_blocks, groups[n].free_cpu_blocks, groups[n].cached_cpu_blocks)
         same((pool.num_blocks, pool.num_free, pool.num_cached), got, (what, "pool", n))
     for f in fields(PoolStatistics):  # the groups' pools added up
-        if f.name in POOL_CALLS:
-            continue
         value = getattr(pool, f.name)
         same(len(NAMES) * value, getattr(stats.pool, f.name), (what, "pool", f.name))
     for f in fields(SchedulerStatistics):

@@ -388,7 +388,13 @@ class GroupedScheduler:
         lanes = {g.name: block_hashes[g.name] for g in self._cacheable}
         pools = {name: ledger.pool for name, ledger in self._ledgers.items()}
         n = find_hit(
-            self._cacheable, pools, lanes, num_tokens, computed=num_computed_tokens, align=align
+            self._cacheable,
+            pools,
+            lanes,
+            num_tokens,
+            computed=num_computed_tokens,
+            align=align,
+            observe=True,
         )
         hits = hit_blocks(self._cacheable, self._ledgers, lanes, n, num_computed_tokens)
         extension = self.extension
