@@ -276,9 +276,8 @@ class Workload:
         ]
         self.free = list(range(NUM_GPU))
         self.reqs: dict[str, Req] = {}
-        self.seen = dict.fromkeys(
-            ("hits", "asks", "retained", "released", "hinted", "abandoned", "events"), 0
-        )
+        seen = ("hits", "asks", "retained", "released", "hinted", "abandoned", "events")
+        self.seen = dict.fromkeys((*seen, "tier_hits"), 0)
         self.owners: list[object] = []
         self.sessions: list[object] = []
         Workload.now = 0.0
@@ -434,6 +433,9 @@ class Workload:
         defer = self.rng.random() < 0.5
         hit = r.one.lookup(allow_defer=defer)
         same(hit, r.two.lookup(allow_defer=defer), self.what(rid, "hit"))
+        same(r.one.miss_reason, r.two.miss_reason, self.what(rid, "miss_reason"))
+        same(dict(r.one.tier_hit_tokens), dict(r.two.tier_hit_tokens), self.what(rid, "tiers"))
+        self.seen["tier_hits"] += sum(r.one.tier_hit_tokens.values())
         if hit is None:
             self.seen["asks"] += 1
             return False
@@ -562,6 +564,8 @@ def test_two_full_groups_are_one_group_with_a_disk_tier(
     mix = Mix({"tiers": [disk(tmp_path / "kv.bin")], **RETAIN}, retain=True)
     seen = anyio.run(run, seed, mix)
     assert seen["hits"] > 0
+    assert seen["tier_hits"] > 0
+    assert seen["asks"] > 0
 
 
 def test_the_mixes_reach_what_they_compare() -> None:
