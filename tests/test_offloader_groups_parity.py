@@ -14,7 +14,7 @@ import contextlib
 import random
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -552,20 +552,47 @@ def disk(path: Path) -> dict[str, object]:
     return {"kind": "disk", "name": "d", "path": str(path), "capacity_bytes": "4MiB"}
 
 
-@pytest.mark.parametrize("seed", range(6))
+TIER_MIXES = {
+    "retention": Mix(RETAIN, retain=True, hints=True),
+    "settings": Mix(
+        {
+            "enable_events": True,
+            "restore_evicted": True,
+            "max_store_blocks_per_step": 2,
+            "store_admission": "seen_twice",
+        }
+    ),
+    "holds": Mix({"hold_blocks_on_finish": True, "hold_max_steps": 2, "eviction_policy": "arc"}),
+}
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("mix", list(TIER_MIXES))
 def test_two_full_groups_are_one_group_with_a_disk_tier(
-    seed: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    mix: str, seed: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Write-downs, promotions (a lookup that asks again while one runs, then hits what
     it promoted), each group's tier statistics: as one group's, after every step (every
     copy, write-down and promotion ended, so thread timing decides nothing; the tiers'
     memory of absent blocks runs on the workload's clock, a second a step)."""
     monkeypatch.setattr(promote, "time", SimpleNamespace(monotonic=lambda: Workload.now))
-    mix = Mix({"tiers": [disk(tmp_path / "kv.bin")], **RETAIN}, retain=True)
-    seen = anyio.run(run, seed, mix)
+    base = TIER_MIXES[mix]
+    settings = {**base.settings, "tiers": [disk(tmp_path / "kv.bin")]}
+    seen = anyio.run(run, seed, replace(base, settings=settings))
     assert seen["hits"] > 0
-    assert seen["tier_hits"] > 0
-    assert seen["asks"] > 0
+
+
+def test_the_tier_mixes_reach_promotions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tier mix hits blocks a promotion brought in, and asks again while one runs."""
+    monkeypatch.setattr(promote, "time", SimpleNamespace(monotonic=lambda: Workload.now))
+    for name, base in TIER_MIXES.items():
+        total = {"tier_hits": 0, "asks": 0}
+        for seed in range(3):
+            settings = {**base.settings, "tiers": [disk(tmp_path / f"{name}{seed}.bin")]}
+            seen = anyio.run(run, seed, replace(base, settings=settings))
+            for key in total:
+                total[key] += seen[key]
+        assert all(total.values()), (name, total)
 
 
 def test_the_mixes_reach_what_they_compare() -> None:
