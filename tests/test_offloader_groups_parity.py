@@ -213,6 +213,20 @@ TIER_COUNTERS = tuple(
 )
 
 
+# The promotion counters of a tier manager (each group's added up for the whole model).
+PROMOTION_COUNTERS = (
+    "promotions",
+    "promotions_no_space",
+    "promotion_errors",
+    "refs_held",
+    "prefetches",
+    "prefetches_completed",
+    "prefetches_cancelled",
+    "prefetch_blocks_promoted",
+    "prefetches_bounded",
+)
+
+
 def compare_tiers(one: KVOffloader, two: KVOffloader, what: object) -> None:
     """Each group's tier stack counts what the one group's counts; the whole model's
     promotion counters are every group's added up, its ``deferred_lookups`` are the
@@ -224,7 +238,7 @@ def compare_tiers(one: KVOffloader, two: KVOffloader, what: object) -> None:
     whole = two.tiers.statistics()
     for n in NAMES:
         got = per[n]
-        for name in ("promotions", "promotions_no_space", "promotion_errors", "refs_held"):
+        for name in PROMOTION_COUNTERS:
             same(getattr(want, name), getattr(got, name), (what, n, name))
             same(len(NAMES) * getattr(want, name), getattr(whole, name), (what, "whole", name))
         [t1] = want.tiers
@@ -277,7 +291,7 @@ class Workload:
         self.free = list(range(NUM_GPU))
         self.reqs: dict[str, Req] = {}
         seen = ("hits", "asks", "retained", "released", "hinted", "abandoned", "events")
-        self.seen = dict.fromkeys((*seen, "tier_hits"), 0)
+        self.seen = dict.fromkeys((*seen, "tier_hits", "prefetched"), 0)
         self.owners: list[object] = []
         self.sessions: list[object] = []
         Workload.now = 0.0
@@ -304,6 +318,8 @@ class Workload:
         for self.step in range(steps):
             Workload.now += 1.0
             self.retention()
+            if self.mix.hints and one.tiers is not None and self.rng.random() < 0.2:
+                await self.prefetch()
             self.admit_new()
             self.abandon()
             hits: list[Req] = []
@@ -363,6 +379,20 @@ class Workload:
                 for task in r.loading:
                     await _wait(task)
                 r.loading = None
+
+    async def prefetch(self) -> None:
+        """``hints.prefetch()`` of a prefix and a few tokens: one group answers the
+        prompt's leading blocks on CPU, several the tokens a lookup finds there. (The
+        prompt ends inside a block: one group also brings in the last block of a prompt
+        that ends on a block boundary, which its lookup cannot use, and several groups
+        do not.)"""
+        prompt = [*self.rng.choice(self.prefixes), *range(5000, 5000 + self.rng.randrange(1, 4))]
+        blocks = await self.one.hints.prefetch(prompt)
+        tokens = await self.two.hints.prefetch(prompt)
+        same(blocks * BS, tokens, self.what("prefetch"))
+        self.seen["prefetched"] += blocks
+        await settle(self.one)
+        await settle(self.two)
 
     def retention(self) -> None:
         one, two, rng, mix = self.one, self.two, self.rng, self.mix
@@ -583,10 +613,11 @@ def test_two_full_groups_are_one_group_with_a_disk_tier(
 
 
 def test_the_tier_mixes_reach_promotions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every tier mix hits blocks a promotion brought in, and asks again while one runs."""
+    """Every tier mix hits blocks a promotion brought in, and asks again while one runs;
+    prefetches (with hints) find blocks."""
     monkeypatch.setattr(promote, "time", SimpleNamespace(monotonic=lambda: Workload.now))
     for name, base in TIER_MIXES.items():
-        total = {"tier_hits": 0, "asks": 0}
+        total = dict.fromkeys(("tier_hits", "asks", *(("prefetched",) if base.hints else ())), 0)
         for seed in range(3):
             settings = {**base.settings, "tiers": [disk(tmp_path / f"{name}{seed}.bin")]}
             seen = anyio.run(run, seed, replace(base, settings=settings))
