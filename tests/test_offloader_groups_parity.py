@@ -713,3 +713,38 @@ def test_a_promoted_block_counts_for_its_tier_at_one_lookup_only(tmp_path: Path)
             pair.close()
 
     anyio.run(main)
+
+
+def test_a_prefetch_of_a_context_ending_on_a_block_boundary_brings_every_block(
+    tmp_path: Path,
+) -> None:
+    """``hints.prefetch(context)`` brings every full block of the context back, with one
+    group and two: the next turn (the context and more tokens) is a CPU hit at once, no
+    "ask again" round, also when the context ends on a block boundary."""
+
+    async def main() -> None:
+        pair = Pair(num_cpu_blocks=16, tiers=[disk(tmp_path / "kv.bin")])
+        try:
+            async with pair.one as one, pair.two as two:
+                context = list(range(1, 17))  # four full blocks, ending on a boundary
+                table = list(range(5))
+                for off, tables in ((one, table), (two, dict.fromkeys(NAMES, table))):
+                    with off.request("a", [*context, 99]) as req:
+                        assert req.lookup() == 0
+                        req.advance(tables, 16)  # type: ignore[arg-type]
+                        off.store()
+                    await settle(off)
+                    assert await off.reset()  # the tier keeps them
+                assert await one.hints.prefetch(context) == 4  # blocks
+                assert await two.hints.prefetch(context) == 16  # tokens
+                await settle(one)
+                await settle(two)
+                compare_tiers(one, two, "prefetch")
+                for off in (one, two):
+                    with off.request("b", [*context, 7, 8]) as req:
+                        assert req.lookup(allow_defer=True) == 16, off.groups
+                compare_statistics(one, two, "prefetch")
+        finally:
+            pair.close()
+
+    anyio.run(main)
