@@ -381,12 +381,10 @@ class Workload:
                 r.loading = None
 
     async def prefetch(self) -> None:
-        """``hints.prefetch()`` of a prefix and a few tokens: one group answers the
-        prompt's leading blocks on CPU, several the tokens a lookup finds there. (The
-        prompt ends inside a block: one group also brings in the last block of a prompt
-        that ends on a block boundary, which its lookup cannot use, and several groups
-        do not.)"""
-        prompt = [*self.rng.choice(self.prefixes), *range(5000, 5000 + self.rng.randrange(1, 4))]
+        """``hints.prefetch()`` of a prefix and a few tokens (a context the next turn
+        extends): one group answers its leading blocks on CPU, several the tokens a
+        lookup of a longer prompt finds there."""
+        prompt = [*self.rng.choice(self.prefixes), *range(5000, 5000 + self.rng.randrange(5))]
         blocks = await self.one.hints.prefetch(prompt)
         tokens = await self.two.hints.prefetch(prompt)
         same(blocks * BS, tokens, self.what("prefetch"))
