@@ -156,7 +156,8 @@ def call(what: object, fn1: Any, fn2: Any, *args: Any, **kwargs: Any) -> tuple[A
 def compare_statistics(one: KVOffloader, two: KVOffloader, what: object) -> None:
     """Every `SchedulerStatistics` field: each group's counter as the one group's, the
     whole model's counted once or added up as its meaning says."""
-    want = one.statistics().scheduler
+    one_stats = one.statistics()
+    want = one_stats.scheduler
     stats = two.statistics()
     whole = stats.scheduler
     groups = stats.groups
@@ -166,6 +167,9 @@ def compare_statistics(one: KVOffloader, two: KVOffloader, what: object) -> None
     for n in NAMES:
         got = (groups[n].num_cpu_blocks, groups[n].free_cpu_blocks, groups[n].cached_cpu_blocks)
         same((pool.num_blocks, pool.num_free, pool.num_cached), got, (what, "pool", n))
+    for name in ("in_flight", "completed", "failed", "abandoned", "callback_errors"):
+        # a transfer over every group's part is one transfer, as one group's
+        same(getattr(one_stats.poller, name), getattr(stats.poller, name), (what, "poller", name))
     for f in fields(PoolStatistics):  # the groups' pools added up
         value = getattr(pool, f.name)
         same(len(NAMES) * value, getattr(stats.pool, f.name), (what, "pool", f.name))
