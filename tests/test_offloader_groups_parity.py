@@ -81,6 +81,7 @@ class Mix:
     hints: bool = False  # hints.retain_for() / release(), finish(retain_for_s=)
     abandon: bool = False  # abandon_load() of loads in flight
     lag: bool = False  # copies stay in flight across steps (half the steps end none)
+    reset: bool = False  # reset() now and then, once the copies in flight ended
 
 
 @dataclass
@@ -295,7 +296,7 @@ class Workload:
         self.free = list(range(NUM_GPU))
         self.reqs: dict[str, Req] = {}
         seen = ("hits", "asks", "retained", "released", "hinted", "abandoned", "events")
-        self.seen = dict.fromkeys((*seen, "tier_hits", "prefetched"), 0)
+        self.seen = dict.fromkeys((*seen, "tier_hits", "prefetched", "resets"), 0)
         self.owners: list[object] = []
         self.sessions: list[object] = []
         Workload.now = 0.0
@@ -349,6 +350,11 @@ class Workload:
             compare_statistics(one, two, self.what("in flight"))
             if not self.mix.lag or self.rng.random() < 0.5:
                 await self.complete()
+                if self.mix.reset and self.rng.random() < 0.08:
+                    # nothing in flight: the CPU caches, retention and hints are dropped
+                    same(await one.reset(), await two.reset(), self.what("reset"))
+                    self.owners.clear()
+                    self.seen["resets"] += 1
             one.check_invariants()
             two.check_invariants()
             compare_statistics(one, two, self.what())
@@ -569,6 +575,7 @@ MIXES = {
         hints=True,
         abandon=True,
         lag=True,
+        reset=True,
     ),
 }
 
@@ -641,6 +648,7 @@ def test_the_mixes_reach_what_they_compare() -> None:
         "restore": ("restored_blocks", "evicted_while_live"),
         "holds": ("hold_expired_blocks",),
         "lazy": ("stored_blocks", "hits"),
+        "all": ("resets", "retained", "abandoned", "restored_blocks"),
     }
     for mix, names in want.items():
         seen: dict[str, int] = {}
