@@ -27,6 +27,7 @@ from kvoffload import KVOffloader, OffloadConfig
 from kvoffload.errors import InvalidInputError, TransferError
 from kvoffload.groups import KVCacheGroup
 from kvoffload.hashing import BlockHash
+from kvoffload.pinner import RefCountPinner
 from kvoffload.pool.events import PoolStatistics
 from kvoffload.request import OffloadRequest
 from kvoffload.scheduler import SchedulerStatistics
@@ -107,15 +108,27 @@ class Pair:
         kv = [_zeros() for _ in range(ATTN.num_layers)]
         groups = [KVCacheGroup.from_layout(ATTN, name=n) for n in NAMES]
         kvs = {n: [_zeros() for _ in range(ATTN.num_layers)] for n in NAMES}
+        self.pinner = RefCountPinner()
+        self.pinners = {n: RefCountPinner() for n in NAMES}
+        pins: dict[str, Any] = {"pinner": self.pinner}
+        group_pins: dict[str, Any] = {"groups": groups, "pinner": dict(self.pinners)}
         if config.tiers:  # tiers copy through the host buffers the offloaders make
             self.engine, self.engines = None, {}
-            self.one = KVOffloader(config, kv)
-            self.two = KVOffloader(config, kvs, groups=groups)
+            self.one = KVOffloader(config, kv, **pins)
+            self.two = KVOffloader(config, kvs, **group_pins)
             return
         self.engine = self._eng(kv)
-        self.one = KVOffloader(config, kv, copy_engine=self.engine)
+        self.one = KVOffloader(config, kv, copy_engine=self.engine, **pins)
         self.engines = {n: self._eng(t) for n, t in kvs.items()}
-        self.two = KVOffloader(config, kvs, groups=groups, copy_engine=dict(self.engines))
+        self.two = KVOffloader(config, kvs, copy_engine=dict(self.engines), **group_pins)
+
+    def check_pins(self, what: object) -> None:
+        """Each group's pinner pins the GPU blocks the one group's pins (copies in flight,
+        abandoned loads' copies, finish holds)."""
+        want = [b for b in range(NUM_GPU) if self.pinner.is_pinned(b)]
+        for n in NAMES:
+            got = [b for b in range(NUM_GPU) if self.pinners[n].is_pinned(b)]
+            same(want, got, (what, "pinned", n))
 
     def _eng(self, kv: list[torch.Tensor]) -> ControllableCopyEngine:
         host = HostKVBuffer(ATTN, CPU_BLOCKS, pin_memory="never")
@@ -348,6 +361,7 @@ class Workload:
             self.store()
             self.end_some()
             compare_statistics(one, two, self.what("in flight"))
+            self.pair.check_pins(self.what("in flight"))
             if not self.mix.lag or self.rng.random() < 0.5:
                 await self.complete()
                 if self.mix.reset and self.rng.random() < 0.08:
@@ -358,6 +372,7 @@ class Workload:
             one.check_invariants()
             two.check_invariants()
             compare_statistics(one, two, self.what())
+            self.pair.check_pins(self.what())
             if self.mix.settings.get("enable_events"):
                 compare_events(one, two, self.what())
                 self.seen["events"] += 1
