@@ -773,3 +773,44 @@ def test_a_prefetch_of_a_context_ending_on_a_block_boundary_brings_every_block(
             pair.close()
 
     anyio.run(main)
+
+
+def test_a_priority_reaches_a_block_its_request_passed_refused_and_another_stored() -> None:
+    """``store_admission`` refuses the first offer of a block: a request of priority 3
+    offers a shared block first (refused, its cursor passes it), a request of priority 0
+    offers it next in the same step (admitted, planned). The block is published with
+    priority 3, with one group and two: a request's priority reaches every block its
+    cursor passed."""
+
+    async def main() -> None:
+        pair = Pair(store_admission="seen_twice")
+        try:
+            async with pair.one as one, pair.two as two:
+                prompt = list(range(1, 14))  # three full blocks
+                los: list[OffloadRequest] = []
+                for off, wrap in ((one, list), (two, lambda t: dict.fromkeys(NAMES, t))):
+                    hi = off.request("hi", prompt, priority=3)
+                    lo = off.request("lo", prompt)
+                    assert hi.lookup() == lo.lookup() == 0
+                    hi.advance(wrap(list(range(4))), 12)
+                    lo.advance(wrap(list(range(4, 8))), 12)
+                    off.store()
+                    los.append(lo)
+                pair.complete_all()
+                await one.drain()
+                await two.drain()
+                blocks = [one.pool.get_cached(h) for h in los[0].block_hashes]
+                assert [b.priority if b else None for b in blocks] == [3, 3, 3]
+                assert two._groups is not None
+                lanes = los[1]._lanes
+                assert lanes is not None
+                for name in NAMES:
+                    pool = two._groups.scheduler.ledger(name).pool
+                    got = [pool.get_cached(h) for h in lanes.hashes()[name]]
+                    assert [b.priority if b else None for b in got] == [3, 3, 3], name
+                compare_statistics(one, two, "priorities")
+        finally:
+            pair.complete_all()
+            pair.close()
+
+    anyio.run(main)
