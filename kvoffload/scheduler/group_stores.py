@@ -403,6 +403,8 @@ class GroupStorePlanner:
             for i in usable:
                 lane.live.append((i, point))
                 count_up(refs, hashes[i])
+            if passed is not None:  # refused ones too: the cursor passes them
+                passed.extend(usable)
             if admit is not None:  # OffloadConfig.store_admission, block by block
                 refused = [i for i in new if not admit(hashes[i])]
                 if refused:
@@ -417,8 +419,6 @@ class GroupStorePlanner:
                 if not batch.offer(hashes[i], entry, rid) and i in fresh:
                     raise InvariantError(f"group {g.name!r}: a store point did not fit")
             rec.blocks.extend((rid, i, point) for i in new)
-            if passed is not None:
-                passed.extend(usable)
             k = end
         return None
 
