@@ -350,7 +350,10 @@ class GroupsFront:
         and each group's statistics."""
         counters = self.counters.statistics(
             self.scheduler,
-            live_requests=len(self._live),
+            # as one group counts them: every request the scheduler keeps state for
+            # (finished ones whose copies run or whose blocks are held too), and live
+            # handles that have not looked up yet
+            live_requests=len(self._live.union(self.scheduler.request_ids)),
             in_flight_transfers=self.launcher.num_in_flight,
         )
         return pool_statistics(self.scheduler), counters, self.scheduler.statistics()

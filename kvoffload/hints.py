@@ -120,9 +120,11 @@ class SessionHints(Generic[P]):
         are in the CPU pool on return.
 
         Without tiers it returns at once with what the CPU pool holds. With several KV
-        cache groups it returns the tokens a lookup of the prompt finds on CPU on return,
-        having asked every group's tiers at once for what that lookup needs (each pool
-        within its own bound, `GroupTiers.prefetch()`). The blocks are
+        cache groups it returns the tokens (at most ``len(token_ids)``) a lookup of a
+        prompt that extends ``token_ids`` finds on CPU on return, having asked every
+        group's tiers at once for what that lookup needs (each pool within its own bound,
+        `GroupTiers.prefetch()`): like one group's, it brings back the last full block
+        of a prompt that ends on a block boundary, which the next turn reads. The blocks are
         taken like a lookup's promotion: free CPU blocks only, never one with a copy in
         flight, nor the prompt's blocks already cached, and all prefetches in flight
         together take at most ``max_prefetch_fraction`` of the pool (a prefetch past that
@@ -137,7 +139,9 @@ class SessionHints(Generic[P]):
             InputTypeError: ``token_ids`` not a sequence of ints.
         """
         hashes = self._session.hash_prompt(token_ids)
-        return await self._session.prefetch(hashes, len(token_ids))
+        # The request that comes extends these tokens: what a lookup of a prompt one
+        # token longer needs (every full block; one group's ignores the count).
+        return await self._session.prefetch(hashes, len(token_ids) + 1)
 
     def deadline(self, session: Hashable) -> float | None:
         """When ``session``'s hint ends on `clock` (``None``: no live hint,

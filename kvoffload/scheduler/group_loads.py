@@ -4,6 +4,7 @@ cross-group checks."""
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, final
@@ -210,21 +211,31 @@ def find_hit(
     *,
     computed: int,
     align: int,
+    observe: bool = False,
 ) -> int:
     """The largest ``N`` (``computed`` when none is larger): a multiple of ``align``, at
     most ``num_tokens - 1``, with every block of ``load_range(g, N, computed)``
     published in every group's pool. A full group's leading run bounds ``N`` first; the
-    other kinds are checked at each candidate, from the largest down."""
-    cap = max(0, num_tokens - 1) // align * align
+    other kinds are checked at each candidate, from the largest down.
+
+    With ``observe`` (a lookup's own), a full group's run is found by its pool's
+    `CpuBlockPool.lookup()`, as one group's lookup finds it: the pool counts the lookup
+    and its hit blocks, and an eviction policy with an ``on_lookup`` hook is told."""
+    top = cap = max(0, num_tokens - 1) // align * align
     others = [g for g in groups if g.kind != "full"]  # a full group's run bounds the cap
     for g in groups:
         if g.kind == "full":
-            get = pools[g.name].get_cached
+            pool = pools[g.name]
             hashes = lanes[g.name]
             i = computed // g.block_size
-            end = min(len(hashes), cap // g.block_size)
-            while i < end and get(hashes[i]) is not None:
-                i += 1
+            end = min(len(hashes), top // g.block_size)
+            if observe:
+                if i < end:
+                    i += len(pool.lookup(itertools.islice(hashes, i, end)))
+            else:
+                get = pool.get_cached
+                while i < end and get(hashes[i]) is not None:
+                    i += 1
             cap = min(cap, i * g.block_size // align * align)
     n = cap
     while n > computed and others and not _valid(others, pools, lanes, n, computed):

@@ -490,6 +490,8 @@ class GroupStorePlanner:
                     lane.live_end = (j if j >= 0 else -1 - j) + 1
                 for i in usable:
                     count_up(refs, hashes[i])
+            if passed is not None:  # refused ones too: the cursor passes them
+                passed.extend(usable)
             if admit is not None:  # OffloadConfig.store_admission, block by block
                 refused = [i for i in new if not admit(hashes[i])]
                 if refused:
@@ -505,8 +507,6 @@ class GroupStorePlanner:
                     raise InvariantError(f"group {g.name!r}: a store point did not fit")
             if not lane.full:
                 rec.blocks.extend((rid, i, point) for i in new)
-            if passed is not None:
-                passed.extend(usable)
             k = end
         return None
 

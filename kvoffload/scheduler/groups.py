@@ -30,7 +30,7 @@ connector's one scheduler side runs every model on this class, one group include
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, KeysView, Mapping, Sequence
 from typing import final
 
 from kvoffload.config import OffloadConfig
@@ -242,6 +242,12 @@ class GroupedScheduler:
         """Whether state is kept for ``request_id``."""
         return request_id in self._requests
 
+    @property
+    def request_ids(self) -> KeysView[str]:
+        """The ids state is kept for: live requests, and finished ones whose copies are
+        in flight or whose blocks are held (`OffloadScheduler`'s ``live_requests``)."""
+        return self._requests.keys()
+
     # -- requests --------------------------------------------------------------------------
 
     def set_priority(self, request_id: str, priority: int) -> None:
@@ -349,7 +355,13 @@ class GroupedScheduler:
         lanes = {g.name: block_hashes[g.name] for g in self._cacheable}
         pools = {name: ledger.pool for name, ledger in self._ledgers.items()}
         n = find_hit(
-            self._cacheable, pools, lanes, num_tokens, computed=num_computed_tokens, align=align
+            self._cacheable,
+            pools,
+            lanes,
+            num_tokens,
+            computed=num_computed_tokens,
+            align=align,
+            observe=True,
         )
         hits = hit_blocks(self._cacheable, self._ledgers, lanes, n, num_computed_tokens)
         extension = self.extension

@@ -332,25 +332,25 @@ class LoadPlanner:
             ledger.pin(hits, state.priority)
             state.pinned = hits
             state.pin_start_block = start
+        extension = self.extension
+        if extension is not None:
+            if hits:
+                state.tier_hits = extension.hit_sources(hits)
+            if extension.extend_lookup(block_hashes, end, limit, hits, allow_defer=allow_defer):
+                # A promotion brings the next block in: "ask again", counted as the
+                # deferral above is (no hit or miss tokens: the request asks again).
+                self.release_pin(state)
+                counters.deferred_lookups += 1
+                state.miss_reason = _IN_FLIGHT
+                self._defer(state, deferrals)
+                return None
         hit_tokens = len(hits) * bs
         counters.hit_tokens += hit_tokens
         missed = num_tokens - num_computed_tokens - hit_tokens
         counters.miss_tokens += missed
-        extension = self.extension
-        deferred = False
-        if extension is not None:
-            if hits:
-                state.tier_hits = extension.hit_sources(hits)
-            deferred = extension.extend_lookup(
-                block_hashes, end, limit, hits, allow_defer=allow_defer
-            )
         state.miss_reason = reason = self._reason(block_hashes, end, limit, missed)
         if reason is not _NONE:
             counters.missed(reason, missed)
-        if deferred:
-            self.release_pin(state)
-            self._defer(state, deferrals)
-            return None
         return hit_tokens
 
     def _reason(

@@ -257,8 +257,14 @@ class GroupPromotions(Generic[P]):
         for g in self._groups:
             hashes = lanes[g.name]
             keep = pinned.get(g.name, ())
+            asked = False
             for run in self._wanted(g, len(hashes), hit, cap, reach):
-                self._promote(g.name, hashes, run, keep)
+                asked |= self._promote(g.name, hashes, run, keep)
+            if keep and not asked:
+                # Nothing to promote: the group's tiers still hear of the hit, as one
+                # group's do at every lookup (its blocks stop counting as promoted, and
+                # stop being kept from a promotion's evictions, once a lookup pinned them).
+                self._parts[g.name].extend_lookup((), 0, 0, keep, allow_defer=False)
 
     def _cpu_hit(self, lanes: Mapping[str, Sequence[BlockHash]], num_tokens: int) -> int:
         """The tokens a lookup (nothing computed on the engine) finds on CPU now."""
@@ -321,9 +327,10 @@ class GroupPromotions(Generic[P]):
         hashes: Sequence[BlockHash],
         want: Iterable[int],
         keep: Sequence[CpuBlock] = (),
-    ) -> None:
+    ) -> bool:
         """Ask ``group``'s tiers for the blocks ``want`` from the first not on CPU on (the
-        run's blocks already on CPU, and ``keep``, are protected from its evictions)."""
+        run's blocks already on CPU, and ``keep``, are protected from its evictions);
+        ``False`` when every block is on CPU (the tiers were not asked)."""
         get = self._ledgers[group].pool.get_cached
         order = [i for i in want if i < len(hashes)]
         cached: list[CpuBlock] = list(keep)
@@ -332,8 +339,9 @@ class GroupPromotions(Generic[P]):
             if block is None:
                 wanted = [hashes[j] for j in order]
                 self._parts[group].extend_lookup(wanted, k, len(wanted), cached, allow_defer=False)
-                return
+                return True
             cached.append(block)
+        return False
 
 
 @final
