@@ -189,10 +189,10 @@ class GroupsMachine(RuleBasedStateMachine):
             table: list[int | None] = []
             for _ in range(hit // self.gmap[name].block_size):
                 b = self._alloc(name)
-                if b is None:
+                if b is None:  # the engine gives every group's blocks back, to its group
                     self.sched.release(rid)
-                    for t in tables.values():
-                        self._give_back(name, t)
+                    for n_, t in {**tables, name: table}.items():
+                        self._give_back(n_, t)
                     return
                 table.append(b)
             tables[name] = table
