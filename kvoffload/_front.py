@@ -16,6 +16,7 @@ launches.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, final
 
 import anyio.abc
@@ -57,6 +58,7 @@ class OneGroupFront:
 
     __slots__ = (
         "_layout",
+        "_name",
         "_namespace",
         "_plan",
         "launcher",
@@ -69,8 +71,13 @@ class OneGroupFront:
     groups = None
     """One group: no `KVCacheGroup`s to name."""
 
-    def __init__(self, plan: CorePlan, layout: KVLayout, namespace: HashNamespace) -> None:
+    def __init__(
+        self, plan: CorePlan, layout: KVLayout, namespace: HashNamespace, name: str | None = None
+    ) -> None:
         self._plan = plan
+        self._name = name
+        """The group's name when the offloader was given one (``groups=[...]``): its
+        events carry it, as each group's do with several."""
         self._layout = layout
         self._namespace = namespace
         self.tiers: TierManager | None = None
@@ -259,8 +266,11 @@ class OneGroupFront:
         return self.pool.num_cached == 0 and self.scheduler.num_in_flight == 0
 
     def take_events(self) -> list[PoolEvent]:
-        """The pool's events."""
-        return self.pool.take_events()
+        """The pool's events, each naming the group when it has a name."""
+        events = self.pool.take_events()
+        if self._name is None:
+            return events
+        return [replace(e, group=self._name) for e in events]
 
     def statistics(self) -> tuple[PoolStatistics, SchedulerStatistics, None]:
         """The pool's and the scheduler's statistics."""

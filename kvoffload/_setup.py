@@ -98,7 +98,7 @@ def make_session(  # noqa: PLR0917 - the constructor's arguments, in its order
     namespace = HashNamespace.from_layout(layout, model_id=config.model_id, salt=config.hash_salt)
     session = Session(
         config,
-        OneGroupFront(plan, layout, namespace),
+        OneGroupFront(plan, layout, namespace, None if groups is None else groups[0].name),
         {GROUP: layout},
         {GROUP: kv},
         {GROUP: pin if pin is not None else NoOpPinner()},

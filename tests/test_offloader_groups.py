@@ -581,3 +581,27 @@ async def test_events_carry_their_group_and_never_collide(kind: str) -> None:
         await off.reset()
         removed = [e for e in off.take_events() if isinstance(e, BlockRemoved)]
         assert {(e.group, e.block_id) for e in removed} == set(keys)
+
+
+@pytest.mark.parametrize("named", [True, False])
+async def test_one_named_full_group_names_its_events_as_several_groups_do(named: bool) -> None:
+    """A model of one full-attention group given as ``groups=[...]`` runs the one-group
+    offloader; its events carry the group's name as each group's do with several (given
+    as plain tensors, there is no name: ``None``)."""
+    attn = KVCacheGroup.from_layout(ATTN, name="attn")
+    kv = [torch.zeros(ATTN.tensor_shape(16)) for _ in range(ATTN.num_layers)]
+    cfg = OffloadConfig(num_cpu_blocks=8, block_size=BS, enable_events=True)
+    off = KVOffloader(cfg, kv, groups=[attn]) if named else KVOffloader(cfg, kv)
+    async with off:
+        with off.request("r", list(range(1, 10))) as req:
+            req.lookup()
+            req.advance([0, 1, 2], 9)
+            off.store()
+            await off.drain()
+        events = off.take_events()
+        assert any(isinstance(e, BlockStored) for e in events)
+        assert {e.group for e in events} == {"attn" if named else None}
+        await off.reset()
+        removed = [e for e in off.take_events() if isinstance(e, BlockRemoved)]
+        assert removed
+        assert {e.group for e in removed} == {"attn" if named else None}

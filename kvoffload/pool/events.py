@@ -17,9 +17,9 @@ __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "PoolEvent", "Pool
 class BlockStored:
     """A block became findable under ``block_hash``.
 
-    ``group``: the KV cache group whose pool holds the block, with several groups
-    (``None`` with one); each group has a pool of its own, so ``(group, block_id)`` names
-    one block and never collides.
+    ``group``: the KV cache group whose pool holds the block (with one group: its
+    name when the offloader was given ``groups=[...]``, else ``None``); each group has a
+    pool of its own, so ``(group, block_id)`` names one block and never collides.
     """
 
     block_hash: BlockHash
