@@ -10,8 +10,10 @@ import torch
 from scheduler_helpers import BS, tokens
 
 from kvoffload import InputTypeError, InvalidInputError, KVLayout, KVOffloader, OffloadConfig
+from kvoffload.pool.block import CpuBlock
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.pool.hints import HintOwner, RetentionHints, leading_runs
+from kvoffload.pool.policies.arc import ArcPolicy
 
 pytestmark = pytest.mark.anyio
 
@@ -221,6 +223,60 @@ def test_hints_on_a_bare_pool_expire_lazily_on_their_clock() -> None:
     assert hints.expire(5.0) == 1
     assert not hints
     assert pool.num_retained == 0
+    pool.check_invariants()
+
+
+class _Uses(ArcPolicy):
+    """ARC that records which blocks the pool touches and frees."""
+
+    __slots__ = ("freed", "touched")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.touched: list[int] = []
+        self.freed: list[int] = []
+
+    def on_touch(self, block: CpuBlock) -> None:
+        self.touched.append(block.block_id)
+        super().on_touch(block)
+
+    def on_free(self, blocks: Sequence[CpuBlock]) -> None:
+        self.freed.extend(b.block_id for b in blocks)
+        super().on_free(blocks)
+
+
+def test_a_hints_retain_keeps_what_it_holds_untouched_and_releases_only_the_rest() -> None:
+    """A hint's retain (``fit``) leaves its owner holding exactly the new run: a use-counting
+    policy sees no use of a block it keeps, and the blocks it no longer names are released
+    (a retry, and a hint of several groups whose prefix moved on, go through this)."""
+    from kvoffload.hashing import BlockHash  # noqa: PLC0415
+
+    policy = _Uses()
+    pool = CpuBlockPool(8, policy=policy, max_retained_blocks=3)
+    keys = [BlockHash(bytes([i]) * 16) for i in range(5)]
+    blocks = pool.allocate(5)
+    for block, key in zip(blocks, keys, strict=True):
+        pool.publish(block, key)
+    pool.free(blocks)
+    ids = [b.block_id for b in blocks]
+    owner = HintOwner("s")
+    assert len(pool.retain(keys[:2], owner=owner, fit=True)) == 2
+    policy.touched.clear()
+    policy.freed.clear()
+    assert len(pool.retain(keys[:3], owner=owner, fit=True)) == 3  # a retry: one more
+    assert (policy.touched, policy.freed) == ([ids[2]], [])
+    policy.touched.clear()
+    # Another run at the bound: what the owner held outside it is room, released tail first.
+    assert len(pool.retain(keys[2:5], owner=owner, fit=True)) == 3
+    assert (policy.touched, policy.freed) == ([ids[3], ids[4]], [ids[1], ids[0]])
+    assert [b.block_id for b in pool._retained.held(owner)] == ids[2:5]
+    assert pool.retainable(keys[:2], owner) == 2  # fit: its own blocks count as room
+    assert pool.retainable(keys[:2], owner, fit=False) == 0  # added to them: no room
+    policy.freed.clear()
+    assert pool.retain([], owner=owner, fit=True) == []
+    assert policy.freed == [ids[4], ids[3], ids[2]]
+    assert pool.retained_owners == ()
+    assert pool.num_free == pool.num_blocks
     pool.check_invariants()
 
 

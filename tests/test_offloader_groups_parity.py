@@ -816,14 +816,9 @@ def test_a_priority_reaches_a_block_its_request_passed_refused_and_another_store
     anyio.run(main)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="with several groups a pending hint's retry (each store()) releases what its "
-    "session holds and retains it again (retain_groups(fit=True)), where one group keeps "
-    "the blocks held: an eviction policy that counts uses (arc, s3fifo, prefix-freq) sees "
-    "a use of each block per retry, and evicts other blocks than with one group",
-)
 def test_hints_retried_under_arc_are_one_group_s() -> None:
     """Seed 3: hints retried at each store while their prefix is being stored, with the
-    ARC policy: group "a" counts another ``evicted_while_live`` than one group at step 24."""
+    ARC policy. A retry keeps the blocks its hint holds untouched in every group, as one
+    group's does: when it released and retained them again, ARC saw another use of each
+    and group "a" counted another ``evicted_while_live`` than one group at step 24."""
     anyio.run(run, 3, Mix({"eviction_policy": "arc", **RETAIN}, hints=True, lag=True))

@@ -427,16 +427,24 @@ class CpuBlockPool:
         (any hashable name, e.g. ``"system-prompt"``), one reference per owner and block,
         until `release_retained(owner)`; return the run (`RetainedBlocks.retain`).
 
+        With ``fit`` (a session hint) ``owner`` holds exactly the run afterwards, cut to
+        fit: its blocks outside the run are released, those it keeps are not touched.
+
         Raises:
             InvalidInputError: it would hold more than ``max_retained_blocks`` distinct
                 blocks (``fit``: the run is cut to fit instead); nothing changed.
         """
-        return self._retained.retain(block_hashes, owner, self._cached.get, self.touch, fit=fit)
+        return self._retained.retain(
+            block_hashes, owner, self._cached.get, self.touch, self.free, fit=fit
+        )
 
-    def retainable(self, block_hashes: Iterable[BlockHash], owner: Hashable) -> int:
-        """How many blocks `retain(block_hashes, owner=owner, fit=True)` would hold now
-        (the published leading run, cut to ``max_retained_blocks``); changes nothing."""
-        return self._retained.retainable(block_hashes, owner, self._cached.get)
+    def retainable(
+        self, block_hashes: Iterable[BlockHash], owner: Hashable, *, fit: bool = True
+    ) -> int:
+        """How many blocks `retain(block_hashes, owner=owner, fit=fit)` could hold now
+        (the published leading run within ``max_retained_blocks``); changes nothing
+        (`RetainedBlocks.retainable`)."""
+        return self._retained.retainable(block_hashes, owner, self._cached.get, fit=fit)
 
     def release_retained(self, owner: Hashable) -> int:
         """Drop every reference `retain()` took for ``owner``; return how many blocks.

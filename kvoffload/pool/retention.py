@@ -85,6 +85,7 @@ class RetainedBlocks:
         owner: Hashable,
         get: Callable[[BlockHash], CpuBlock | None],
         touch: Callable[[list[CpuBlock]], None],
+        free: Callable[[list[CpuBlock]], None],
         *,
         fit: bool = False,
     ) -> list[CpuBlock]:
@@ -97,8 +98,11 @@ class RetainedBlocks:
         Hashes past the first one not published are ignored: a prefix hit cannot reach
         them. The pool's lookup counters are not changed.
 
-        With ``fit``, a run that would exceed the bound is cut to its longest leading part
-        that does not (a hint's best effort, `RetentionHints`) instead of being refused.
+        With ``fit`` (a hint, `RetentionHints`: its owner holds one prefix), ``owner``
+        holds exactly the run afterwards: what it held outside the run is released with
+        ``free`` (tail first), what it held of the run is kept and not touched again, and
+        a run that would exceed the bound (counting ``owner``'s released blocks as room)
+        is cut to its longest leading part that does not instead of being refused.
 
         Returns:
             The run (every block of it is now held by ``owner``).
@@ -111,7 +115,8 @@ class RetainedBlocks:
         check_owner(owner)
         run = _leading_run(block_hashes, get)
         if fit:
-            run = self._fit(owner, run)
+            run = self._fit(owner, run, replace=True)
+            self._drop_outside(owner, run, free)
         new = self._admit(owner, run)
         if new:
             touch(new)
@@ -123,26 +128,64 @@ class RetainedBlocks:
         block_hashes: Iterable[BlockHash],
         owner: Hashable,
         get: Callable[[BlockHash], CpuBlock | None],
+        *,
+        fit: bool = True,
     ) -> int:
-        """How many blocks `retain()` with ``fit`` would hold for ``owner`` now (the
-        published leading run, cut to the bound); nothing changes."""
-        return len(self._fit(owner, _leading_run(block_hashes, get)))
+        """How many blocks of the published leading run `retain()` could hold for
+        ``owner`` now; nothing changes. With ``fit`` what `retain()` with ``fit`` would
+        hold (``owner``'s other blocks released, cut to the bound); without, the longest
+        leading part that could be added to what ``owner`` holds within the bound
+        (`retain()` without ``fit`` refuses a run longer than that)."""
+        return len(self._fit(owner, _leading_run(block_hashes, get), replace=fit))
 
-    def _fit(self, owner: Hashable, run: list[CpuBlock]) -> list[CpuBlock]:
-        """The longest leading part of ``run`` that ``owner`` may hold within the bound."""
-        room = self.max_retained - len(self._holds)
-        have = {b.block_id for b in self._by_owner.get(owner, ())}
+    def _fit(self, owner: Hashable, run: list[CpuBlock], *, replace: bool) -> list[CpuBlock]:
+        """The longest leading part of ``run`` that ``owner`` may hold within the bound;
+        with ``replace``, as if ``owner`` released what it holds first."""
         holds = self._holds
+        mine = {b.block_id for b in self._by_owner.get(owner, ())}
+        room = self.max_retained - len(holds)
+        if replace:  # the blocks only ``owner`` holds would be free again
+            room += sum(1 for block_id in mine if holds[block_id] == 1)
         seen: set[int] = set()
         for i, block in enumerate(run):
             block_id = block.block_id
-            if block_id in have or block_id in holds or block_id in seen:
+            if block_id in seen:
+                continue
+            # Held already (by another owner; without ``replace``, by ``owner`` too).
+            if holds.get(block_id, 0) > (replace and block_id in mine):
                 continue
             if room == 0:
                 return run[:i]
             room -= 1
             seen.add(block_id)
         return run
+
+    def _drop_outside(
+        self, owner: Hashable, run: Sequence[CpuBlock], free: Callable[[list[CpuBlock]], None]
+    ) -> None:
+        """Release the blocks ``owner`` holds that ``run`` does not name (tail first);
+        keep the others held, untouched."""
+        held = self._by_owner.get(owner)
+        if not held:
+            return
+        keep = {b.block_id for b in run}
+        drop = [b for b in held if b.block_id not in keep]
+        if not drop:
+            return
+        kept = [b for b in held if b.block_id in keep]
+        if kept:
+            self._by_owner[owner] = kept
+        else:
+            del self._by_owner[owner]
+        holds = self._holds
+        for block in drop:
+            left = holds[block.block_id] - 1
+            if left:
+                holds[block.block_id] = left
+            else:
+                del holds[block.block_id]
+        drop.reverse()
+        free(drop)
 
     def _admit(self, owner: Hashable, run: Sequence[CpuBlock]) -> list[CpuBlock]:
         held = self._by_owner.get(owner, ())

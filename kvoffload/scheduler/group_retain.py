@@ -35,8 +35,10 @@ def retain_groups(
     """Retain for ``owner``, in every group, the blocks of ``needed(g, N)`` for the
     longest ``N`` the groups hold of the prefix hashed in ``lanes``.
 
-    With ``fit`` (a session hint: its owner holds one prefix), what ``owner`` held is
-    released first and ``N`` is cut to the longest every pool can hold within its bound.
+    With ``fit`` (a session hint: its owner holds one prefix), ``N`` is cut to the longest
+    every pool can hold within its bound, and ``owner`` then holds exactly those blocks in
+    every group: what it held that they do not name is released, what it keeps is not
+    touched again (`CpuBlockPool.retain()` with ``fit``, as one group's hint does).
 
     Returns:
         The blocks ``owner`` now holds for the prefix, all groups together, and whether
@@ -50,10 +52,6 @@ def retain_groups(
     check_owner(owner)
     pools = {g.name: ledgers[g.name].pool for g in groups}
     cap = min(len(lanes[g.name]) * g.block_size for g in groups) // align * align
-    if fit:
-        for g in groups:
-            if owner in pools[g.name].retained_owners:
-                ledgers[g.name].release_retained(owner)
     n = find_hit(groups, pools, lanes, cap + 1, computed=0, align=align)
     if fit:
         n = _fit(groups, pools, lanes, owner, n, align)
@@ -61,7 +59,7 @@ def retain_groups(
     if not fit:
         for name, run in runs.items():
             pool = pools[name]
-            if pool.retainable(run, owner) < len(run):
+            if pool.retainable(run, owner, fit=False) < len(run):
                 raise InvalidInputError(
                     f"retain for owner {owner!r}: group {name!r} needs {len(run)} blocks for "
                     f"the prefix's {n} tokens, over its pool's max_retained_blocks="
@@ -69,8 +67,8 @@ def retain_groups(
                 )
     held = 0
     for name, run in runs.items():
-        if run:
-            held += len(ledgers[name].retain(run, owner))
+        if run or fit:  # a hint's empty run releases what the group held for it
+            held += len(ledgers[name].retain(run, owner, fit=fit))
     return held, n == cap
 
 
@@ -83,7 +81,8 @@ def _fit(  # noqa: PLR0917 - the prefix and its pools, in `retain_groups()`'s or
     align: int,
 ) -> int:
     """The longest hit at most ``n`` (valid for every group) whose blocks every pool can
-    retain for ``owner`` within its bound (0: none)."""
+    retain for ``owner`` within its bound, what ``owner`` holds outside them counted as
+    released (0: none)."""
     for g in groups:
         if g.kind == "full":  # a leading run: its longest part that fits bounds n
             k = pools[g.name].retainable(lanes[g.name][: n // g.block_size], owner)
