@@ -39,6 +39,7 @@ from kvoffload.tiers.groups import GroupTiers
 from kvoffload.tiers.stats import TierStatistics
 from tests.test_offloader_groups import ATTN, BS
 from tests.test_offloader_groups_differential import CPU_BLOCKS, NUM_GPU
+from tests.test_offloader_groups_differential import Req as DifferentialReq
 
 NAMES = ("a", "b")
 PRIORITIES = (0, 0, 3)
@@ -86,14 +87,7 @@ class Mix:
 
 
 @dataclass
-class Req:
-    tokens: list[int]
-    prompt: int
-    one: OffloadRequest
-    two: OffloadRequest
-    table: list[int] = field(default_factory=list)
-    computed: int = 0
-    waiting: bool = True
+class Req(DifferentialReq):
     loading: tuple[Any, Any] | None = None  # the load tasks in flight
 
 

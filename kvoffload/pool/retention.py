@@ -177,15 +177,7 @@ class RetainedBlocks:
             self._by_owner[owner] = kept
         else:
             del self._by_owner[owner]
-        holds = self._holds
-        for block in drop:
-            left = holds[block.block_id] - 1
-            if left:
-                holds[block.block_id] = left
-            else:
-                del holds[block.block_id]
-        drop.reverse()
-        free(drop)
+        self._unhold(drop, free)
 
     def _admit(self, owner: Hashable, run: Sequence[CpuBlock]) -> list[CpuBlock]:
         held = self._by_owner.get(owner, ())
@@ -221,16 +213,21 @@ class RetainedBlocks:
         held = self._by_owner.pop(owner, None)
         if held is None:
             raise InvalidInputError(f"owner {owner!r} retains no block in this pool")
+        self._unhold(held, free)
+        return len(held)
+
+    def _unhold(self, blocks: list[CpuBlock], free: Callable[[list[CpuBlock]], None]) -> None:
+        """Drop one hold of each of ``blocks`` (an owner's, just forgotten) and their
+        references with ``free``, tail first (the prefix's head is kept longest)."""
         holds = self._holds
-        for block in held:
+        for block in blocks:
             left = holds[block.block_id] - 1
             if left:
                 holds[block.block_id] = left
             else:
                 del holds[block.block_id]
-        held.reverse()
-        free(held)
-        return len(held)
+        blocks.reverse()
+        free(blocks)
 
     def check(self, blocks: Sequence[CpuBlock]) -> None:
         """Check the records against each other, the bound and the blocks' references.
