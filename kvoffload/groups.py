@@ -140,6 +140,12 @@ class KVCacheGroup(BaseModel):
         try:
             return super().model_validate(*args, **kwargs)
         except ValidationError as exc:
+            # pydantic validates a dict through the constructor, whose refusal is already
+            # a `ConfigError`: raise that one, not a second one around it
+            errors = exc.errors()
+            inner = errors[0].get("ctx", {}).get("error") if len(errors) == 1 else None
+            if isinstance(inner, ConfigError):
+                raise inner from None
             raise _refused(exc) from exc
 
     _no_bool = field_validator("cpu_bytes", mode="before")(not_bool)

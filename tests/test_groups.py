@@ -82,6 +82,30 @@ def test_group_counts_are_strict_and_refused_with_a_config_error(field: str, val
         group("s", "sliding_window", 4, **fields)
 
 
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"kind": "x"}, "invalid KVCacheGroup: kind: Input should be"),
+        ({"block_size": 0}, r"invalid KVCacheGroup: block_size: .* \(got 0\)"),
+        ({"kind": "sliding_window"}, "invalid KVCacheGroup: group 'g' .* window is required"),
+    ],
+)
+def test_model_validate_refuses_as_the_constructor_does(
+    values: dict[str, object], message: str
+) -> None:
+    """``model_validate`` of a dict said "invalid KVCacheGroup: invalid KVCacheGroup: ..."
+    (pydantic runs the constructor, whose refusal was wrapped a second time): the one
+    message, the constructor's."""
+    data = {"name": "g", "kind": "full", "block_size": 4, "num_layers": 1}
+    data.update(bytes_per_layer_block=8, **values)
+    with pytest.raises(ConfigError) as built:
+        KVCacheGroup(**data)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=message) as validated:
+        KVCacheGroup.model_validate(data)
+    assert str(validated.value) == str(built.value)
+    assert str(validated.value).count("invalid KVCacheGroup") == 1
+
+
 def test_group_overrides_and_names_are_strict() -> None:
     with pytest.raises(ConfigError, match=r"cpu_share: .* \(got True\)"):
         group("f", "full", 4, cpu_share=True)
