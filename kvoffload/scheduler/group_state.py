@@ -248,6 +248,7 @@ class GroupRequests:
         "_every_entry",
         "_lanes",
         "_limits",
+        "_single",
         "hash_args",
         "priorities",
         "requests",
@@ -270,6 +271,8 @@ class GroupRequests:
         self._checks = tuple(
             (g.name, self._limits.get(g.name), self.hash_args[g.name]) for g in lanes
         )
+        self._single = self._checks[0] if len(self._checks) == 1 else None
+        """The one lane's checks when there is one cacheable group (`_grew_one()`)."""
         self.requests: dict[str, GroupedRequest] = {}
         """Every request with state, by id (the store planner reads it too)."""
         self.priorities = PriorityCount()
@@ -304,6 +307,11 @@ class GroupRequests:
         if existing is not None:
             if existing.finished:
                 raise RequestStateError(f"request {request_id!r} is finished")
+            single = self._single
+            if single is not None and self._grew_one(
+                existing, single, tables, block_hashes, num_computed_tokens
+            ):
+                return
             # the common case, in one pass: every lane's table only grew by the one-group
             # rule (`grown_table()`) and its hashes too (`grown_hashes()`); else (nothing
             # raised here) the full checks below name what the call did wrong first
@@ -338,6 +346,54 @@ class GroupRequests:
                         lane.hashes.extend(hashes)
                 existing.num_computed_tokens = num_computed_tokens
                 return
+        self._full_update(request_id, existing, tables, block_hashes, num_computed_tokens)
+
+    def _grew_one(
+        self,
+        state: GroupedRequest,
+        check: tuple[str, int | None, str],
+        tables: GroupTables,
+        block_hashes: GroupHashes,
+        num_computed_tokens: int,
+    ) -> bool:
+        """The common case of a model with one cacheable group, without the loop over the
+        lanes: apply the call if its table and hashes only grew (the rules of the loop in
+        `update()`); ``False`` (nothing changed) leaves it to the full checks."""
+        name, limit, what = check
+        lane = state.lanes[name]
+        old = lane.table
+        if not old:
+            return False
+        try:
+            table, added = tables[name], block_hashes[name]
+        except KeyError:
+            return False
+        new = grown_table(
+            table, old, lane.ids, lane.cursor if lane.full and not self._every_entry else 0, limit
+        )
+        if new is None:
+            return False
+        try:
+            hashes = grown_hashes(lane.hashes, added, state.request_id, what)
+        except KvOffloadError:
+            return False
+        if new:
+            old.extend(new)
+            lane.ids.update(new)
+        if hashes:
+            lane.hashes.extend(hashes)
+        state.num_computed_tokens = num_computed_tokens
+        return True
+
+    def _full_update(
+        self,
+        request_id: str,
+        existing: GroupedRequest | None,
+        tables: GroupTables,
+        block_hashes: GroupHashes,
+        num_computed_tokens: int,
+    ) -> None:
+        """Check the call in full (naming what it did wrong first), then apply it."""
         cacheable = self._cacheable
         changes = table_changes(
             cacheable, self._limits, request_id, existing, tables, every_entry=self._every_entry
