@@ -293,10 +293,11 @@ class KVOffloader:
 
         See `OffloadScheduler.lookup()`. With ``config.tiers``, the blocks after the CPU hit
         that a tier holds are promoted into CPU blocks in the background (see
-        `TierManager.extend_lookup()`). ``allow_defer=True`` is `lookup_or_defer()`. With
-        several KV cache groups, ``block_hashes`` maps each cacheable group's name to its
-        hashes (`GroupedScheduler.lookup()`: one hit valid for every group). Why the hit
-        stopped where it did: `miss_reason()`.
+        `TierManager.extend_lookup()`). ``allow_defer=True`` may answer ``None``, "ask
+        again later" (when: see `OffloadScheduler.lookup()`). With several KV cache groups,
+        ``block_hashes`` maps each cacheable group's name to its hashes
+        (`GroupedScheduler.lookup()`: one hit valid for every group). Why the hit stopped
+        where it did: `miss_reason()`.
 
         Raises:
             ClosedError: not open. ForkedProcessError: used in a forked child.
@@ -312,27 +313,6 @@ class KVOffloader:
             num_tokens,
             num_computed_tokens,
             allow_defer=allow_defer,
-            no_read=no_read,
-        )
-
-    def lookup_or_defer(
-        self,
-        request_id: str,
-        block_hashes: Sequence[BlockHash] | Mapping[str, Sequence[BlockHash]],
-        num_tokens: int,
-        num_computed_tokens: int = 0,
-        *,
-        no_read: bool = False,
-    ) -> int | None:
-        """`lookup()` that may answer ``None`` ("ask again later"): when, see
-        `OffloadScheduler.lookup_or_defer()`. Raises as `lookup()` does.
-        """
-        return self.lookup(
-            request_id,
-            block_hashes,
-            num_tokens,
-            num_computed_tokens,
-            allow_defer=True,
             no_read=no_read,
         )
 

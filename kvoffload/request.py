@@ -410,7 +410,8 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         Args:
             num_computed_tokens: tokens the engine's own prefix cache holds (a multiple of
                 the block size; default: the value the handle was made with).
-            allow_defer: ``True`` is `lookup_or_defer()`, which may answer ``None``.
+            allow_defer: may answer ``None``, "ask again later" (when: see
+                `OffloadScheduler.lookup()`).
 
         Returns:
             The hit in tokens (see `KVOffloader.lookup()`), or ``None`` as above.
@@ -421,17 +422,8 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
                 the handle keeps the prefix it had (a refused call changes nothing).
             InputTypeError: ``num_computed_tokens`` is not an int (a float, a bool).
         """
-        return self._lookup("lookup", num_computed_tokens, allow_defer)
-
-    def lookup_or_defer(self, *, num_computed_tokens: int | None = None) -> int | None:
-        """`lookup()` that may answer ``None`` ("ask again later"): when, see
-        `OffloadScheduler.lookup_or_defer()`. Takes and raises what `lookup()` does.
-        """
-        return self._lookup("lookup_or_defer", num_computed_tokens, True)
-
-    def _lookup(self, what: str, num_computed_tokens: int | None, allow_defer: bool) -> int | None:
         rid = self._request_id
-        self._state.check(what, rid)
+        self._state.check("lookup", rid)
         prefix = (
             self._engine_prefix
             if num_computed_tokens is None

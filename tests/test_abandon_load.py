@@ -217,7 +217,7 @@ async def test_a_copy_that_completes_after_it_was_abandoned(kind: str) -> None:
         assert req.hit_tokens == 0
         # The hit is still there (nothing was unpublished), and not "being loaded": a
         # deferring lookup answers now, a second load is no concurrent one.
-        assert req.lookup_or_defer() == 3 * BS
+        assert req.lookup(allow_defer=True) == 3 * BS
         req.release()
         # The request recomputes into fresh blocks (8..11) and reports them.
         fresh = [8, 9, 10, 11]

@@ -214,7 +214,7 @@ async def test_a_copy_that_completes_after_it_was_abandoned(shape: str) -> None:
         assert req.hit_tokens == 0
         # The hit is still there (nothing was unpublished), and not "being loaded": a
         # deferring lookup answers now.
-        assert req.lookup_or_defer() == HIT
+        assert req.lookup(allow_defer=True) == HIT
         req.release()
         r.check()
         # The request recomputes into fresh blocks of every group and reports them.
@@ -407,7 +407,7 @@ async def test_the_abandoned_load_is_one_task_over_every_group(shape: str) -> No
         assert task.plan.num_blocks == sum(len(ids) for ids in blocks.values())
         r.land()
         with r.off.request("c", PROMPT) as c:
-            assert c.lookup_or_defer() == HIT
+            assert c.lookup(allow_defer=True) == HIT
             t = r.alloc.new(5)
             task2 = c.load(t)
             assert task2 is not None

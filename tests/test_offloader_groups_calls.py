@@ -1,7 +1,7 @@
 """Every `KVOffloader` step call on every model shape: with several KV cache groups,
-``lookup``, ``lookup_or_defer``, ``load`` and ``update`` take one table and one hash list
-per group name and mean what the handle's calls mean (the handle makes every call through
-them); ``miss_reason()`` and ``tier_hit_tokens()`` answer for one group and several; a
+``lookup`` (also with ``allow_defer``), ``load`` and ``update`` take one table and one hash
+list per group name and mean what the handle's calls mean (the handle makes every call
+through them); ``miss_reason()`` and ``tier_hit_tokens()`` answer for one group and several; a
 request's prompt tokens count once per admission whatever the shape."""
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ async def test_the_offloaders_own_calls_serve_a_hybrid_model_as_the_handle_does(
         with off.request("c", TURN2) as req:
             assert req.lookup() == 20  # what "b" stored through the façade
             assert req.miss_reason == off.miss_reason("c")
-        # lookup_or_defer and no_read, as with one group
-        assert off.lookup_or_defer("d", hashes, len(TURN2)) == 20
+        # allow_defer and no_read, as with one group
+        assert off.lookup("d", hashes, len(TURN2), allow_defer=True) == 20
         off.release("d")
         assert off.lookup("e", hashes, len(TURN2), no_read=True) == 0
         assert off.miss_reason("e") is MissReason.NOT_READ

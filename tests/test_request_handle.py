@@ -551,8 +551,8 @@ def _table(off: KVOffloader) -> object:
 
 COUNT_CALLS: dict[str, tuple[Callable[[OffloadRequest, object], object], str]] = {
     "lookup": (lambda r, v: r.lookup(num_computed_tokens=v), "num_computed_tokens"),  # type: ignore[arg-type]
-    "lookup_or_defer": (
-        lambda r, v: r.lookup_or_defer(num_computed_tokens=v),  # type: ignore[arg-type]
+    "lookup(allow_defer=True)": (
+        lambda r, v: r.lookup(num_computed_tokens=v, allow_defer=True),  # type: ignore[arg-type]
         "num_computed_tokens",
     ),
     "advance": (lambda r, v: r.advance(_table(r._off), v), "num_computed_tokens"),  # type: ignore[arg-type]

@@ -122,16 +122,16 @@ def test_scheduler_pins_live_in_the_ledger() -> None:
     sched.check_invariants()
 
 
-def test_lookup_or_defer_is_lookup_with_allow_defer() -> None:
+def test_lookup_with_allow_defer_asks_again_while_the_store_is_in_flight() -> None:
     sched = make()
     hs = hashes(tokens(8, 2))
     sched.update("a", [0, 1], hs, 2 * BS)
     plan = sched.plan_stores()
     assert plan is not None
-    assert sched.lookup_or_defer("b", hs, 2 * BS + 1) is None  # the store is in flight
+    assert sched.lookup("b", hs, 2 * BS + 1, allow_defer=True) is None  # the store is in flight
     assert sched.lookup("c", hs, 2 * BS + 1) == 0
     sched.complete(plan, ok=True)
-    assert sched.lookup_or_defer("b", hs, 2 * BS + 1) == 2 * BS
+    assert sched.lookup("b", hs, 2 * BS + 1, allow_defer=True) == 2 * BS
     sched.check_invariants()
 
 

@@ -276,7 +276,13 @@ class OffloadScheduler:
             block_hashes: hashes of the prompt's full blocks.
             num_tokens: prompt length in tokens.
             num_computed_tokens: tokens the engine holds already, block aligned.
-            allow_defer: ``True`` is `lookup_or_defer()`, which may answer ``None``.
+            allow_defer: may answer ``None``, "ask again later": when the block after
+                the hit is being filled (stored, or promoted from a tier), or a hit block
+                is being loaded for another request (its GPU copy will serve this one),
+                instead of a shorter hit or a second load (counted in
+                ``concurrent_load_blocks``); nothing is pinned then. Once the copies in
+                flight have landed (``await off.drain()``), the lookup may find a longer
+                hit. `KVOffloader.lookup()` and `OffloadRequest.lookup()` take it too.
             no_read: the request must not read the cache: returns 0, pins nothing.
 
         Returns:
@@ -295,35 +301,6 @@ class OffloadScheduler:
             num_tokens,
             num_computed_tokens,
             allow_defer=allow_defer,
-            no_read=no_read,
-        )
-
-    def lookup_or_defer(
-        self,
-        request_id: str,
-        block_hashes: Sequence[BlockHash],
-        num_tokens: int,
-        num_computed_tokens: int = 0,
-        *,
-        no_read: bool = False,
-    ) -> int | None:
-        """`lookup()` that may answer ``None``: "ask again later".
-
-        ``None`` when the block after the hit is being filled (stored, or promoted from a
-        tier), or a hit block is being loaded for another request (its GPU copy will serve
-        this one), instead of a shorter hit or a second load (counted in
-        ``concurrent_load_blocks``); nothing is pinned then. Once the copies in flight
-        have landed (``await off.drain()``), the lookup may find a longer hit.
-        ``lookup(allow_defer=True)`` is the same call. Takes and raises what `lookup()`
-        does. `KVOffloader.lookup_or_defer()` and `OffloadRequest.lookup_or_defer()` are
-        this call through the façade and the handle.
-        """
-        return self._loads.lookup(
-            request_id,
-            block_hashes,
-            num_tokens,
-            num_computed_tokens,
-            allow_defer=True,
             no_read=no_read,
         )
 

@@ -104,8 +104,8 @@ def lookup_defers(
     hits: Sequence[CpuBlock],
     promoting: Callable[[BlockHash], bool] | None = None,
 ) -> bool:
-    """The rule of ``lookup_or_defer``, for one pool: whether a lookup whose hit is the
-    blocks ``hits`` should answer "ask again later".
+    """The rule of ``lookup(allow_defer=True)``, for one pool: whether a lookup whose hit
+    is the blocks ``hits`` should answer "ask again later".
 
     Yes when a block of the hit is being loaded for another request (its GPU copy will
     serve this one), or when the blocks the next longer hit lacks, ``next_hashes``, are

@@ -51,7 +51,7 @@ class MissReason(str, Enum):
 
     IN_FLIGHT = "in_flight"
     """The next block's copy into the CPU pool (a store, or a promotion from a tier) is
-    still in flight: ``lookup_or_defer()`` would have answered "ask again"."""
+    still in flight: ``lookup(allow_defer=True)`` would have answered "ask again"."""
 
     TIER_FAILED = "tier_failed"
     """A secondary tier was asked for the next block and timed out, raised, was

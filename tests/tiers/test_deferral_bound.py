@@ -1,6 +1,6 @@
-"""A promotion that never ends cannot make `lookup_or_defer()` answer "ask again" forever:
-after `MAX_LOOKUP_DEFERRALS` answers in a row, or the tiers' deferral deadline, the lookup
-answers with what is on CPU (counted in ``deferrals_bounded``)."""
+"""A promotion that never ends cannot make `lookup(allow_defer=True)` answer "ask again"
+forever: after `MAX_LOOKUP_DEFERRALS` answers in a row, or the tiers' deferral deadline,
+the lookup answers with what is on CPU (counted in ``deferrals_bounded``)."""
 
 from __future__ import annotations
 
@@ -61,11 +61,11 @@ async def test_a_probe_that_never_ends_defers_at_most_the_bound(
         prompt = tokens(3, 6)
         hashes = await evict_tail(off, prompt, keep=2)
         for _ in range(MAX_LOOKUP_DEFERRALS):
-            assert off.lookup_or_defer("b", hashes, len(prompt)) is None
+            assert off.lookup("b", hashes, len(prompt), allow_defer=True) is None
         assert off.tiers is not None
         assert off.tiers.is_promoting(hashes[2])  # the probe still has not answered
         # The bound: the CPU hit (two blocks), pinned as any lookup's, and counted.
-        assert off.lookup_or_defer("b", hashes, len(prompt)) == 2 * BS
+        assert off.lookup("b", hashes, len(prompt), allow_defer=True) == 2 * BS
         assert off.scheduler.request_state("b").pinned
         assert off.statistics().scheduler.deferrals_bounded == 1
         assert off.statistics().tiers.deferred_lookups == MAX_LOOKUP_DEFERRALS  # type: ignore[union-attr]
@@ -88,11 +88,11 @@ async def test_a_probe_that_never_ends_defers_until_the_tiers_deadline(
         assert deadline == 3 * (1 + 256 // 16)  # a probe, 16 reads: each op_timeout_s
         prompt = tokens(4, 6)
         hashes = await evict_tail(off, prompt, keep=3)
-        assert off.lookup_or_defer("b", hashes, len(prompt)) is None
+        assert off.lookup("b", hashes, len(prompt), allow_defer=True) is None
         now[0] += deadline - 0.5
-        assert off.lookup_or_defer("b", hashes, len(prompt)) is None
+        assert off.lookup("b", hashes, len(prompt), allow_defer=True) is None
         now[0] += 0.5
-        assert off.lookup_or_defer("b", hashes, len(prompt)) == 3 * BS
+        assert off.lookup("b", hashes, len(prompt), allow_defer=True) == 3 * BS
         assert off.statistics().scheduler.deferrals_bounded == 1
         off.release("b")
         off.finish("b")

@@ -239,7 +239,7 @@ async def test_a_burst_that_fits_the_queue_is_written_whole_for_a_second_offload
     kv_b = make_kv(num_blocks=n)
     async with KVOffloader(config(tiers, num_cpu_blocks=n + 8), kv_b) as b:
         hashes = b.hash_prompt(prompt)
-        assert b.lookup_or_defer("t", hashes, len(prompt)) is None  # promoting
+        assert b.lookup("t", hashes, len(prompt), allow_defer=True) is None  # promoting
         await settle(b)
         b.finish("t")
         assert await lookup_load(b, kv_b, "r", prompt, range(n)) == n * BS  # bit-exact
@@ -383,7 +383,7 @@ async def test_a_key_of_another_type_ends_the_deferral_and_the_hit_stops_at_it(
             await off.reset()
             answers = []
             for _ in range(20):
-                answers.append(off.lookup_or_defer("b", hashes, len(prompt)))
+                answers.append(off.lookup("b", hashes, len(prompt), allow_defer=True))
                 if answers[-1] is not None:
                     break
                 await settle(off)

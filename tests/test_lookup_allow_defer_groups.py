@@ -1,7 +1,7 @@
-"""`lookup_or_defer()` with several KV cache groups answers "ask again later" by the same
-rule as one group (`kvoffload.scheduler.loads.lookup_defers`): while a block the next
+"""`lookup(allow_defer=True)` with several KV cache groups answers "ask again later" by the
+same rule as one group (`kvoffload.scheduler.loads.lookup_defers`): while a block the next
 longer hit needs in some group is being stored, or a hit block is being loaded for
-another request. Regression: a grouped handle's ``lookup_or_defer()`` never deferred."""
+another request. Regression: a grouped handle's deferring lookup never deferred."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ async def test_a_grouped_lookup_defers_while_the_next_hit_is_being_stored() -> N
             assert off.store()  # the store of 16 tokens in every group, still copying
             with off.request("b", tokens) as b:
                 try:
-                    deferred = [b.lookup_or_defer(), b.lookup(allow_defer=True)]
+                    deferred = [b.lookup(allow_defer=True), b.lookup(allow_defer=True)]
                     plain = b.lookup()  # the plain lookup never defers
                     before = off.statistics().scheduler.deferred_lookups
                 finally:  # a failed check must not leave the copies hanging
@@ -44,7 +44,7 @@ async def test_a_grouped_lookup_defers_while_the_next_hit_is_being_stored() -> N
                     await off.drain()
                 assert deferred == [None, None]
                 assert plain == 0
-                assert b.lookup_or_defer() == 16
+                assert b.lookup(allow_defer=True) == 16
                 assert before == 2
                 b.release()
         off.check_invariants()
@@ -67,12 +67,12 @@ async def test_a_grouped_lookup_stops_deferring_at_the_bound_and_answers_from_cp
             assert off.store()  # never completes while b asks
             with off.request("b", tokens) as b:
                 try:
-                    answers = [b.lookup_or_defer() for _ in range(3)]
+                    answers = [b.lookup(allow_defer=True) for _ in range(3)]
                     now[0] += 0.5  # within the deadline: still "ask again"
-                    answers.append(b.lookup_or_defer())
+                    answers.append(b.lookup(allow_defer=True))
                     now[0] += 1.0  # past it: answered with the CPU hit (nothing yet)
-                    answers.append(b.lookup_or_defer())
-                    answers.append(b.lookup_or_defer())  # a new run starts
+                    answers.append(b.lookup(allow_defer=True))
+                    answers.append(b.lookup(allow_defer=True))  # a new run starts
                     bounded = off.statistics().scheduler.deferrals_bounded
                 finally:
                     for engine in engines.values():

@@ -1,5 +1,5 @@
-"""`lookup_or_defer()` on the façade and on the request handle: `lookup()` that may answer
-``None`` ("ask again later"), the same call as the older ``lookup(..., allow_defer=True)``."""
+"""`lookup(allow_defer=True)` on the façade and on the request handle: the lookup that may
+answer ``None`` ("ask again later")."""
 
 from __future__ import annotations
 
@@ -42,14 +42,14 @@ async def test_the_offloader_defers_while_the_next_block_is_being_stored() -> No
         off.update("a", [0, 1, 2, 3], hashes, 13)
         [store] = off.store()
         assert off.lookup("b", hashes, 13) == 0  # a shorter hit, never "ask again"
-        assert off.lookup_or_defer("b", hashes, 13) is None
+        assert off.lookup("b", hashes, 13, allow_defer=True) is None
         assert off.lookup("b", hashes, 13, allow_defer=True) is None  # the older spelling
         engine.complete(store)
         await store
-        assert off.lookup_or_defer("b", hashes, 13) == 12
+        assert off.lookup("b", hashes, 13, allow_defer=True) == 12
         assert off.scheduler.request_state("b").pinned  # the hit is pinned, as by lookup
         off.release("b")
-        assert off.lookup_or_defer("c", hashes, 13, no_read=True) == 0
+        assert off.lookup("c", hashes, 13, allow_defer=True, no_read=True) == 0
         off.scheduler.check_invariants()
         for rid in ("a", "b", "c"):
             off.finish(rid)
@@ -63,20 +63,19 @@ async def test_the_handle_defers_while_the_next_block_is_being_stored() -> None:
             a.advance([0, 1, 2, 3], 13)
             [store] = off.store()
         with off.request("b", prompt) as b:
-            assert b.lookup_or_defer() is None  # "ask again after the store"
+            assert b.lookup(allow_defer=True) is None  # "ask again after the store"
             assert b.hit_tokens == 0
             engine.complete(store)
             await store
-            assert b.lookup_or_defer() == 12
+            assert b.lookup(allow_defer=True) == 12
             assert b.hit_tokens == 12
             with pytest.raises(InvalidInputError, match="num_computed_tokens"):
-                b.lookup_or_defer(num_computed_tokens=3)
-            assert b.lookup_or_defer(num_computed_tokens=4) == 8  # after the engine's prefix
+                b.lookup(num_computed_tokens=3, allow_defer=True)
+            # after the engine's prefix
+            assert b.lookup(num_computed_tokens=4, allow_defer=True) == 8
             b.release()
-        with pytest.raises(
-            RequestStateError, match=r"'b' is already finished: lookup_or_defer\(\)"
-        ):
-            b.lookup_or_defer()
+        with pytest.raises(RequestStateError, match=r"'b' is already finished: lookup\(\)"):
+            b.lookup(allow_defer=True)
 
 
 async def test_a_store_that_never_lands_stops_the_deferral_after_the_bound(
@@ -94,18 +93,18 @@ async def test_a_store_that_never_lands_stops_the_deferral_after_the_bound(
         off.update("a", [0, 1, 2, 3], hashes, 13)
         [store] = off.store()  # never completed: the next block stays "being filled"
         for _ in range(MAX_LOOKUP_DEFERRALS):
-            assert off.lookup_or_defer("b", hashes, 13) is None
+            assert off.lookup("b", hashes, 13, allow_defer=True) is None
         assert off.statistics().scheduler.deferrals_bounded == 0
         # Then it answers with what is on CPU (nothing), counted; a new run may follow.
-        assert off.lookup_or_defer("b", hashes, 13) == 0
+        assert off.lookup("b", hashes, 13, allow_defer=True) == 0
         stats = off.statistics().scheduler
         assert stats.deferrals_bounded == 1
         assert stats.deferred_lookups == MAX_LOOKUP_DEFERRALS
-        assert off.lookup_or_defer("b", hashes, 13) is None
+        assert off.lookup("b", hashes, 13, allow_defer=True) is None
         off.scheduler.check_invariants()
         engine.complete(store)
         await store
-        assert off.lookup_or_defer("b", hashes, 13) == 12
+        assert off.lookup("b", hashes, 13, allow_defer=True) == 12
         off.release("b")
         for rid in ("a", "b"):
             off.finish(rid)
@@ -122,14 +121,14 @@ async def test_the_deferral_ends_at_its_deadline_on_the_scheduler_clock() -> Non
         hashes = off.hash_prompt(prompt)
         off.update("a", [0, 1, 2, 3], hashes, 13)
         [store] = off.store()
-        assert off.lookup_or_defer("b", hashes, 13) is None
+        assert off.lookup("b", hashes, 13, allow_defer=True) is None
         now[0] += DEFER_DEADLINE_S / 2
-        assert off.lookup_or_defer("b", hashes, 13) is None
+        assert off.lookup("b", hashes, 13, allow_defer=True) is None
         now[0] += DEFER_DEADLINE_S / 2  # the deadline, from the first "ask again"
-        assert off.lookup_or_defer("b", hashes, 13) == 0
+        assert off.lookup("b", hashes, 13, allow_defer=True) == 0
         assert off.statistics().scheduler.deferrals_bounded == 1
         # Another request's run starts on its own.
-        assert off.lookup_or_defer("c", hashes, 13) is None
+        assert off.lookup("c", hashes, 13, allow_defer=True) is None
         engine.complete(store)
         await store
         for rid in ("a", "b", "c"):
