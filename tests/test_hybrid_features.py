@@ -1,0 +1,281 @@
+"""Every feature of `KVOffloader` on heterogeneous models (full + sliding window, full +
+recurrent, full + chunked, block sizes 4 and 8), through the calls users make: request
+handles, ``off.hints``, ``off.tiers``, ``statistics()`` and ``take_events()``. Each
+scenario states what one full group does and checks that the hybrid model does the same,
+by exact outcomes: the bytes a load serves, the hits, the counters.
+
+The engine side is `Hybrid`: per group, its tensors (a block's value is a function of its
+group, layer and token prefix), `ControllableCopyEngine`s that copy real bytes when the
+test ends them, and one GPU block allocator per group."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvoffload import KVOffloader, OffloadConfig
+from kvoffload.groups import KVCacheGroup, needed, page_layout
+from kvoffload.layout import KVLayout
+from kvoffload.pinner import RefCountPinner
+from kvoffload.request import OffloadRequest
+from kvoffload.storage.host_buffer import HostKVBuffer
+from kvoffload.testing import ControllableCopyEngine
+
+pytestmark = pytest.mark.anyio
+
+NUM_GPU = 48
+STATE_SHAPE = (3, 2)  # one recurrent layer's snapshot: 6 float32 = 24 bytes
+KINDS = ("sliding_window", "recurrent", "chunked")
+SHAPES = [(kind, bs) for kind in KINDS for bs in (4, 8)]
+IDS = [f"full+{kind}-bs{bs}" for kind, bs in SHAPES]
+
+Tables = dict[str, list[int | None]]
+
+
+def attn(bs: int) -> KVLayout:
+    return KVLayout(num_layers=2, num_kv_heads=1, head_size=4, dtype="float32", block_size=bs)
+
+
+def groups_of(kind: str, bs: int) -> tuple[KVCacheGroup, ...]:
+    """A full group and one of ``kind``: a window of two blocks and one token, a chunk of
+    two blocks, or a recurrent state. With a store point at every block boundary, a turn
+    of five blocks stores five blocks of each group but the chunked one (0, 2 and 4: a
+    point at a chunk boundary needs none), and a hit at 5 blocks needs `NEEDED_AT_5`."""
+    full = KVCacheGroup.from_layout(attn(bs), name="full")
+    if kind == "sliding_window":
+        other = KVCacheGroup.from_layout(attn(bs), name="swa", kind=kind, window=2 * bs + 1)
+    elif kind == "chunked":
+        other = KVCacheGroup.from_layout(attn(bs), name="loc", kind=kind, chunk=2 * bs)
+    else:
+        other = KVCacheGroup(
+            name="rec", kind="recurrent", block_size=bs, num_layers=2, bytes_per_layer_block=24
+        )
+    return (full, other)
+
+
+NEEDED_AT_5 = {"full": 5, "sliding_window": 2, "chunked": 1, "recurrent": 1}
+"""Blocks of each kind a hit at five blocks needs (blocks 0-4; 3-4; 4; the snapshot 4)."""
+
+
+def value(gi: int, layer: int, tokens: Sequence[int], pos: int, bs: int) -> float:
+    """What block ``pos`` of group ``gi`` holds after ``tokens``: a function of its prefix."""
+    return float(gi * 1000 + layer * 100 + sum(tokens[: (pos + 1) * bs]) % 97 + pos)
+
+
+class Hybrid:
+    """The engine side of one offloader over ``groups``: tensors, allocators, copies."""
+
+    def __init__(
+        self,
+        groups: Sequence[KVCacheGroup],
+        num_cpu: int = 32,
+        engines: bool = True,
+        **settings: Any,
+    ) -> None:
+        self.groups = tuple(groups)
+        self.bs = groups[0].block_size
+        self.kv: dict[str, list[torch.Tensor]] = {}
+        for g in self.groups:
+            shape = (NUM_GPU, *STATE_SHAPE) if g.kind == "recurrent" else attn(self.bs).tensor_shape(NUM_GPU)
+            self.kv[g.name] = [torch.zeros(shape) for _ in range(g.num_layers)]
+        settings.setdefault("checkpoint_tokens", self.bs)
+        self.config = OffloadConfig.model_validate(
+            {"num_cpu_blocks": num_cpu, "block_size": self.bs, **settings}
+        )
+        self.free = {g.name: list(range(NUM_GPU)) for g in self.groups}
+        self.pinners = {g.name: RefCountPinner() for g in self.groups}
+        self.hosts: list[HostKVBuffer] = []
+        self.engines: dict[str, ControllableCopyEngine] = {}
+        kw: dict[str, Any] = {"groups": self.groups, "pinner": dict(self.pinners)}
+        if engines:
+            for g in self.groups:
+                lay, views = page_layout(g, self.kv[g.name])
+                host = HostKVBuffer(lay, num_cpu, pin_memory="never")
+                self.hosts.append(host)
+                self.engines[g.name] = ControllableCopyEngine(layout=lay, gpu_kv=views, host=host)
+            kw["copy_engine"] = dict(self.engines)
+        self.off = KVOffloader(self.config, self.kv, **kw)
+
+    # -- the engine's GPU side ---------------------------------------------------------------
+
+    def new(self, n_blocks: int) -> Tables:
+        return {g.name: [self.free[g.name].pop(0) for _ in range(n_blocks)] for g in self.groups}
+
+    def give_back(self, tables: Tables) -> None:
+        for name, table in tables.items():
+            self.free[name].extend(b for b in table if b is not None)
+
+    def fill(self, tables: Tables, tokens: Sequence[int], start: int = 0) -> None:
+        """The engine computes every block from ``start`` that ``tokens`` fill."""
+        for gi, g in enumerate(self.groups):
+            for pos, b in enumerate(tables[g.name]):
+                if b is not None and pos >= start and (pos + 1) * self.bs <= len(tokens):
+                    for layer, t in enumerate(self.kv[g.name]):
+                        t[b].fill_(value(gi, layer, tokens, pos, self.bs))
+
+    def served(self, tables: Tables, tokens: Sequence[int], n: int) -> dict[str, list[int]]:
+        """Per group, the positions of ``needed(g, n)`` that hold exactly their bytes; the
+        test compares it with every position."""
+        out: dict[str, list[int]] = {}
+        for gi, g in enumerate(self.groups):
+            good = []
+            for pos in needed(g, n):
+                b = tables[g.name][pos]
+                assert b is not None
+                if all(
+                    bool((t[b] == value(gi, layer, tokens, pos, self.bs)).all())
+                    for layer, t in enumerate(self.kv[g.name])
+                ):
+                    good.append(pos)
+            out[g.name] = good
+        return out
+
+    def wipe(self) -> None:
+        for tensors in self.kv.values():
+            for t in tensors:
+                t.fill_(-1.0)
+
+    def complete_all(self) -> None:
+        for engine in self.engines.values():
+            engine.complete_all()
+
+    def close(self) -> None:
+        for host in self.hosts:
+            host.close()
+
+    # -- a whole request ---------------------------------------------------------------------
+
+    async def serve(
+        self, rid: str, tokens: list[int], *, priority: int = 0, defer: bool = False
+    ) -> tuple[int, Tables]:
+        """Look up, load (its bytes checked), compute the rest, store, finish."""
+        off = self.off
+        with off.request(rid, tokens, priority=priority) as req:
+            hit = await self.lookup(req, defer)
+            tables = self.new(req.blocks_for(len(tokens)))
+            if hit:
+                task = req.load(tables)
+                assert task is not None
+                self.complete_all()
+                await task
+                want = {g.name: list(needed(g, hit)) for g in self.groups}
+                assert self.served(tables, tokens, hit) == want
+            self.fill(tables, tokens, start=hit // self.bs)
+            req.advance(tables, len(tokens))
+            off.store()
+            self.complete_all()
+        self.complete_all()
+        await off.drain()
+        self.give_back(tables)
+        return hit, tables
+
+    async def lookup(self, req: OffloadRequest, defer: bool) -> int:
+        if not defer:
+            return req.lookup()
+        while (hit := req.lookup(allow_defer=True)) is None:
+            self.complete_all()
+            await self.off.drain()
+        return hit
+
+
+def conversation(seed: int, n: int) -> list[int]:
+    return [seed * 1000 + i for i in range(n)]
+
+
+@pytest.fixture(params=SHAPES, ids=IDS)
+def shape(request: pytest.FixtureRequest) -> tuple[str, int]:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def tmp(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+# -- the scenarios -------------------------------------------------------------------------
+
+
+async def test_a_second_turn_is_served_with_every_groups_bytes(shape: tuple[str, int]) -> None:
+    kind, bs = shape
+    rig = Hybrid(groups_of(kind, bs))
+    try:
+        async with rig.off as off:
+            turn1 = conversation(1, 5 * bs + 2)
+            assert (await rig.serve("a", turn1))[0] == 0
+            rig.wipe()
+            hit, _ = await rig.serve("b", [*turn1, 7, 8, 9])
+            assert hit == 5 * bs
+            off.check_invariants()
+    finally:
+        rig.close()
+
+
+def _other(rig: Hybrid) -> KVCacheGroup:
+    return rig.groups[1]
+
+
+async def _pressure(rig: Hybrid, seeds: Sequence[int]) -> None:
+    """Conversations of five blocks that fill the pools (priority 0)."""
+    for seed in seeds:
+        assert (await rig.serve(f"p{seed}", conversation(seed, 5 * rig.bs + 2)))[0] == 0
+
+
+async def _hit_of(rig: Hybrid, rid: str, tokens: list[int]) -> int:
+    """The hit a new turn gets, served (bytes checked) when there is one."""
+    return (await rig.serve(rid, tokens))[0]
+
+
+@pytest.mark.parametrize("priority", [0, 3])
+async def test_a_prioritized_request_outlives_pressure_in_every_group(
+    shape: tuple[str, int], priority: int
+) -> None:
+    """One group: a priority-3 request's blocks go after every priority-0 block, so three
+    conversations that overflow a pool of 15 blocks evict another's; at priority 0 the
+    oldest (this one) goes. A hybrid model does the same in each group's pool."""
+    kind, bs = shape
+    rig = Hybrid(groups_of(kind, bs), num_cpu=15)
+    try:
+        async with rig.off as off:
+            sys = conversation(1, 5 * bs + 2)
+            with off.request("s", sys, priority=priority) as req:
+                req.lookup()
+                tables = rig.new(req.blocks_for(len(sys)))
+                rig.fill(tables, sys)
+                req.advance(tables, len(sys))
+                off.store()
+                rig.complete_all()
+            rig.complete_all()
+            await off.drain()
+            rig.give_back(tables)
+            await _pressure(rig, (2, 3, 4))
+            assert await _hit_of(rig, "t", [*sys, 5]) == (5 * bs if priority else 0)
+            off.check_invariants()
+    finally:
+        rig.close()
+
+
+async def test_a_retained_prefix_outlives_pressure_until_released(shape: tuple[str, int]) -> None:
+    """One group: `retain_prefix()` holds the stored blocks of the prompt (5), which then
+    survive any pressure and are served; `release_retained()` lets them go, and the next
+    pressure evicts them. A hybrid model retains, in every group, what a lookup of the
+    prefix needs, and returns the count of all groups' blocks."""
+    kind, bs = shape
+    rig = Hybrid(groups_of(kind, bs), num_cpu=15, max_retained_fraction=0.5)
+    try:
+        async with rig.off as off:
+            sys = conversation(1, 5 * bs + 2)
+            await rig.serve("s", sys)
+            count = 5 + NEEDED_AT_5[kind]
+            assert off.retain_prefix(sys, owner="sys") == count
+            await _pressure(rig, (2, 3, 4, 5))
+            assert await _hit_of(rig, "t", [*sys, 5]) == 5 * bs
+            assert off.release_retained("sys") == count
+            await _pressure(rig, (6, 7, 8, 9))
+            assert await _hit_of(rig, "u", [*sys, 5]) == 0
+            off.check_invariants()
+    finally:
+        rig.close()
