@@ -14,14 +14,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
 from kvoffload import KVOffloader, OffloadConfig
+from kvoffload.errors import ConfigError
 from kvoffload.groups import KVCacheGroup, needed, page_layout
+from kvoffload.hashing import BlockHash, hash_prompt
 from kvoffload.layout import KVLayout
 from kvoffload.pinner import RefCountPinner
+from kvoffload.pool import BlockRemoved, BlockStored
 from kvoffload.request import OffloadRequest
+from kvoffload.scheduler.misses import MissReason
 from kvoffload.storage.host_buffer import HostKVBuffer
 from kvoffload.testing import ControllableCopyEngine
 
@@ -80,7 +85,11 @@ class Hybrid:
         self.bs = groups[0].block_size
         self.kv: dict[str, list[torch.Tensor]] = {}
         for g in self.groups:
-            shape = (NUM_GPU, *STATE_SHAPE) if g.kind == "recurrent" else attn(self.bs).tensor_shape(NUM_GPU)
+            shape = (
+                (NUM_GPU, *STATE_SHAPE)
+                if g.kind == "recurrent"
+                else attn(self.bs).tensor_shape(NUM_GPU)
+            )
             self.kv[g.name] = [torch.zeros(shape) for _ in range(g.num_layers)]
         if len(self.groups) > 1:
             settings.setdefault("checkpoint_tokens", self.bs)
@@ -179,9 +188,20 @@ class Hybrid:
             off.store()
             self.complete_all()
         self.complete_all()
-        await off.drain()
+        await self.settle()
         self.give_back(tables)
         return hit, tables
+
+    async def settle(self) -> None:
+        """Wait until no copy, and with tiers no write-down or promotion, runs."""
+        tiers = self.off.tiers
+        with anyio.fail_after(30):
+            while True:
+                await self.off.drain()
+                stats = tiers.statistics() if tiers is not None else None
+                if stats is None or not (stats.refs_held or stats.promotions_in_flight):
+                    return
+                await anyio.sleep(0.002)
 
     async def lookup(self, req: OffloadRequest, defer: bool) -> int:
         if not defer:
@@ -318,7 +338,9 @@ async def test_an_abandoned_load_is_recomputed_and_its_refs_go_when_the_copy_lan
                 task = req.load(tables)
                 assert task is not None
                 late = req.abandon_load()
-                want = {g.name: tuple(tables[g.name][p] for p in needed(g, 5 * bs)) for g in rig.groups}
+                want = {
+                    g.name: tuple(tables[g.name][p] for p in needed(g, 5 * bs)) for g in rig.groups
+                }
                 assert late == want
                 assert req.hit_tokens == 0
                 for g in rig.groups:
@@ -443,3 +465,271 @@ async def test_statistics_mean_what_they_mean_with_one_group(
     finally:
         one.close()
         rig.close()
+
+
+WORKLOAD_PROMPTS = [(1, 5), (2, 5), (3, 6), (4, 5)]
+"""(seed, blocks) of `_workload`'s conversations, whose blocks its events name."""
+
+
+def _group_hashes(rig: Hybrid, g: KVCacheGroup) -> set[BlockHash]:
+    space = g.namespace(model_id=rig.config.model_id, salt=rig.config.hash_salt)
+    out: set[BlockHash] = set()
+    for seed, n in WORKLOAD_PROMPTS:
+        out.update(hash_prompt(conversation(seed, n * g.block_size), g.block_size, space))
+    return out
+
+
+async def test_every_event_names_its_group_and_its_own_blocks(shape: tuple[str, int]) -> None:
+    """One group: `take_events()` gives a `BlockStored` per published block and a
+    `BlockRemoved` per eviction, in order. A hybrid model gives the full group's events
+    exactly as the one group's (block ids, kinds, order), every event names its group,
+    every hash is one of that group's own (its namespace), a removal names a block its
+    group stored, and ``(group, block_id)`` names one live block at a time."""
+    kind, bs = shape
+    one = Hybrid(groups_of(kind, bs)[:1], num_cpu=12, enable_events=True)
+    rig = Hybrid(groups_of(kind, bs), num_cpu=12, enable_events=True)
+    try:
+        async with one.off, rig.off:
+            await _workload(one)
+            await _workload(rig)
+            want = [(type(e).__name__, e.block_id) for e in one.off.take_events()]
+            events = rig.off.take_events()
+            assert {e.group for e in events} == {g.name for g in rig.groups}
+            full = [(type(e).__name__, e.block_id) for e in events if e.group == "full"]
+            assert full == want
+            for g in rig.groups:
+                own = _group_hashes(rig, g)
+                live: dict[int, BlockHash] = {}
+                for e in (e for e in events if e.group == g.name):
+                    assert isinstance(e, BlockStored | BlockRemoved)
+                    assert e.block_hash in own, (g.name, e)
+                    if isinstance(e, BlockStored):
+                        assert e.block_id not in live, (g.name, e)  # never two at once
+                        live[e.block_id] = e.block_hash
+                    else:
+                        assert live.pop(e.block_id) == e.block_hash, (g.name, e)
+                groups = rig.off.statistics().groups
+                assert groups is not None
+                assert len(live) == groups[g.name].cached_cpu_blocks
+    finally:
+        one.close()
+        rig.close()
+
+
+async def test_a_lookup_asks_again_while_a_block_it_needs_is_being_stored(
+    shape: tuple[str, int],
+) -> None:
+    """One group: while the store of the blocks the next longer hit needs is in flight,
+    `lookup(allow_defer=True)` answers `None` (nothing pinned, counted in
+    ``deferred_lookups``), a plain lookup answers from the pool now; once the store
+    landed it answers the whole hit, which is served exactly."""
+    kind, bs = shape
+    rig = Hybrid(groups_of(kind, bs))
+    try:
+        async with rig.off as off:
+            sys = conversation(1, 5 * bs + 2)
+            with off.request("a", sys) as a:
+                a.lookup()
+                tables = rig.new(a.blocks_for(len(sys)))
+                rig.fill(tables, sys)
+                a.advance(tables, len(sys))
+                (task,) = off.store()
+                with off.request("b", [*sys, 5]) as b:
+                    assert b.lookup(allow_defer=True) is None
+                    assert b.lookup(allow_defer=True) is None
+                    assert b.lookup() == 0  # nothing published yet
+                    stats = off.statistics()
+                    assert stats.scheduler.deferred_lookups == 2
+                    rig.complete_all()
+                    await task
+                    assert b.lookup(allow_defer=True) == 5 * bs
+                    fresh = rig.new(b.blocks_for(len(sys) + 1))
+                    load = b.load(fresh)
+                    assert load is not None
+                    rig.complete_all()
+                    await load
+                    assert rig.served(fresh, sys, 5 * bs) == {
+                        g.name: list(needed(g, 5 * bs)) for g in rig.groups
+                    }
+            await off.drain()
+            off.check_invariants()
+    finally:
+        rig.close()
+
+
+async def _through_the_tier(rig: Hybrid) -> list[object]:
+    """A prompt stored, its CPU blocks evicted by two more, then looked up again: what the
+    lookups said (the second served, bytes checked)."""
+    off, bs, out = rig.off, rig.bs, []
+    assert off.tiers is not None
+    sys = conversation(1, 5 * bs + 2)
+    await rig.serve("s", sys)
+    await _pressure(rig, (2, 3))  # 10 more blocks in each group's pool of 10
+    with off.request("x", [*sys, 5]) as req:
+        out.append((req.lookup(), req.miss_reason))  # the CPU pools lack some of them
+    await rig.settle()  # the promotions that lookup started land
+    rig.wipe()
+    with off.request("t", [*sys, 6]) as req:
+        hit = await rig.lookup(req, defer=True)
+        out.append((hit, dict(req.tier_hit_tokens)))
+        tables = rig.new(req.blocks_for(len(sys) + 1))
+        task = req.load(rig.t(tables))
+        assert task is not None
+        await task
+        want = {g.name: list(needed(g, hit)) for g in rig.groups}
+        assert rig.served(tables, sys, hit) == want
+    await off.drain()
+    off.check_invariants()
+    return out
+
+
+async def test_a_block_evicted_from_cpu_comes_back_through_the_disk_tier(
+    shape: tuple[str, int], tmp: Path
+) -> None:
+    """One group: with a disk tier, `off.tiers` is the tier front; a prompt whose CPU
+    blocks were evicted is promoted back from disk (a plain lookup meanwhile misses with
+    `MissReason.IN_FLIGHT`), `lookup(allow_defer=True)` then answers the whole hit, served
+    with its exact bytes, and `tier_hit_tokens` names the tier. A hybrid model does the
+    same, every group's blocks of the hit included."""
+    kind, bs = shape
+    out = []
+    for n, name in ((1, "one"), (2, "two")):
+        disk = {
+            "kind": "disk",
+            "name": "d",
+            "path": str(tmp / f"{name}.bin"),
+            "capacity_bytes": "1MiB",
+        }
+        rig = Hybrid(groups_of(kind, bs)[:n], num_cpu=10, engines=False, tiers=[disk])
+        try:
+            async with rig.off:
+                out.append(await _through_the_tier(rig))
+        finally:
+            rig.close()
+    # The pressure evicted the prompt's first two blocks; the tier brought them back.
+    assert out[0] == [(0, MissReason.IN_FLIGHT), (5 * bs, {"d": 2 * bs})]
+    assert out[1] == out[0]
+
+
+def _counters(off: KVOffloader, *names: str) -> dict[str, tuple[int, ...]]:
+    """Per group (``"full"`` for one group), the named counters."""
+    groups = off.statistics().groups
+    if groups is None:
+        stats = off.statistics().scheduler
+        return {"full": tuple(getattr(stats, n) for n in names)}
+    return {g: tuple(getattr(s, n) for n in names) for g, s in groups.items()}
+
+
+async def _restores(rig: Hybrid) -> list[object]:
+    """A live request's blocks evicted by another's stores, then stored again or not."""
+    off, bs, out = rig.off, rig.bs, []
+    ta = conversation(1, 5 * bs + 2)
+    with off.request("a", ta) as a:
+        a.lookup()
+        tables = rig.new(a.blocks_for(len(ta)))
+        rig.fill(tables, ta)
+        a.advance(rig.t(tables), len(ta))
+        off.store()
+        rig.complete_all()
+        await off.drain()
+        await rig.serve("b", conversation(2, 5 * bs + 2))  # evicts two of a's blocks
+        out.append(_counters(off, "evicted_while_live", "restored_blocks"))
+        off.store()  # a is live and its GPU blocks hold its KV
+        rig.complete_all()
+        await off.drain()
+        out.append(_counters(off, "evicted_while_live", "restored_blocks"))
+    rig.give_back(tables)
+    rig.wipe()
+    out.append(await _hit_of(rig, "c", [*ta, 1]))
+    return out
+
+
+async def _holds(rig: Hybrid) -> list[object]:
+    """A request finished while its stores were deferred by the step limit (2)."""
+    off, bs, out = rig.off, rig.bs, []
+    ta = conversation(1, 5 * bs + 2)
+    req = off.request("a", ta)
+    req.lookup()
+    tables = rig.new(req.blocks_for(len(ta)))
+    rig.fill(tables, ta)
+    req.advance(rig.t(tables), len(ta))
+    off.store()
+    rig.complete_all()
+    await off.drain()
+    req.finish()
+    out.append({n: p.pinned_blocks() for n, p in rig.pinners.items()})
+    for _ in range(3):
+        off.store()
+        rig.complete_all()
+        await off.drain()
+        out.append({n: p.num_pinned for n, p in rig.pinners.items()})
+    out.append(_counters(off, "stored_blocks", "held_blocks"))
+    rig.give_back(tables)
+    rig.wipe()
+    out.append(await _hit_of(rig, "c", [*ta, 1]))
+    return out
+
+
+STORE_CASES = {
+    "restore_evicted": (_restores, {"num_cpu": 8}, {"restore_evicted": True}),
+    "hold_blocks_on_finish": (
+        _holds,
+        {"max_store_blocks_per_step": 2},
+        {"hold_blocks_on_finish": True},
+    ),
+}
+
+
+@pytest.mark.parametrize("setting", STORE_CASES)
+async def test_a_store_setting_has_its_one_group_effect(
+    shape: tuple[str, int], setting: str
+) -> None:
+    """``restore_evicted`` (a live request's evicted blocks are stored again, so the next
+    turn hits all five blocks instead of three) and ``hold_blocks_on_finish`` (a finished
+    request's deferred blocks stay pinned and are stored by the next steps, so the next
+    turn hits five blocks instead of two): on a hybrid model the hits are the one group's,
+    with and without the setting, and the full group's pins and counters are the one
+    group's."""
+    kind, bs = shape
+    scenario, base, on = STORE_CASES[setting]
+    seen: dict[tuple[int, bool], list[Any]] = {}
+    for n in (1, 2):
+        for enabled in (False, True):
+            kw = {**base, **(on if enabled else {})}
+            rig = Hybrid(groups_of(kind, bs)[:n], **kw)
+            try:
+                async with rig.off:
+                    seen[n, enabled] = await scenario(rig)
+                    rig.off.check_invariants()
+            finally:
+                rig.close()
+    for enabled in (False, True):
+        one, two = seen[1, enabled], seen[2, enabled]
+        assert two[-1] == one[-1], ("hit", enabled)
+        for a, b in zip(one[:-1], two[:-1], strict=True):
+            assert isinstance(a, dict)
+            assert isinstance(b, dict)
+            assert b["full"] == a["full"], (enabled, a, b)
+    assert seen[1, True][-1] == 5 * bs
+    assert seen[1, False][-1] == (3 if setting == "restore_evicted" else 2) * bs
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("setting", [{"store_mode": "lazy"}, {"lazy_offload_blocks": 8}])
+def test_lazy_stores_are_refused_naming_the_setting_the_group_and_why(
+    kind: str, setting: dict[str, Any]
+) -> None:
+    """One group stores lazily; a model with a group whose blocks lazy stores cannot keep
+    is refused when the offloader is built, naming the setting, the group, its kind."""
+    groups = groups_of(kind, 4)
+    kv = Hybrid(groups, engines=False).kv
+    config = OffloadConfig.model_validate(
+        {"num_cpu_blocks": 8, "block_size": 4, "checkpoint_tokens": 4, **setting}
+    )
+    name = next(iter(setting))
+    with pytest.raises(ConfigError) as err:
+        KVOffloader(config, kv, groups=groups)
+    message = str(err.value)
+    assert name in message
+    assert repr(groups[1].name) in message or groups[1].name in message
+    assert kind in message
