@@ -733,3 +733,139 @@ def test_lazy_stores_are_refused_naming_the_setting_the_group_and_why(
     assert name in message
     assert repr(groups[1].name) in message or groups[1].name in message
     assert kind in message
+
+
+async def _hinted(rig: Hybrid) -> list[object]:
+    """A request finished with ``retain_for_s=10`` while its stores were in flight, then
+    pressure before and after the hint's deadline."""
+    off, bs, out, now = rig.off, rig.bs, [], [0.0]
+    off.hints.clock = lambda: now[0]
+    sys = conversation(1, 5 * bs + 2)
+    with off.request("s", sys) as req:
+        req.lookup()
+        tables = rig.new(req.blocks_for(len(sys)))
+        rig.fill(tables, sys)
+        req.advance(rig.t(tables), len(sys))
+        off.store()
+        req.finish(retain_for_s=10, session="u")  # retained once stored
+        rig.complete_all()
+        await rig.settle()
+    rig.give_back(tables)
+    off.store()
+    await _pressure(rig, (2, 3, 4, 5))
+    out.append(await _hit_of(rig, "t", [*sys, 5]))
+    now[0] = 11.0  # past the deadline: the next store() ends the hint
+    off.store()
+    await _pressure(rig, (6, 7, 8, 9))
+    out.append(await _hit_of(rig, "v", [*sys, 5]))
+    out.append(off.hints.release("u"))  # expired: nothing left to release
+    return out
+
+
+async def _preempted(rig: Hybrid) -> list[object]:
+    """A request preempted after its first store, re-admitted: it looks up its own stored
+    prefix again, loads it into fresh blocks (bytes checked), computes the rest."""
+    off, bs, out = rig.off, rig.bs, []
+    tokens = conversation(1, 5 * bs + 2)
+    with off.request("a", tokens) as req:
+        req.lookup()
+        tables = rig.new(req.blocks_for(len(tokens)))
+        rig.fill(tables, tokens[: 3 * bs + 1])
+        req.advance(rig.t(tables), 3 * bs + 1)
+        off.store()
+        rig.complete_all()
+        await rig.settle()
+        rig.fill(tables, tokens)
+        req.advance(rig.t(tables), len(tokens))  # computed, not stored yet
+        req.preempt()  # the engine freed its blocks: nothing is stored from them
+        rig.give_back(tables)
+        off.store()
+        out.append(off.statistics().scheduler.stored_blocks)
+        rig.wipe()
+        hit = req.lookup()
+        out.append(hit)
+        fresh = rig.new(req.blocks_for(len(tokens)))
+        task = req.load(rig.t(fresh))
+        assert task is not None
+        rig.complete_all()
+        await task
+        want = {g.name: list(needed(g, hit)) for g in rig.groups}
+        assert rig.served(fresh, tokens, hit) == want
+        rig.fill(fresh, tokens, start=hit // bs)
+        req.advance(rig.t(fresh), len(tokens))
+        off.store()
+        rig.complete_all()
+    await rig.settle()
+    rig.give_back(fresh)
+    rig.wipe()
+    out.append(await _hit_of(rig, "b", [*tokens, 1]))
+    stats = off.statistics().scheduler
+    out.append((stats.prompt_tokens, stats.loaded_tokens, stats.lookups))
+    return out
+
+
+@pytest.mark.parametrize("scenario", [_hinted, _preempted], ids=["hint", "preempt"])
+async def test_hints_and_preemption_as_with_one_group(
+    shape: tuple[str, int], scenario: Any
+) -> None:
+    """A session hint keeps a finished request's blocks (stored after it finished) through
+    pressure until its deadline, then lets them go; a preempted request stores nothing
+    from its freed blocks, looks up and loads its own stored prefix again and counts its
+    prompt once more. The hybrid model's hits and counters are the one group's (a hit,
+    with one group and several: the longest stored prefix every group serves)."""
+    kind, bs = shape
+    seen = []
+    for n in (1, 2):
+        rig = Hybrid(groups_of(kind, bs)[:n], num_cpu=15, max_retained_fraction=0.5)
+        try:
+            async with rig.off:
+                seen.append(await scenario(rig))
+                rig.off.check_invariants()
+        finally:
+            rig.close()
+    if scenario is _hinted:
+        assert seen[0] == [5 * bs, 0, 0]
+        assert seen[1] == seen[0]
+    else:
+        one, two = seen
+        assert one[1:] == [3 * bs, 5 * bs, (3 * len(conversation(1, 5 * bs + 2)) + 1, 8 * bs, 3)]
+        assert two[1:] == one[1:]
+        assert one[0] == 3  # blocks 0-2, stored before the preemption
+
+
+async def test_a_prefetch_brings_a_prompt_back_from_the_disk_tier(
+    shape: tuple[str, int], tmp: Path
+) -> None:
+    """`hints.prefetch()` promotes a prompt evicted from CPU back from the disk tier, so
+    the next turn's plain lookup is a CPU hit served exactly. One group returns the
+    prompt's leading blocks on CPU (5), several groups the tokens a lookup finds (5
+    blocks' worth: docs/hints.md)."""
+    kind, bs = shape
+    seen = []
+    for n in (1, 2):
+        disk = {
+            "kind": "disk",
+            "name": "d",
+            "path": str(tmp / f"{n}.bin"),
+            "capacity_bytes": "1MiB",
+        }
+        rig = Hybrid(
+            groups_of(kind, bs)[:n],
+            num_cpu=10,
+            engines=False,
+            tiers=[disk],
+            max_prefetch_fraction=1.0,
+        )
+        try:
+            async with rig.off as off:
+                sys = conversation(1, 5 * bs + 2)
+                await rig.serve("s", sys)
+                await _pressure(rig, (2, 3))
+                got = await off.hints.prefetch(sys)
+                await rig.settle()
+                rig.wipe()
+                seen.append((got, await _hit_of(rig, "t", [*sys, 5])))
+                off.check_invariants()
+        finally:
+            rig.close()
+    assert seen == [(5, 5 * bs), (5 * bs, 5 * bs)]
