@@ -204,12 +204,14 @@ def check_settings(
     if refused is None:
         refused = REFUSED[entry_point]
     lazy = lazy_refusal(groups) if groups and "store_mode" not in refused else ""
-    if lazy:  # say why for each group that is not full attention
+    if lazy:  # say why for each group that is not full attention, once
+        why = f"lazy stores walk each full-attention group's eviction order of GPU blocks: {lazy}"
+        alone = config.store_mode == fields["store_mode"].default
         refused = {
             **refused,
-            "store_mode": "lazy stores walk each full-attention group's eviction order of "
-            f"GPU blocks: {lazy}",
-            "lazy_offload_blocks": "a setting of store_mode='lazy', refused with these groups",
+            "store_mode": why,
+            "lazy_offload_blocks": "a setting of store_mode='lazy', refused with these groups"
+            + (f": {why}" if alone else " (see store_mode)"),
         }
     wrong = [
         f"{_shown(config, name)} ({why})"
