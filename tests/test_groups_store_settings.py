@@ -596,3 +596,35 @@ def test_a_finished_full_lane_holding_nothing_passes_no_live_block() -> None:
     rig.run(plan)
     sched.check_invariants()
     assert sched.held_blocks("a") == {}
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+def test_a_finish_after_a_full_groups_deferral_stores_no_point_past_it(deferred: bool) -> None:
+    """A step that deferred a full group's blocks left them unstored, and a finish retries
+    nothing (as with one group); the window group's finish stored its points up to the
+    computed length all the same, filling its pool with blocks no hit can use (a hybrid
+    model then hit less than one group). It stops where the full group's stores went.
+    Without a deferral the finish plans its last point as before."""
+    r = Rig(
+        [group("full", "full", 4), group("win", "sliding_window", 4, window=8)],
+        cpu_blocks=64,
+        checkpoint_tokens=8,
+        config=config(max_store_blocks_per_step=4 if deferred else 64),
+    )
+    toks = list(range(32))
+    tables = {"full": list(range(8)), "win": list(range(100, 108))}
+    r.sched.update("a", tables, r.hashes(toks), 32)
+    r.run(r.sched.plan_stores())
+    full = r.sched._requests["a"].lanes["full"]
+    assert full.cursor == (4 if deferred else 8)
+    plan = r.sched.finish("a")
+    if deferred:
+        # the window's points up to 16 tokens (the full group's 4 blocks) were stored by
+        # the step; nothing past them is planned at finish
+        assert plan is None or "win" not in plan.plans
+    else:
+        assert plan is None  # the step stored every point, the last one included
+    r.run(plan)
+    r.sched.check_invariants()
+    hit = r.sched.lookup("b", r.hashes([*toks, 99]), 33)
+    assert hit == (16 if deferred else 32)

@@ -408,13 +408,6 @@ SETTINGS = {
     "step_limit": {"max_store_blocks_per_step": 3},
     "admission": {"store_admission": "seen_twice"},
 }
-FINISH_RETRIES = pytest.mark.xfail(
-    strict=True,
-    reason="finish() plans a window group's points a step deferred (its whole unstored "
-    "tail, docs/groups.md) while one group's finish retries nothing: the window's pool "
-    "fills with blocks whose full-group prefix was never stored and evicts useful ones, "
-    "so request 'e' hits 2 blocks where one group hits 3",
-)
 
 
 @pytest.mark.parametrize(
@@ -425,7 +418,6 @@ FINISH_RETRIES = pytest.mark.xfail(
             bs,
             SETTINGS[name],
             id=f"full+{kind}-bs{bs}-{name}",
-            marks=[FINISH_RETRIES] if kind == "sliding_window" and name == "step_limit" else [],
         )
         for kind, bs in SHAPES
         for name in SETTINGS

@@ -201,6 +201,9 @@ class GroupedRequest:
     priority: int = 0
     # the ``plan_stores`` call after which a hold is given up (`HeldBlocks.deadline()`)
     hold_deadline: int = 0
+    # a step deferred blocks of a full group: its finish stores no point past the full
+    # groups' cursors (`full_cover()`)
+    full_deferred: bool = False
 
     @property
     def holding(self) -> bool:

@@ -105,6 +105,13 @@ def check_store_limit(groups: Sequence[KVCacheGroup], limit: int, align: int) ->
             )
 
 
+def full_cover(state: GroupedRequest) -> int | None:
+    """The tokens every full group's lane of ``state`` planned or passed (its cursor):
+    a store point past them serves no hit (``None``: the model has no full group)."""
+    cover = [lane.cursor * lane.full for lane in state.lanes.values() if lane.full]
+    return min(cover) if cover else None
+
+
 @final
 class GroupLiveBlocks:
     """The one owner of every group's live-block counts: per group, how many live lanes
@@ -396,15 +403,22 @@ class GroupStorePlanner:
     # -- live blocks -------------------------------------------------------------------------
 
     def scan(
-        self, state: GroupedRequest, name: str, g: KVCacheGroup, final: bool
+        self,
+        state: GroupedRequest,
+        name: str,
+        g: KVCacheGroup,
+        final: bool,
+        cap: int | None = None,
     ) -> list[tuple[int, int]]:
         """(block index, store point) of the blocks a request's store points up to the
         last one planned need in one group, in order: a block is listed once, ``-1 - i``
         for an entry not to store (``None``, past the table or hashes, or below the lane's
-        ``valid_from``: not known to hold the request's KV)."""
+        ``valid_from``: not known to hold the request's KV). ``cap``: no point past it."""
         lane = state.lanes[name]
         limit = min(len(lane.table), len(lane.hashes))
         computed = min(state.num_computed_tokens, lane.stop)
+        if cap is not None and cap < computed:
+            computed = cap
         valid = lane.valid_from  # an entry below it is treated as None
         table = lane.table
         bs = g.block_size
@@ -475,6 +489,7 @@ class GroupStorePlanner:
                 batch.deferred_request = rid
                 batch.skipped.append(hashes[new[0]])
                 if g.kind == "full":
+                    state.full_deferred = True
                     return point // g.block_size - 1
                 return (point - 1) // self._checkpoint * self._checkpoint
             counts.skipped_null += (end - k) - len(usable)
@@ -608,8 +623,10 @@ class GroupStorePlanner:
             if batch.deferred:
                 batch.deferred += end - start
                 batch.skipped.append(hashes[start])
+                state.full_deferred = True
                 continue
             yield hashes, table, start, end, state.request_id
+            state.full_deferred |= batch.deferred > 0  # its run was cut
             i = batch.stopped
             if i != start:
                 rollback.append((state, start, lane.live_end))
@@ -636,12 +653,17 @@ class GroupStorePlanner:
             if lane.held:  # hold_max_steps passed
                 ended.append((state, True))
             return
-        wanted = self.scan(state, g.name, g, fin)
+        # a finish after a full group's step deferred plans a window, chunk or state only
+        # as far as the full groups' stores went (a finish retries nothing, as with one
+        # group): a point past them would take pool room and serve no hit
+        cap = full_cover(state) if final and state.full_deferred else None
+        wanted = self.scan(state, g.name, g, fin, cap)
         if batch.deferred:
             usable = [i for i, _ in wanted if i >= 0]
             if usable:
                 batch.deferred += len(usable)
                 batch.skipped.append(lane.hashes[usable[0]])
+                state.full_deferred |= g.kind == "full"
             return
         rec.rollback.append((state, lane.cursor, live_mark(lane)))
         passed: list[int] | None = [] if state.priority else None
@@ -652,7 +674,7 @@ class GroupStorePlanner:
                 h = lane.hashes[i]
                 if prio > want.get(h, 0):
                     want[h] = prio
-        new = self.advance(g, state, fin) if cut is None else cut
+        new = self.advance(g, state, fin, cap) if cut is None else cut
         if cut is None and lane.held:  # every held point planned
             ended.append((state, False))
         lane.cursor = max(lane.cursor, new)
@@ -736,9 +758,13 @@ class GroupStorePlanner:
             requests[rid].in_flight.add(key)
         return plan
 
-    def advance(self, g: KVCacheGroup, state: GroupedRequest, final: bool) -> int:
+    def advance(
+        self, g: KVCacheGroup, state: GroupedRequest, final: bool, cap: int | None = None
+    ) -> int:
         lane = state.lanes[g.name]
         computed = min(state.num_computed_tokens, lane.stop)
+        if cap is not None and cap < computed:
+            computed = cap
         if g.kind == "full":
             return max(
                 lane.cursor, min(len(lane.table), len(lane.hashes), computed // g.block_size)
