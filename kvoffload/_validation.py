@@ -7,12 +7,21 @@ its environment variable (for settings) and the value it got.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from kvoffload.errors import ConfigError
 
-__all__ = ["describe", "frozen_setattr", "not_bool"]
+__all__ = [
+    "constructor_refusal",
+    "describe",
+    "frozen_setattr",
+    "not_bool",
+    "validate_or_refuse",
+]
+
+_T = TypeVar("_T")
 
 
 def not_bool(value: object) -> object:
@@ -55,3 +64,29 @@ def describe(
             where += f" (env {env_prefix}{str(loc[0]).upper()})"
         parts.append(f"{where}: {err['msg']} (got {shown(err.get('input'))!r})")
     return "; ".join(parts)
+
+
+def constructor_refusal(exc: ValidationError) -> ConfigError | None:
+    """The `ConfigError` a model's own constructor raised inside pydantic's validation
+    (``model_validate()`` of a dict runs it), so that ``model_validate()`` raises that one
+    error, not pydantic's around it; ``None`` when the validation failed elsewhere."""
+    errors = exc.errors()
+    if len(errors) != 1:
+        return None
+    inner = errors[0].get("ctx", {}).get("error")
+    return inner if isinstance(inner, ConfigError) else None
+
+
+def validate_or_refuse(
+    validate: Callable[[], _T], refused: Callable[[ValidationError], ConfigError]
+) -> _T:
+    """``validate()`` (a model's ``model_validate``), refusing as its constructor does:
+    with the constructor's own `ConfigError` (`constructor_refusal()`), else with
+    ``refused(exc)``, never with pydantic's `ValidationError`."""
+    try:
+        return validate()
+    except ValidationError as exc:
+        refusal = constructor_refusal(exc)
+        if refusal is not None:
+            raise refusal  # noqa: B904 - it keeps the cause the constructor gave it
+        raise refused(exc) from exc

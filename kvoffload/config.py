@@ -8,7 +8,7 @@ both are re-exported here.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
     ByteSize,
@@ -19,7 +19,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
-from kvoffload._validation import describe, frozen_setattr, not_bool
+from kvoffload._validation import describe, frozen_setattr, not_bool, validate_or_refuse
 from kvoffload.errors import ConfigError
 from kvoffload.layout import DTypeName, KVLayout, LayoutKind
 from kvoffload.pool.policies import POLICY_NAMES
@@ -51,6 +51,9 @@ __all__ = [
 
 _GIB = 1 << 30
 
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
+
 
 _EAGER_ONLY = {
     "restore_evicted": "it re-stores a live request's evicted blocks from its cursor, and a "
@@ -61,6 +64,13 @@ _EAGER_ONLY = {
     "scan reaches them, and a lazy store scans none; the engine's own cache keeps them",
 }
 """The settings of eager stores that ``store_mode="lazy"`` refuses, and why."""
+
+
+def _refused(exc: ValidationError) -> ConfigError:
+    """The `ConfigError` of a refused `OffloadConfig`: each field (with its environment
+    variable), the problem, the value (a URL's password masked)."""
+    described = describe(exc, OffloadConfig.model_fields, "KVOFFLOAD_", mask_urls)
+    return ConfigError(f"invalid OffloadConfig: {described}")
 
 
 class OffloadConfig(BaseSettings):
@@ -221,12 +231,17 @@ class OffloadConfig(BaseSettings):
         try:
             super().__init__(**values)
         except ValidationError as exc:
-            fields = type(self).model_fields
-            raise ConfigError(
-                f"invalid OffloadConfig: {describe(exc, fields, 'KVOFFLOAD_', mask_urls)}"
-            ) from exc
+            raise _refused(exc) from exc
         except SettingsError as exc:  # e.g. KVOFFLOAD_TIERS that is not JSON
             raise ConfigError(f"invalid OffloadConfig: {exc} (list fields take JSON)") from exc
+
+    @classmethod
+    def model_validate(cls, *args: Any, **kwargs: Any) -> Self:
+        """`pydantic.BaseModel.model_validate`, refusing with a `ConfigError` as the
+        constructor does."""
+        return validate_or_refuse(
+            lambda: super(OffloadConfig, cls).model_validate(*args, **kwargs), _refused
+        )
 
     _no_bool = field_validator(
         "block_size",

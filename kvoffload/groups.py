@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvoffload._validation import describe, frozen_setattr, not_bool
+from kvoffload._validation import describe, frozen_setattr, not_bool, validate_or_refuse
 from kvoffload.errors import ConfigError, LayoutMismatchError
 from kvoffload.hashing import HashNamespace
 from kvoffload.layout import KVLayout
@@ -137,16 +137,9 @@ class KVCacheGroup(BaseModel):
     def model_validate(cls, *args: Any, **kwargs: Any) -> Self:
         """`pydantic.BaseModel.model_validate`, refusing with a `ConfigError` as the
         constructor does."""
-        try:
-            return super().model_validate(*args, **kwargs)
-        except ValidationError as exc:
-            # pydantic validates a dict through the constructor, whose refusal is already
-            # a `ConfigError`: raise that one, not a second one around it
-            errors = exc.errors()
-            inner = errors[0].get("ctx", {}).get("error") if len(errors) == 1 else None
-            if isinstance(inner, ConfigError):
-                raise inner from None
-            raise _refused(exc) from exc
+        return validate_or_refuse(
+            lambda: super(KVCacheGroup, cls).model_validate(*args, **kwargs), _refused
+        )
 
     _no_bool = field_validator("cpu_bytes", mode="before")(not_bool)
 

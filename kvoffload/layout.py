@@ -7,12 +7,12 @@ copy engines, and below `kvoffload.config` (which re-exports these names).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvoffload._validation import describe, frozen_setattr, not_bool
+from kvoffload._validation import describe, frozen_setattr, not_bool, validate_or_refuse
 from kvoffload.errors import ConfigError, LayoutMismatchError
 
 __all__ = ["DTypeName", "KVLayout", "LayoutKind"]
@@ -28,6 +28,14 @@ LayoutKind = Literal["blocks_first", "kv_first"]
 * ``"blocks_first"``: ``[num_blocks, 2, block_size, num_kv_heads, head_size]``
 * ``"kv_first"``: ``[2, num_blocks, block_size, num_kv_heads, head_size]``
 """
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
+
+
+def _refused(exc: ValidationError) -> ConfigError:
+    """The `ConfigError` of a refused `KVLayout`: each field, the problem, the value."""
+    return ConfigError(f"invalid KVLayout: {describe(exc, KVLayout.model_fields, None)}")
 
 
 class KVLayout(BaseModel):
@@ -56,9 +64,15 @@ class KVLayout(BaseModel):
         try:
             super().__init__(**values)
         except ValidationError as exc:
-            raise ConfigError(
-                f"invalid KVLayout: {describe(exc, type(self).model_fields, None)}"
-            ) from exc
+            raise _refused(exc) from exc
+
+    @classmethod
+    def model_validate(cls, *args: Any, **kwargs: Any) -> Self:
+        """`pydantic.BaseModel.model_validate`, refusing with a `ConfigError` as the
+        constructor does."""
+        return validate_or_refuse(
+            lambda: super(KVLayout, cls).model_validate(*args, **kwargs), _refused
+        )
 
     _no_bool = field_validator(
         "num_layers", "num_kv_heads", "head_size", "block_size", mode="before"

@@ -414,3 +414,31 @@ def test_lazy_stores_refuse_the_eager_only_settings_naming_them(
     with pytest.raises(ConfigError, match=rf"store_mode='lazy'.*{setting}={value!r}"):
         OffloadConfig(num_cpu_blocks=4, store_mode="lazy", **{setting: value})
     OffloadConfig(num_cpu_blocks=4, store_mode="eager", **{setting: value})  # honoured there
+
+
+@pytest.mark.parametrize(
+    ("model", "values", "message"),
+    [
+        (
+            OffloadConfig,
+            {"num_cpu_blocks": 64, "max_store_blocks_per_step": None},
+            r"invalid OffloadConfig: max_store_blocks_per_step \(env "
+            r"KVOFFLOAD_MAX_STORE_BLOCKS_PER_STEP\): .* \(got None\)",
+        ),
+        (OffloadConfig, {"block_size": 4}, "exactly one of num_cpu_blocks"),
+        (KVLayout, {"num_layers": 0}, r"invalid KVLayout: num_layers: .* \(got 0\)"),
+    ],
+)
+def test_model_validate_refuses_with_the_constructors_config_error(
+    model: type[OffloadConfig] | type[KVLayout], values: dict[str, object], message: str
+) -> None:
+    """``model_validate()`` of a dict raised pydantic's ValidationError (around the
+    constructor's ConfigError): the configs refuse with the one ConfigError, the
+    constructor's, whichever way they are made."""
+    with pytest.raises(ConfigError, match=message) as built:
+        model(**values)
+    with pytest.raises(ConfigError, match=message) as validated:
+        model.model_validate(values)
+    assert str(validated.value) == str(built.value)
+    with pytest.raises(ConfigError, match=f"invalid {model.__name__}: Input should be"):
+        model.model_validate("not a mapping")
