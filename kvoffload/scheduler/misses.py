@@ -103,14 +103,6 @@ class MissMemory:
         """Remember that these blocks' stores were skipped or deferred."""
         _remember(self._skipped, hashes, self.capacity)
 
-    def was_evicted(self, block_hash: BlockHash) -> bool:
-        """Whether ``block_hash`` is among the last ``capacity`` evictions."""
-        return block_hash in self._evicted
-
-    def was_skipped(self, block_hash: BlockHash) -> bool:
-        """Whether ``block_hash`` is among the last ``capacity`` skipped stores."""
-        return block_hash in self._skipped
-
     def reason(self, block_hash: BlockHash) -> MissReason:
         """`EVICTED`, `STORE_SKIPPED` or `NEVER_STORED`, for a block not in the pool."""
         if block_hash in self._evicted:

@@ -147,7 +147,6 @@ class PagedEngine:
             )
         if load_deadline_s is not None and not load_deadline_s >= 0:
             raise ConfigError(f"load_deadline_s={load_deadline_s!r} must be >= 0 or None")
-        self._load_deadline_s = load_deadline_s
         self.groups = groups_of(cfg, block_size)
         """The KV cache groups (`EngineGroup`): attention groups first, recurrent last."""
         _register_attention()
