@@ -81,6 +81,7 @@ class GroupsFront:
     __slots__ = (
         "_config",
         "_live",
+        "_name_set",
         "_names",
         "alignment",
         "counters",
@@ -111,7 +112,7 @@ class GroupsFront:
         self.scheduler = build_grouped_scheduler(config, self.groups, num_gpu_blocks=num_gpu_blocks)
         self.alignment = hit_alignment(self.groups)
         """Hits are multiples of this many tokens (the LCM of the block sizes)."""
-        self._names = [g.name for g in self.groups]
+        self._names = tuple(g.name for g in self.groups)
         _check_host_memory(self.pool_blocks(), layouts, host_buffer=host_buffer)
         cacheable = [g for g in self.groups if g.cacheable]
         self.namespaces: dict[str, HashNamespace] = {
@@ -169,14 +170,14 @@ class GroupsFront:
         """Refused: this is several groups' offloader."""
         raise InvalidInputError(
             f"KVOffloader.{what} is one group's; this offloader has the KV cache groups "
-            f"{self._names}: see statistics().groups"
+            f"{list(self._names)}: see statistics().groups"
         )
 
     # -- the step calls (per-group tables and hashes) ----------------------------------------
 
     def handle_shape(self, request_id: str) -> tuple[int, GroupLanes]:
         """The hit alignment and the request's per-group lanes."""
-        return self.alignment, GroupLanes(self.lanes, self._names, f"request {request_id!r}: ")
+        return self.alignment, GroupLanes(self.lanes, self._names, request_id)
 
     def reserve(self, request_id: str) -> None:
         """Hold ``request_id`` for a new handle until it finishes."""
@@ -191,7 +192,7 @@ class GroupsFront:
         return request_id in self._live or self.scheduler.has_request(request_id)
 
     def _check_names(self, rid: str, what: str, value: object) -> Mapping[str, Any]:
-        return check_group_mapping(value, what, self._names, f"request {rid!r}: ")
+        return check_group_mapping(value, what, self._names, rid)
 
     def lookup(
         self,

@@ -18,7 +18,7 @@ __all__ = ["GroupLanes", "check_group_mapping"]
 
 
 def check_group_mapping(
-    value: object, what: str, names: Sequence[str], who: str
+    value: object, what: str, names: Sequence[str], request_id: str
 ) -> Mapping[str, Any]:
     """``value`` (a step call's tables or hashes with several KV cache groups) as a mapping
     of group names: the one check of every per-group argument, for the handle and the
@@ -28,24 +28,25 @@ def check_group_mapping(
         value: what the caller gave.
         what: the argument's name, for the message.
         names: the model's group names (the ones it may name).
-        who: ``"request 'id': "``, to start the message with.
+        request_id: the request, for the message.
 
     Raises:
         InvalidInputError: not a mapping (the message names the groups expected), or a
             group name the model does not have.
     """
-    if not isinstance(value, Mapping):
+    if type(value) is dict or isinstance(value, Mapping):
+        unknown = value.keys() - names
+        if not unknown:
+            return value
         raise InvalidInputError(
-            f"{who}this offloader has several KV cache groups: {what} must map each group "
-            f"name to its list ({{name: ...}} for the groups {list(names)}), not a "
-            f"{type(value).__name__}"
+            f"request {request_id!r}: {what} names unknown groups {sorted(unknown)} "
+            f"(groups {list(names)})"
         )
-    unknown = sorted(set(value) - set(names))
-    if unknown:
-        raise InvalidInputError(
-            f"{who}{what} names unknown groups {unknown} (groups {list(names)})"
-        )
-    return value
+    raise InvalidInputError(
+        f"request {request_id!r}: this offloader has several KV cache groups: {what} must "
+        f"map each group name to its list ({{name: ...}} for the groups {list(names)}), "
+        f"not a {type(value).__name__}"
+    )
 
 
 @final
@@ -55,24 +56,25 @@ class GroupLanes:
     Args:
         groups: per cacheable group, ``(name, block_size, namespace root)``, in order.
         names: every group's name (the ones a table may name).
-        who: ``"request 'id': "``, to start error messages with.
+        request_id: the request, for error messages.
     """
 
-    __slots__ = ("_names", "_reported", "_who", "block_sizes", "hashers")
+    __slots__ = ("_names", "_reported", "_rid", "_who", "block_sizes", "hashers")
 
     def __init__(
         self,
         groups: Sequence[tuple[str, int, BlockHash]],
         names: Sequence[str],
-        who: str,
+        request_id: str,
     ) -> None:
         self.hashers = {name: BlockHasher(root, bs) for name, bs, root in groups}
         """Per cacheable group, its hasher (its ``block_hashes`` grow as tokens come)."""
         self.block_sizes = {name: bs for name, bs, _ in groups}
         """Per cacheable group, its block size."""
-        self._names = tuple(names)
+        self._names = names
         self._reported = dict.fromkeys(self.hashers, 0)
-        self._who = who
+        self._rid = request_id
+        self._who = f"request {request_id!r}: "
 
     @property
     def first_hasher(self) -> BlockHasher:
@@ -105,7 +107,7 @@ class GroupLanes:
 
     def tables(self, value: object) -> Mapping[str, Sequence[int | None]]:
         """``value`` as per-group tables (see `check_group_mapping()`)."""
-        return check_group_mapping(value, "block_table", self._names, self._who)
+        return check_group_mapping(value, "block_table", self._names, self._rid)
 
     def step(
         self, tables: object, num_computed_tokens: int
