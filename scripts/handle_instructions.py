@@ -20,12 +20,15 @@ timer or thread decides what runs) and exits at once. The stages:
   every copy completes before the next call. The CPU pool holds ``--cpu-blocks`` blocks,
   so the later waves evict.
 
+With ``--groups`` both checkouts run the stages on a hybrid model (a full-attention group
+and a sliding window of 4 blocks, one table per group), through the same handle calls.
+
 The ratio is this checkout over the other (1.00 = the same work).
 
 Usage:
     git worktree add /tmp/base 5653c50
     .venv/bin/python scripts/handle_instructions.py /tmp/base \\
-        [--trace ../shared/traces/synthetic_trace.jsonl] [--stages decode,trace]
+        [--trace ../shared/traces/synthetic_trace.jsonl] [--stages decode,trace] [--groups]
 
 Needs valgrind (``apt-get install valgrind``).
 """
@@ -43,7 +46,9 @@ STAGES = ("decode", "trace")
 _CHILD = r"""
 import json, os, sys
 checkout, stage, trace = sys.argv[1:4]
-requests, prompt, steps, trace_requests, wave, decode, cpu_blocks = map(int, sys.argv[4:11])
+requests, prompt, steps, trace_requests, wave, decode, cpu_blocks, grouped = map(
+    int, sys.argv[4:12]
+)
 sys.path.insert(0, checkout)
 import anyio
 import torch
@@ -69,19 +74,38 @@ else:
     width = max(-(-(len(p) + decode) // bs) for p in prompts)
     gpu_blocks = width * wave
 layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=8, dtype="float16", block_size=bs)
-kv = [torch.zeros(layout.tensor_shape(gpu_blocks), dtype=torch.float16)]
 config = OffloadConfig(block_size=bs, num_cpu_blocks=cpu_blocks, pin_memory="never")
-engine = ControllableCopyEngine(num_gpu_blocks=gpu_blocks, num_cpu_blocks=cpu_blocks)
+if grouped:  # a hybrid model: a full-attention group and a sliding window of 4 blocks
+    from kvoffload.groups import KVCacheGroup
+
+    names = ("full", "win")
+    groups = [
+        KVCacheGroup.from_layout(layout, name="full"),
+        KVCacheGroup.from_layout(layout, name="win", kind="sliding_window", window=4 * bs),
+    ]
+    kv = {n: [torch.zeros(layout.tensor_shape(gpu_blocks), dtype=torch.float16)] for n in names}
+    engines = {
+        n: ControllableCopyEngine(num_gpu_blocks=gpu_blocks, num_cpu_blocks=cpu_blocks)
+        for n in names
+    }
+    options = {"groups": groups, "copy_engine": dict(engines)}
+    table_of = lambda t: {"full": t, "win": t}
+else:
+    kv = [torch.zeros(layout.tensor_shape(gpu_blocks), dtype=torch.float16)]
+    engines = {"": ControllableCopyEngine(num_gpu_blocks=gpu_blocks, num_cpu_blocks=cpu_blocks)}
+    options = {"layout": layout, "copy_engine": engines[""]}
+    table_of = lambda t: t
 
 
 def settle(off):
-    engine.complete_all()
+    for engine in engines.values():
+        engine.complete_all()
     off._life.launcher.poller.poll()
 
 
 def run_decode(off):
     reqs = [off.request(f"d{r}", p) for r, p in enumerate(prompts)]
-    tables = [list(range(width)) for _ in reqs]
+    tables = [table_of(list(range(width))) for _ in reqs]
     for req, table in zip(reqs, tables):
         req.advance(table, prompt)
     ready()
@@ -96,7 +120,7 @@ def run_trace(off):
     for start in range(0, len(prompts), wave):
         batch = prompts[start : start + wave]
         reqs = [off.request(f"t{start + k}", p) for k, p in enumerate(batch)]
-        tables = [list(range(k * width, (k + 1) * width)) for k in range(len(batch))]
+        tables = [table_of(list(range(k * width, (k + 1) * width))) for k in range(len(batch))]
         for req, table in zip(reqs, tables):
             if req.lookup():
                 req.load(table)
@@ -123,7 +147,7 @@ def ready():
 
 
 async def main():
-    async with KVOffloader(config, kv, layout=layout, copy_engine=engine) as off:
+    async with KVOffloader(config, kv, **options) as off:
         (run_decode if stage == "decode" else run_trace)(off)
         sys.stdout.flush()
         os._exit(0)
@@ -151,6 +175,7 @@ def count(checkout: Path, stage: str, args: argparse.Namespace) -> int:
                     args.wave,
                     args.decode,
                     args.cpu_blocks,
+                    int(args.groups),
                 )
             ),
         ],
@@ -171,6 +196,12 @@ def main() -> int:
     parser.add_argument("--wave", type=int, default=16, help="trace: requests at once")
     parser.add_argument("--decode", type=int, default=8, help="trace: decode steps each")
     parser.add_argument("--cpu-blocks", type=int, default=4096, help="trace: CPU pool blocks")
+    parser.add_argument(
+        "--groups",
+        action="store_true",
+        help="both checkouts run a hybrid model (full attention + a sliding window of 4 "
+        "blocks) through the handle, per-group tables",
+    )
     parser.add_argument("--stages", default=",".join(STAGES))
     args = parser.parse_args()
     if not have_callgrind():
