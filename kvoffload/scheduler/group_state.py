@@ -22,6 +22,7 @@ from kvoffload.pool.free_queue import CpuBlock
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.requests import (
+    FinishedIds,
     PriorityCount,
     as_int,
     check_distinct,
@@ -232,7 +233,8 @@ def live_mark(lane: Lane) -> int:
 class GroupRequests:
     """The one owner of a `GroupedScheduler`'s request states, as `RequestTable` is of
     one group's: registration on first use, the live and known lookups, retention
-    priorities (`PriorityCount`) and dropping a finished request once nothing of it is
+    priorities (`PriorityCount`), the finished ids it refuses (`FinishedIds`, one group's
+    rule: ids are never reused) and dropping a finished request once nothing of it is
     left.
 
     Args:
@@ -248,6 +250,7 @@ class GroupRequests:
         "_every_entry",
         "_lanes",
         "_limits",
+        "finished",
         "hash_args",
         "priorities",
         "requests",
@@ -274,12 +277,16 @@ class GroupRequests:
         """Every request with state, by id (the store planner reads it too)."""
         self.priorities = PriorityCount()
         """Counts the requests whose priority is not 0."""
+        self.finished = FinishedIds()
+        """The finished ids it refuses (the last `FINISHED_IDS_REMEMBERED`)."""
 
     def state(self, request_id: str, *, live: bool = True) -> GroupedRequest:
         """The state of ``request_id``, registered on first use (`RequestStateError`:
-        finished, unless ``live`` is false)."""
+        finished, unless ``live`` is false; a remembered finished id is never registered
+        again)."""
         state = self.requests.get(request_id)
         if state is None:
+            self.finished.refuse(request_id)
             state = GroupedRequest(request_id, {name: Lane(full=bs) for name, bs in self._lanes})
             self.requests[request_id] = state
         elif live and state.finished:
@@ -301,7 +308,9 @@ class GroupRequests:
                 f"request {request_id!r}: num_computed_tokens={num_computed_tokens!r}"
             )
         existing = self.requests.get(request_id)
-        if existing is not None:
+        if existing is None:
+            self.finished.refuse(request_id)
+        else:
             if existing.finished:
                 raise RequestStateError(f"request {request_id!r} is finished")
             # the common case, in one pass: every lane's table only grew by the one-group
@@ -356,10 +365,12 @@ class GroupRequests:
         state.num_computed_tokens = num_computed_tokens
 
     def known(self, request_id: str) -> GroupedRequest:
-        """The state of ``request_id`` (`UnknownRequestError`: none)."""
+        """The state of ``request_id`` (`UnknownRequestError`: none; `RequestStateError`:
+        a remembered finished id, as with one group)."""
         state = self.requests.get(request_id)
         if state is None:
-            raise UnknownRequestError(request_id)
+            self.finished.refuse(request_id)
+            raise UnknownRequestError(f"unknown request id {request_id!r}")
         return state
 
     def live(self, request_id: str) -> GroupedRequest:
@@ -373,6 +384,12 @@ class GroupRequests:
         """Give ``request_id`` (registered on first use) a checked retention priority."""
         priority = check_request_priority(request_id, priority)
         self.priorities.set(self.state(request_id), priority)
+
+    def mark_finished(self, state: GroupedRequest) -> None:
+        """``state``'s request finished: nothing is scheduled for it, and its id is
+        refused from now on."""
+        state.finished = True
+        self.finished.remember(state.request_id)
 
     def drop_if_done(self, state: GroupedRequest) -> None:
         """Forget a finished request once no copy of it is in flight and it holds nothing."""

@@ -37,7 +37,6 @@ from kvoffload.config import OffloadConfig
 from kvoffload.errors import (
     ConfigError,
     InvalidInputError,
-    UnknownRequestError,
 )
 from kvoffload.groups import (
     KVCacheGroup,
@@ -77,7 +76,7 @@ from kvoffload.scheduler.group_stores import CacheViews, GroupStorePlanner
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import run_extend, run_spent
 from kvoffload.scheduler.misses import MissReason
-from kvoffload.scheduler.requests import as_int
+from kvoffload.scheduler.requests import as_int, check_reservable
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import LoadPlan, TransferPlan
 
@@ -241,6 +240,27 @@ class GroupedScheduler:
     def has_request(self, request_id: str) -> bool:
         """Whether state is kept for ``request_id``."""
         return request_id in self._requests
+
+    def was_finished(self, request_id: str) -> bool:
+        """Whether ``request_id`` is one of the last ``FINISHED_IDS_REMEMBERED`` finished
+        (every call naming it raises `RequestStateError`, as with one group)."""
+        return self._table.finished.was_finished(request_id)
+
+    def reserve(self, request_id: str, *, in_use: bool = False) -> None:
+        """Refuse ``request_id`` for a new request (`check_reservable()`, one group's
+        rule): in use (state kept for it, or ``in_use``: the caller's own handle) or
+        finished. Nothing is registered (a request is on its first call).
+
+        Raises:
+            RequestStateError: the id is in use or finished.
+        """
+        check_reservable(request_id, in_use or request_id in self._requests, self._table.finished)
+
+    def retire(self, request_id: str) -> None:
+        """A request that made no call finished (its handle reserved the id): its id is
+        refused from now on, as a finished request's."""
+        if request_id not in self._requests:
+            self._table.finished.remember(request_id)
 
     @property
     def request_ids(self) -> KeysView[str]:
@@ -424,10 +444,15 @@ class GroupedScheduler:
         return state.miss_reason, state.new_prompt, state.tier_hits
 
     def release(self, request_id: str) -> None:
-        """Drop the pins of ``request_id``'s last lookup (in every group)."""
+        """Drop the pins of ``request_id``'s last lookup (in every group).
+
+        Raises:
+            UnknownRequestError: no state for that id.
+            RequestStateError: the request finished and was forgotten.
+        """
         state = self._requests.get(request_id)
         if state is None:
-            return
+            state = self._table.known(request_id)  # raises, as one group's release()
         for name, lane in state.lanes.items():
             if lane.pin is not None:
                 self._ledgers[name].unpin(lane.pin)
@@ -489,10 +514,9 @@ class GroupedScheduler:
 
         Raises:
             UnknownRequestError: no state for that id.
+            RequestStateError: the id finished and was forgotten.
         """
-        state = self._requests.get(request_id)
-        if state is None:
-            raise UnknownRequestError(f"unknown request id {request_id!r}")
+        state = self._table.known(request_id)
         self.release(request_id)
         abandoned = abandon_grouped(self._cacheable, self._ledgers, self._loads, state)
         if abandoned:
@@ -552,7 +576,7 @@ class GroupedScheduler:
             planner.begin_hold(state)
         elif not planner.lazy_window:  # lazy stores plan nothing at finish (one group too)
             plan = self._planner.plan([state], True)
-        state.finished = True
+        self._table.mark_finished(state)
         for name, lane in state.lanes.items():
             if not lane.held:
                 planner.live.drop(name, lane, 0)

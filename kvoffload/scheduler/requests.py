@@ -29,11 +29,13 @@ from kvoffload.transfer.plan import TransferPlan
 
 __all__ = [
     "FINISHED_IDS_REMEMBERED",
+    "FinishedIds",
     "Prioritized",
     "PriorityCount",
     "RequestTable",
     "as_int",
     "check_distinct",
+    "check_reservable",
     "check_hash",
     "fresh_ids",
     "grown_hashes",
@@ -52,6 +54,67 @@ _BYTES = frozenset((bytes,))
 
 FINISHED_IDS_REMEMBERED = 65536
 """How many finished request ids a scheduler remembers to refuse their reuse."""
+
+
+@final
+class FinishedIds:
+    """The last `FINISHED_IDS_REMEMBERED` finished request ids: the one owner of the rule
+    that a finished request's id is never reused, for one group's `RequestTable` and the
+    requests of a `GroupedScheduler` alike.
+
+    Args:
+        limit: how many ids it remembers (``None``: `FINISHED_IDS_REMEMBERED`); an older
+            one is forgotten, and accepted again.
+    """
+
+    __slots__ = ("_ids", "_limit", "_order")
+
+    def __init__(self, limit: int | None = None) -> None:
+        self._ids: set[str] = set()
+        self._order: deque[str] = deque()
+        self._limit = FINISHED_IDS_REMEMBERED if limit is None else limit
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def remember(self, request_id: str) -> None:
+        """Refuse ``request_id`` from now on (forgetting the oldest past the limit)."""
+        if request_id in self._ids:
+            return
+        self._ids.add(request_id)
+        self._order.append(request_id)
+        if len(self._order) > self._limit:
+            self._ids.discard(self._order.popleft())
+
+    def was_finished(self, request_id: str) -> bool:
+        """Whether ``request_id`` belongs to a (remembered) finished request."""
+        return request_id in self._ids
+
+    def refuse(self, request_id: str) -> None:
+        """Raise unless ``request_id`` is free of a finished request.
+
+        Raises:
+            RequestStateError: it is a remembered finished id.
+        """
+        if request_id in self._ids:
+            raise RequestStateError(
+                f"request {request_id!r} is finished (request ids are not reused)"
+            )
+
+
+def check_reservable(request_id: str, in_use: bool, finished: FinishedIds) -> None:
+    """The one rule of a new handle's id, every path's (one group's `RequestTable.reserve()`,
+    several groups' front): neither in use nor finished.
+
+    Raises:
+        RequestStateError: the id is in use (``in_use``) or finished.
+    """
+    if in_use:
+        raise RequestStateError(
+            f"request id {request_id!r} is in use (a request with that id has not "
+            "finished, or its last transfer is still in flight)"
+        )
+    finished.refuse(request_id)
 
 
 def as_int(value: object, what: str, rid: str | None) -> int:
@@ -277,8 +340,8 @@ class RequestTable:
     ) -> None:
         self.requests: dict[str, RequestOffloadState] = {}
         """Request id → state; read it, change it through the table."""
-        self._finished_ids: set[str] = set()
-        self._finished_order: deque[str] = deque()
+        self.finished = FinishedIds()
+        """The finished ids it refuses."""
         self._num_gpu_blocks = num_gpu_blocks
         self._restore_evicted = restore_evicted
         self._block_size = block_size
@@ -294,7 +357,7 @@ class RequestTable:
 
     def was_finished(self, request_id: str) -> bool:
         """Whether ``request_id`` belongs to a (remembered) finished request."""
-        return request_id in self._finished_ids
+        return self.finished.was_finished(request_id)
 
     def get(self, request_id: str) -> RequestOffloadState:
         """The state of a registered request (finished ones with transfers included).
@@ -305,10 +368,7 @@ class RequestTable:
         """
         state = self.requests.get(request_id)
         if state is None:
-            if request_id in self._finished_ids:
-                raise RequestStateError(
-                    f"request {request_id!r} is finished (request ids are not reused)"
-                )
+            self.finished.refuse(request_id)
             raise UnknownRequestError(f"unknown request id {request_id!r}")
         return state
 
@@ -320,10 +380,7 @@ class RequestTable:
         """
         state = self.requests.get(request_id)
         if state is None:
-            if request_id in self._finished_ids:
-                raise RequestStateError(
-                    f"request {request_id!r} is finished (request ids are not reused)"
-                )
+            self.finished.refuse(request_id)
         elif state.phase is _DRAINING or state.phase is _HOLDING:  # not the property: hot
             raise RequestStateError(f"request {request_id!r} is finished")
         return state
@@ -352,23 +409,12 @@ class RequestTable:
         Raises:
             RequestStateError: the id is in use or finished.
         """
-        if request_id in self.requests:
-            raise RequestStateError(
-                f"request id {request_id!r} is in use (a request with that id has not "
-                "finished, or its last transfer is still in flight)"
-            )
-        if request_id in self._finished_ids:
-            raise RequestStateError(
-                f"request {request_id!r} is finished (request ids are not reused)"
-            )
+        check_reservable(request_id, request_id in self.requests, self.finished)
         self.register(request_id)
 
     def remember_finished(self, request_id: str) -> None:
         """Refuse ``request_id`` from now on (the last `FINISHED_IDS_REMEMBERED` ids)."""
-        self._finished_ids.add(request_id)
-        self._finished_order.append(request_id)
-        if len(self._finished_order) > FINISHED_IDS_REMEMBERED:
-            self._finished_ids.discard(self._finished_order.popleft())
+        self.finished.remember(request_id)
 
     def set_priority(self, request_id: str, priority: object) -> None:
         """Give a request (registered on first use) a retention priority: the blocks
