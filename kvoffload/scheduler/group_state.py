@@ -26,6 +26,7 @@ from kvoffload.scheduler.requests import (
     PriorityCount,
     as_int,
     check_distinct,
+    check_known_entries,
     check_request_priority,
     fresh_ids,
     grown_hashes,
@@ -478,6 +479,7 @@ def table_changes(
     entry again) a full group's entries are compared from the first, as with one group."""
     out: list[tuple[bool, list[int | None]]] = []
     full: list[KVCacheGroup] = []
+    known: list[tuple[str, list[int | None], int]] = []  # (group, its table, read from)
     for g in cacheable:
         lane = state.lanes[g.name] if state is not None else None
         if lane is None or not lane.table:
@@ -487,11 +489,18 @@ def table_changes(
         new = grown_table(tables.get(g.name), lane.table, lane.ids, read_from, limits.get(g.name))
         if new is None:
             full.append(g)
+            if g.kind != "recurrent":
+                # the entries from the store cursor on (a block index) are read by the
+                # stores to come: the one-group rule; below it, the table as it is now
+                start = lane.cursor if lane.full else lane.cursor // g.block_size
+                known.append((g.name, lane.table, start))
             continue
         out.append((True, new))
     if not full:
         return out
     checked = check_tables(full, limits, rid, tables)
+    for name, old, read_from in known:
+        check_known_entries(checked[name], old, read_from, rid, f"tables[{name!r}]", may_drop=True)
     grown = iter(out)
     return [(False, checked[g.name]) if g.name in checked else next(grown) for g in cacheable]
 

@@ -35,6 +35,7 @@ __all__ = [
     "RequestTable",
     "as_int",
     "check_distinct",
+    "check_known_entries",
     "check_reservable",
     "check_hash",
     "fresh_ids",
@@ -283,6 +284,48 @@ def grown_table(
     if new and not fresh_ids(new, seen, limit):
         return None
     return new
+
+
+def check_known_entries(
+    table: Sequence[int | None],
+    old: Sequence[int | None],
+    check_from: int,
+    rid: str,
+    what: str = "gpu_block_ids",
+    *,
+    may_drop: bool = False,
+) -> None:
+    """Refuse a block table that shrank from ``old``, or whose known entries a store may
+    still read (from ``check_from`` on, and always the last one) changed: the rule of
+    every path (one group's `update()`, each group's table of a `GroupedScheduler`).
+
+    Args:
+        table: the table given now (a sequence).
+        old: the table known.
+        check_from: the first entry a store may still read.
+        rid: the request id, for the message.
+        what: how the message names the table.
+        may_drop: an entry may become ``None`` (several groups: the engine no longer
+            holds that block, which is then never stored); an entry that was ``None``
+            names no block and may become one.
+
+    Raises:
+        BlockTableError: naming the request, the table, the entry and both values.
+    """
+    n, n_old = len(table), len(old)
+    if n < n_old:
+        raise BlockTableError(
+            f"request {rid!r}: {what} shrank from {n_old} to {n} entries "
+            "(preempt the request to start over)"
+        )
+    check_from = min(check_from, n_old - 1) if n_old else 0
+    for i in range(check_from, n_old):
+        was, now = old[i], table[i]
+        if now != was and not (may_drop and (now is None or was is None)):
+            raise BlockTableError(
+                f"request {rid!r}: {what}[{i}] changed from {was} to {now!r} since the "
+                "last call (preempt the request to start over)"
+            )
 
 
 def check_distinct(
@@ -617,18 +660,7 @@ class RequestTable:
         # the full check: it names the fault, or takes entries the fast rule does not
         n = length(table, "gpu_block_ids", rid)
         n_old = len(old)
-        if n < n_old:
-            raise BlockTableError(
-                f"request {rid!r}: gpu_block_ids shrank from {n_old} to {n} entries "
-                "(preempt the request to start over)"
-            )
-        check_from = min(check_from, n_old - 1) if n_old else 0
-        for i in range(check_from, n_old):
-            if table[i] != old[i]:
-                raise BlockTableError(
-                    f"request {rid!r}: gpu_block_ids[{i}] changed from {old[i]} to "
-                    f"{table[i]!r} since the last call (preempt the request to start over)"
-                )
+        check_known_entries(table, old, check_from, rid)
         new = []
         for j in range(n_old, n):
             g = as_int(table[j], f"gpu_block_ids[{j}]", rid)

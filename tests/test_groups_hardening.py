@@ -1,0 +1,114 @@
+"""The one-group rules that guard against wrong KV, with several KV cache groups through
+the same helpers: a table whose entries a store may still read changed or shrank is
+refused (`check_known_entries()`); a store plan cancelled after its request finished
+never plans the GPU blocks the engine freed (one group and several alike)."""
+
+from __future__ import annotations
+
+import pytest
+from groups_helpers import Rig, group
+
+from kvoffload.config import OffloadConfig
+from kvoffload.errors import BlockTableError
+from kvoffload.hashing import BlockHasher, HashNamespace
+from kvoffload.pool.block_pool import CpuBlockPool
+from kvoffload.scheduler import OffloadScheduler
+
+TOKENS = list(range(16))
+
+
+def full_and_window(**kw: object) -> Rig:
+    return Rig(
+        [group("f", "full", 4), group("w", "sliding_window", 4, window=8)],
+        checkpoint_tokens=8,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def started(rig: Rig) -> dict[str, list[int | None]]:
+    """Request "a" computed 8 of 16 tokens, and its first stores are planned (full
+    lane's cursor at block 2, the window's at its point 8)."""
+    tables: dict[str, list[int | None]] = {"f": [0, 1, 2, 3], "w": [4, 5, 6, 7]}
+    rig.sched.update("a", tables, rig.hashes(TOKENS), 8)
+    assert rig.sched.plan_stores() is not None
+    return tables
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"f": [0, 1, 9, 3]}, r"request 'a': tables\['f'\]\[2\] changed from 2 to 9 since"),
+        ({"f": [0, 1]}, r"request 'a': tables\['f'\] shrank from 4 to 2 entries"),
+        ({"w": [4, 5, 6, 9]}, r"request 'a': tables\['w'\]\[3\] changed from 7 to 9 since"),
+        ({"w": [4, 5]}, r"request 'a': tables\['w'\] shrank from 4 to 2 entries"),
+    ],
+)
+def test_a_table_entry_a_store_still_reads_may_not_change(
+    change: dict[str, list[int | None]], message: str
+) -> None:
+    rig = full_and_window()
+    tables = started(rig)
+    with pytest.raises(BlockTableError, match=message):
+        rig.sched.update("a", {**tables, **change}, rig.hashes(TOKENS), 16)
+    # refused: nothing changed, the next store reads the blocks the request computed
+    rig.sched.update("a", tables, rig.hashes(TOKENS), 16)
+    plan = rig.sched.plan_stores()
+    assert plan is not None
+    assert plan.plans["f"].gpu_block_ids == (2, 3)
+    rig.sched.check_invariants()
+
+
+def test_an_entry_may_become_none_or_change_below_the_cursor() -> None:
+    """What several groups take that one group does not name: a block the engine no
+    longer holds (``None``, never stored), and an entry below the store cursor, which no
+    store reads (read from the table as it is now)."""
+    rig = full_and_window()
+    started(rig)
+    rig.sched.update("a", {"f": [0, 8, 2, None], "w": [None, 5, 6, 7]}, rig.hashes(TOKENS), 16)
+    plan = rig.sched.plan_stores()
+    assert plan is not None
+    assert plan.plans["f"].gpu_block_ids == (2,)  # the nulled block 3 is not stored
+    rig.sched.check_invariants()
+
+
+HOLD = {"hold_blocks_on_finish": True, "hold_max_blocks": 6, "max_store_blocks_per_step": 2}
+
+
+def test_one_group_a_store_cancelled_after_finish_never_reads_a_freed_block() -> None:
+    config = OffloadConfig(num_cpu_blocks=16, block_size=4, **HOLD)  # type: ignore[arg-type]
+    sched = OffloadScheduler(config, CpuBlockPool(16), num_gpu_blocks=40)
+    hasher = BlockHasher(HashNamespace(model_id="t").root, 4)
+    hasher.extend(list(range(12)))
+    sched.update("a", [4, 5, 6], list(hasher.block_hashes), 12)
+    plan = sched.plan_stores()
+    assert plan is not None
+    assert plan.gpu_block_ids == (4, 5)
+    assert sched.finish("a") == (6,)  # the engine may free 4 and 5 once the plan ends
+    assert sched.cancel(plan)  # it ends: 4 and 5 may hold another request's KV now
+    again = sched.plan_stores()
+    assert again is not None
+    assert again.gpu_block_ids == (6,)  # only the block the engine still holds
+    assert sched.take_released_holds() == [6]
+    sched.check_invariants()
+
+
+def test_several_groups_a_store_cancelled_after_finish_never_reads_a_freed_block() -> None:
+    rig = Rig(
+        [group("f", "full", 4), group("g", "full", 4)],
+        config=OffloadConfig(num_cpu_blocks=64, block_size=4, **HOLD),  # type: ignore[arg-type]
+    )
+    sched = rig.sched
+    tables: dict[str, list[int | None]] = {"f": [4, 5, 6], "g": [14, 15, 16]}
+    sched.update("a", tables, rig.hashes(list(range(12))), 12)
+    plan = sched.plan_stores()
+    assert plan is not None
+    assert {n: p.gpu_block_ids for n, p in plan.plans.items()} == {"f": (4, 5), "g": (14, 15)}
+    assert sched.finish("a") is None
+    assert sched.held_blocks("a") == {"f": [6], "g": [16]}
+    for name, sub in plan.plans.items():
+        assert sched.cancel(name, sub)
+    again = sched.plan_stores()
+    assert again is not None
+    assert {n: p.gpu_block_ids for n, p in again.plans.items()} == {"f": (6,), "g": (16,)}
+    assert sched.take_released_holds() == {"f": [6], "g": [16]}
+    sched.check_invariants()
