@@ -9,7 +9,7 @@ import pytest
 from groups_helpers import Rig, group
 
 from kvoffload.config import OffloadConfig
-from kvoffload.errors import BlockTableError
+from kvoffload.errors import BlockTableError, InvalidInputError
 from kvoffload.hashing import BlockHasher, HashNamespace
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.scheduler import OffloadScheduler
@@ -112,3 +112,45 @@ def test_several_groups_a_store_cancelled_after_finish_never_reads_a_freed_block
     assert {n: p.gpu_block_ids for n, p in again.plans.items()} == {"f": (6,), "g": (16,)}
     assert sched.take_released_holds() == {"f": [6], "g": [16]}
     sched.check_invariants()
+
+
+def test_a_plan_completed_under_another_groups_name_is_ignored() -> None:
+    """Each group's ledger counts its plan ids from 0: ``complete("g", f's plan 0)``
+    must not publish g's plan 0, whose copy may not have run (ignored, as one group
+    ignores an unknown plan); an unknown group is named."""
+    rig = Rig([group("f", "full", 4), group("g", "full", 4)])
+    sched = rig.sched
+    sched.update("a", {"f": [0, 1, 2, 3], "g": [4, 5, 6, 7]}, rig.hashes(TOKENS), 16)
+    plan = sched.plan_stores()
+    assert plan is not None
+    f_plan, g_plan = plan.plans["f"], plan.plans["g"]
+    assert f_plan.plan_id == g_plan.plan_id
+    assert not sched.complete("g", f_plan, True)
+    assert not sched.cancel("g", f_plan)
+    stats = sched.statistics()["g"]
+    assert (stats.cached_cpu_blocks, stats.stored_blocks, stats.in_flight_plans) == (0, 0, 1)
+    assert stats.ignored_completions == 2
+    with pytest.raises(InvalidInputError, match=r"group='nope' is not a cacheable group"):
+        sched.complete("nope", f_plan, True)
+    sched.check_invariants()
+    assert sched.complete("g", g_plan, True)
+    assert sched.statistics()["g"].stored_blocks == 4
+    sched.check_invariants()
+
+
+def test_one_group_ignores_another_schedulers_plan_of_the_same_id() -> None:
+    config = OffloadConfig(num_cpu_blocks=16, block_size=4)
+    hasher = BlockHasher(HashNamespace(model_id="t").root, 4)
+    hasher.extend(list(range(8)))
+    mine, other = (OffloadScheduler(config, CpuBlockPool(16)) for _ in range(2))
+    mine.update("a", [0, 1], list(hasher.block_hashes), 8)
+    other.update("b", [5, 6], list(hasher.block_hashes), 8)
+    plan, foreign = mine.plan_stores(), other.plan_stores()
+    assert plan is not None
+    assert foreign is not None
+    assert plan.plan_id == foreign.plan_id
+    assert not mine.complete(foreign, True)
+    assert mine.pool.num_cached == 0
+    assert mine.complete(plan, True)
+    assert mine.pool.num_cached == 2
+    mine.check_invariants()

@@ -644,6 +644,15 @@ class GroupedScheduler:
 
     # -- completion ------------------------------------------------------------------------
 
+    def _ledger_of(self, group: str) -> BlockLedger:
+        """The ledger of cacheable group ``group`` (`InvalidInputError`: none)."""
+        ledger = self._ledgers.get(group)
+        if ledger is None:
+            raise InvalidInputError(
+                f"group={group!r} is not a cacheable group (they are {list(self._ledgers)})"
+            )
+        return ledger
+
     def complete(self, group: str, plan: TransferPlan, ok: bool) -> bool:
         """Record the outcome of ``group``'s transfer (once per plan).
 
@@ -651,10 +660,14 @@ class GroupedScheduler:
         once every group it needs published); a failed load unpublishes its blocks.
 
         Returns:
-            ``False`` when the plan is unknown or already completed.
+            ``False`` when the plan is unknown or already completed, or is not
+            ``group``'s (another group's plan of the same id: nothing changes).
+
+        Raises:
+            InvalidInputError: ``group`` is not a cacheable group.
         """
-        ledger = self._ledgers[group]
-        rec = ledger.close(plan.plan_id, ok)
+        ledger = self._ledger_of(group)
+        rec = ledger.close(plan.plan_id, ok, plan)
         counters = self._counts[group].counters
         if rec is None:
             counters.ignored_completions += 1
@@ -677,10 +690,14 @@ class GroupedScheduler:
         blocks are planned again), a load's pin is released (look up again).
 
         Returns:
-            ``False`` when the plan is unknown or already completed.
+            ``False`` when the plan is unknown or already completed, or is not
+            ``group``'s (another group's plan of the same id: nothing changes).
+
+        Raises:
+            InvalidInputError: ``group`` is not a cacheable group.
         """
-        ledger = self._ledgers[group]
-        rec = ledger.cancel(plan.plan_id)
+        ledger = self._ledger_of(group)
+        rec = ledger.cancel(plan.plan_id, plan)
         counters = self._counts[group].counters
         if rec is None:
             counters.ignored_completions += 1
