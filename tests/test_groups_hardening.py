@@ -154,3 +154,40 @@ def test_one_group_ignores_another_schedulers_plan_of_the_same_id() -> None:
     assert mine.complete(plan, True)
     assert mine.pool.num_cached == 2
     mine.check_invariants()
+
+
+@pytest.mark.parametrize("shape", ["one group", "two groups"])
+def test_a_load_into_other_blocks_than_update_was_given_is_refused(shape: str) -> None:
+    rig = Rig([group("f", "full", 4), group("g", "full", 4)])
+    sched = rig.sched
+    prompt = list(range(17))
+    h = rig.hashes(prompt)
+    sched.update("a", {"f": [0, 1, 2, 3], "g": [4, 5, 6, 7]}, h, 16)
+    stores = sched.plan_stores()
+    assert stores is not None
+    sched.complete_all(stores, True)
+    if shape == "one group":
+        config = OffloadConfig(num_cpu_blocks=16, block_size=4)
+        one = OffloadScheduler(config, CpuBlockPool(16))
+        hasher = BlockHasher(HashNamespace(model_id="t").root, 4)
+        hasher.extend(prompt)
+        hashes = list(hasher.block_hashes)
+        one.update("a", [0, 1, 2, 3], hashes, 16)
+        first = one.plan_stores()
+        assert first is not None
+        one.complete(first, True)
+        assert one.lookup("b", hashes, 17) == 16
+        one.update("b", [10, 11], hashes, 0)
+        with pytest.raises(BlockTableError, match=r"gpu_block_ids\[0\]=20 differs from the"):
+            one.plan_load("b", [20, 21, 22, 23], 16)
+        assert one.plan_load("b", [10, 11, 22, 23], 16) is not None  # the pin was kept
+        one.check_invariants()
+        return
+    assert sched.lookup("b", h, 17) == 16
+    sched.update("b", {"f": [10, 11], "g": [12, 13]}, h, 0)
+    with pytest.raises(BlockTableError, match=r"tables\['f'\]\[0\]=20 differs from the"):
+        sched.plan_load("b", {"f": [20, 21, 22, 23], "g": [12, 13, 26, 27]}, 16)
+    load = sched.plan_load("b", {"f": [10, 11, 22, 23], "g": [12, 13, 26, 27]}, 16)
+    assert load is not None  # the pins were kept
+    assert load.plans["f"].gpu_block_ids == (10, 11, 22, 23)
+    sched.check_invariants()

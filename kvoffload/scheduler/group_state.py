@@ -25,6 +25,7 @@ from kvoffload.scheduler.requests import (
     FinishedIds,
     PriorityCount,
     as_int,
+    check_agrees,
     check_distinct,
     check_known_entries,
     check_request_priority,
@@ -580,7 +581,8 @@ def load_destinations(
     """Per group, the GPU block ids the pinned blocks load into (checked tables).
 
     Raises:
-        BlockTableError: a destination entry is missing or ``None``.
+        BlockTableError: a destination entry is missing or ``None``, or differs from the
+            table `update()` was given (`check_agrees()`, the one-group rule).
     """
     dests: dict[str, list[int]] = {}
     for name, lane in state.lanes.items():
@@ -594,5 +596,12 @@ def load_destinations(
                     f"request {rid!r}: group {name!r}: no GPU block at position {pos} to load into"
                 )
             ids.append(entry)
+        check_agrees(
+            lane.table,
+            table,
+            range(lane.pin_start, lane.pin_start + len(ids)),
+            rid,
+            f"tables[{name!r}]",
+        )
         dests[name] = ids
     return dests

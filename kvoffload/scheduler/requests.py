@@ -34,6 +34,7 @@ __all__ = [
     "PriorityCount",
     "RequestTable",
     "as_int",
+    "check_agrees",
     "check_distinct",
     "check_known_entries",
     "check_reservable",
@@ -325,6 +326,32 @@ def check_known_entries(
             raise BlockTableError(
                 f"request {rid!r}: {what}[{i}] changed from {was} to {now!r} since the "
                 "last call (preempt the request to start over)"
+            )
+
+
+def check_agrees(
+    known: Sequence[int | None],
+    table: Sequence[int | None],
+    span: range,
+    rid: str,
+    what: str = "gpu_block_ids",
+) -> None:
+    """Refuse a load whose destinations (``table``'s entries in ``span``) differ from the entries
+    `update()` was given there (``known``; a ``None`` or missing one names no block): the
+    rule of every path (one group's `plan_load()`, each group's of a `GroupedScheduler`),
+    so a load never writes blocks the stores to come do not read.
+
+    Raises:
+        BlockTableError: naming the request, the table, the entry and both ids.
+    """
+    for j in span:
+        if j >= len(known):
+            break
+        was = known[j]
+        if was is not None and table[j] != was:
+            raise BlockTableError(
+                f"request {rid!r}: {what}[{j}]={table[j]} differs from the table given "
+                f"to update() ({was})"
             )
 
 
@@ -688,14 +715,10 @@ class RequestTable:
         ids = [as_int(table[j], f"gpu_block_ids[{j}]", rid) for j in range(table_len)]
         if len(set(ids)) != table_len:
             check_distinct(ids, rid)
-        known = state.gpu_block_ids if state.phase is not _PREEMPTED else []
         for j in range(start, start + n):
             g = ids[j]
             if g < 0 or (limit is not None and g >= limit):
                 _out_of_range(g, j, rid, limit)
-            if j < len(known) and known[j] != g:
-                raise BlockTableError(
-                    f"request {rid!r}: gpu_block_ids[{j}]={g} differs from the table given "
-                    f"to update() ({known[j]})"
-                )
+        known = state.gpu_block_ids if state.phase is not _PREEMPTED else []
+        check_agrees(known, ids, range(start, start + n), rid)
         return ids[start : start + n]
