@@ -191,3 +191,15 @@ def test_a_load_into_other_blocks_than_update_was_given_is_refused(shape: str) -
     assert load is not None  # the pins were kept
     assert load.plans["f"].gpu_block_ids == (10, 11, 22, 23)
     sched.check_invariants()
+
+
+def test_a_negative_count_is_named_alike_with_one_group_and_several() -> None:
+    rig = full_and_window()
+    with pytest.raises(InvalidInputError) as several:
+        rig.sched.update("a", {"f": [0], "w": [1]}, rig.hashes(TOKENS[:4]), -4)
+    one = OffloadScheduler(OffloadConfig(num_cpu_blocks=4, block_size=4), CpuBlockPool(4))
+    with pytest.raises(InvalidInputError) as single:
+        one.update("a", [0], [], -4)
+    assert str(several.value) == str(single.value)
+    assert str(single.value) == "request 'a': num_computed_tokens=-4 is negative"
+    assert not rig.sched.has_request("a")

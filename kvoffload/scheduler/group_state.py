@@ -24,7 +24,7 @@ from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.requests import (
     FinishedIds,
     PriorityCount,
-    as_int,
+    as_count,
     check_agrees,
     check_distinct,
     check_known_entries,
@@ -304,11 +304,7 @@ class GroupRequests:
     ) -> None:
         """Check a `GroupedScheduler.update()` call in full, then apply it (a refused
         call changes nothing), as one group's `RequestTable.update()`."""
-        num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", request_id)
-        if num_computed_tokens < 0:
-            raise InvalidInputError(
-                f"request {request_id!r}: num_computed_tokens={num_computed_tokens!r}"
-            )
+        num_computed_tokens = as_count(num_computed_tokens, "num_computed_tokens", request_id)
         existing = self.requests.get(request_id)
         if existing is None:
             self.finished.refuse(request_id)

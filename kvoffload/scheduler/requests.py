@@ -33,6 +33,7 @@ __all__ = [
     "Prioritized",
     "PriorityCount",
     "RequestTable",
+    "as_count",
     "as_int",
     "check_agrees",
     "check_distinct",
@@ -137,6 +138,22 @@ def as_int(value: object, what: str, rid: str | None) -> int:
             pass
     who = "" if rid is None else f"request {rid!r}: "
     raise InputTypeError(f"{who}{what}={value!r} is not an int (got {type(value).__name__})")
+
+
+def as_count(value: object, what: str, rid: str) -> int:
+    """``value`` as an int >= 0 (`as_int()`): the one check of a token count of every
+    path (one group's `update()`, a `GroupedScheduler`'s).
+
+    Raises:
+        InputTypeError: not an int.
+        InvalidInputError: negative; the message names the request, ``what`` and the value.
+    """
+    if type(value) is int and value >= 0:
+        return value
+    count = as_int(value, what, rid)
+    if count < 0:
+        raise InvalidInputError(f"request {rid!r}: {what}={count} is negative")
+    return count
 
 
 def length(value: object, what: str, rid: str) -> int:
@@ -527,11 +544,7 @@ class RequestTable:
     ) -> RequestOffloadState:
         """Check an ``update()`` call in full, then apply it (see
         `OffloadScheduler.update()`); returns the request's state."""
-        num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", rid)
-        if num_computed_tokens < 0:
-            raise InvalidInputError(
-                f"request {rid!r}: num_computed_tokens={num_computed_tokens} is negative"
-            )
+        num_computed_tokens = as_count(num_computed_tokens, "num_computed_tokens", rid)
         state = self.known(rid)
         new_ids = self.new_table_entries(state, gpu_block_ids, rid)
         new_hashes = grown_hashes(
