@@ -9,7 +9,7 @@ import pytest
 from groups_helpers import Rig, group
 
 from kvoffload.config import OffloadConfig
-from kvoffload.errors import BlockTableError, InvalidInputError
+from kvoffload.errors import BlockTableError, InputTypeError, InvalidInputError
 from kvoffload.hashing import BlockHasher, HashNamespace
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.scheduler import OffloadScheduler
@@ -203,3 +203,13 @@ def test_a_negative_count_is_named_alike_with_one_group_and_several() -> None:
     assert str(several.value) == str(single.value)
     assert str(single.value) == "request 'a': num_computed_tokens=-4 is negative"
     assert not rig.sched.has_request("a")
+
+
+def test_one_group_refuses_a_mapping_per_group_name_naming_it() -> None:
+    one = OffloadScheduler(OffloadConfig(num_cpu_blocks=4, block_size=4), CpuBlockPool(4))
+    several = r"got dict \(one per group name is for several KV cache groups\)"
+    with pytest.raises(InputTypeError, match=rf"request 'a': gpu_block_ids must be .*{several}"):
+        one.update("a", {"full": [0, 1]}, [], 0)  # type: ignore[arg-type]
+    with pytest.raises(InputTypeError, match=rf"request 'a': block_hashes must be .*{several}"):
+        one.update("a", [0, 1], {"full": []}, 0)  # type: ignore[arg-type]
+    assert not one.has_request("a")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import operator
 import warnings
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, NoReturn, Protocol, final
 
 from kvoffload._logging import get_logger
@@ -157,11 +157,13 @@ def as_count(value: object, what: str, rid: str) -> int:
 
 
 def length(value: object, what: str, rid: str) -> int:
-    """``len(value)`` of a sequence argument; iterators and generators are refused."""
-    if not hasattr(value, "__getitem__"):
+    """``len(value)`` of a sequence argument; iterators, generators and mappings (one
+    per group name: several KV cache groups' shape) are refused."""
+    if not hasattr(value, "__getitem__") or isinstance(value, Mapping):
+        several = " (one per group name is for several KV cache groups)"
         raise InputTypeError(
             f"request {rid!r}: {what} must be a sequence (list, tuple, array), got "
-            f"{type(value).__name__}"
+            f"{type(value).__name__}{several if isinstance(value, Mapping) else ''}"
         )
     try:
         return len(value)  # type: ignore[arg-type]
