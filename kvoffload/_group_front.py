@@ -180,8 +180,8 @@ class GroupsFront:
 
     def reserve(self, request_id: str) -> None:
         """Hold ``request_id`` for a new handle until it finishes (refused in use or
-        finished: `GroupedScheduler.reserve()`, one group's rule)."""
-        self.scheduler.reserve(request_id, in_use=request_id in self._live)
+        finished: `GroupRequests.reserve()`, one group's rule)."""
+        self.scheduler.request_table.reserve(request_id, in_use=request_id in self._live)
         self._live.add(request_id)
 
     def has_request(self, request_id: str) -> bool:
@@ -276,7 +276,7 @@ class GroupsFront:
         if request_id in self._live:
             self._live.discard(request_id)
             if not scheduler.has_request(request_id):
-                scheduler.retire(request_id)
+                scheduler.request_table.retire(request_id)
                 return
         plan = scheduler.finish(request_id)
         if plan is not None:

@@ -69,7 +69,7 @@ def test_a_grouped_finished_id_is_refused_after_its_copies_drained() -> None:
         lambda: sched.preempt("a"),
         lambda: sched.abandon_load("a"),
         lambda: sched.miss_reason("a"),
-        lambda: sched.reserve("a"),
+        lambda: sched.request_table.reserve("a"),
         lambda: sched.release("a"),
     ]
     for call in calls:

@@ -29,6 +29,7 @@ from kvoffload.scheduler.requests import (
     check_distinct,
     check_known_entries,
     check_request_priority,
+    check_reservable,
     fresh_ids,
     grown_hashes,
     grown_table,
@@ -383,11 +384,40 @@ class GroupRequests:
         priority = check_request_priority(request_id, priority)
         self.priorities.set(self.state(request_id), priority)
 
+    def reserve(self, request_id: str, *, in_use: bool = False) -> None:
+        """Refuse ``request_id`` for a new request (`check_reservable()`, one group's
+        rule): in use (state kept for it, or ``in_use``: the caller's own handle) or
+        finished. Nothing is registered (a request is on its first call).
+
+        Raises:
+            RequestStateError: the id is in use or finished.
+        """
+        check_reservable(request_id, in_use or request_id in self.requests, self.finished)
+
+    def retire(self, request_id: str) -> None:
+        """A request that made no call finished (its handle reserved the id): its id is
+        refused from now on, as a finished request's."""
+        if request_id not in self.requests:
+            self.finished.remember(request_id)
+
     def mark_finished(self, state: GroupedRequest) -> None:
         """``state``'s request finished: nothing is scheduled for it, and its id is
         refused from now on."""
         state.finished = True
         self.finished.remember(state.request_id)
+
+    def detach(self, group: str, plan: TransferPlan) -> None:
+        """``group``'s ``plan`` completed or was cancelled: its requests stop waiting on
+        it (a finished one left with nothing is forgotten), as one group's
+        `RequestTable.detach()`."""
+        key = (group, plan.plan_id)
+        requests = self.requests
+        for rid in plan.request_ids:
+            state = requests.get(rid)
+            if state is not None:
+                state.in_flight.discard(key)
+                if state.finished:
+                    self.drop_if_done(state)
 
     def drop_if_done(self, state: GroupedRequest) -> None:
         """Forget a finished request once no copy of it is in flight and it holds nothing."""

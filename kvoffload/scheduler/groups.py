@@ -76,7 +76,7 @@ from kvoffload.scheduler.group_stores import CacheViews, GroupStorePlanner
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import run_extend, run_spent
 from kvoffload.scheduler.misses import MissReason
-from kvoffload.scheduler.requests import as_int, check_reservable
+from kvoffload.scheduler.requests import as_int
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import LoadPlan, TransferPlan
 
@@ -121,6 +121,16 @@ def _check_setup(
             f"{type(checkpoint_tokens).__name__})"
         )
     return checkpoint_tokens
+
+
+def _ledger_of(ledgers: Mapping[str, BlockLedger], group: str) -> BlockLedger:
+    """The ledger of cacheable group ``group`` (`InvalidInputError`: none)."""
+    ledger = ledgers.get(group)
+    if ledger is None:
+        raise InvalidInputError(
+            f"group={group!r} is not a cacheable group (they are {list(ledgers)})"
+        )
+    return ledger
 
 
 @final
@@ -246,21 +256,10 @@ class GroupedScheduler:
         (every call naming it raises `RequestStateError`, as with one group)."""
         return self._table.finished.was_finished(request_id)
 
-    def reserve(self, request_id: str, *, in_use: bool = False) -> None:
-        """Refuse ``request_id`` for a new request (`check_reservable()`, one group's
-        rule): in use (state kept for it, or ``in_use``: the caller's own handle) or
-        finished. Nothing is registered (a request is on its first call).
-
-        Raises:
-            RequestStateError: the id is in use or finished.
-        """
-        check_reservable(request_id, in_use or request_id in self._requests, self._table.finished)
-
-    def retire(self, request_id: str) -> None:
-        """A request that made no call finished (its handle reserved the id): its id is
-        refused from now on, as a finished request's."""
-        if request_id not in self._requests:
-            self._table.finished.remember(request_id)
+    @property
+    def request_table(self) -> GroupRequests:
+        """The request states and the finished ids they refuse (`GroupRequests`)."""
+        return self._table
 
     @property
     def request_ids(self) -> KeysView[str]:
@@ -644,15 +643,6 @@ class GroupedScheduler:
 
     # -- completion ------------------------------------------------------------------------
 
-    def _ledger_of(self, group: str) -> BlockLedger:
-        """The ledger of cacheable group ``group`` (`InvalidInputError`: none)."""
-        ledger = self._ledgers.get(group)
-        if ledger is None:
-            raise InvalidInputError(
-                f"group={group!r} is not a cacheable group (they are {list(self._ledgers)})"
-            )
-        return ledger
-
     def complete(self, group: str, plan: TransferPlan, ok: bool) -> bool:
         """Record the outcome of ``group``'s transfer (once per plan).
 
@@ -666,7 +656,7 @@ class GroupedScheduler:
         Raises:
             InvalidInputError: ``group`` is not a cacheable group.
         """
-        ledger = self._ledger_of(group)
+        ledger = _ledger_of(self._ledgers, group)
         rec = ledger.close(plan.plan_id, ok, plan)
         counters = self._counts[group].counters
         if rec is None:
@@ -677,7 +667,7 @@ class GroupedScheduler:
         else:
             del self._loads[group][plan.plan_id]
         counters.completed(rec, ok=ok, current=rec.epoch == ledger.epoch)
-        self._detach(group, plan)
+        self._table.detach(group, plan)
         return True
 
     def complete_all(self, plan: GroupedPlan, ok: bool) -> None:
@@ -696,7 +686,7 @@ class GroupedScheduler:
         Raises:
             InvalidInputError: ``group`` is not a cacheable group.
         """
-        ledger = self._ledger_of(group)
+        ledger = _ledger_of(self._ledgers, group)
         rec = ledger.cancel(plan.plan_id, plan)
         counters = self._counts[group].counters
         if rec is None:
@@ -711,18 +701,8 @@ class GroupedScheduler:
             del self._loads[group][plan.plan_id]
             if not rec.abandoned:  # the ledger released an abandoned load's blocks
                 ledger.unpin(rec.blocks)
-        self._detach(group, plan)
+        self._table.detach(group, plan)
         return True
-
-    def _detach(self, group: str, plan: TransferPlan) -> None:
-        key = (group, plan.plan_id)
-        requests = self._requests
-        for rid in plan.request_ids:
-            state = requests.get(rid)
-            if state is not None:
-                state.in_flight.discard(key)
-                if state.finished:
-                    self._table.drop_if_done(state)
 
     # -- observation -----------------------------------------------------------------------
 
