@@ -229,6 +229,10 @@ class OneGroupFront:
         """`OffloadScheduler.preempt()`."""
         self.scheduler.preempt(request_id)
 
+    def release(self, request_id: str) -> None:
+        """`OffloadScheduler.release()`."""
+        self.scheduler.release(request_id)
+
     def hash_prompt(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """The prompt's full blocks' hashes."""
         return hash_prompt(token_ids, self._plan.config.block_size, self._namespace)

@@ -19,7 +19,7 @@ import anyio.abc
 
 from kvoffload.build import POOL_BOOKKEEPING_BYTES_PER_BLOCK, build_grouped_scheduler
 from kvoffload.config import KVLayout, OffloadConfig
-from kvoffload.errors import HostMemoryError, InvalidInputError, RequestStateError
+from kvoffload.errors import HostMemoryError, InvalidInputError
 from kvoffload.groups import KVCacheGroup, hit_alignment
 from kvoffload.hashing import BlockHash, HashNamespace, hash_prompt
 from kvoffload.launcher import TransferLauncher
@@ -180,11 +180,9 @@ class GroupsFront:
         return self.alignment, GroupLanes(self.lanes, self._names, request_id)
 
     def reserve(self, request_id: str) -> None:
-        """Hold ``request_id`` for a new handle until it finishes."""
-        if request_id in self._live or self.scheduler.has_request(request_id):
-            raise RequestStateError(
-                f"request {request_id!r} is in use (a live handle, or copies in flight)"
-            )
+        """Hold ``request_id`` for a new handle until it finishes (refused in use or
+        finished: `GroupRequests.reserve()`, one group's rule)."""
+        self.scheduler.request_table.reserve(request_id, in_use=request_id in self._live)
         self._live.add(request_id)
 
     def has_request(self, request_id: str) -> bool:
@@ -243,7 +241,7 @@ class GroupsFront:
     def abandon_load(self, request_id: str) -> dict[str, tuple[int, ...]]:
         """Every group's part of the request's loads in flight at once; per group, the GPU
         blocks its copies still write (none for a live handle that has not looked up yet)."""
-        if request_id in self._live and not self.scheduler.has_request(request_id):
+        if self._unseen(request_id):
             return {}
         return self.launcher.abandon_loads(self.scheduler.abandon_load(request_id))
 
@@ -272,21 +270,37 @@ class GroupsFront:
 
     def finish(self, request_id: str) -> None:
         """Store the request's last point now and give up its id; with
-        ``hold_blocks_on_finish``, pin the blocks it holds instead."""
-        self._live.discard(request_id)
+        ``hold_blocks_on_finish``, pin the blocks it holds instead (a handle that made no
+        call gives up its id for good; an id neither live nor known raises what
+        `GroupedScheduler.finish()` raises)."""
         scheduler = self.scheduler
-        if scheduler.has_request(request_id):
-            plan = scheduler.finish(request_id)
-            if plan is not None:
-                self.launcher.launch(plan.plans, None)
-            held = scheduler.held_blocks(request_id)
-            if held:
-                self.launcher.hold(request_id, held)
+        if request_id in self._live:
+            self._live.discard(request_id)
+            if not scheduler.has_request(request_id):
+                scheduler.request_table.retire(request_id)
+                return
+        plan = scheduler.finish(request_id)
+        if plan is not None:
+            self.launcher.launch(plan.plans, None)
+        held = scheduler.held_blocks(request_id)
+        if held:
+            self.launcher.hold(request_id, held)
 
     def preempt(self, request_id: str) -> None:
-        """Store nothing from the request's GPU blocks, reset its tables and cursors."""
-        if self.scheduler.has_request(request_id):
+        """Store nothing from the request's GPU blocks, reset its tables and cursors
+        (nothing for a live handle that made no call yet; otherwise what
+        `GroupedScheduler.preempt()` raises)."""
+        if not self._unseen(request_id):
             self.scheduler.preempt(request_id)
+
+    def release(self, request_id: str) -> None:
+        """`GroupedScheduler.release()` (nothing for a live handle that made no call yet)."""
+        if not self._unseen(request_id):
+            self.scheduler.release(request_id)
+
+    def _unseen(self, request_id: str) -> bool:
+        """Whether ``request_id`` has a live handle that made no scheduler call yet."""
+        return request_id in self._live and not self.scheduler.has_request(request_id)
 
     # -- retention and session hints, in every group ----------------------------------------
 

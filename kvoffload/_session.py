@@ -336,7 +336,7 @@ class Session(Lifecycle):
     def release(self, request_id: str) -> None:
         """`KVOffloader.release()`."""
         self.check("release")
-        self.front.scheduler.release(request_id)
+        self.front.release(request_id)
 
     async def drain(self) -> None:
         """`KVOffloader.drain()`: wait for every transfer in flight."""

@@ -153,8 +153,8 @@ def abandon_grouped(
 ) -> dict[str, list[LoadPlan]]:
     """``state``'s request stops waiting for its loads in flight, every group's part at
     once: in each group the one-group rule (`abandon_loads()`) marks them abandoned; they
-    no longer serve the request; and what the scheduler knew of its tables from each
-    group's first abandoned block on is forgotten, its computed tokens go back to the
+    no longer serve the request; and what the scheduler knew of its tables from the
+    engine's prefix on is forgotten in every group, its computed tokens go back to the
     engine's prefix the loads landed above, and each lane's ``valid_from`` to what it was
     before them (the engine recomputes from that prefix, into other GPU blocks).
 
@@ -177,10 +177,16 @@ def abandon_grouped(
             rec = records[plan.plan_id]
             prefix = rec.prefix if prefix is None else min(prefix, rec.prefix)
             lane.valid_from = min(lane.valid_from, rec.valid_from)
-        del lane.table[first:]
+    if prefix is None:
+        return out
+    for g in cacheable:
+        # the engine recomputes from its prefix, maybe into other GPU blocks, in every
+        # lane: each forgets its entries from the prefix on (a window's load started
+        # above them; a lane may have had no block to load), as one group's table does
+        lane = state.lanes[g.name]
+        del lane.table[prefix // g.block_size :]
         lane.ids = {e for e in lane.table if e is not None}
-    if prefix is not None:
-        state.num_computed_tokens = min(state.num_computed_tokens, prefix)
+    state.num_computed_tokens = min(state.num_computed_tokens, prefix)
     return out
 
 

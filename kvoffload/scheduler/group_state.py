@@ -22,10 +22,14 @@ from kvoffload.pool.free_queue import CpuBlock
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.requests import (
+    FinishedIds,
     PriorityCount,
-    as_int,
+    as_count,
+    check_agrees,
     check_distinct,
+    check_known_entries,
     check_request_priority,
+    check_reservable,
     fresh_ids,
     grown_hashes,
     grown_table,
@@ -235,7 +239,8 @@ def live_mark(lane: Lane) -> int:
 class GroupRequests:
     """The one owner of a `GroupedScheduler`'s request states, as `RequestTable` is of
     one group's: registration on first use, the live and known lookups, retention
-    priorities (`PriorityCount`) and dropping a finished request once nothing of it is
+    priorities (`PriorityCount`), the finished ids it refuses (`FinishedIds`, one group's
+    rule: ids are never reused) and dropping a finished request once nothing of it is
     left.
 
     Args:
@@ -252,6 +257,7 @@ class GroupRequests:
         "_lanes",
         "_limits",
         "_single",
+        "finished",
         "hash_args",
         "priorities",
         "requests",
@@ -280,12 +286,16 @@ class GroupRequests:
         """Every request with state, by id (the store planner reads it too)."""
         self.priorities = PriorityCount()
         """Counts the requests whose priority is not 0."""
+        self.finished = FinishedIds()
+        """The finished ids it refuses (the last `FINISHED_IDS_REMEMBERED`)."""
 
     def state(self, request_id: str, *, live: bool = True) -> GroupedRequest:
         """The state of ``request_id``, registered on first use (`RequestStateError`:
-        finished, unless ``live`` is false)."""
+        finished, unless ``live`` is false; a remembered finished id is never registered
+        again)."""
         state = self.requests.get(request_id)
         if state is None:
+            self.finished.refuse(request_id)
             state = GroupedRequest(request_id, {name: Lane(full=bs) for name, bs in self._lanes})
             self.requests[request_id] = state
         elif live and state.finished:
@@ -301,13 +311,11 @@ class GroupRequests:
     ) -> None:
         """Check a `GroupedScheduler.update()` call in full, then apply it (a refused
         call changes nothing), as one group's `RequestTable.update()`."""
-        num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", request_id)
-        if num_computed_tokens < 0:
-            raise InvalidInputError(
-                f"request {request_id!r}: num_computed_tokens={num_computed_tokens!r}"
-            )
+        num_computed_tokens = as_count(num_computed_tokens, "num_computed_tokens", request_id)
         existing = self.requests.get(request_id)
-        if existing is not None:
+        if existing is None:
+            self.finished.refuse(request_id)
+        else:
             if existing.finished:
                 raise RequestStateError(f"request {request_id!r} is finished")
             single = self._single
@@ -415,10 +423,12 @@ class GroupRequests:
         state.num_computed_tokens = num_computed_tokens
 
     def known(self, request_id: str) -> GroupedRequest:
-        """The state of ``request_id`` (`UnknownRequestError`: none)."""
+        """The state of ``request_id`` (`UnknownRequestError`: none; `RequestStateError`:
+        a remembered finished id, as with one group)."""
         state = self.requests.get(request_id)
         if state is None:
-            raise UnknownRequestError(request_id)
+            self.finished.refuse(request_id)
+            raise UnknownRequestError(f"unknown request id {request_id!r}")
         return state
 
     def live(self, request_id: str) -> GroupedRequest:
@@ -432,6 +442,41 @@ class GroupRequests:
         """Give ``request_id`` (registered on first use) a checked retention priority."""
         priority = check_request_priority(request_id, priority)
         self.priorities.set(self.state(request_id), priority)
+
+    def reserve(self, request_id: str, *, in_use: bool = False) -> None:
+        """Refuse ``request_id`` for a new request (`check_reservable()`, one group's
+        rule): in use (state kept for it, or ``in_use``: the caller's own handle) or
+        finished. Nothing is registered (a request is on its first call).
+
+        Raises:
+            RequestStateError: the id is in use or finished.
+        """
+        check_reservable(request_id, in_use or request_id in self.requests, self.finished)
+
+    def retire(self, request_id: str) -> None:
+        """A request that made no call finished (its handle reserved the id): its id is
+        refused from now on, as a finished request's."""
+        if request_id not in self.requests:
+            self.finished.remember(request_id)
+
+    def mark_finished(self, state: GroupedRequest) -> None:
+        """``state``'s request finished: nothing is scheduled for it, and its id is
+        refused from now on."""
+        state.finished = True
+        self.finished.remember(state.request_id)
+
+    def detach(self, group: str, plan: TransferPlan) -> None:
+        """``group``'s ``plan`` completed or was cancelled: its requests stop waiting on
+        it (a finished one left with nothing is forgotten), as one group's
+        `RequestTable.detach()`."""
+        key = (group, plan.plan_id)
+        requests = self.requests
+        for rid in plan.request_ids:
+            state = requests.get(rid)
+            if state is not None:
+                state.in_flight.discard(key)
+                if state.finished:
+                    self.drop_if_done(state)
 
     def drop_if_done(self, state: GroupedRequest) -> None:
         """Forget a finished request once no copy of it is in flight and it holds nothing."""
@@ -520,6 +565,7 @@ def table_changes(
     entry again) a full group's entries are compared from the first, as with one group."""
     out: list[tuple[bool, list[int | None]]] = []
     full: list[KVCacheGroup] = []
+    known: list[tuple[str, list[int | None], int]] = []  # (group, its table, read from)
     for g in cacheable:
         lane = state.lanes[g.name] if state is not None else None
         if lane is None or not lane.table:
@@ -529,11 +575,18 @@ def table_changes(
         new = grown_table(tables.get(g.name), lane.table, lane.ids, read_from, limits.get(g.name))
         if new is None:
             full.append(g)
+            if g.kind != "recurrent":
+                # the entries from the store cursor on (a block index) are read by the
+                # stores to come: the one-group rule; below it, the table as it is now
+                start = lane.cursor if lane.full else lane.cursor // g.block_size
+                known.append((g.name, lane.table, start))
             continue
         out.append((True, new))
     if not full:
         return out
     checked = check_tables(full, limits, rid, tables)
+    for name, old, read_from in known:
+        check_known_entries(checked[name], old, read_from, rid, f"tables[{name!r}]", may_drop=True)
     grown = iter(out)
     return [(False, checked[g.name]) if g.name in checked else next(grown) for g in cacheable]
 
@@ -613,7 +666,8 @@ def load_destinations(
     """Per group, the GPU block ids the pinned blocks load into (checked tables).
 
     Raises:
-        BlockTableError: a destination entry is missing or ``None``.
+        BlockTableError: a destination entry is missing or ``None``, or differs from the
+            table `update()` was given (`check_agrees()`, the one-group rule).
     """
     dests: dict[str, list[int]] = {}
     for name, lane in state.lanes.items():
@@ -627,5 +681,12 @@ def load_destinations(
                     f"request {rid!r}: group {name!r}: no GPU block at position {pos} to load into"
                 )
             ids.append(entry)
+        check_agrees(
+            lane.table,
+            table,
+            range(lane.pin_start, lane.pin_start + len(ids)),
+            rid,
+            f"tables[{name!r}]",
+        )
         dests[name] = ids
     return dests

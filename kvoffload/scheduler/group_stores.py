@@ -796,7 +796,12 @@ class GroupStorePlanner:
         for state, old, mark in store.rollback:
             lane = state.lanes[group]
             if requests.get(state.request_id) is state and (not state.finished or lane.held):
-                lane.cursor = min(lane.cursor, old)
+                # a request that finished since keeps its cursor, as with one group
+                # (`StorePlanner.cancel_plan()`): the engine freed the plan's GPU blocks
+                # and holds only those from the cursor on (a hold this plan ended came
+                # back above, with its own cursor); its cancelled blocks stop being live
+                if not state.finished:
+                    lane.cursor = min(lane.cursor, old)
                 self.live.drop(group, lane, mark)
 
     def check_invariants(self) -> None:

@@ -37,7 +37,6 @@ from kvoffload.config import OffloadConfig
 from kvoffload.errors import (
     ConfigError,
     InvalidInputError,
-    UnknownRequestError,
 )
 from kvoffload.groups import (
     KVCacheGroup,
@@ -122,6 +121,16 @@ def _check_setup(
             f"{type(checkpoint_tokens).__name__})"
         )
     return checkpoint_tokens
+
+
+def _ledger_of(ledgers: Mapping[str, BlockLedger], group: str) -> BlockLedger:
+    """The ledger of cacheable group ``group`` (`InvalidInputError`: none)."""
+    ledger = ledgers.get(group)
+    if ledger is None:
+        raise InvalidInputError(
+            f"group={group!r} is not a cacheable group (they are {list(ledgers)})"
+        )
+    return ledger
 
 
 @final
@@ -241,6 +250,16 @@ class GroupedScheduler:
     def has_request(self, request_id: str) -> bool:
         """Whether state is kept for ``request_id``."""
         return request_id in self._requests
+
+    def was_finished(self, request_id: str) -> bool:
+        """Whether ``request_id`` is one of the last ``FINISHED_IDS_REMEMBERED`` finished
+        (every call naming it raises `RequestStateError`, as with one group)."""
+        return self._table.finished.was_finished(request_id)
+
+    @property
+    def request_table(self) -> GroupRequests:
+        """The request states and the finished ids they refuse (`GroupRequests`)."""
+        return self._table
 
     @property
     def request_ids(self) -> KeysView[str]:
@@ -424,10 +443,15 @@ class GroupedScheduler:
         return state.miss_reason, state.new_prompt, state.tier_hits
 
     def release(self, request_id: str) -> None:
-        """Drop the pins of ``request_id``'s last lookup (in every group)."""
+        """Drop the pins of ``request_id``'s last lookup (in every group).
+
+        Raises:
+            UnknownRequestError: no state for that id.
+            RequestStateError: the request finished and was forgotten.
+        """
         state = self._requests.get(request_id)
         if state is None:
-            return
+            state = self._table.known(request_id)  # raises, as one group's release()
         for name, lane in state.lanes.items():
             if lane.pin is not None:
                 self._ledgers[name].unpin(lane.pin)
@@ -489,10 +513,9 @@ class GroupedScheduler:
 
         Raises:
             UnknownRequestError: no state for that id.
+            RequestStateError: the id finished and was forgotten.
         """
-        state = self._requests.get(request_id)
-        if state is None:
-            raise UnknownRequestError(f"unknown request id {request_id!r}")
+        state = self._table.known(request_id)
         self.release(request_id)
         abandoned = abandon_grouped(self._cacheable, self._ledgers, self._loads, state)
         if abandoned:
@@ -552,7 +575,7 @@ class GroupedScheduler:
             planner.begin_hold(state)
         elif not planner.lazy_window:  # lazy stores plan nothing at finish (one group too)
             plan = self._planner.plan([state], True)
-        state.finished = True
+        self._table.mark_finished(state)
         for name, lane in state.lanes.items():
             if not lane.held:
                 planner.live.drop(name, lane, 0)
@@ -627,10 +650,14 @@ class GroupedScheduler:
         once every group it needs published); a failed load unpublishes its blocks.
 
         Returns:
-            ``False`` when the plan is unknown or already completed.
+            ``False`` when the plan is unknown or already completed, or is not
+            ``group``'s (another group's plan of the same id: nothing changes).
+
+        Raises:
+            InvalidInputError: ``group`` is not a cacheable group.
         """
-        ledger = self._ledgers[group]
-        rec = ledger.close(plan.plan_id, ok)
+        ledger = _ledger_of(self._ledgers, group)
+        rec = ledger.close(plan.plan_id, ok, plan)
         counters = self._counts[group].counters
         if rec is None:
             counters.ignored_completions += 1
@@ -640,7 +667,7 @@ class GroupedScheduler:
         else:
             del self._loads[group][plan.plan_id]
         counters.completed(rec, ok=ok, current=rec.epoch == ledger.epoch)
-        self._detach(group, plan)
+        self._table.detach(group, plan)
         return True
 
     def complete_all(self, plan: GroupedPlan, ok: bool) -> None:
@@ -653,10 +680,14 @@ class GroupedScheduler:
         blocks are planned again), a load's pin is released (look up again).
 
         Returns:
-            ``False`` when the plan is unknown or already completed.
+            ``False`` when the plan is unknown or already completed, or is not
+            ``group``'s (another group's plan of the same id: nothing changes).
+
+        Raises:
+            InvalidInputError: ``group`` is not a cacheable group.
         """
-        ledger = self._ledgers[group]
-        rec = ledger.cancel(plan.plan_id)
+        ledger = _ledger_of(self._ledgers, group)
+        rec = ledger.cancel(plan.plan_id, plan)
         counters = self._counts[group].counters
         if rec is None:
             counters.ignored_completions += 1
@@ -670,18 +701,8 @@ class GroupedScheduler:
             del self._loads[group][plan.plan_id]
             if not rec.abandoned:  # the ledger released an abandoned load's blocks
                 ledger.unpin(rec.blocks)
-        self._detach(group, plan)
+        self._table.detach(group, plan)
         return True
-
-    def _detach(self, group: str, plan: TransferPlan) -> None:
-        key = (group, plan.plan_id)
-        requests = self._requests
-        for rid in plan.request_ids:
-            state = requests.get(rid)
-            if state is not None:
-                state.in_flight.discard(key)
-                if state.finished:
-                    self._table.drop_if_done(state)
 
     # -- observation -----------------------------------------------------------------------
 

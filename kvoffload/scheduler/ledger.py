@@ -278,14 +278,26 @@ class BlockLedger:
 
     # -- closing plans -----------------------------------------------------------------------
 
-    def close(self, plan_id: int, ok: bool) -> PlanEntry | None:
+    def _take(self, plan_id: int, plan: TransferPlan | None) -> PlanEntry | None:
+        """The entry of plan ``plan_id``, no longer in flight; ``None`` (nothing changed)
+        when no plan of that id is, or when ``plan`` is given and is not that plan (a
+        plan of another ledger: each group's ledger counts its plan ids from 0)."""
+        plans = self._plans
+        rec = plans.get(plan_id)
+        if rec is None or (plan is not None and rec.plan is not plan and rec.plan != plan):
+            return None
+        del plans[plan_id]
+        return rec
+
+    def close(self, plan_id: int, ok: bool, plan: TransferPlan | None = None) -> PlanEntry | None:
         """A plan's copy ended: publish a successful store of this epoch (only now are
         its hashes findable), unpublish a failed load's blocks, release every reference.
 
         Returns:
-            The plan's entry, or ``None`` when it is not in flight (nothing changed).
+            The plan's entry, or ``None`` when it is not in flight, or ``plan`` is given
+            and is another plan of that id (nothing changed).
         """
-        rec = self._plans.pop(plan_id, None)
+        rec = self._take(plan_id, plan)
         if rec is None:
             return None
         pool = self._pool
@@ -317,14 +329,15 @@ class BlockLedger:
         pool.free(_free_order(rec))
         return rec
 
-    def cancel(self, plan_id: int) -> PlanEntry | None:
+    def cancel(self, plan_id: int, plan: TransferPlan | None = None) -> PlanEntry | None:
         """Undo a plan whose copy never started: a store's blocks are released
         unpublished; a load's blocks become a pin again (`unpin()` releases it).
 
         Returns:
-            The plan's entry, or ``None`` when it is not in flight (nothing changed).
+            The plan's entry, or ``None`` when it is not in flight, or ``plan`` is given
+            and is another plan of that id (nothing changed).
         """
-        rec = self._plans.pop(plan_id, None)
+        rec = self._take(plan_id, plan)
         if rec is None:
             return None
         blocks = rec.blocks

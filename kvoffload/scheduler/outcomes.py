@@ -70,7 +70,7 @@ class PlanOutcomes:
         """`OffloadScheduler.complete()`: ``False`` for an unknown or ended plan."""
         plan = transfer if isinstance(transfer, TransferPlan) else transfer.plan
         ledger = self._ledger
-        rec = ledger.close(plan.plan_id, ok)
+        rec = ledger.close(plan.plan_id, ok, plan)
         counters = self._counters
         if rec is None:
             counters.ignored_completions += 1
@@ -96,7 +96,7 @@ class PlanOutcomes:
         """`OffloadScheduler.cancel()`: ``False`` for an unknown or ended plan."""
         plan = transfer if isinstance(transfer, TransferPlan) else transfer.plan
         ledger = self._ledger
-        rec = ledger.cancel(plan.plan_id)
+        rec = ledger.cancel(plan.plan_id, plan)
         counters = self._counters
         if rec is None:
             counters.ignored_completions += 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import operator
 import warnings
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, NoReturn, Protocol, final
 
 from kvoffload._logging import get_logger
@@ -29,11 +29,16 @@ from kvoffload.transfer.plan import TransferPlan
 
 __all__ = [
     "FINISHED_IDS_REMEMBERED",
+    "FinishedIds",
     "Prioritized",
     "PriorityCount",
     "RequestTable",
+    "as_count",
     "as_int",
+    "check_agrees",
     "check_distinct",
+    "check_known_entries",
+    "check_reservable",
     "check_hash",
     "fresh_ids",
     "grown_hashes",
@@ -52,6 +57,67 @@ _BYTES = frozenset((bytes,))
 
 FINISHED_IDS_REMEMBERED = 65536
 """How many finished request ids a scheduler remembers to refuse their reuse."""
+
+
+@final
+class FinishedIds:
+    """The last `FINISHED_IDS_REMEMBERED` finished request ids: the one owner of the rule
+    that a finished request's id is never reused, for one group's `RequestTable` and the
+    requests of a `GroupedScheduler` alike.
+
+    Args:
+        limit: how many ids it remembers (``None``: `FINISHED_IDS_REMEMBERED`); an older
+            one is forgotten, and accepted again.
+    """
+
+    __slots__ = ("_ids", "_limit", "_order")
+
+    def __init__(self, limit: int | None = None) -> None:
+        self._ids: set[str] = set()
+        self._order: deque[str] = deque()
+        self._limit = FINISHED_IDS_REMEMBERED if limit is None else limit
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def remember(self, request_id: str) -> None:
+        """Refuse ``request_id`` from now on (forgetting the oldest past the limit)."""
+        if request_id in self._ids:
+            return
+        self._ids.add(request_id)
+        self._order.append(request_id)
+        if len(self._order) > self._limit:
+            self._ids.discard(self._order.popleft())
+
+    def was_finished(self, request_id: str) -> bool:
+        """Whether ``request_id`` belongs to a (remembered) finished request."""
+        return request_id in self._ids
+
+    def refuse(self, request_id: str) -> None:
+        """Raise unless ``request_id`` is free of a finished request.
+
+        Raises:
+            RequestStateError: it is a remembered finished id.
+        """
+        if request_id in self._ids:
+            raise RequestStateError(
+                f"request {request_id!r} is finished (request ids are not reused)"
+            )
+
+
+def check_reservable(request_id: str, in_use: bool, finished: FinishedIds) -> None:
+    """The one rule of a new handle's id, every path's (one group's `RequestTable.reserve()`,
+    several groups' front): neither in use nor finished.
+
+    Raises:
+        RequestStateError: the id is in use (``in_use``) or finished.
+    """
+    if in_use:
+        raise RequestStateError(
+            f"request id {request_id!r} is in use (a request with that id has not "
+            "finished, or its last transfer is still in flight)"
+        )
+    finished.refuse(request_id)
 
 
 def as_int(value: object, what: str, rid: str | None) -> int:
@@ -74,12 +140,30 @@ def as_int(value: object, what: str, rid: str | None) -> int:
     raise InputTypeError(f"{who}{what}={value!r} is not an int (got {type(value).__name__})")
 
 
+def as_count(value: object, what: str, rid: str) -> int:
+    """``value`` as an int >= 0 (`as_int()`): the one check of a token count of every
+    path (one group's `update()`, a `GroupedScheduler`'s).
+
+    Raises:
+        InputTypeError: not an int.
+        InvalidInputError: negative; the message names the request, ``what`` and the value.
+    """
+    if type(value) is int and value >= 0:
+        return value
+    count = as_int(value, what, rid)
+    if count < 0:
+        raise InvalidInputError(f"request {rid!r}: {what}={count} is negative")
+    return count
+
+
 def length(value: object, what: str, rid: str) -> int:
-    """``len(value)`` of a sequence argument; iterators and generators are refused."""
-    if not hasattr(value, "__getitem__"):
+    """``len(value)`` of a sequence argument; iterators, generators and mappings (one
+    per group name: several KV cache groups' shape) are refused."""
+    if not hasattr(value, "__getitem__") or isinstance(value, Mapping):
+        several = " (one per group name is for several KV cache groups)"
         raise InputTypeError(
             f"request {rid!r}: {what} must be a sequence (list, tuple, array), got "
-            f"{type(value).__name__}"
+            f"{type(value).__name__}{several if isinstance(value, Mapping) else ''}"
         )
     try:
         return len(value)  # type: ignore[arg-type]
@@ -222,6 +306,74 @@ def grown_table(
     return new
 
 
+def check_known_entries(
+    table: Sequence[int | None],
+    old: Sequence[int | None],
+    check_from: int,
+    rid: str,
+    what: str = "gpu_block_ids",
+    *,
+    may_drop: bool = False,
+) -> None:
+    """Refuse a block table that shrank from ``old``, or whose known entries a store may
+    still read (from ``check_from`` on, and always the last one) changed: the rule of
+    every path (one group's `update()`, each group's table of a `GroupedScheduler`).
+
+    Args:
+        table: the table given now (a sequence).
+        old: the table known.
+        check_from: the first entry a store may still read.
+        rid: the request id, for the message.
+        what: how the message names the table.
+        may_drop: an entry may become ``None`` (several groups: the engine no longer
+            holds that block, which is then never stored); an entry that was ``None``
+            names no block and may become one.
+
+    Raises:
+        BlockTableError: naming the request, the table, the entry and both values.
+    """
+    n, n_old = len(table), len(old)
+    if n < n_old:
+        raise BlockTableError(
+            f"request {rid!r}: {what} shrank from {n_old} to {n} entries "
+            "(preempt the request to start over)"
+        )
+    check_from = min(check_from, n_old - 1) if n_old else 0
+    for i in range(check_from, n_old):
+        was, now = old[i], table[i]
+        if now != was and not (may_drop and (now is None or was is None)):
+            raise BlockTableError(
+                f"request {rid!r}: {what}[{i}] changed from {was} to {now!r} since the "
+                "last call (preempt the request to start over)"
+            )
+
+
+def check_agrees(
+    known: Sequence[int | None],
+    table: Sequence[int | None],
+    span: range,
+    rid: str,
+    what: str = "gpu_block_ids",
+) -> None:
+    """Refuse a load whose destinations (``table``'s entries in ``span``) differ from the entries
+    `update()` was given there (``known``; a ``None`` or missing one names no block): the
+    rule of every path (one group's `plan_load()`, each group's of a `GroupedScheduler`),
+    so a load never writes blocks the stores to come do not read.
+
+    Raises:
+        BlockTableError: naming the request, the table, the entry and both ids.
+    """
+    for j in span:
+        if j >= len(known):
+            break
+        was = known[j]
+        if was is not None and table[j] != was:
+            raise BlockTableError(
+                f"request {rid!r}: {what}[{j}]={table[j]} differs from the table given "
+                f"to update() ({was})"
+            )
+
+
 def check_distinct(
     entries: Sequence[int | None],
     rid: str,
@@ -277,8 +429,8 @@ class RequestTable:
     ) -> None:
         self.requests: dict[str, RequestOffloadState] = {}
         """Request id → state; read it, change it through the table."""
-        self._finished_ids: set[str] = set()
-        self._finished_order: deque[str] = deque()
+        self.finished = FinishedIds()
+        """The finished ids it refuses."""
         self._num_gpu_blocks = num_gpu_blocks
         self._restore_evicted = restore_evicted
         self._block_size = block_size
@@ -294,7 +446,7 @@ class RequestTable:
 
     def was_finished(self, request_id: str) -> bool:
         """Whether ``request_id`` belongs to a (remembered) finished request."""
-        return request_id in self._finished_ids
+        return self.finished.was_finished(request_id)
 
     def get(self, request_id: str) -> RequestOffloadState:
         """The state of a registered request (finished ones with transfers included).
@@ -305,10 +457,7 @@ class RequestTable:
         """
         state = self.requests.get(request_id)
         if state is None:
-            if request_id in self._finished_ids:
-                raise RequestStateError(
-                    f"request {request_id!r} is finished (request ids are not reused)"
-                )
+            self.finished.refuse(request_id)
             raise UnknownRequestError(f"unknown request id {request_id!r}")
         return state
 
@@ -320,10 +469,7 @@ class RequestTable:
         """
         state = self.requests.get(request_id)
         if state is None:
-            if request_id in self._finished_ids:
-                raise RequestStateError(
-                    f"request {request_id!r} is finished (request ids are not reused)"
-                )
+            self.finished.refuse(request_id)
         elif state.phase is _DRAINING or state.phase is _HOLDING:  # not the property: hot
             raise RequestStateError(f"request {request_id!r} is finished")
         return state
@@ -352,23 +498,12 @@ class RequestTable:
         Raises:
             RequestStateError: the id is in use or finished.
         """
-        if request_id in self.requests:
-            raise RequestStateError(
-                f"request id {request_id!r} is in use (a request with that id has not "
-                "finished, or its last transfer is still in flight)"
-            )
-        if request_id in self._finished_ids:
-            raise RequestStateError(
-                f"request {request_id!r} is finished (request ids are not reused)"
-            )
+        check_reservable(request_id, request_id in self.requests, self.finished)
         self.register(request_id)
 
     def remember_finished(self, request_id: str) -> None:
         """Refuse ``request_id`` from now on (the last `FINISHED_IDS_REMEMBERED` ids)."""
-        self._finished_ids.add(request_id)
-        self._finished_order.append(request_id)
-        if len(self._finished_order) > FINISHED_IDS_REMEMBERED:
-            self._finished_ids.discard(self._finished_order.popleft())
+        self.finished.remember(request_id)
 
     def set_priority(self, request_id: str, priority: object) -> None:
         """Give a request (registered on first use) a retention priority: the blocks
@@ -411,11 +546,7 @@ class RequestTable:
     ) -> RequestOffloadState:
         """Check an ``update()`` call in full, then apply it (see
         `OffloadScheduler.update()`); returns the request's state."""
-        num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", rid)
-        if num_computed_tokens < 0:
-            raise InvalidInputError(
-                f"request {rid!r}: num_computed_tokens={num_computed_tokens} is negative"
-            )
+        num_computed_tokens = as_count(num_computed_tokens, "num_computed_tokens", rid)
         state = self.known(rid)
         new_ids = self.new_table_entries(state, gpu_block_ids, rid)
         new_hashes = grown_hashes(
@@ -571,18 +702,7 @@ class RequestTable:
         # the full check: it names the fault, or takes entries the fast rule does not
         n = length(table, "gpu_block_ids", rid)
         n_old = len(old)
-        if n < n_old:
-            raise BlockTableError(
-                f"request {rid!r}: gpu_block_ids shrank from {n_old} to {n} entries "
-                "(preempt the request to start over)"
-            )
-        check_from = min(check_from, n_old - 1) if n_old else 0
-        for i in range(check_from, n_old):
-            if table[i] != old[i]:
-                raise BlockTableError(
-                    f"request {rid!r}: gpu_block_ids[{i}] changed from {old[i]} to "
-                    f"{table[i]!r} since the last call (preempt the request to start over)"
-                )
+        check_known_entries(table, old, check_from, rid)
         new = []
         for j in range(n_old, n):
             g = as_int(table[j], f"gpu_block_ids[{j}]", rid)
@@ -610,14 +730,10 @@ class RequestTable:
         ids = [as_int(table[j], f"gpu_block_ids[{j}]", rid) for j in range(table_len)]
         if len(set(ids)) != table_len:
             check_distinct(ids, rid)
-        known = state.gpu_block_ids if state.phase is not _PREEMPTED else []
         for j in range(start, start + n):
             g = ids[j]
             if g < 0 or (limit is not None and g >= limit):
                 _out_of_range(g, j, rid, limit)
-            if j < len(known) and known[j] != g:
-                raise BlockTableError(
-                    f"request {rid!r}: gpu_block_ids[{j}]={g} differs from the table given "
-                    f"to update() ({known[j]})"
-                )
+        known = state.gpu_block_ids if state.phase is not _PREEMPTED else []
+        check_agrees(known, ids, range(start, start + n), rid)
         return ids[start : start + n]

@@ -476,7 +476,10 @@ class StorePlanner:
     ) -> None:
         """A store plan was cancelled (the ledger released its blocks): give back the
         holds it ended, put the admission filter's state and the cursors it moved back
-        (only of requests still live, and only if no reset came between)."""
+        (only of requests still live, and only if no reset came between). A request that
+        finished since keeps its cursor: the engine freed the cancelled plan's GPU blocks
+        (it keeps only the blocks a hold names, from the cursor on; a hold the plan ended
+        comes back with its own cursor)."""
         undo = self.undo.pop(rec.plan.plan_id)
         counters = self._counters
         counters.store_plans -= 1
@@ -489,7 +492,7 @@ class StorePlanner:
         requests = self._table.requests
         for state, old in undo.rollback:
             live = requests.get(state.request_id) is state
-            if live and current and not state.preempted and state.num_stored_blocks > old:
+            if live and current and state.phase is _LIVE and state.num_stored_blocks > old:
                 self.roll_back(state, old)
 
     def reset(self) -> None:
