@@ -76,3 +76,37 @@ def test_lazy_stores_are_refused_for_a_group_not_full_attention() -> None:
     SchedulerSide(lazy, [FULL], ROOTS, world_size=1, num_gpu_blocks=64)  # honoured
     with pytest.raises(ConfigError, match=r"store_mode='lazy'.*group 'g1' \(sliding_window\)"):
         SchedulerSide(lazy, [FULL, WINDOW], ROOTS, world_size=1, num_gpu_blocks=64)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_reused_request_id_runs_without_offload_and_nothing_breaks(
+    model_dir: Path, groups: int
+) -> None:
+    """kvoffload refuses every call naming a finished request's id (its state is never
+    reused), and a client may send a new request under an id it used before: the
+    connector serves that request without offload instead of failing vLLM's step, and
+    the next request is offloaded as usual."""
+    h = make(model_dir) if groups == 1 else GroupHarness(model_dir)
+    side = h.side
+    assert isinstance(side, SchedulerSide)
+
+    def stats() -> Any:
+        own = side.statistics().scheduler
+        assert own is not None
+        return own
+
+    tokens = prompt(4, 5, seed=3)
+    h.run(make_request("a", tokens, max_tokens=2))
+    h.settle()
+    stored = stats().stored_blocks
+    assert stored >= 4
+    assert side.scheduler.was_finished("a")
+    h.run(make_request("a", tokens, max_tokens=2))  # vLLM takes the id again
+    h.settle()
+    assert stats().stored_blocks == stored  # nothing stored for the reused id
+    assert stats().load_plans == 0  # nor loaded
+    assert not side.scheduler.has_request("a")
+    h.run(make_request("b", tokens, max_tokens=2))
+    h.settle()
+    assert stats().load_plans == 1  # the next request is offloaded again
+    side.scheduler.check_invariants()

@@ -227,6 +227,9 @@ class SchedulerSide:
         self._names: list[str | None] = [g.name if g.cacheable else None for g in self.groups]
         self._roots = {g.name: roots[g.name] for g in self._cacheable}
         self._requests: dict[str, _Hashes] = {}
+        # Requests whose id a finished request had (a client may reuse ids): kvoffload
+        # never reuses a request's state, so these run without offload, until they finish.
+        self._reused: set[str] = set()
         self._tracked: dict[int, _Tracked] = {}
         self._transfers: dict[tuple[str, int], _Transfer] = {}
         self._keys = itertools.count()
@@ -287,7 +290,11 @@ class SchedulerSide:
     # -- requests and hashing ----------------------------------------------------------
 
     def _offloadable(self, request: Request) -> bool:
-        return not request.mm_features and request.prompt_embeds is None
+        return (
+            not request.mm_features
+            and request.prompt_embeds is None
+            and request.request_id not in self._reused
+        )
 
     def _hashes(self, request: Request, num_tokens: int) -> dict[str, list[BlockHash]]:
         """Per cacheable group, the hashes of the request's full blocks below
@@ -341,6 +348,12 @@ class SchedulerSide:
         if not self._offloadable(request):
             return 0, False
         rid = request.request_id
+        if rid not in self._requests and self.scheduler.was_finished(rid):
+            # a new request under a finished request's id: served without offload (every
+            # scheduler call naming a finished id is refused: its state is never reused)
+            self._reused.add(rid)
+            _log.warning("request_id_reused", request_id=rid, offload=False)
+            return 0, False
         if rid in self._tabled:
             # A request whose blocks the scheduler knows asks again: vLLM preempted it.
             # The connector hears of that only in build_connector_meta, after the new
@@ -373,7 +386,7 @@ class SchedulerSide:
         group."""
         rid = request.request_id
         sched = self.scheduler
-        if not sched.has_request(rid):
+        if rid in self._reused or not sched.has_request(rid):
             return
         if num_external_tokens == 0:
             sched.release(rid)
@@ -567,6 +580,9 @@ class SchedulerSide:
         rid = request.request_id
         self._restarted.discard(rid)
         self._tabled.discard(rid)
+        if rid in self._reused:
+            self._reused.discard(rid)
+            return False
         sched = self.scheduler
         if sched.has_request(rid) and rid in self._requests:
             try:
