@@ -572,6 +572,9 @@ class GroupStorePlanner:
                     if not stopped:
                         break
                     self._plan_points(batch, stopped.pop(), g, final, rec, want=want, ended=ended)
+                cut = self._requests.get(batch.deferred_request or "")
+                if cut is not None:  # the request whose run the deferral cut
+                    cut.full_deferred = True
             else:
                 for state in states:
                     self._plan_points(batch, state, g, final, rec, want=want, ended=ended)
@@ -626,7 +629,6 @@ class GroupStorePlanner:
                 state.full_deferred = True
                 continue
             yield hashes, table, start, end, state.request_id
-            state.full_deferred |= batch.deferred > 0  # its run was cut
             i = batch.stopped
             if i != start:
                 rollback.append((state, start, lane.live_end))
