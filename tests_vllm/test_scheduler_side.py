@@ -106,7 +106,7 @@ def test_a_reused_request_id_runs_without_offload_and_nothing_breaks(
     assert stats().stored_blocks == stored  # nothing stored for the reused id
     assert stats().load_plans == 0  # nor loaded
     assert not side.scheduler.has_request("a")
-    h.run(make_request("b", tokens, max_tokens=2))
+    h.run(make_request("b", prompt(6, 5, seed=4), max_tokens=2))  # 2 blocks more
     h.settle()
-    assert stats().load_plans == 1  # the next request is offloaded again
+    assert stats().stored_blocks >= stored + 2  # the next request is offloaded again
     side.scheduler.check_invariants()
