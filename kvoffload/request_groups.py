@@ -59,7 +59,7 @@ class GroupLanes:
         request_id: the request, for error messages.
     """
 
-    __slots__ = ("_names", "_reported", "_rid", "_who", "block_sizes", "hashers")
+    __slots__ = ("_lanes", "_names", "_reported", "_rid", "_who", "block_sizes", "hashers")
 
     def __init__(
         self,
@@ -71,6 +71,7 @@ class GroupLanes:
         """Per cacheable group, its hasher (its ``block_hashes`` grow as tokens come)."""
         self.block_sizes = {name: bs for name, bs, _ in groups}
         """Per cacheable group, its block size."""
+        self._lanes = tuple((name, bs, self.hashers[name]) for name, bs, _ in groups)
         self._names = names
         self._reported = dict.fromkeys(self.hashers, 0)
         self._rid = request_id
@@ -122,19 +123,21 @@ class GroupLanes:
             BlockTableError: a table shorter than the group's full computed blocks.
         """
         checked = self.tables(tables)
-        for name, bs in self.block_sizes.items():
-            table = checked.get(name)
+        reported = self._reported
+        hashes: dict[str, Sequence[BlockHash]] = {}
+        for name, bs, hasher in self._lanes:  # one pass (a refusal discards ``hashes``)
             need = num_computed_tokens // bs
+            table = checked.get(name)
             if table is not None and len(table) < need:
                 raise BlockTableError(
                     f"{self._who}group {name!r}: the block table has {len(table)} entries, "
                     f"{num_computed_tokens} computed tokens fill {need} blocks (None marks a "
                     "block not held)"
                 )
-        hashes: dict[str, Sequence[BlockHash]] = {}
-        for name, h in self.hashers.items():
-            full = h.block_hashes
-            n = max(num_computed_tokens // self.block_sizes[name], self._reported[name])
+            full = hasher.block_hashes
+            n = reported[name]
+            if n < need:  # noqa: PLR1730 - cheaper than max() on the per-step path
+                n = need
             hashes[name] = full[:n] if n < len(full) else full
         return checked, hashes
 
