@@ -105,6 +105,17 @@ def check_store_limit(groups: Sequence[KVCacheGroup], limit: int, align: int) ->
             )
 
 
+def note_full_deferral(g: KVCacheGroup, states: Iterable[GroupedRequest]) -> None:
+    """A plan of full group ``g`` deferred: each request whose lane stopped short of its
+    computed full blocks is marked (`GroupedRequest.full_deferred`), so its finish stores
+    no point past the full groups' stores (`full_cover()`)."""
+    name, bs = g.name, g.block_size
+    for state in states:
+        lane = state.lanes[name]
+        if lane.cursor < min(len(lane.table), len(lane.hashes), state.num_computed_tokens // bs):
+            state.full_deferred = True
+
+
 def full_cover(state: GroupedRequest) -> int | None:
     """The tokens every full group's lane of ``state`` planned or passed (its cursor):
     a store point past them serves no hit (``None``: the model has no full group)."""
@@ -489,7 +500,6 @@ class GroupStorePlanner:
                 batch.deferred_request = rid
                 batch.skipped.append(hashes[new[0]])
                 if g.kind == "full":
-                    state.full_deferred = True
                     return point // g.block_size - 1
                 return (point - 1) // self._checkpoint * self._checkpoint
             counts.skipped_null += (end - k) - len(usable)
@@ -572,14 +582,13 @@ class GroupStorePlanner:
                     if not stopped:
                         break
                     self._plan_points(batch, stopped.pop(), g, final, rec, want=want, ended=ended)
-                cut = self._requests.get(batch.deferred_request or "")
-                if cut is not None:  # the request whose run the deferral cut
-                    cut.full_deferred = True
             else:
                 for state in states:
                     self._plan_points(batch, state, g, final, rec, want=want, ended=ended)
             if prioritized:  # every planned block, re-stores too, as with one group
                 batch.owner_priorities(lambda rid: prioritized.get(rid, 0), want)
+            if batch.deferred and g.kind == "full":
+                note_full_deferral(g, states)
             deferred = deferred or bool(batch.deferred)
             plan = self._open(name, batch, rec, want)
             self._end_holds(name, ended, plan, rec)
@@ -626,7 +635,6 @@ class GroupStorePlanner:
             if batch.deferred:
                 batch.deferred += end - start
                 batch.skipped.append(hashes[start])
-                state.full_deferred = True
                 continue
             yield hashes, table, start, end, state.request_id
             i = batch.stopped
@@ -665,7 +673,6 @@ class GroupStorePlanner:
             if usable:
                 batch.deferred += len(usable)
                 batch.skipped.append(lane.hashes[usable[0]])
-                state.full_deferred |= g.kind == "full"
             return
         rec.rollback.append((state, lane.cursor, live_mark(lane)))
         passed: list[int] | None = [] if state.priority else None
