@@ -231,6 +231,18 @@ class RedisClusterProcs:
             time.sleep(0.05)
         raise RuntimeError("the cluster did not reach cluster_state:ok")
 
+    def wait_promoted(self, port: int, deadline_s: float = 30.0) -> None:
+        """Poll (bounded) until node ``port`` calls itself a primary that owns slots (a
+        killed primary's failure is noticed only after the node timeout: until then the
+        cluster still reports ``ok``)."""
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            me = next(r for r in self.cluster_nodes(port) if "myself" in r[2])
+            if "master" in me[2] and len(me) > 8:
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"node {port} was not promoted")
+
     def wait_replicas_synced(self, deadline_s: float = 30.0) -> None:
         """Poll until every primary has a replica whose link is up and offset caught up."""
         end = time.monotonic() + deadline_s
