@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, final
 
-from kvoffload.errors import InvalidInputError, InvariantError
+from kvoffload.errors import InvariantError
 from kvoffload.groups import KVCacheGroup, hit_alignment, needed
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
@@ -26,7 +26,6 @@ __all__ = [
     "LoadRecord",
     "abandon_grouped",
     "check_ledgers",
-    "check_lookup_counts",
     "check_request",
     "find_hit",
     "hit_blocks",
@@ -247,21 +246,6 @@ def find_hit(
     while n > computed and others and not _valid(others, pools, lanes, n, computed):
         n -= align
     return max(n, computed)
-
-
-def check_lookup_counts(rid: str, num_tokens: int, num_computed_tokens: int, align: int) -> None:
-    """`GroupedScheduler.lookup()`'s counts: ``num_computed_tokens`` a multiple of
-    ``align`` in ``[0, num_tokens]``.
-
-    Raises:
-        InvalidInputError: naming both counts and the request.
-    """
-    if num_computed_tokens < 0 or num_computed_tokens % align or num_tokens < num_computed_tokens:
-        raise InvalidInputError(
-            f"request {rid!r}: num_tokens={num_tokens!r} and "
-            f"num_computed_tokens={num_computed_tokens!r} (a multiple of {align}, "
-            "at most num_tokens) are out of range"
-        )
 
 
 @final

@@ -10,7 +10,6 @@ from typing import Any, TypeAlias, final
 
 from kvoffload.errors import (
     BlockTableError,
-    InputTypeError,
     InvalidInputError,
     KvOffloadError,
     RequestStateError,
@@ -27,12 +26,15 @@ from kvoffload.scheduler.requests import (
     as_count,
     check_agrees,
     check_distinct,
+    check_entry,
     check_known_entries,
+    check_load_span,
     check_request_priority,
     check_reservable,
     fresh_ids,
     grown_hashes,
     grown_table,
+    length,
 )
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import TransferPlan
@@ -601,28 +603,18 @@ def check_tables(
         table = tables.get(g.name)
         if table is None:
             raise BlockTableError(f"request {rid!r}: no block table for group {g.name!r}")
-        if isinstance(table, (str, bytes)) or not isinstance(table, Sequence):
-            raise InputTypeError(
-                f"request {rid!r}: group {g.name!r}: block table must be a sequence"
-            )
+        length(table, f"tables[{g.name!r}]", rid)  # a sequence, as one group's
         limit = limits.get(g.name)
         entries = list(table)
         if entries and fresh_ids(entries, (), limit):
             out[g.name] = entries  # every entry an id in range, none twice: the fast check
             continue
-        for pos, entry in enumerate(table):
-            if entry is None:
-                continue
-            if type(entry) is not int:
-                raise InputTypeError(
-                    f"request {rid!r}: group {g.name!r}: entry {pos} is {entry!r}, "
-                    "not an int or None"
-                )
-            if entry < 0 or (limit is not None and entry >= limit):
-                raise BlockTableError(
-                    f"request {rid!r}: group {g.name!r}: GPU block id {entry} at "
-                    f"position {pos} is out of range"
-                )
+        what = f"tables[{g.name!r}]"
+        for pos, entry in enumerate(entries):
+            if entry is not None and (  # ``None`` names no block
+                type(entry) is not int or entry < 0 or (limit is not None and entry >= limit)
+            ):
+                entries[pos] = check_entry(entry, pos, rid, limit, what)  # converts or raises
         out[g.name] = entries
         check_distinct(entries, rid, group=g.name)
     return out
@@ -672,21 +664,17 @@ def load_destinations(
     dests: dict[str, list[int]] = {}
     for name, lane in state.lanes.items():
         table = tables[name]
+        what = f"tables[{name!r}]"
+        start, n = lane.pin_start, len(lane.pin or ())
+        check_load_span(len(table), start, n, rid, name)
         ids: list[int] = []
-        for k in range(len(lane.pin or ())):
-            pos = lane.pin_start + k
-            entry = table[pos] if pos < len(table) else None
+        for pos in range(start, start + n):
+            entry = table[pos]
             if entry is None:
                 raise BlockTableError(
                     f"request {rid!r}: group {name!r}: no GPU block at position {pos} to load into"
                 )
             ids.append(entry)
-        check_agrees(
-            lane.table,
-            table,
-            range(lane.pin_start, lane.pin_start + len(ids)),
-            rid,
-            f"tables[{name!r}]",
-        )
+        check_agrees(lane.table, table, range(start, start + n), rid, what)
         dests[name] = ids
     return dests

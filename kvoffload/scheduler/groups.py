@@ -51,7 +51,6 @@ from kvoffload.scheduler.group_loads import (
     LoadRecord,
     abandon_grouped,
     check_ledgers,
-    check_lookup_counts,
     check_request,
     find_hit,
     hit_blocks,
@@ -74,7 +73,7 @@ from kvoffload.scheduler.group_state import (
 )
 from kvoffload.scheduler.group_stores import CacheViews, GroupStorePlanner
 from kvoffload.scheduler.ledger import BlockLedger
-from kvoffload.scheduler.loads import run_extend, run_spent
+from kvoffload.scheduler.loads import check_lookup_counts, run_extend, run_spent
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.requests import as_int
 from kvoffload.scheduler.stats import Counters
@@ -359,7 +358,7 @@ class GroupedScheduler:
         align = self._align
         num_tokens = as_int(num_tokens, "num_tokens", request_id)
         num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", request_id)
-        check_lookup_counts(request_id, num_tokens, num_computed_tokens, align)
+        check_lookup_counts(request_id, num_tokens, num_computed_tokens, align, "hit_alignment")
         check_hashes(self._cacheable, request_id, None, block_hashes, self._table.hash_args)
         state = self._table.state(request_id)
         self.release(request_id)

@@ -39,6 +39,7 @@ __all__ = [
     "LookupExtension",
     "abandon_loads",
     "block_miss_reason",
+    "check_lookup_counts",
     "deferral_deadline",
     "deferral_spent",
     "run_extend",
@@ -164,6 +165,29 @@ def abandon_loads(
     return abandoned, first
 
 
+def check_lookup_counts(
+    rid: str, num_tokens: int, num_computed_tokens: int, unit: int, unit_name: str
+) -> None:
+    """A lookup's counts, the rule of every path (one group's `lookup()`, a
+    `GroupedScheduler`'s): ``0 <= num_computed_tokens <= num_tokens``, and
+    ``num_computed_tokens`` a multiple of ``unit`` (one group's block size, several
+    groups' hit alignment; ``unit_name`` names it).
+
+    Raises:
+        InvalidInputError: naming the request and the counts.
+    """
+    if num_tokens < 0 or not 0 <= num_computed_tokens <= num_tokens:
+        raise InvalidInputError(
+            f"request {rid!r}: need 0 <= num_computed_tokens "
+            f"({num_computed_tokens}) <= num_tokens ({num_tokens})"
+        )
+    if num_computed_tokens % unit:
+        raise InvalidInputError(
+            f"request {rid!r}: num_computed_tokens={num_computed_tokens} is not a "
+            f"multiple of {unit_name}={unit}"
+        )
+
+
 class LookupExtension(Protocol):
     """What a lookup asks of the storage below the CPU pool (the tier manager)."""
 
@@ -270,16 +294,7 @@ class LoadPlanner:
         bs = self._block_size
         num_tokens = as_int(num_tokens, "num_tokens", rid)
         num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", rid)
-        if num_tokens < 0 or not 0 <= num_computed_tokens <= num_tokens:
-            raise InvalidInputError(
-                f"request {rid!r}: need 0 <= num_computed_tokens "
-                f"({num_computed_tokens}) <= num_tokens ({num_tokens})"
-            )
-        if num_computed_tokens % bs:
-            raise InvalidInputError(
-                f"request {rid!r}: num_computed_tokens={num_computed_tokens} is not a "
-                f"multiple of block_size={bs}"
-            )
+        check_lookup_counts(rid, num_tokens, num_computed_tokens, bs, "block_size")
         num_hashes = length(block_hashes, "block_hashes", rid)
         start = num_computed_tokens // bs
         limit = min(num_hashes, (num_tokens - 1) // bs) if num_tokens else 0

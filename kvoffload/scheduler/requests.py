@@ -10,7 +10,7 @@ import operator
 import warnings
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any, NoReturn, Protocol, final
+from typing import Any, Protocol, final
 
 from kvoffload._logging import get_logger
 from kvoffload.errors import (
@@ -37,7 +37,9 @@ __all__ = [
     "as_int",
     "check_agrees",
     "check_distinct",
+    "check_entry",
     "check_known_entries",
+    "check_load_span",
     "check_reservable",
     "check_hash",
     "fresh_ids",
@@ -262,11 +264,38 @@ class PriorityCount:
             raise InvariantError(f"{counted} requests have a priority, {self.count} counted")
 
 
-def _out_of_range(g: int, j: int, rid: str, limit: int | None) -> NoReturn:
-    raise BlockTableError(
-        f"request {rid!r}: gpu_block_ids[{j}]={g} is out of range "
-        f"[0, {limit if limit is not None else 'inf'})"
-    )
+def check_entry(value: object, j: int, rid: str, limit: int | None, what: str) -> int:
+    """One entry of a block table: an int (`as_int()`) in ``[0, limit)`` (``None``: no
+    upper bound). The rule of every path (one group's `update()` and `plan_load()`, each
+    group's table of a `GroupedScheduler`); ``what`` names the table.
+
+    Raises:
+        InputTypeError: not an int.
+        BlockTableError: out of range; both naming the request, the table and the entry.
+    """
+    g = value if type(value) is int else as_int(value, f"{what}[{j}]", rid)
+    if g < 0 or (limit is not None and g >= limit):
+        raise BlockTableError(
+            f"request {rid!r}: {what}[{j}]={g} is out of range "
+            f"[0, {limit if limit is not None else 'inf'})"
+        )
+    return g
+
+
+def check_load_span(table_len: int, start: int, n: int, rid: str, group: str | None) -> None:
+    """A load's block table reaches the blocks it loads into (``[start, start + n)``):
+    the rule of every path (one group's `plan_load()`, each group's of a
+    `GroupedScheduler`, which names its ``group``).
+
+    Raises:
+        BlockTableError: naming the request, the group and both lengths.
+    """
+    if table_len < start + n:
+        table = "block table" if group is None else f"the block table of group {group!r}"
+        raise BlockTableError(
+            f"request {rid!r}: {table} has {table_len} GPU blocks, "
+            f"loading blocks {start}..{start + n - 1} needs {start + n}"
+        )
 
 
 def fresh_ids(new: list[Any], seen: Collection[int], limit: int | None) -> bool:
@@ -705,9 +734,9 @@ class RequestTable:
         check_known_entries(table, old, check_from, rid)
         new = []
         for j in range(n_old, n):
-            g = as_int(table[j], f"gpu_block_ids[{j}]", rid)
-            if g < 0 or (limit is not None and g >= limit):
-                _out_of_range(g, j, rid, limit)
+            g = table[j]
+            if type(g) is not int or g < 0 or (limit is not None and g >= limit):
+                g = check_entry(g, j, rid, limit, "gpu_block_ids")  # converts or raises
             new.append(g)
         check_distinct(new, rid, earlier=old, earlier_set=seen)
         return new
@@ -719,11 +748,7 @@ class RequestTable:
         none twice in the table, in range, and equal to the table `update()` was given."""
         rid = state.request_id
         table_len = length(table, "gpu_block_ids", rid)
-        if table_len < start + n:
-            raise BlockTableError(
-                f"request {rid!r}: block table has {table_len} GPU blocks, "
-                f"loading blocks {start}..{start + n - 1} needs {start + n}"
-            )
+        check_load_span(table_len, start, n, rid, None)
         if not n:
             return []
         limit = self._num_gpu_blocks
@@ -733,7 +758,7 @@ class RequestTable:
         for j in range(start, start + n):
             g = ids[j]
             if g < 0 or (limit is not None and g >= limit):
-                _out_of_range(g, j, rid, limit)
+                check_entry(g, j, rid, limit, "gpu_block_ids")  # raises
         known = state.gpu_block_ids if state.phase is not _PREEMPTED else []
         check_agrees(known, ids, range(start, start + n), rid)
         return ids[start : start + n]
