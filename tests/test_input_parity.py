@@ -3,10 +3,17 @@
 check, with the same error and the same message but for how it names the table (one
 group: ``gpu_block_ids``; several: ``tables['g']``) and the unit of a hit (one group's
 ``block_size``, several groups' ``hit_alignment``). A table with two such groups is
-refused the same way, naming the group at fault."""
+refused the same way, naming the group at fault. A seeded random engine, good input and
+bad (tables changed, shrunk, naming a block twice or out of range; hashes shrunk or
+changed; computed counts going back; loads into wrong tables; finishes, preemptions,
+failed stores), gets the same answer from both at every step: a fix made on one path
+only fails it (each shared check disabled on either side fails most seeds)."""
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import random
 import re
 from collections.abc import Callable
 from typing import Any
@@ -15,10 +22,11 @@ import pytest
 from groups_helpers import Rig, group
 
 from kvoffload.config import OffloadConfig
-from kvoffload.errors import BlockTableError, InputTypeError, InvalidInputError
+from kvoffload.errors import BlockTableError, InputTypeError, InvalidInputError, KvOffloadError
 from kvoffload.hashing import BlockHasher, HashNamespace
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.scheduler import OffloadScheduler
+from kvoffload.scheduler.groups import GroupedScheduler
 
 TOKENS = list(range(16))
 TABLE = [0, 1, 2, 3]
@@ -170,3 +178,200 @@ def test_two_groups_name_the_group_whose_table_is_wrong() -> None:
     # ``None`` names no block, in any group's table
     rig.sched.update("a", {"f": TABLE, "w": [None, 5, 6, 7]}, hashes, 16)
     rig.sched.check_invariants()
+
+
+# -- a seeded random workload, good input and bad, through both schedulers ----------------
+
+GPU = 32
+BAD_KINDS = (
+    "change",
+    "shrink",
+    "twice",
+    "range",
+    "hashes_shrink",
+    "last_hash",
+    "first_hash",
+    "computed_back",
+)
+
+
+def chain(tag: str, n: int) -> list[bytes]:
+    out, prev = [], tag.encode()
+    for k in range(n):
+        prev = hashlib.sha256(prev + bytes([k])).digest()
+        out.append(prev)
+    return out
+
+
+class Engine:
+    """What a random engine asks of a scheduler, good and bad, step by step; each call
+    is made on both schedulers and what they answer is compared."""
+
+    def __init__(self, seed: int, settings: dict[str, object]) -> None:
+        self.rnd = random.Random(seed)
+        config = OffloadConfig(num_cpu_blocks=10, block_size=4, **settings)  # type: ignore[arg-type]
+        self.one = OffloadScheduler(config, CpuBlockPool(10), num_gpu_blocks=GPU)
+        self.grouped = GroupedScheduler(
+            [group("g", "full", 4)],
+            {"g": CpuBlockPool(10)},
+            config=config,
+            num_gpu_blocks={"g": GPU},
+        )
+        self.free = list(range(GPU))
+        self.rnd.shuffle(self.free)
+        self.live: dict[str, tuple[list[int], list[bytes], int]] = {}
+        self.ids = itertools.count()
+        self.hits: dict[str, int] = {}
+
+    def both(self, call: Callable[[Any, Callable[[object], object]], object]) -> list[object]:
+        """``call`` on each scheduler (one group's lists, or a mapping with one group):
+        the error's type, or what came back."""
+        out: list[object] = []
+        for sched, wrap in ((self.one, lambda x: x), (self.grouped, lambda x: {"g": x})):
+            try:
+                out.append(call(sched, wrap))
+            except KvOffloadError as e:
+                out.append(type(e))
+        return out
+
+    def step(self) -> tuple[str, list[object]]:
+        rnd = self.rnd
+        if len(self.live) < 4:
+            self.live[f"r{next(self.ids)}"] = ([], chain(f"p{rnd.randrange(3)}", 8), 0)
+        rid = rnd.choice(sorted(self.live))
+        table, hashes, computed = self.live[rid]
+        op = rnd.choice(
+            (
+                "grow",
+                "grow",
+                "grow",
+                "bad",
+                "plan",
+                "plan",
+                "finish",
+                "preempt",
+                "lookup",
+                "release",
+            )
+        )
+        if op == "grow":
+            if len(table) < len(hashes) and self.free:
+                table.append(self.free.pop())
+            computed = min(len(table) * 4, computed + 4 * rnd.randint(0, 2))
+            self.live[rid] = (table, hashes, computed)
+            n = len(table)
+            return op, self.both(lambda s, w: s.update(rid, w(table[:]), w(hashes[:n]), computed))
+        if op == "bad":
+            kind = rnd.choice(BAD_KINDS)
+            t, h, c = bad_input(kind, table, hashes[: len(table)], computed, self.free)
+            return f"bad {kind}", self.both(lambda s, w: s.update(rid, w(t), w(h), c))
+        if op == "plan":
+            ok = rnd.random() < 0.8
+            return op, self.both(lambda s, w: plan_and_complete(s, ok))
+        if op == "lookup":
+            r = rnd.random()  # one draw: both schedulers are asked the same
+            return op, self.both(lambda s, w: lookup_and_load(s, w, rid, table, hashes, r))
+        answers = self.both(lambda s, w: ended(s, op, rid))
+        if answers[0] is None and op == "finish":
+            for s in (self.one, self.grouped):  # a grouped finish may plan the last point
+                s.check_invariants()
+            self.free.extend(table)
+            del self.live[rid]
+        elif answers[0] is None and op == "preempt":
+            self.free.extend(table)
+            self.live[rid] = ([], hashes, 0)
+        return op, answers
+
+
+def bad_input(
+    kind: str, table: list[int], hashes: list[bytes], computed: int, free: list[int]
+) -> tuple[list[int], list[bytes], int]:
+    t, h, c = table[:], hashes[:], computed
+    if kind == "change" and t:
+        t[len(t) // 2] = free[0] if free else GPU - 1
+    elif kind == "shrink" and t:
+        t, h = t[:-1], h[:-1]
+    elif kind == "twice" and t:
+        t.append(t[0])
+        h = [*h, b"n" * 32]
+    elif kind == "range":
+        t.append(GPU + 3)
+        h = [*h, b"n" * 32]
+    elif kind == "hashes_shrink" and h:
+        h = h[:-1]
+    elif kind == "last_hash" and h:
+        h[-1] = b"z" * 32
+    elif kind == "first_hash" and h:
+        h[0] = b"y" * 32
+    elif kind == "computed_back":
+        c = max(0, c - 4)
+    return t, h, c
+
+
+def ended(sched: Any, op: str, rid: str) -> object:
+    """``finish``, ``preempt`` or ``release``: what one group's ``finish()`` holds (a
+    grouped finish's store of the request's last point, if any, is completed and
+    compared: a full group has none to plan)."""
+    out = getattr(sched, op)(rid)
+    if op != "finish":
+        return None
+    if hasattr(sched, "complete_all"):
+        if out is not None:
+            sched.complete_all(out, True)
+            return ("planned at finish", out.plans["g"].gpu_block_ids)
+        return sched.held_blocks(rid).get("g", [])
+    return list(out)
+
+
+def plan_and_complete(sched: Any, ok: bool) -> object:
+    """This step's stores (the one group's part): its GPU blocks and hashes; completed."""
+    plan = sched.plan_stores()
+    if plan is None:
+        return None
+    grouped = hasattr(sched, "complete_all")
+    part = plan.plans.get("g") if grouped else plan
+    (sched.complete_all if grouped else sched.complete)(plan, ok)
+    return None if part is None else (part.gpu_block_ids, part.block_hashes)
+
+
+def lookup_and_load(
+    sched: Any,
+    w: Callable[[object], object],
+    rid: str,
+    table: list[int],
+    hashes: list[bytes],
+    r: float,
+) -> object:
+    """A lookup, then (when it hit) a load into the table as it is, or one naming a block
+    twice, or an empty one, or the pins released."""
+    hit = sched.lookup(rid, w(hashes), len(hashes) * 4 + 1, 0)
+    if not hit:
+        return hit
+    dest = table + list(range(GPU - 8, GPU - 8 + 8 - len(table)))
+    if r < 0.2:
+        dest = [dest[0], *dest[:-1]]
+    elif r < 0.3:
+        dest = []
+    plan = sched.plan_load(rid, w(dest), 0 if r > 0.9 else hit)
+    if plan is not None:
+        (sched.complete_all if hasattr(sched, "complete_all") else sched.complete)(plan, True)
+    return hit
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"hold_blocks_on_finish": True}, {"max_store_blocks_per_step": 2}],
+    ids=["defaults", "hold_blocks_on_finish", "step_limit"],
+)
+@pytest.mark.parametrize("seed", range(25))
+def test_random_input_good_and_bad_gets_the_same_answers(
+    seed: int, settings: dict[str, object]
+) -> None:
+    """Each step: the same error, or the same hit and the same store plan; both
+    schedulers' invariants hold after every step."""
+    engine = Engine(seed, settings)
+    for _ in range(120):
+        op, answers = engine.step()
+        assert answers[0] == answers[1], (op, answers)
+        engine.one.check_invariants()
+        engine.grouped.check_invariants()
