@@ -603,7 +603,8 @@ def check_tables(
         table = tables.get(g.name)
         if table is None:
             raise BlockTableError(f"request {rid!r}: no block table for group {g.name!r}")
-        length(table, f"tables[{g.name!r}]", rid)  # a sequence, as one group's
+        if type(table) is not list:
+            length(table, f"tables[{g.name!r}]", rid)  # a sequence, as one group's
         limit = limits.get(g.name)
         entries = list(table)
         if entries and fresh_ids(entries, (), limit):
