@@ -113,6 +113,7 @@ class GroupsFront:
         self.alignment = hit_alignment(self.groups)
         """Hits are multiples of this many tokens (the LCM of the block sizes)."""
         self._names = tuple(g.name for g in self.groups)
+        self._name_set = frozenset(self._names)
         _check_host_memory(self.pool_blocks(), layouts, host_buffer=host_buffer)
         cacheable = [g for g in self.groups if g.cacheable]
         self.namespaces: dict[str, HashNamespace] = {
@@ -252,9 +253,17 @@ class GroupsFront:
         block_hashes: Sequence[BlockHash] | Mapping[str, Sequence[BlockHash]],
         num_computed_tokens: int,
     ) -> None:
-        """See `GroupedScheduler.update()`."""
-        tables = self._check_names(request_id, "update()'s block tables", tables)
-        block_hashes = self._check_names(request_id, "update()'s block_hashes", block_hashes)
+        """See `GroupedScheduler.update()` (the step's hot path: two dicts naming only
+        the model's groups, as a handle gives them, are taken without a call)."""
+        names = self._name_set
+        if not (
+            type(tables) is dict
+            and type(block_hashes) is dict
+            and tables.keys() <= names
+            and block_hashes.keys() <= names
+        ):
+            tables = self._check_names(request_id, "update()'s block tables", tables)
+            block_hashes = self._check_names(request_id, "update()'s block_hashes", block_hashes)
         self.scheduler.update(request_id, tables, block_hashes, num_computed_tokens)
 
     def store(

@@ -59,7 +59,16 @@ class GroupLanes:
         request_id: the request, for error messages.
     """
 
-    __slots__ = ("_lanes", "_names", "_reported", "_rid", "_who", "block_sizes", "hashers")
+    __slots__ = (
+        "_lanes",
+        "_name_set",
+        "_names",
+        "_reported",
+        "_rid",
+        "_who",
+        "block_sizes",
+        "hashers",
+    )
 
     def __init__(
         self,
@@ -73,6 +82,7 @@ class GroupLanes:
         """Per cacheable group, its block size."""
         self._lanes = tuple((name, bs, self.hashers[name]) for name, bs, _ in groups)
         self._names = names
+        self._name_set = frozenset(names)
         self._reported = dict.fromkeys(self.hashers, 0)
         self._rid = request_id
         self._who = f"request {request_id!r}: "
@@ -122,7 +132,10 @@ class GroupLanes:
             InvalidInputError: see `tables()`.
             BlockTableError: a table shorter than the group's full computed blocks.
         """
-        checked = self.tables(tables)
+        if type(tables) is dict and tables.keys() <= self._name_set:
+            checked: Mapping[str, Sequence[int | None]] = tables  # the common case, no call
+        else:
+            checked = self.tables(tables)
         reported = self._reported
         hashes: dict[str, Sequence[BlockHash]] = {}
         for name, bs, hasher in self._lanes:  # one pass (a refusal discards ``hashes``)
