@@ -415,12 +415,14 @@ class GroupRequests:
         state = existing if existing is not None else self.state(request_id)
         for k, lane in enumerate(state.lanes.values()):  # the cacheable groups' lanes
             append, entries = changes[k]
+            ids = lane.ids
             if append:
                 lane.table.extend(entries)
-                lane.ids.update(e for e in entries if e is not None)
             else:
                 lane.table = entries
-                lane.ids = {e for e in entries if e is not None}
+                ids = lane.ids = set()
+            ids.update(entries)  # type: ignore[arg-type] # at C speed; ``None`` names no block
+            ids.discard(None)
             lane.hashes.extend(new_hashes[k])
         state.num_computed_tokens = num_computed_tokens
 
