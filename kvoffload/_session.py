@@ -75,6 +75,11 @@ class _State(enum.Enum):
         return target
 
 
+_OPEN = _State.OPEN
+_getpid = os.getpid
+_get_ident = threading.get_ident
+
+
 class Lifecycle:
     """The lifecycle and owner checks of a `Session`: the state (created, open,
     closing, closed), the process that made it, the event loop's thread and the task
@@ -460,6 +465,17 @@ class Session(Lifecycle):
             TransferError: the completion poller failed (see `CompletionPoller`).
             PinnerError: with ``pinner_error``, an earlier ``unpin`` raised (once).
         """
+        if (  # every step call's path: each condition read inline, no call but the two
+            self._state is _OPEN
+            and _getpid() == self._pid
+            and (self._loop_thread is None or _get_ident() == self._loop_thread)
+        ):
+            launcher = self.launcher
+            if launcher.poller.callback_error is None and (
+                launcher.pinner_error is None or not pinner_error
+            ):
+                return
+        # something to refuse: the checks in their order name it
         self._check_open(what)
         launcher = self.launcher
         launcher.poller.check_health()

@@ -110,12 +110,12 @@ class TransferLauncher:
         "_engines",
         "_next_id",
         "_outcomes",
-        "_pinner_error",
         "_pinners",
         "_tasks",
         "_tokens",
         "on_ended",
         "on_stored",
+        "pinner_error",
         "poller",
     )
 
@@ -135,7 +135,9 @@ class TransferLauncher:
         several groups."""
         self._tokens: dict[TransferTask, int] = {}
         self._next_id = 0
-        self._pinner_error: BaseException | None = None
+        self.pinner_error: BaseException | None = None
+        """What an ``unpin`` raised, not raised yet (read it; `raise_pinner_error()` raises
+        it once)."""
         self.poller = CompletionPoller(self._on_complete, poll_interval_s=poll_interval_s)
         """Delivers each completion to this launcher (run it in a task group)."""
         self.on_stored: Callable[[str, StorePlan], None] | None = None
@@ -287,9 +289,9 @@ class TransferLauncher:
         Raises:
             PinnerError: an ``unpin`` raised since the last call (its cause is chained).
         """
-        error = self._pinner_error
+        error = self.pinner_error
         if error is not None:
-            self._pinner_error = None
+            self.pinner_error = None
             raise PinnerError(
                 f"the GpuBlockPinner's unpin raised after a transfer completed: {error!r} "
                 "(the transfer was recorded and its references released)"
@@ -341,7 +343,7 @@ class TransferLauncher:
             pinner.unpin(gpu_block_ids)
         except Exception as exc:
             _log.error("pinner_failed", call="unpin", group=group, plan_id=plan_id, error=repr(exc))
-            self._pinner_error = exc
+            self.pinner_error = exc
 
     def _on_complete(self, task: TransferTask) -> None:
         parts = _parts(task, self._tasks.pop(task, ()))

@@ -29,6 +29,7 @@ from kvoffload.errors import (
     ForkedProcessError,
     HostMemoryError,
     InvalidInputError,
+    KvOffloadError,
     LayoutMismatchError,
     TransferError,
     WrongContextError,
@@ -236,6 +237,34 @@ async def test_a_load_whose_launch_failed_is_done_only_after_its_release() -> No
         assert pins.count == 0
         assert off.pool.num_free == off.pool.num_blocks
         off.scheduler.check_invariants()
+
+
+async def test_a_failed_completion_callback_is_raised_by_every_later_step_call() -> None:
+    """A bug in what runs when a copy ends (here: the launcher's `on_ended` hook) is not
+    lost in the poller: every step-loop call after it raises it, chained."""
+    async with KVOffloader(config(), make_kv()) as off:
+        hs = off.hash_prompt(list(range(2 * BS)))
+        off.update("a", [0, 1], hs, 2 * BS)
+
+        def broken(task: object, tokens: int) -> None:
+            raise ValueError("a bug in the completion path")
+
+        off._life.launcher.on_ended = broken
+        (task,) = off.store()
+        with anyio.fail_after(5):
+            await task  # the copy itself ended; its awaiter still wakes
+        with anyio.fail_after(5):
+            while off._life.launcher.poller.statistics().callback_errors == 0:
+                await anyio.sleep(0.001)
+        for call in (
+            lambda: off.update("a", [0, 1], hs, 2 * BS),
+            off.store,
+            lambda: off.lookup("b", hs, 2 * BS + 1),
+            lambda: off.finish("a"),
+        ):
+            with pytest.raises(KvOffloadError, match="completion callback failed 1 time") as info:
+                call()
+            assert isinstance(info.value.__cause__, ValueError)
 
 
 # -- item 1: the whole cost is checked before anything is allocated -------------------------

@@ -104,7 +104,6 @@ class CompletionPoller:
 
     __slots__ = (
         "_abandoned",
-        "_callback_error",
         "_callback_errors",
         "_completed",
         "_drained",
@@ -120,6 +119,7 @@ class CompletionPoller:
         "_running",
         "_threadsafe",
         "_wakeup",
+        "callback_error",
     )
 
     def __init__(
@@ -135,7 +135,8 @@ class CompletionPoller:
         self._failed = 0
         self._abandoned = 0
         self._callback_errors = 0
-        self._callback_error: Exception | None = None
+        self.callback_error: Exception | None = None
+        """The completion callback's last error (read it; `check_health()` raises it)."""
         self._polls = 0
         self._latencies: deque[float] = deque(maxlen=_LATENCY_SAMPLES)
         self._wakeup: anyio.Event | None = None
@@ -193,11 +194,11 @@ class CompletionPoller:
         Raises:
             KvOffloadError: chained to the callback's last exception.
         """
-        if self._callback_error is not None:
+        if self.callback_error is not None:
             raise KvOffloadError(
                 f"the completion callback failed {self._callback_errors} time(s); "
-                f"last error: {self._callback_error!r}"
-            ) from self._callback_error
+                f"last error: {self.callback_error!r}"
+            ) from self.callback_error
 
     def statistics(self) -> PollerStatistics:
         """A snapshot of counters and observation latency."""
@@ -271,7 +272,7 @@ class CompletionPoller:
             self._abandoned += 1
         if callback_error is not None:
             self._callback_errors += 1
-            self._callback_error = callback_error
+            self.callback_error = callback_error
             _log.error(
                 "completion_callback_failed",
                 plan_id=task.plan.plan_id,
