@@ -6,7 +6,7 @@ group: ``gpu_block_ids``; several: ``tables['g']``) and the unit of a hit (one g
 refused the same way, naming the group at fault. A seeded random engine, good input and
 bad (tables changed, shrunk, naming a block twice or out of range; hashes shrunk or
 changed; computed counts going back; loads into wrong tables; finishes, preemptions,
-failed stores), gets the same answer from both at every step: a fix made on one path
+resets, failed stores), gets the same answer from both at every step: a fix made on one path
 only fails it (each shared check disabled on either side fails most seeds)."""
 
 from __future__ import annotations
@@ -252,6 +252,7 @@ class Engine:
                 "preempt",
                 "lookup",
                 "release",
+                "reset" if rnd.random() < 0.3 else "plan",
             )
         )
         if op == "grow":
@@ -268,6 +269,8 @@ class Engine:
         if op == "plan":
             ok = rnd.random() < 0.8
             return op, self.both(lambda s, w: plan_and_complete(s, ok))
+        if op == "reset":  # every cursor back to 0: stores wait for the next update
+            return op, self.both(lambda s, w: s.reset())
         if op == "lookup":
             r = rnd.random()  # one draw: both schedulers are asked the same
             return op, self.both(lambda s, w: lookup_and_load(s, w, rid, table, hashes, r))

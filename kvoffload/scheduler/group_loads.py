@@ -352,7 +352,8 @@ def check_request(groups: Mapping[str, KVCacheGroup], state: GroupedRequest, ali
     aligned hit ``N`` (none without a hit); each lane's ``ids`` are exactly its table's
     int entries (the store loop's "no ``None`` here" shortcut reads them); a finished
     request is kept only while its transfers run or it holds GPU blocks
-    (``hold_blocks_on_finish``).
+    (``hold_blocks_on_finish``); one whose tables await a comparison after a reset
+    neither stored nor holds anything since.
 
     Raises:
         InvariantError: naming the request, the group and the breach.
@@ -360,6 +361,8 @@ def check_request(groups: Mapping[str, KVCacheGroup], state: GroupedRequest, ali
     rid = state.request_id
     if state.finished and not state.in_flight and not state.holding:
         raise InvariantError(f"finished request {rid!r} kept")
+    if state.recheck_table and (state.holding or any(lo.cursor for lo in state.lanes.values())):
+        raise InvariantError(f"request {rid!r}: stored or held from a table not compared again")
     for name, lane in state.lanes.items():
         if lane.ids != {e for e in lane.table if e is not None}:
             raise InvariantError(

@@ -210,6 +210,10 @@ class GroupedRequest:
     # a step deferred blocks of a full group: its finish stores no point past the full
     # groups' cursors (`full_cover()`)
     full_deferred: bool = False
+    # a reset moved its cursors back over entries no update compared since they were
+    # stored: until the next update compares its whole tables, nothing is stored or held
+    # from them (one group's `RequestOffloadState.recheck_table`)
+    recheck_table: bool = False
 
     @property
     def holding(self) -> bool:
@@ -358,6 +362,7 @@ class GroupRequests:
                     if hashes:
                         lane.hashes.extend(hashes)
                 existing.num_computed_tokens = num_computed_tokens
+                existing.recheck_table = False  # every known entry was compared (cursor 0)
                 return
         self._full_update(request_id, existing, tables, block_hashes, num_computed_tokens)
 
@@ -396,6 +401,7 @@ class GroupRequests:
         if hashes:
             lane.hashes.extend(hashes)
         state.num_computed_tokens = num_computed_tokens
+        state.recheck_table = False  # every known entry was compared (cursor 0)
         return True
 
     def _full_update(
@@ -425,6 +431,7 @@ class GroupRequests:
             ids.discard(None)
             lane.hashes.extend(new_hashes[k])
         state.num_computed_tokens = num_computed_tokens
+        state.recheck_table = False
 
     def known(self, request_id: str) -> GroupedRequest:
         """The state of ``request_id`` (`UnknownRequestError`: none; `RequestStateError`:

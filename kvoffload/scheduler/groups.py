@@ -539,7 +539,11 @@ class GroupedScheduler:
             One store plan per group with blocks to store, or ``None``.
         """
         self._planner.plan_calls += 1
-        live = [s for s in self._requests.values() if not s.finished or s.holding]
+        live = [
+            s
+            for s in self._requests.values()
+            if (not s.finished or s.holding) and not s.recheck_table
+        ]
         plan = self._planner.plan(live, False, gpu_cache)
         for state in live:
             if state.finished:
@@ -570,7 +574,9 @@ class GroupedScheduler:
         self.release(request_id)
         planner = self._planner
         plan = None
-        if planner.holds is not None:
+        if state.recheck_table:
+            pass  # after a reset, a table not compared again: nothing held or stored
+        elif planner.holds is not None:
             planner.begin_hold(state)
         elif not planner.lazy_window:  # lazy stores plan nothing at finish (one group too)
             plan = self._planner.plan([state], True)
@@ -620,6 +626,7 @@ class GroupedScheduler:
             lane.table, lane.cursor, lane.valid_from = [], 0, 0
             lane.ids = set()
         state.num_computed_tokens = 0
+        state.recheck_table = False  # no table left to compare again
         state.admitted = False  # a re-admission counts its prompt again, as with one group
 
     def reset(self) -> bool:
@@ -633,6 +640,8 @@ class GroupedScheduler:
         for state in self._requests.values():
             self.release(state.request_id)
             self._planner.live.forget(state)
+            if not state.finished and any(lane.cursor for lane in state.lanes.values()):
+                state.recheck_table = True  # its next update compares the whole tables
             for lane in state.lanes.values():
                 lane.cursor = 0
         self._planner.live.reset()

@@ -124,7 +124,12 @@ class FinishHolds:
         """Hold what a finishing request has computed and not stored (its prefix first,
         within ``hold_max_blocks``); returns the held GPU block ids (empty: none)."""
         config = self._config
-        if not config.hold_blocks_on_finish or config.store_mode != "eager" or state.preempted:
+        if (
+            not config.hold_blocks_on_finish
+            or config.store_mode != "eager"
+            or state.preempted
+            or state.recheck_table  # after a reset, a table not compared again: no block
+        ):
             return []
         i = state.num_stored_blocks
         end = min(
