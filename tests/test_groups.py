@@ -376,7 +376,9 @@ def test_cancelled_store_is_planned_again() -> None:
     assert rig.sched.lookup("b", rig.hashes(tokens(17)), 17) == 16
 
 
-def test_cancelled_load_releases_every_pin() -> None:
+def test_cancelled_load_pins_the_hit_again_and_release_drops_every_pin() -> None:
+    # every part cancelled: the hit is pinned again, as with one group
+    # (tests/test_groups_cancel_load.py); releasing it drops every pin
     sw = group("win", "sliding_window", 4, window=9)
     rig = Rig([FULL4, sw], checkpoint_tokens=16)
     _store_prompt(rig, "a", 16)
@@ -385,6 +387,12 @@ def test_cancelled_load_releases_every_pin() -> None:
     assert plan is not None
     for name, sub in plan.plans.items():
         assert rig.sched.cancel(name, sub)
+    rig.sched.check_invariants()
+    stats = rig.sched.statistics()
+    assert {n: s.pinned_blocks for n, s in stats.items()} == {
+        n: sub.num_blocks for n, sub in plan.plans.items()
+    }
+    rig.sched.release("b")
     rig.sched.check_invariants()
     assert all(s.pinned_blocks == 0 for s in rig.sched.statistics().values())
 

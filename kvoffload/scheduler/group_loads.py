@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, final
 
 from kvoffload.errors import InvariantError
@@ -22,6 +22,7 @@ from kvoffload.transfer.plan import LoadPlan, TransferPlan
 
 __all__ = [
     "GroupLookupExtension",
+    "GroupedLoad",
     "HitStops",
     "LoadRecord",
     "abandon_grouped",
@@ -126,6 +127,29 @@ class LoadRecord:
     """The engine's own prefix (tokens) the load lands above."""
     valid_from: int
     """The lane's ``valid_from`` before the load was planned."""
+    load: GroupedLoad | None = None
+    """The load it is a part of (`open_grouped_loads()`)."""
+
+
+@dataclass(slots=True, eq=False)
+class GroupedLoad:
+    """One load of a request's hit, every group's part of it (`open_grouped_loads()`):
+    what cancelling every part gives back to the request (`LoadsInFlight`)."""
+
+    request_id: str
+    hit: int
+    """The lookup's hit ``N`` (tokens) it loads."""
+    hit_from: int
+    """The engine's prefix (tokens) the hit was found above."""
+    open: set[str]
+    """The groups whose part is in flight: neither completed nor cancelled yet."""
+    parked: dict[str, tuple[list[CpuBlock], LoadRecord]] = field(default_factory=dict)
+    """Per group whose part was cancelled while another part is in flight: its CPU
+    blocks (a pin of the group's ledger, no lane's, as the plan kept them) and record."""
+    spoiled: bool = False
+    """The hit cannot be given back: a part completed, or the request's pins were
+    released since (a lookup, ``release()``, a finish, preemption, abandonment, reset);
+    a part cancelled now releases its blocks."""
 
 
 def note_load(cacheable: Sequence[KVCacheGroup], state: GroupedRequest) -> dict[str, LoadRecord]:
@@ -388,10 +412,12 @@ def check_ledgers(
     ledgers: Mapping[str, BlockLedger],
     requests: Iterable[GroupedRequest],
     loads: Mapping[str, Mapping[int, LoadRecord]],
+    parked: Mapping[str, Iterable[list[CpuBlock]]],
 ) -> None:
     """Check every group's pool and ledger, and that the ledger's pins are the requests'
-    lookups, its plans the requests' plans in flight (an abandoned load or a lazy store:
-    no request's) and its load plans those ``loads`` records.
+    lookups and the ``parked`` parts of loads cancelled part by part (`LoadsInFlight`), its
+    plans the requests' plans in flight (an abandoned load or a lazy store: no
+    request's) and its load plans those ``loads`` records.
 
     Raises:
         InvariantError: naming the group and the breach.
@@ -401,6 +427,7 @@ def check_ledgers(
         ledger.check_invariants()
         pins = {id(p) for p in ledger.pins()}
         held = {id(s.lanes[name].pin) for s in states if s.lanes[name].pin is not None}
+        held.update(id(blocks) for blocks in parked.get(name, ()))
         if pins != held:
             raise InvariantError(f"group {name!r}: the ledger's pins are not the lookups'")
         # an abandoned load serves no request any more (`abandon_grouped()`), nor does a
@@ -573,11 +600,17 @@ def open_grouped_loads(  # noqa: PLR0917 - the load's state, in its order
     state: GroupedRequest,
     tables: Mapping[str, list[int | None]],
     num_tokens: int,
-) -> dict[str, TransferPlan]:
+) -> tuple[dict[str, TransferPlan], GroupedLoad | None]:
     """Open, per group, the load of the request's pinned hit into its checked
     ``tables`` (`load_destinations()`): the pins become the plans' references, each
-    plan is recorded in ``loads`` and counted in its group's counters."""
+    plan is recorded in ``loads`` and counted in its group's counters.
+
+    Returns:
+        Per group, its plan, and the `GroupedLoad` they are parts of (``None``: no plan).
+        A load that does not cover every lane could not give a whole hit back: spoiled.
+    """
     rid = state.request_id
+    load = GroupedLoad(rid, state.hit or 0, state.hit_from, set())
     dests = load_destinations(rid, state, tables)
     plans: dict[str, TransferPlan] = {}
     records = note_load(groups, state)
@@ -594,6 +627,11 @@ def open_grouped_loads(  # noqa: PLR0917 - the load's state, in its order
             counters.load_plans += 1
             counters.concurrent_load_blocks += concurrent
             plans[name] = plan
+            records[name].load = load
             loads[name][plan.plan_id] = records[name]
             state.in_flight.add((name, plan.plan_id))
-    return plans
+    if not plans:
+        return plans, None
+    load.open.update(plans)
+    load.spoiled = load.open != state.lanes.keys()
+    return plans, load

@@ -45,18 +45,16 @@ from kvoffload.groups import (
     hit_alignment,
 )
 from kvoffload.pool.block_pool import CpuBlockPool
+from kvoffload.scheduler.group_flight import LoadsInFlight
 from kvoffload.scheduler.group_loads import (
     GroupLookupExtension,
     HitStops,
-    LoadRecord,
-    abandon_grouped,
     check_ledgers,
     check_request,
     find_hit,
     hit_blocks,
     lookup_defers_grouped,
     note_prefix,
-    open_grouped_loads,
     promotions_defer,
 )
 from kvoffload.scheduler.group_retain import release_groups, retain_groups
@@ -187,8 +185,7 @@ class GroupedScheduler:
         self._counts = {
             g.name: GroupCounts(Counters(g.block_size, g.bytes_per_block)) for g in self._cacheable
         }
-        self._loads: dict[str, dict[int, LoadRecord]] = {g.name: {} for g in self._cacheable}
-        """Per group, its load plans in flight (abandoned ones too) by plan id."""
+        self._loads = LoadsInFlight(self._cacheable, self._ledgers, self._counts, self._requests)
         self.abandoned_loads = 0
         """Loads their request abandoned while the copy was in flight (`abandon_load()`)."""
         self._stops = HitStops(self._cacheable, self._ledgers, self._counts, checkpoint_tokens)
@@ -456,6 +453,7 @@ class GroupedScheduler:
                 self._ledgers[name].unpin(lane.pin)
                 lane.pin = None
         state.hit = None
+        self._loads.released(request_id)
 
     def plan_load(
         self, request_id: str, tables: GroupTables, num_tokens: int
@@ -491,9 +489,7 @@ class GroupedScheduler:
                 f"lookup's hit {hit}"
             )
         checked = check_tables(self._cacheable, self._limits, request_id, tables)
-        plans = open_grouped_loads(
-            self._cacheable, self._ledgers, self._counts, self._loads, state, checked, num_tokens
-        )
+        plans = self._loads.open(state, checked, num_tokens)
         state.hit = None
         return GroupedPlan("load", plans) if plans else None
 
@@ -516,7 +512,7 @@ class GroupedScheduler:
         """
         state = self._table.known(request_id)
         self.release(request_id)
-        abandoned = abandon_grouped(self._cacheable, self._ledgers, self._loads, state)
+        abandoned = self._loads.abandon(state)
         if abandoned:
             # one load is one plan in every cacheable group (every group needs a block of
             # any hit above the prefix), so the longest list counts the loads
@@ -673,7 +669,7 @@ class GroupedScheduler:
         if plan.kind == "store":
             self._planner.records.pop((group, plan.plan_id))
         else:
-            del self._loads[group][plan.plan_id]
+            self._loads.completed(group, plan.plan_id)
         counters.completed(rec, ok=ok, current=rec.epoch == ledger.epoch)
         self._table.detach(group, plan)
         return True
@@ -685,7 +681,9 @@ class GroupedScheduler:
 
     def cancel(self, group: str, plan: TransferPlan) -> bool:
         """Undo ``group``'s plan whose copy never started: a store's cursors go back (its
-        blocks are planned again), a load's pin is released (look up again).
+        blocks are planned again); a load's blocks become its request's lookup pin again
+        once every group's part of that load was cancelled (`LoadsInFlight`: the same hit
+        may be loaded again), or are released when that cannot be.
 
         Returns:
             ``False`` when the plan is unknown or already completed, or is not
@@ -705,10 +703,7 @@ class GroupedScheduler:
             counters.store_plans -= 1
             self._planner.cancel(group, plan.plan_id, rec.hashes, rec.epoch == ledger.epoch)
         else:
-            counters.load_plans -= 1
-            del self._loads[group][plan.plan_id]
-            if not rec.abandoned:  # the ledger released an abandoned load's blocks
-                ledger.unpin(rec.blocks)
+            self._loads.cancelled(group, rec, rec.epoch == ledger.epoch)
         self._table.detach(group, plan)
         return True
 
@@ -728,7 +723,9 @@ class GroupedScheduler:
         Raises:
             InvariantError: naming the group and the breach.
         """
-        check_ledgers(self._ledgers, self._requests.values(), self._loads)
+        loads = self._loads
+        check_ledgers(self._ledgers, self._requests.values(), loads.records, loads.parked())
+        loads.check_invariants()
         self._table.priorities.check(self._requests.values())
         self._planner.check_invariants()
         groups = {g.name: g for g in self._cacheable}
