@@ -90,7 +90,7 @@ class Pair:
             {"block_size": BS, "num_cpu_blocks": CPU_BLOCKS, **settings}
         )
         self.one = OffloadScheduler(config, CpuBlockPool(CPU_BLOCKS))
-        self.one._loads.clock = lambda: 0.0
+        self.one.clock = lambda: 0.0
         groups = [group(n, "full", BS) for n in NAMES]
         self.grouped = GroupedScheduler(
             groups, {n: CpuBlockPool(CPU_BLOCKS) for n in NAMES}, config=config

@@ -87,7 +87,7 @@ async def test_a_store_that_never_lands_stops_the_deferral_after_the_bound(
     monkeypatch.setattr(loads, "MAX_LOOKUP_DEFERRALS", MAX_LOOKUP_DEFERRALS)
     engine = ControllableCopyEngine()
     async with KVOffloader(config(), make_kv(), copy_engine=engine) as off:
-        off.scheduler._loads.clock = lambda: 0.0  # the deadline never passes: the count
+        off.scheduler.clock = lambda: 0.0  # the deadline never passes: the count
         prompt = list(range(13))
         hashes = off.hash_prompt(prompt)
         off.update("a", [0, 1, 2, 3], hashes, 13)
@@ -116,7 +116,7 @@ async def test_the_deferral_ends_at_its_deadline_on_the_scheduler_clock() -> Non
     engine = ControllableCopyEngine()
     now = [100.0]
     async with KVOffloader(config(), make_kv(), copy_engine=engine) as off:
-        off.scheduler._loads.clock = lambda: now[0]
+        off.scheduler.clock = lambda: now[0]
         prompt = list(range(13))
         hashes = off.hash_prompt(prompt)
         off.update("a", [0, 1, 2, 3], hashes, 13)

@@ -96,7 +96,7 @@ async def _run(pair: Pair, seed: int, steps: int) -> tuple[list[object], Any]:
     reqs: dict[str, Req] = {}
     log: list[object] = []
     async with pair.one as one, pair.two as two:
-        one.scheduler._loads.clock = lambda: 0.0  # deferral bounds by time: one clock
+        one.scheduler.clock = lambda: 0.0  # deferral bounds by time: one clock
         assert two._life.front is not None
         two._life.front.scheduler.clock = lambda: 0.0
         try:

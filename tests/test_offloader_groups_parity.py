@@ -325,7 +325,7 @@ class Workload:
         one, two = self.one, self.two
         assert two.groups is not None
         # deferral deadlines, hints: one clock, a second per step
-        one.scheduler._loads.clock = two._life.front.scheduler.clock = self.clock
+        one.scheduler.clock = two._life.front.scheduler.clock = self.clock
         one.hints.clock = two.hints.clock = self.clock
         for self.step in range(steps):
             Workload.now += 1.0

@@ -108,6 +108,16 @@ class OffloadScheduler:
         ledger in `check_invariants()`."""
         self._ledger.add_ref_holder(holder)
 
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock of the deferral deadline (``time.monotonic``; a test may drive its
+        own), as `GroupedScheduler.clock`."""
+        return self._loads.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self._loads.clock = clock
+
     def set_lookup_extension(self, extension: LookupExtension | None) -> None:
         """The tier manager's hook after every lookup (``None``: none); see
         `LookupExtension`."""

@@ -57,7 +57,7 @@ async def test_a_probe_that_never_ends_defers_at_most_the_bound(
 ) -> None:
     monkeypatch.setattr(loads, "MAX_LOOKUP_DEFERRALS", MAX_LOOKUP_DEFERRALS)
     async with KVOffloader(config([disk(tmp_path / "kv.bin")]), make_kv()) as off:
-        off.scheduler._loads.clock = lambda: 0.0  # no deadline: the count bounds it
+        off.scheduler.clock = lambda: 0.0  # no deadline: the count bounds it
         prompt = tokens(3, 6)
         hashes = await evict_tail(off, prompt, keep=2)
         for _ in range(MAX_LOOKUP_DEFERRALS):
@@ -82,7 +82,7 @@ async def test_a_probe_that_never_ends_defers_until_the_tiers_deadline(
 ) -> None:
     now = [50.0]
     async with KVOffloader(config([disk(tmp_path / "kv.bin")]), make_kv()) as off:
-        off.scheduler._loads.clock = lambda: now[0]
+        off.scheduler.clock = lambda: now[0]
         assert off.tiers is not None
         deadline = off.tiers.defer_deadline_s
         assert deadline == 3 * (1 + 256 // 16)  # a probe, 16 reads: each op_timeout_s
