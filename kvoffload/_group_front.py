@@ -255,7 +255,7 @@ class GroupsFront:
     ) -> None:
         """See `GroupedScheduler.update()` (the step's hot path: two dicts naming only
         the model's groups, as a handle gives them, are taken without a call)."""
-        names = self._name_set
+        names = self._name_set  # what `check_group_mapping()` accepts first, inline
         if not (
             type(tables) is dict
             and type(block_hashes) is dict

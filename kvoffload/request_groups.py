@@ -133,7 +133,8 @@ class GroupLanes:
             BlockTableError: a table shorter than the group's full computed blocks.
         """
         if type(tables) is dict and tables.keys() <= self._name_set:
-            checked: Mapping[str, Sequence[int | None]] = tables  # the common case, no call
+            # what `check_group_mapping()` accepts first, without the call (every step)
+            checked: Mapping[str, Sequence[int | None]] = tables
         else:
             checked = self.tables(tables)
         reported = self._reported

@@ -570,12 +570,12 @@ class GroupedScheduler:
         self.release(request_id)
         planner = self._planner
         plan = None
-        if state.recheck_table:
-            pass  # after a reset, a table not compared again: nothing held or stored
-        elif planner.holds is not None:
-            planner.begin_hold(state)
-        elif not planner.lazy_window:  # lazy stores plan nothing at finish (one group too)
-            plan = self._planner.plan([state], True)
+        # after a reset, a table not compared again: nothing held or stored from it
+        if not state.recheck_table:
+            if planner.holds is not None:
+                planner.begin_hold(state)
+            elif not planner.lazy_window:  # lazy stores plan nothing at finish (one group too)
+                plan = self._planner.plan([state], True)
         self._table.mark_finished(state)
         for name, lane in state.lanes.items():
             if not lane.held:
