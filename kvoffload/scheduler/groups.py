@@ -29,7 +29,6 @@ connector's one scheduler side runs every model on this class, one group include
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Hashable, KeysView, Mapping, Sequence
 from typing import final
 
@@ -48,30 +47,22 @@ from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.scheduler.group_flight import LoadsInFlight
 from kvoffload.scheduler.group_loads import (
     GroupLookupExtension,
-    HitStops,
     check_ledgers,
     check_request,
-    find_hit,
-    hit_blocks,
-    lookup_defers_grouped,
-    note_prefix,
-    promotions_defer,
 )
+from kvoffload.scheduler.group_lookup import GroupLookups
 from kvoffload.scheduler.group_retain import release_groups, retain_groups
 from kvoffload.scheduler.group_state import (
     GroupCounts,
     GroupedPlan,
-    GroupedRequest,
     GroupHashes,
     GroupRequests,
     GroupStatistics,
     GroupTables,
-    check_hashes,
     check_tables,
 )
 from kvoffload.scheduler.group_stores import CacheViews, GroupStorePlanner
 from kvoffload.scheduler.ledger import BlockLedger
-from kvoffload.scheduler.loads import check_lookup_counts, run_extend, run_spent
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.requests import as_int
 from kvoffload.scheduler.stats import Counters
@@ -188,14 +179,15 @@ class GroupedScheduler:
         self._loads = LoadsInFlight(self._cacheable, self._ledgers, self._counts, self._requests)
         self.abandoned_loads = 0
         """Loads their request abandoned while the copy was in flight (`abandon_load()`)."""
-        self._stops = HitStops(self._cacheable, self._ledgers, self._counts, checkpoint_tokens)
-        self.extension: GroupLookupExtension | None = None
-        """Asked after every lookup (the groups' tiers, `kvoffload.tiers.groups`)."""
-        self.clock: Callable[[], float] = time.monotonic
-        """The clock of the deferral deadline (a test may drive its own)."""
-        self.deferrals_bounded = 0
-        """Lookups that answered with the CPU hit instead of "ask again": the request's
-        run of those answers reached its bound (`deferral_spent()`)."""
+        self._lookups = GroupLookups(
+            self._cacheable,
+            self._ledgers,
+            self._counts,
+            self._table,
+            self._loads,
+            self._align,
+            checkpoint_tokens,
+        )
         self._planner = GroupStorePlanner(
             self._cacheable,
             self._ledgers,
@@ -237,6 +229,30 @@ class GroupedScheduler:
         """``plan_stores`` and ``finish`` calls that deferred anything in some group (per
         group: `GroupStatistics.deferred_steps`; counted by `GroupStorePlanner`)."""
         return self._planner.deferred_steps
+
+    @property
+    def extension(self) -> GroupLookupExtension | None:
+        """Asked after every lookup (the groups' tiers, `kvoffload.tiers.groups`)."""
+        return self._lookups.extension
+
+    @extension.setter
+    def extension(self, extension: GroupLookupExtension | None) -> None:
+        self._lookups.extension = extension
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock of the deferral deadline (a test may drive its own)."""
+        return self._lookups.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self._lookups.clock = clock
+
+    @property
+    def deferrals_bounded(self) -> int:
+        """Lookups that answered with the CPU hit instead of "ask again": the request's
+        run of those answers reached its bound (`deferral_spent()`)."""
+        return self._lookups.deferrals_bounded
 
     @property
     def num_in_flight(self) -> int:
@@ -352,79 +368,9 @@ class GroupedScheduler:
                 multiple of the alignment; hashes missing for a group (InputTypeError:
                 a float or bool count).
         """
-        align = self._align
-        num_tokens = as_int(num_tokens, "num_tokens", request_id)
-        num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", request_id)
-        check_lookup_counts(request_id, num_tokens, num_computed_tokens, align, "hit_alignment")
-        check_hashes(self._cacheable, request_id, None, block_hashes, self._table.hash_args)
-        state = self._table.state(request_id)
-        self.release(request_id)
-        note_prefix(self._cacheable, state, num_computed_tokens)
-        state.new_prompt, state.admitted = not state.admitted, True
-        state.tier_hits = None
-        if no_read:
-            state.deferrals = 0
-            missed = num_tokens > num_computed_tokens
-            state.miss_reason = MissReason.NOT_READ if missed else MissReason.NONE
-            return 0
-        lanes = {g.name: block_hashes[g.name] for g in self._cacheable}
-        pools = {name: ledger.pool for name, ledger in self._ledgers.items()}
-        n = find_hit(
-            self._cacheable,
-            pools,
-            lanes,
-            num_tokens,
-            computed=num_computed_tokens,
-            align=align,
-            observe=True,
+        return self._lookups.lookup(
+            request_id, block_hashes, num_tokens, num_computed_tokens, allow_defer, no_read
         )
-        hits = hit_blocks(self._cacheable, self._ledgers, lanes, n, num_computed_tokens)
-        extension = self.extension
-        deferrals, state.deferrals = state.deferrals, 0
-        below = None if extension is None else extension.defer_deadline_s
-        if allow_defer and deferrals and run_spent(state, deferrals, self.clock, below):
-            allow_defer = False
-            self.deferrals_bounded += 1
-        longer = n + align
-        if allow_defer and lookup_defers_grouped(
-            self._cacheable, self._ledgers, lanes, hits, longer, num_tokens, num_computed_tokens
-        ):
-            self._defer(state, deferrals)
-            return None
-        for name, (start, pinned) in hits.items():
-            self._ledgers[name].pin(pinned, state.priority)
-            state.lanes[name].pin, state.lanes[name].pin_start = pinned, start
-            state.hit, state.hit_from = n, num_computed_tokens
-        if extension is not None:
-            if n > num_computed_tokens:
-                state.tier_hits = extension.hit_sources(
-                    {name: blocks for name, (_, blocks) in hits.items()}
-                )
-            extension.extend_grouped_lookup(
-                lanes, n, num_tokens, {name: blocks for name, (_, blocks) in hits.items()}
-            )
-            if allow_defer and promotions_defer(
-                self._cacheable,
-                self._ledgers,
-                lanes,
-                hits,
-                extension,
-                n,
-                num_tokens,
-                num_computed_tokens,
-                self._checkpoint,
-            ):
-                self.release(request_id)
-                extension.lookup_deferred()
-                self._defer(state, deferrals)
-                return None
-        state.miss_reason = self._stops.stop(lanes, n, num_tokens, num_computed_tokens, extension)
-        return n - num_computed_tokens
-
-    def _defer(self, state: GroupedRequest, deferrals: int) -> None:
-        """Answer "ask again": one more in the request's run of them (nothing pinned)."""
-        run_extend(state, deferrals, self.clock)
-        state.miss_reason = MissReason.IN_FLIGHT
 
     def miss_reason(self, request_id: str) -> MissReason:
         """The `MissReason` of ``request_id``'s last lookup (`UnknownRequestError`: none)."""
@@ -445,15 +391,7 @@ class GroupedScheduler:
             UnknownRequestError: no state for that id.
             RequestStateError: the request finished and was forgotten.
         """
-        state = self._requests.get(request_id)
-        if state is None:
-            state = self._table.known(request_id)  # raises, as one group's release()
-        for name, lane in state.lanes.items():
-            if lane.pin is not None:
-                self._ledgers[name].unpin(lane.pin)
-                lane.pin = None
-        state.hit = None
-        self._loads.released(request_id)
+        self._lookups.release(request_id)
 
     def plan_load(
         self, request_id: str, tables: GroupTables, num_tokens: int
