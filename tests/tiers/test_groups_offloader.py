@@ -39,6 +39,14 @@ def tiers_of(off: KVOffloader) -> TierManagerStatistics:
     return stats
 
 
+def group_tiers(off: KVOffloader) -> dict[str, TierManagerStatistics]:
+    """Per group, its tier manager's statistics."""
+    session = off._life.front
+    assert session is not None
+    assert session.tiers is not None
+    return session.tiers.group_statistics()
+
+
 def tier_stats(off: KVOffloader) -> dict[str, TierStatistics]:
     """Per group, its one tier's statistics (every group's tier is named ``<tier>.<group>``)."""
     return {t.name.split(".", 1)[1]: t for t in tiers_of(off).tiers}
@@ -373,6 +381,51 @@ async def test_a_grouped_lookup_asks_again_while_a_promotion_runs(
             await task
             model.check(tables, TURN2, hit)
         assert tiers_of(off).deferred_lookups == 1
+        # both groups' blocks were promoted: each group's tiers count the lookup
+        assert {n: s.deferred_lookups for n, s in group_tiers(off).items()} == {
+            g.name: 1 for g in model.groups
+        }
+        await settle(off)
+
+
+@pytest.mark.parametrize("kind", ["sliding", "recurrent"])
+async def test_a_deferred_lookup_counts_in_each_group_it_waits_for_and_once_in_all(
+    kind: str, tmp_path: Path
+) -> None:
+    """A lookup that asks again counts one ``deferred_lookups`` in each group whose
+    promotion it waits for (a promotion of a block the lookup asked that group's tiers
+    for), and one in the whole model's: the full group's blocks alone dropped from CPU,
+    only the full group waits; every group's dropped, each group and the model one more."""
+    model = Model(groups_of(kind))
+    alloc = Tables(model)
+    other = model.groups[1].name
+    async with KVOffloader(tiered(tmp_path / "kv.bin"), model.kv, groups=model.groups) as off:
+        session = off._life.front
+        assert session is not None
+        await serve(off, model, alloc, "a", TURN1)
+        await settle(off)
+        pool = session.scheduler.ledger("full").pool
+        for block_hash in session.hash_prompt(TURN2)["full"]:
+            block = pool.get_cached(block_hash)
+            if block is not None:
+                pool.unpublish(block)
+        with off.request("b", TURN2) as req:
+            assert req.lookup(allow_defer=True) is None
+            off.check_invariants()
+        assert {n: s.deferred_lookups for n, s in group_tiers(off).items()} == {
+            "full": 1,
+            other: 0,
+        }
+        assert tiers_of(off).deferred_lookups == 1
+        await settle(off)
+        assert await off.reset()
+        with off.request("c", TURN2) as req:
+            assert req.lookup(allow_defer=True) is None
+        assert {n: s.deferred_lookups for n, s in group_tiers(off).items()} == {
+            "full": 2,
+            other: 1,
+        }
+        assert tiers_of(off).deferred_lookups == 2  # a lookup, not a group's lookup
         await settle(off)
 
 
