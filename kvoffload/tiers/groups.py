@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, final
 import anyio.abc
 
 from kvoffload.config import DiskTierSettings, OffloadConfig
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, InvariantError
 from kvoffload.groups import KVCacheGroup, needed
 from kvoffload.hashing import BlockHash, HashNamespace
 from kvoffload.scheduler.group_loads import find_hit, hit_blocks
@@ -572,6 +572,19 @@ class GroupTiers(GroupPromotions[TierManager]):
         )
 
     def check_invariants(self) -> None:
-        """Check every group's manager (see `TierManager.check_invariants()`)."""
+        """Check every group's manager (see `TierManager.check_invariants()`), and that
+        the whole model's ``deferred_lookups`` counts each deferred lookup once: at least
+        any group's, at most the groups' added up (`lookup_deferred()`).
+
+        Raises:
+            InvariantError: a manager's check failed, or the counts disagree.
+        """
+        per = []
         for manager in self.managers.values():
             manager.check_invariants()
+            per.append(manager.statistics().deferred_lookups)
+        if not max(per, default=0) <= self._deferred <= sum(per):
+            raise InvariantError(
+                f"the whole model's deferred_lookups {self._deferred} is not between the "
+                f"most of one group's and the groups' added up {per}"
+            )
