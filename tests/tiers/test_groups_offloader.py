@@ -13,12 +13,14 @@ from typing import Any, NoReturn
 import anyio
 import anyio.to_thread
 import pytest
-from test_offloader_groups import BS, Model, Tables, groups_of, serve
+from test_offloader_groups import ATTN, BS, Model, Tables, groups_of, serve
 from tier_helpers import wait_until
 
 from kvoffload import KVOffloader, OffloadConfig
 from kvoffload.errors import IntegrityError
+from kvoffload.groups import KVCacheGroup
 from kvoffload.hashing import BlockHasher
+from kvoffload.scheduler import loads
 from kvoffload.tiers import ops
 from kvoffload.tiers.base import BlockWrite
 from kvoffload.tiers.promote import Promoter
@@ -426,6 +428,46 @@ async def test_a_deferred_lookup_counts_in_each_group_it_waits_for_and_once_in_a
             other: 1,
         }
         assert tiers_of(off).deferred_lookups == 2  # a lookup, not a group's lookup
+        await settle(off)
+
+
+async def test_one_lane_counts_its_deferred_lookups_as_one_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grouped offloader of one cacheable group (a full group beside one of kind
+    ``none``: a `GroupedScheduler` of one lane) behind a probe that never answers: each
+    "ask again" counts in its group's tier manager and in the whole model's, the bound's
+    worth of them, as one group counts (`tests/tiers/test_deferral_bound.py`)."""
+    bound = 8
+    monkeypatch.setattr(loads, "MAX_LOOKUP_DEFERRALS", bound)
+    full = KVCacheGroup.from_layout(ATTN, name="full")
+    enc = KVCacheGroup.from_layout(ATTN, name="enc", kind="none")
+    model = Model((full,))
+    alloc = Tables(model)
+    release = anyio.Event()
+    real_probe = Promoter._probe
+
+    async def stuck(self: Promoter, *args: Any) -> Any:
+        await release.wait()
+        return await real_probe(self, *args)
+
+    async with KVOffloader(tiered(tmp_path / "kv.bin"), model.kv, groups=(full, enc)) as off:
+        session = off._life.front
+        assert session is not None
+        session.scheduler.clock = lambda: 0.0  # no deadline: the count bounds it
+        await serve(off, model, alloc, "a", TURN1)
+        await settle(off)
+        assert await off.reset()
+        monkeypatch.setattr(Promoter, "_probe", stuck)
+        with off.request("b", TURN2) as req:
+            for _ in range(bound):
+                assert req.lookup(allow_defer=True) is None
+            assert req.lookup(allow_defer=True) == 0  # the bound: what is on CPU
+        assert group_tiers(off)["full"].deferred_lookups == bound
+        assert tiers_of(off).deferred_lookups == bound
+        assert off.statistics().scheduler.deferrals_bounded == 1
+        off.check_invariants()
+        release.set()
         await settle(off)
 
 
