@@ -6,12 +6,16 @@ evict and defer), with retention (`retain_prefix()`, `release_retained()`), sess
 hints, abandoned loads, events and each store setting mixed in, compares after every
 step every `SchedulerStatistics` field (each group's against the one group's, and the
 whole model's where its meaning says it adds up or counts once), the events of each
-group against the one group's, and every value the calls return."""
+group against the one group's, and every value the calls return. The tests with a tier
+run over a second shape too: one full group beside a group that caches nothing, a
+`GroupedScheduler` of one lane, whose every counter (each tier manager's
+``deferred_lookups`` included) is the one group's `OffloadScheduler`'s (``shape``)."""
 
 from __future__ import annotations
 
 import contextlib
 import random
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -42,6 +46,9 @@ from tests.test_offloader_groups_differential import CPU_BLOCKS, NUM_GPU
 from tests.test_offloader_groups_differential import Req as DifferentialReq
 
 NAMES = ("a", "b")
+SHAPES = {"two-groups": ("a", "b"), "one-lane": ("a",)}
+"""The grouped offloader's full groups (`NAMES`); with one, a group of kind ``none``
+beside it makes it a `GroupedScheduler` of one lane (`Pair`)."""
 PRIORITIES = (0, 0, 3)
 GPU_CACHED = 12  # free GPU blocks that keep their KV (the engine's prefix cache), at most
 
@@ -91,8 +98,15 @@ class Req(DifferentialReq):
     loading: tuple[Any, Any] | None = None  # the load tasks in flight
 
 
+@pytest.fixture(params=list(SHAPES))
+def shape(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grouped offloader's shape: `NAMES` set to the full groups of ``SHAPES``."""
+    monkeypatch.setattr(sys.modules[__name__], "NAMES", SHAPES[request.param])
+
+
 class Pair:
-    """One full group and two of its geometry, each engine's copies ended by the test."""
+    """One full group and two of its geometry (or, with one of `NAMES`, a grouped
+    offloader of one full group), each engine's copies ended by the test."""
 
     def __init__(self, **settings: object) -> None:
         self.hosts: list[HostKVBuffer] = []
@@ -101,6 +115,8 @@ class Pair:
         )
         kv = [_zeros() for _ in range(ATTN.num_layers)]
         groups = [KVCacheGroup.from_layout(ATTN, name=n) for n in NAMES]
+        if len(NAMES) == 1:  # one full group beside one that caches nothing: one lane
+            groups.append(KVCacheGroup.from_layout(ATTN, name="enc", kind="none"))
         kvs = {n: [_zeros() for _ in range(ATTN.num_layers)] for n in NAMES}
         self.pinner = RefCountPinner()
         self.pinners = {n: RefCountPinner() for n in NAMES}
@@ -240,9 +256,10 @@ PROMOTION_COUNTERS = (
 
 
 def compare_tiers(one: KVOffloader, two: KVOffloader, what: object) -> None:
-    """Each group's tier stack counts what the one group's counts; the whole model's
-    promotion counters are every group's added up, its ``deferred_lookups`` are the
-    lookups' (each counted once)."""
+    """Each group's tier stack counts what the one group's counts (its
+    ``deferred_lookups`` too: the lookups that waited for its promotions); the whole
+    model's promotion counters are every group's added up, its ``deferred_lookups`` are
+    the lookups' (each counted once)."""
     assert one.tiers is not None
     assert isinstance(two.tiers, GroupTiers)
     want = one.tiers.statistics()
@@ -253,6 +270,7 @@ def compare_tiers(one: KVOffloader, two: KVOffloader, what: object) -> None:
         for name in PROMOTION_COUNTERS:
             same(getattr(want, name), getattr(got, name), (what, n, name))
             same(len(NAMES) * getattr(want, name), getattr(whole, name), (what, "whole", name))
+        same(want.deferred_lookups, got.deferred_lookups, (what, n, "deferred_lookups"))
         [t1] = want.tiers
         [t2] = got.tiers
         assert t2.name == f"{t1.name}.{n}", (what, t2.name)
@@ -614,6 +632,7 @@ TIER_MIXES = {
 }
 
 
+@pytest.mark.usefixtures("shape")
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("mix", list(TIER_MIXES))
 def test_two_full_groups_are_one_group_with_a_disk_tier(
@@ -668,6 +687,7 @@ def test_the_mixes_reach_what_they_compare() -> None:
             assert seen[name] > 0, (mix, name, seen)
 
 
+@pytest.mark.usefixtures("shape")
 @pytest.mark.parametrize("allow_defer", [False, True])
 def test_a_lookup_while_a_promotion_runs_counts_alike(allow_defer: bool, tmp_path: Path) -> None:
     """A lookup that starts a tier's probe: answered from CPU (a miss, ``in_flight``), or
@@ -698,6 +718,7 @@ def test_a_lookup_while_a_promotion_runs_counts_alike(allow_defer: bool, tmp_pat
     anyio.run(main)
 
 
+@pytest.mark.usefixtures("shape")
 def test_a_promoted_block_counts_for_its_tier_at_one_lookup_only(tmp_path: Path) -> None:
     """Blocks a promotion brought in count in `tier_hit_tokens` (and are kept from a
     promotion's evictions) until a lookup pins them, once, with one group and two: the
@@ -734,6 +755,7 @@ def test_a_promoted_block_counts_for_its_tier_at_one_lookup_only(tmp_path: Path)
     anyio.run(main)
 
 
+@pytest.mark.usefixtures("shape")
 def test_a_prefetch_of_a_context_ending_on_a_block_boundary_brings_every_block(
     tmp_path: Path,
 ) -> None:

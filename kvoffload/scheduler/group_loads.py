@@ -70,8 +70,10 @@ class GroupLookupExtension(Protocol):
         ...
 
     def lookup_deferred(self) -> None:
-        """A lookup answered "ask again" while a promotion ran (counted in the tiers'
-        ``deferred_lookups``, as one group's tiers count theirs)."""
+        """The lookup whose `extend_grouped_lookup()` was the last call answered "ask
+        again" while a promotion ran: counted in the ``deferred_lookups`` of the tiers of
+        each group it waits for (as one group's tiers count theirs), and once in the whole
+        model's."""
         ...
 
     @property

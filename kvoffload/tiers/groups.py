@@ -19,7 +19,9 @@ server and ``key_prefix`` (the namespace is part of every key).
   groups' blocks are back), each point in a promotion of its own (a point its tier lacks
   stops no other). A lookup that may wait (``allow_defer``) answers "ask again" while a
   promotion of a block its next longer hit lacks runs in any group
-  (`GroupedScheduler.lookup()`). Promotions land asynchronously, each
+  (`GroupedScheduler.lookup()`); it counts one ``deferred_lookups`` in each group with a
+  promotion in flight of a block the lookup asked that group's tiers for, and one in the
+  whole model's (`GroupPromotions.lookup_deferred()`). Promotions land asynchronously, each
   in its own group's pool; the hit stays the largest ``N`` valid for **every** group with
   CPU-resident blocks only, so a promotion that landed in one group and not (yet) in
   another is never part of a hit.
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, final
 import anyio.abc
 
 from kvoffload.config import DiskTierSettings, OffloadConfig
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, InvariantError
 from kvoffload.groups import KVCacheGroup, needed
 from kvoffload.hashing import BlockHash, HashNamespace
 from kvoffload.scheduler.group_loads import find_hit, hit_blocks
@@ -142,19 +144,21 @@ def group_tier_stacks(
 
 
 def sum_tier_statistics(
-    parts: Iterable[TierManagerStatistics], deferred_lookups: int = 0
+    parts: Iterable[TierManagerStatistics], *, deferred_lookups: int
 ) -> TierManagerStatistics:
     """Several groups' tier statistics as one: every group's tiers (each named
-    ``<tier>.<group>``), group by group, and the promotion counters added up, with
-    ``deferred_lookups`` more (the grouped lookups that answered "ask again")."""
+    ``<tier>.<group>``), group by group, the promotion counters added up, and
+    ``deferred_lookups``, the whole model's (each grouped lookup that waited for a
+    promotion once, however many groups it waited for: not the groups' added up)."""
     parts = list(parts)
     sums = {
         f.name: sum(getattr(p, f.name) for p in parts)
         for f in dataclasses.fields(TierManagerStatistics)
-        if f.name != "tiers"
+        if f.name not in {"tiers", "deferred_lookups"}
     }
-    sums["deferred_lookups"] += deferred_lookups
-    return TierManagerStatistics(tiers=tuple(t for p in parts for t in p.tiers), **sums)
+    return TierManagerStatistics(
+        tiers=tuple(t for p in parts for t in p.tiers), deferred_lookups=deferred_lookups, **sums
+    )
 
 
 class GroupTierPart(Protocol):
@@ -175,6 +179,11 @@ class GroupTierPart(Protocol):
 
     def is_promoting(self, block_hash: BlockHash) -> bool:
         """Whether a promotion covering ``block_hash`` is in flight."""
+        ...
+
+    def lookup_deferred(self) -> None:
+        """A grouped lookup answered "ask again" waiting for a promotion of these tiers:
+        count it in their ``deferred_lookups`` (the counter one group's lookups count in)."""
         ...
 
     def miss_reason(self, block_hash: BlockHash) -> MissReason | None:
@@ -207,13 +216,25 @@ class GroupPromotions(Generic[P]):
         parts: per cacheable group, its tiers.
     """
 
-    __slots__ = ("_align", "_checkpoint", "_deferred", "_groups", "_ledgers", "_parts")
+    __slots__ = (
+        "_align",
+        "_asked",
+        "_checkpoint",
+        "_deferred",
+        "_groups",
+        "_ledgers",
+        "_parts",
+    )
 
     def __init__(self, scheduler: GroupedScheduler, parts: Mapping[str, P]) -> None:
         self._groups = [g for g in scheduler.groups if g.cacheable]
         self._checkpoint = scheduler.checkpoint_tokens
         self._align = scheduler.hit_alignment
+        # The whole model's ``deferred_lookups`` (each group's: its tiers' own counter).
         self._deferred = 0
+        # What the last lookup asked the tiers for (`extend_grouped_lookup()`): its lanes,
+        # hit, cap and full reach, until `lookup_deferred()` reads it.
+        self._asked: tuple[Mapping[str, Sequence[BlockHash]], int, int, int] | None = None
         self._ledgers = {g.name: scheduler.ledger(g.name) for g in self._groups}
         self._parts: dict[str, P] = dict(parts)
         scheduler.extension = self
@@ -254,6 +275,7 @@ class GroupPromotions(Generic[P]):
         """
         cap = max(0, num_tokens - 1)
         reach = self._full_reach(lanes, hit, cap)
+        self._asked = (lanes, hit, cap, reach)
         for g in self._groups:
             hashes = lanes[g.name]
             keep = pinned.get(g.name, ())
@@ -293,8 +315,40 @@ class GroupPromotions(Generic[P]):
         return self._parts[group].is_promoting(block_hash)
 
     def lookup_deferred(self) -> None:
-        """A grouped lookup answered "ask again" while a promotion ran."""
-        self._deferred += 1
+        """The lookup of the last `extend_grouped_lookup()` answered "ask again" while a
+        promotion ran: each group it waits for counts one in its tiers'
+        ``deferred_lookups`` (`GroupTierPart.lookup_deferred()`, the counter one group's
+        lookups count in), and the whole model's (`statistics()`) counts the lookup once.
+
+        A group is waited for when a promotion of its tiers is in flight for a block the
+        lookup asked them for (`_wanted()`) and its pool lacks; `promotions_defer()`
+        answers only yes or no, so this names the groups whose promotions could make the
+        longer hit. A lookup that waited for no group's promotion (only for stores in
+        flight) is counted by none: the scheduler counts it (its ``deferred_lookups``),
+        as one group's lookups deferred for a store are.
+        """
+        asked, self._asked = self._asked, None
+        if asked is None:
+            return
+        lanes, hit, cap, reach = asked
+        waited = False
+        for g in self._groups:
+            if self._waits_for(g, lanes[g.name], hit, cap, reach):
+                self._parts[g.name].lookup_deferred()
+                waited = True
+        self._deferred += waited
+
+    def _waits_for(
+        self, g: KVCacheGroup, hashes: Sequence[BlockHash], hit: int, cap: int, reach: int
+    ) -> bool:
+        """Whether a promotion of ``g``'s tiers is in flight for a block of ``hashes`` a
+        lookup of hit ``hit`` asked them for (`_wanted()`) that ``g``'s pool lacks."""
+        get, part = self._ledgers[g.name].pool.get_cached, self._parts[g.name]
+        return any(
+            get(hashes[i]) is None and part.is_promoting(hashes[i])
+            for run in self._wanted(g, len(hashes), hit, cap, reach)
+            for i in run
+        )
 
     def miss_reason(self, group: str, block_hash: BlockHash) -> MissReason | None:
         """Why ``group``'s tiers did not bring ``block_hash`` in (see
@@ -509,11 +563,28 @@ class GroupTiers(GroupPromotions[TierManager]):
 
     def statistics(self) -> TierManagerStatistics:
         """Every group's tiers (each named ``<tier>.<group>``), group by group, and the
-        promotion counters added up over the groups (``deferred_lookups``: the grouped
-        lookups that answered "ask again" while a promotion ran)."""
-        return sum_tier_statistics(self.group_statistics().values(), self._deferred)
+        promotion counters added up over the groups; ``deferred_lookups`` counts each
+        grouped lookup that answered "ask again" waiting for a promotion once (a group's,
+        in `group_statistics()`, the lookups that waited for that group's promotions:
+        see `lookup_deferred()`)."""
+        return sum_tier_statistics(
+            self.group_statistics().values(), deferred_lookups=self._deferred
+        )
 
     def check_invariants(self) -> None:
-        """Check every group's manager (see `TierManager.check_invariants()`)."""
+        """Check every group's manager (see `TierManager.check_invariants()`), and that
+        the whole model's ``deferred_lookups`` counts each deferred lookup once: at least
+        any group's, at most the groups' added up (`lookup_deferred()`).
+
+        Raises:
+            InvariantError: a manager's check failed, or the counts disagree.
+        """
+        per = []
         for manager in self.managers.values():
             manager.check_invariants()
+            per.append(manager.statistics().deferred_lookups)
+        if not max(per, default=0) <= self._deferred <= sum(per):
+            raise InvariantError(
+                f"the whole model's deferred_lookups {self._deferred} is not between the "
+                f"most of one group's and the groups' added up {per}"
+            )

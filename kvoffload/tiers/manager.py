@@ -311,6 +311,12 @@ class TierManager:
         """Whether a promotion covering ``block_hash`` is in flight."""
         return self._promoter.is_promoting(block_hash)
 
+    def lookup_deferred(self) -> None:
+        """A lookup whose "ask again" was decided above the manager (a grouped lookup,
+        `kvoffload.tiers.groups.GroupPromotions`) waited for a promotion of these tiers:
+        counted in ``deferred_lookups``, where `extend_lookup()` counts one group's."""
+        self._promoter.deferred_lookups += 1
+
     def hit_sources(self, pinned: Sequence[CpuBlock]) -> dict[str, int] | None:
         """Of a lookup's CPU hit ``pinned``, how many blocks each tier (by name) promoted
         into the pool since a lookup last pinned them (see `LookupExtension`); ``None``

@@ -13,12 +13,14 @@ from typing import Any, NoReturn
 import anyio
 import anyio.to_thread
 import pytest
-from test_offloader_groups import BS, Model, Tables, groups_of, serve
+from test_offloader_groups import ATTN, BS, Model, Tables, groups_of, serve
 from tier_helpers import wait_until
 
 from kvoffload import KVOffloader, OffloadConfig
 from kvoffload.errors import IntegrityError
+from kvoffload.groups import KVCacheGroup
 from kvoffload.hashing import BlockHasher
+from kvoffload.scheduler import loads
 from kvoffload.tiers import ops
 from kvoffload.tiers.base import BlockWrite
 from kvoffload.tiers.promote import Promoter
@@ -37,6 +39,14 @@ def tiers_of(off: KVOffloader) -> TierManagerStatistics:
     stats = off.statistics().tiers
     assert stats is not None
     return stats
+
+
+def group_tiers(off: KVOffloader) -> dict[str, TierManagerStatistics]:
+    """Per group, its tier manager's statistics."""
+    session = off._life.front
+    assert session is not None
+    assert session.tiers is not None
+    return session.tiers.group_statistics()
 
 
 def tier_stats(off: KVOffloader) -> dict[str, TierStatistics]:
@@ -373,6 +383,91 @@ async def test_a_grouped_lookup_asks_again_while_a_promotion_runs(
             await task
             model.check(tables, TURN2, hit)
         assert tiers_of(off).deferred_lookups == 1
+        # both groups' blocks were promoted: each group's tiers count the lookup
+        assert {n: s.deferred_lookups for n, s in group_tiers(off).items()} == {
+            g.name: 1 for g in model.groups
+        }
+        await settle(off)
+
+
+@pytest.mark.parametrize("kind", ["sliding", "recurrent"])
+async def test_a_deferred_lookup_counts_in_each_group_it_waits_for_and_once_in_all(
+    kind: str, tmp_path: Path
+) -> None:
+    """A lookup that asks again counts one ``deferred_lookups`` in each group whose
+    promotion it waits for (a promotion of a block the lookup asked that group's tiers
+    for), and one in the whole model's: the full group's blocks alone dropped from CPU,
+    only the full group waits; every group's dropped, each group and the model one more."""
+    model = Model(groups_of(kind))
+    alloc = Tables(model)
+    other = model.groups[1].name
+    async with KVOffloader(tiered(tmp_path / "kv.bin"), model.kv, groups=model.groups) as off:
+        session = off._life.front
+        assert session is not None
+        await serve(off, model, alloc, "a", TURN1)
+        await settle(off)
+        pool = session.scheduler.ledger("full").pool
+        for block_hash in session.hash_prompt(TURN2)["full"]:
+            block = pool.get_cached(block_hash)
+            if block is not None:
+                pool.unpublish(block)
+        with off.request("b", TURN2) as req:
+            assert req.lookup(allow_defer=True) is None
+            off.check_invariants()
+        assert {n: s.deferred_lookups for n, s in group_tiers(off).items()} == {
+            "full": 1,
+            other: 0,
+        }
+        assert tiers_of(off).deferred_lookups == 1
+        await settle(off)
+        assert await off.reset()
+        with off.request("c", TURN2) as req:
+            assert req.lookup(allow_defer=True) is None
+        assert {n: s.deferred_lookups for n, s in group_tiers(off).items()} == {
+            "full": 2,
+            other: 1,
+        }
+        assert tiers_of(off).deferred_lookups == 2  # a lookup, not a group's lookup
+        await settle(off)
+
+
+async def test_one_lane_counts_its_deferred_lookups_as_one_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grouped offloader of one cacheable group (a full group beside one of kind
+    ``none``: a `GroupedScheduler` of one lane) behind a probe that never answers: each
+    "ask again" counts in its group's tier manager and in the whole model's, the bound's
+    worth of them, as one group counts (`tests/tiers/test_deferral_bound.py`)."""
+    bound = 8
+    monkeypatch.setattr(loads, "MAX_LOOKUP_DEFERRALS", bound)
+    full = KVCacheGroup.from_layout(ATTN, name="full")
+    enc = KVCacheGroup.from_layout(ATTN, name="enc", kind="none")
+    model = Model((full,))
+    alloc = Tables(model)
+    release = anyio.Event()
+    real_probe = Promoter._probe
+
+    async def stuck(self: Promoter, *args: Any) -> Any:
+        await release.wait()
+        return await real_probe(self, *args)
+
+    async with KVOffloader(tiered(tmp_path / "kv.bin"), model.kv, groups=(full, enc)) as off:
+        session = off._life.front
+        assert session is not None
+        session.scheduler.clock = lambda: 0.0  # no deadline: the count bounds it
+        await serve(off, model, alloc, "a", TURN1)
+        await settle(off)
+        assert await off.reset()
+        monkeypatch.setattr(Promoter, "_probe", stuck)
+        with off.request("b", TURN2) as req:
+            for _ in range(bound):
+                assert req.lookup(allow_defer=True) is None
+            assert req.lookup(allow_defer=True) == 0  # the bound: what is on CPU
+        assert group_tiers(off)["full"].deferred_lookups == bound
+        assert tiers_of(off).deferred_lookups == bound
+        assert off.statistics().scheduler.deferrals_bounded == 1
+        off.check_invariants()
+        release.set()
         await settle(off)
 
 

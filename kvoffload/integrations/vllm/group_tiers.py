@@ -160,27 +160,28 @@ class GroupedSchedulerTiers(GroupPromotions[SchedulerTiers]):
             part.reset()
 
     def statistics(self) -> VllmTierStatistics:
-        """The groups' counters added up (`SchedulerTiers.statistics`), with the grouped
-        lookups that answered "ask again" while a promotion ran as ``deferred_lookups``:
+        """The groups' counters added up (`SchedulerTiers.statistics`), but
+        ``deferred_lookups``: each grouped lookup that answered "ask again" waiting for a
+        probe once, however many groups it waited for (`GroupPromotions.lookup_deferred`);
         for one group, its counters."""
         parts = list(self.group_statistics().values())
         sums = {
             f.name: sum(getattr(p, f.name) for p in parts)
             for f in dataclasses.fields(VllmTierStatistics)
+            if f.name != "deferred_lookups"
         }
-        sums["deferred_lookups"] += self._deferred
-        return VllmTierStatistics(**sums)
+        return VllmTierStatistics(deferred_lookups=self._deferred, **sums)
 
     def group_statistics(self) -> dict[str, VllmTierStatistics]:
-        """Per cacheable group, its counters (`SchedulerTiers.statistics`; a group's
-        ``deferred_lookups`` stay 0: the grouped lookup counts its own, in `statistics`)."""
+        """Per cacheable group, its counters (`SchedulerTiers.statistics`; its
+        ``deferred_lookups``: the grouped lookups that waited for its probes)."""
         return {name: part.statistics() for name, part in self._parts.items()}
 
     def manager_statistics(self) -> TierManagerStatistics:
-        """The groups' `SchedulerTiers.manager_statistics` added up, with the grouped
-        lookups that answered "ask again" while a promotion ran."""
+        """The groups' `SchedulerTiers.manager_statistics` added up, ``deferred_lookups``
+        as in `statistics`."""
         return sum_tier_statistics(
-            (p.manager_statistics() for p in self._parts.values()), self._deferred
+            (p.manager_statistics() for p in self._parts.values()), deferred_lookups=self._deferred
         )
 
 
@@ -229,8 +230,11 @@ class GroupedWorkerTiers:
 
     def manager_statistics(self) -> TierManagerStatistics:
         """Every group's tiers (each named ``<tier>.<group>``) as the ``kvoffload_tier_*``
-        metrics read them (`WorkerTiers.manager_statistics`); never waits."""
-        return sum_tier_statistics(p.manager_statistics() for p in self.parts.values())
+        metrics read them (`WorkerTiers.manager_statistics`; a worker answers no lookup:
+        ``deferred_lookups`` is 0); never waits."""
+        return sum_tier_statistics(
+            (p.manager_statistics() for p in self.parts.values()), deferred_lookups=0
+        )
 
     def close(self) -> None:
         """Close every group's tiers (`WorkerTiers.close`)."""

@@ -311,6 +311,11 @@ class SchedulerTiers:
         ledger's pending hashes)."""
         return block_hash in self._probing
 
+    def lookup_deferred(self) -> None:
+        """A grouped lookup waited for a probe of this group's tiers (`GroupPromotions`
+        decides): counted in ``deferred_lookups``, where `extend_lookup()` counts its own."""
+        self._counts["deferred"] += 1
+
     def _unprobe(self, probe: _Probe) -> None:
         """The probe no longer runs: its hashes are not being probed by it any more."""
         probing = self._probing
