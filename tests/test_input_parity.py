@@ -1,9 +1,10 @@
 """One rule, one message: bad input to one group's `OffloadScheduler` and to a
 `GroupedScheduler` over one full group of the same geometry is refused by the same
-check, with the same error and the same message but for how it names the table (one
-group: ``gpu_block_ids``; several: ``tables['g']``) and the unit of a hit (one group's
-``block_size``, several groups' ``hit_alignment``). A table with two such groups is
-refused the same way, naming the group at fault. A seeded random engine, good input and
+check, with the same error and the same message (a grouped scheduler with one cacheable
+group names its input as one group does: `InputNames`). With two such groups it is
+refused the same way, the message naming the group at fault (``tables['f']``,
+``block_hashes['f']``, "the block table of group 'f'") and the unit of a hit
+(``hit_alignment``). A seeded random engine, good input and
 bad (tables changed, shrunk, naming a block twice or out of range; hashes shrunk or
 changed; computed counts going back; loads into wrong tables; finishes, preemptions,
 resets, failed stores), gets the same answer from both at every step: a fix made on one path
@@ -132,13 +133,18 @@ CASES.update(
     }
 )
 
-ONE_GROUP_NAMES = (
-    ("the block table of group 'g' has", "block table has"),
-    ("tables['g']", "gpu_block_ids"),
-    ("the block table of group 'g'", "gpu_block_ids"),
-    ("block_hashes['g']", "block_hashes"),
-    ("hit_alignment", "block_size"),
+SEVERAL_GROUP_NAMES = (  # one group's words, and how two groups name group 'f' instead
+    ("block table has", "the block table of group 'f' has"),
+    ("appears twice in gpu_block_ids", "appears twice in the block table of group 'f'"),
+    ("gpu_block_ids", "tables['f']"),
+    ("block_hashes", "block_hashes['f']"),
+    ("block_size=", "hit_alignment="),
 )
+
+
+def two_groups() -> tuple[Any, list[bytes]]:
+    rig = Rig([group("f", "full", 4), group("g", "full", 4)], cpu_blocks=16, gpu_blocks=32)
+    return rig.sched, rig.hashes(TOKENS)["f"]
 
 
 def refusal(
@@ -159,9 +165,21 @@ def test_one_group_and_a_grouped_scheduler_refuse_alike(case: str) -> None:
     assert one_kind is kind
     assert g_kind is kind
     assert re.match(r"request '[ab]': ", one_text), one_text  # names the request
-    for grouped_name, one_name in ONE_GROUP_NAMES:
-        g_text = g_text.replace(grouped_name, one_name)
+    g_text = g_text.replace("hit_alignment=", "block_size=")  # lookup() names it still
     assert g_text == one_text
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_groups_refuse_alike_naming_the_group(case: str) -> None:
+    """The same bad input given to both of two full groups: the same error, its message
+    naming the first group (``'f'``) where one group's names its input."""
+    kind, call = CASES[case]
+    _, one_text = refusal(one_group, lambda x: x, call)
+    two_kind, two_text = refusal(two_groups, lambda x: {"f": x, "g": x}, call)
+    assert two_kind is kind
+    for one_name, several_name in SEVERAL_GROUP_NAMES:
+        one_text = one_text.replace(one_name, several_name)
+    assert two_text == one_text
 
 
 def test_two_groups_name_the_group_whose_table_is_wrong() -> None:

@@ -185,7 +185,7 @@ class GroupedScheduler:
         self._counts = {
             g.name: GroupCounts(Counters(g.block_size, g.bytes_per_block)) for g in self._cacheable
         }
-        self._loads = LoadsInFlight(self._cacheable, self._ledgers, self._counts, self._requests)
+        self._loads = LoadsInFlight(self._cacheable, self._ledgers, self._counts, self._table)
         self.abandoned_loads = 0
         """Loads their request abandoned while the copy was in flight (`abandon_load()`)."""
         self._stops = HitStops(self._cacheable, self._ledgers, self._counts, checkpoint_tokens)
