@@ -300,6 +300,7 @@ class GroupRequests:
         "names",
         "priorities",
         "requests",
+        "unit",
     )
 
     def __init__(
@@ -317,6 +318,8 @@ class GroupRequests:
         """How the checks' messages name the input (one group's words with one group)."""
         self.hash_args = self.names.hashes
         """How the checks' messages name each group's hash list (`InputNames.hashes`)."""
+        self.unit = self.names.unit
+        """How a lookup's message names the unit of a hit (`InputNames.unit`)."""
         # per lane in order: its group's name, GPU block count and hash list's name
         self._checks = tuple(
             (g.name, self._limits.get(g.name), self.hash_args[g.name]) for g in lanes
