@@ -16,6 +16,7 @@ import hashlib
 import itertools
 import random
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,13 @@ import pytest
 from groups_helpers import Rig, group
 
 from kvoffload.config import OffloadConfig
-from kvoffload.errors import BlockTableError, InputTypeError, InvalidInputError, KvOffloadError
+from kvoffload.errors import (
+    BlockTableError,
+    InputTypeError,
+    InvalidInputError,
+    KvOffloadError,
+    UnhashedBlocksWarning,
+)
 from kvoffload.hashing import BlockHasher, HashNamespace
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.scheduler import OffloadScheduler
@@ -194,6 +201,79 @@ def test_two_groups_name_the_group_whose_table_is_wrong() -> None:
         rig.sched.update("a", {"f": [0.0, 1, 2, 3], "w": [4, 5, 6, 7]}, hashes, 16)
     # ``None`` names no block, in any group's table
     rig.sched.update("a", {"f": TABLE, "w": [None, 5, 6, 7]}, hashes, 16)
+    rig.sched.check_invariants()
+
+
+# -- computed tokens far past the hashes: one warning, by one rule ------------------------
+
+
+def unhashed(
+    sched: Any, w: Callable[[object], object], h: list[bytes], first: bool
+) -> list[warnings.WarningMessage]:
+    """The `UnhashedBlocksWarning`s of an update whose computed tokens run two blocks past
+    its hashes (on the request's first call, or after one that ran one block ahead: no
+    warning), then of two more such updates, of that request and of another."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if not first:
+            sched.update("a", w(TABLE[:3]), w(h[:2]), 12)  # one block ahead: normal
+        sched.update("a", w(TABLE), w(h[:2]), 16)
+        sched.update("a", w([*TABLE, 4]), w(h[:2]), 20)  # once per scheduler
+        sched.update("b", w([5, 6, 7, 8]), w(h[:1]), 16)
+    sched.check_invariants()
+    return [c for c in caught if c.category is UnhashedBlocksWarning]
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first call", "later call"])
+def test_one_group_and_a_grouped_scheduler_warn_alike_of_unhashed_blocks(first: bool) -> None:
+    """A `GroupedScheduler` with one group warns by one group's rule (`warn_unhashed()`),
+    once per scheduler, in the same words and naming the same caller's frame."""
+    seen = []
+    for make, wrap in ((one_group, lambda x: x), (grouped, lambda x: {"g": x})):
+        sched, hashes = make()
+        seen.append(unhashed(sched, wrap, hashes, first))
+    one, g = seen
+    assert len(one) == len(g) == 1
+    assert str(one[0].message) == str(g[0].message)
+    assert str(one[0].message).startswith(
+        "request 'a': num_computed_tokens=16 covers 4 full blocks but only 2 block hashes "
+        "were given: blocks without a hash are never stored"
+    )
+    assert (one[0].filename, one[0].lineno) == (g[0].filename, g[0].lineno)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first call", "later call"])
+@pytest.mark.parametrize("lagging", ["f", "w"])
+def test_full_and_sliding_window_warn_once_naming_the_group_whose_hashes_lag(
+    first: bool, lagging: str
+) -> None:
+    rig = Rig([group("f", "full", 4), group("w", "sliding_window", 4, window=8)], gpu_blocks=32)
+    all_hashes = rig.hashes(TOKENS)
+    other = "w" if lagging == "f" else "f"
+
+    def w(x: object) -> object:  # the lagging group gets ``x``; the other its whole hashes
+        if x and isinstance(x, list) and isinstance(x[0], bytes):
+            return {lagging: x, other: all_hashes[other]}
+        return {lagging: x, other: x}
+
+    caught = unhashed(rig.sched, w, all_hashes[lagging], first)
+    assert len(caught) == 1
+    assert str(caught[0].message).startswith(
+        f"request 'a': num_computed_tokens=16 covers 4 full blocks of group {lagging!r} but "
+        "only 2 block hashes were given"
+    )
+    assert caught[0].filename == __file__
+
+
+def test_hashes_in_step_with_each_group_block_size_do_not_warn() -> None:
+    """Each group is held to its own block size: 8-token blocks need half the hashes."""
+    rig = Rig([group("f", "full", 4), group("w", "sliding_window", 8, window=16)], gpu_blocks=32)
+    hashes = rig.hashes(TOKENS)
+    assert [len(hashes["f"]), len(hashes["w"])] == [4, 2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rig.sched.update("a", {"f": TABLE, "w": [4, 5]}, hashes, 16)
+        rig.sched.update("b", {"f": TABLE[:3], "w": [6, 7]}, {"f": hashes["f"][:2], "w": []}, 12)
     rig.sched.check_invariants()
 
 

@@ -34,7 +34,9 @@ from kvoffload.scheduler.requests import (
     fresh_ids,
     grown_hashes,
     grown_table,
+    hashes_lag,
     length,
+    warn_unhashed,
 )
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import TransferPlan
@@ -255,8 +257,8 @@ class InputNames:
         tables: per group name, how a message names its GPU block table (the ``what`` of
             `check_entry()`, `length()`, `check_known_entries()` and `check_agrees()`).
         hashes: per group name, how a message names its hash list (`grown_hashes()`).
-        groups: per group name, the group `check_distinct()` and `check_load_span()`
-            name (``None``: one group's words).
+        groups: per group name, the group `check_distinct()`, `check_load_span()` and
+            `warn_unhashed()` name (``None``: one group's words).
         unit: how a message names the unit of a hit (`check_lookup_counts()`); with one
             cacheable group the hit alignment is its block size.
     """
@@ -286,6 +288,9 @@ class GroupRequests:
         limits: per group name, its GPU block count (`update()` refuses ids past it).
         every_entry: ``restore_evicted`` (a store may read any table entry again, so
             `update()` compares a full lane's entries from the first, as one group does).
+
+    An `UnhashedBlocksWarning` is issued once (`warn_unhashed()`) when an update's computed
+    tokens run more than one block past a group's hashes (`hashes_lag()`, one group's rule).
     """
 
     __slots__ = (
@@ -295,6 +300,7 @@ class GroupRequests:
         "_lanes",
         "_limits",
         "_single",
+        "_warned_unhashed",
         "finished",
         "hash_args",
         "names",
@@ -320,10 +326,12 @@ class GroupRequests:
         """How the checks' messages name each group's hash list (`InputNames.hashes`)."""
         self.unit = self.names.unit
         """How a lookup's message names the unit of a hit (`InputNames.unit`)."""
-        # per lane in order: its group's name, GPU block count and hash list's name
+        # per lane in order: its group's name, GPU block count, hash list's name and
+        # block size
         self._checks = tuple(
-            (g.name, self._limits.get(g.name), self.hash_args[g.name]) for g in lanes
+            (g.name, self._limits.get(g.name), self.hash_args[g.name], g.block_size) for g in lanes
         )
+        self._warned_unhashed = False
         self._single = self._checks[0] if len(self._checks) == 1 else None
         """The one lane's checks when there is one cacheable group (`_grew_one()`)."""
         self.requests: dict[str, GroupedRequest] = {}
@@ -374,7 +382,7 @@ class GroupRequests:
             every, checks = self._every_entry, self._checks
             k = 0
             for lane in existing.lanes.values():  # the cacheable groups' lanes, in order
-                name, limit, what = checks[k]
+                name, limit, what, _ = checks[k]
                 k += 1  # noqa: SIM113 - no enumerate object per call
                 old = lane.table
                 if not old:
@@ -401,13 +409,17 @@ class GroupRequests:
                         lane.hashes.extend(hashes)
                 existing.num_computed_tokens = num_computed_tokens
                 existing.recheck_table = False  # every known entry was compared (cursor 0)
+                if not self._warned_unhashed:
+                    self._warn_unhashed(existing)
                 return
-        self._full_update(request_id, existing, tables, block_hashes, num_computed_tokens)
+        state = self._full_update(request_id, existing, tables, block_hashes, num_computed_tokens)
+        if not self._warned_unhashed:
+            self._warn_unhashed(state)
 
     def _grew_one(
         self,
         state: GroupedRequest,
-        check: tuple[str, int | None, str],
+        check: tuple[str, int | None, str, int],
         tables: GroupTables,
         block_hashes: GroupHashes,
         num_computed_tokens: int,
@@ -415,7 +427,7 @@ class GroupRequests:
         """The common case of a model with one cacheable group, without the loop over the
         lanes: apply the call if its table and hashes only grew (the rules of the loop in
         `update()`); ``False`` (nothing changed) leaves it to the full checks."""
-        name, limit, what = check
+        name, limit, what, block_size = check
         lane = state.lanes[name]
         old = lane.table
         if not old:
@@ -440,7 +452,24 @@ class GroupRequests:
             lane.hashes.extend(hashes)
         state.num_computed_tokens = num_computed_tokens
         state.recheck_table = False  # every known entry was compared (cursor 0)
+        if not self._warned_unhashed and hashes_lag(num_computed_tokens, block_size, lane.hashes):
+            self._warned_unhashed = True
+            n = len(lane.hashes)
+            warn_unhashed(state.request_id, num_computed_tokens, block_size, n, None, 5)
         return True
+
+    def _warn_unhashed(self, state: GroupedRequest) -> None:
+        """`warn_unhashed()` for the first lane of ``state`` whose hashes lag its computed
+        tokens (`hashes_lag()`), naming its group (with several); then never again."""
+        n = state.num_computed_tokens
+        lanes = state.lanes
+        for name, _, _, block_size in self._checks:
+            hashes = lanes[name].hashes
+            if hashes_lag(n, block_size, hashes):
+                self._warned_unhashed = True
+                group = self.names.groups[name]
+                warn_unhashed(state.request_id, n, block_size, len(hashes), group, 5)
+                return
 
     def _full_update(
         self,
@@ -449,8 +478,9 @@ class GroupRequests:
         tables: GroupTables,
         block_hashes: GroupHashes,
         num_computed_tokens: int,
-    ) -> None:
-        """Check the call in full (naming what it did wrong first), then apply it."""
+    ) -> GroupedRequest:
+        """Check the call in full (naming what it did wrong first), then apply it; the
+        request's state."""
         cacheable = self._cacheable
         changes = table_changes(
             cacheable,
@@ -476,6 +506,7 @@ class GroupRequests:
             lane.hashes.extend(new_hashes[k])
         state.num_computed_tokens = num_computed_tokens
         state.recheck_table = False
+        return state
 
     def known(self, request_id: str) -> GroupedRequest:
         """The state of ``request_id`` (`UnknownRequestError`: none; `RequestStateError`:

@@ -309,8 +309,8 @@ class GroupedScheduler:
                 blocks the engine does not hold (out of window, padding, freed). An entry
                 that became ``None`` is never stored afterwards, nor one below what the
                 request's load or prefix wrote (`note_load()`: it is ignored).
-            block_hashes: per group, the hashes of the request's full blocks so far (the
-                group's namespace; `KVCacheGroup.namespace()`).
+            block_hashes: per group, the hashes of its full blocks (`KVCacheGroup.namespace()`);
+                more than a block behind the computed tokens: `UnhashedBlocksWarning`, once.
             num_computed_tokens: tokens whose KV is computed.
 
         Raises:
