@@ -204,6 +204,22 @@ def test_two_groups_name_the_group_whose_table_is_wrong() -> None:
     rig.sched.check_invariants()
 
 
+def test_a_load_into_no_gpu_block_names_the_group_only_with_several() -> None:
+    """A ``None`` destination (a grouped table's entry naming no block) is refused naming
+    the position, and the group only where there are several."""
+    for make, wrap, where in (
+        (grouped, lambda x: {"g": x}, ""),
+        (two_groups, lambda x: {"f": x, "g": x}, "group 'f': "),
+    ):
+        sched, hashes = make()
+        hit(sched, wrap, hashes)
+        with pytest.raises(
+            BlockTableError, match=rf"^request 'b': {where}no GPU block at position 1 to load"
+        ):
+            sched.plan_load("b", wrap([5, None, 7, 8]), 12)
+        sched.check_invariants()
+
+
 # -- computed tokens far past the hashes: one warning, by one rule ------------------------
 
 
