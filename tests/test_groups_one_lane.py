@@ -148,7 +148,10 @@ def test_one_lane_refusals_name_the_group_and_change_nothing() -> None:
     chain = hashes(tokens(1, 4))
     sched.update("r", {"f": [1, 2]}, {"f": chain[:2]}, 2 * BS)
     before = _lane_state(sched, "f")
-    with pytest.raises(KvOffloadError, match="appears twice in the block table of group 'f'"):
+    # one cacheable group: its table is named as one group's (`InputNames`)
+    with pytest.raises(
+        KvOffloadError, match=r"appears twice in gpu_block_ids, at positions 0 and 2"
+    ):
         sched.update("r", {"f": [1, 2, 1]}, {"f": chain[:3]}, 3 * BS)
     with pytest.raises(KvOffloadError, match="changed"):
         sched.update("r", {"f": [1, 2, 3]}, {"f": [chain[0], b"y" * 32, chain[2]]}, 3 * BS)

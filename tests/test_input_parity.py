@@ -1,9 +1,10 @@
 """One rule, one message: bad input to one group's `OffloadScheduler` and to a
 `GroupedScheduler` over one full group of the same geometry is refused by the same
-check, with the same error and the same message but for how it names the table (one
-group: ``gpu_block_ids``; several: ``tables['g']``) and the unit of a hit (one group's
-``block_size``, several groups' ``hit_alignment``). A table with two such groups is
-refused the same way, naming the group at fault. A seeded random engine, good input and
+check, with the same error and the same message (a grouped scheduler with one cacheable
+group names its input as one group does: `InputNames`). With two such groups it is
+refused the same way, the message naming the group at fault (``tables['f']``,
+``block_hashes['f']``, "the block table of group 'f'") and the unit of a hit
+(``hit_alignment``). A seeded random engine, good input and
 bad (tables changed, shrunk, naming a block twice or out of range; hashes shrunk or
 changed; computed counts going back; loads into wrong tables; finishes, preemptions,
 resets, failed stores), gets the same answer from both at every step: a fix made on one path
@@ -15,6 +16,7 @@ import hashlib
 import itertools
 import random
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +24,13 @@ import pytest
 from groups_helpers import Rig, group
 
 from kvoffload.config import OffloadConfig
-from kvoffload.errors import BlockTableError, InputTypeError, InvalidInputError, KvOffloadError
+from kvoffload.errors import (
+    BlockTableError,
+    InputTypeError,
+    InvalidInputError,
+    KvOffloadError,
+    UnhashedBlocksWarning,
+)
 from kvoffload.hashing import BlockHasher, HashNamespace
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.scheduler import OffloadScheduler
@@ -132,13 +140,18 @@ CASES.update(
     }
 )
 
-ONE_GROUP_NAMES = (
-    ("the block table of group 'g' has", "block table has"),
-    ("tables['g']", "gpu_block_ids"),
-    ("the block table of group 'g'", "gpu_block_ids"),
-    ("block_hashes['g']", "block_hashes"),
-    ("hit_alignment", "block_size"),
+SEVERAL_GROUP_NAMES = (  # one group's words, and how two groups name group 'f' instead
+    ("block table has", "the block table of group 'f' has"),
+    ("appears twice in gpu_block_ids", "appears twice in the block table of group 'f'"),
+    ("gpu_block_ids", "tables['f']"),
+    ("block_hashes", "block_hashes['f']"),
+    ("block_size=", "hit_alignment="),
 )
+
+
+def two_groups() -> tuple[Any, list[bytes]]:
+    rig = Rig([group("f", "full", 4), group("g", "full", 4)], cpu_blocks=16, gpu_blocks=32)
+    return rig.sched, rig.hashes(TOKENS)["f"]
 
 
 def refusal(
@@ -159,9 +172,20 @@ def test_one_group_and_a_grouped_scheduler_refuse_alike(case: str) -> None:
     assert one_kind is kind
     assert g_kind is kind
     assert re.match(r"request '[ab]': ", one_text), one_text  # names the request
-    for grouped_name, one_name in ONE_GROUP_NAMES:
-        g_text = g_text.replace(grouped_name, one_name)
     assert g_text == one_text
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_groups_refuse_alike_naming_the_group(case: str) -> None:
+    """The same bad input given to both of two full groups: the same error, its message
+    naming the first group (``'f'``) where one group's names its input."""
+    kind, call = CASES[case]
+    _, one_text = refusal(one_group, lambda x: x, call)
+    two_kind, two_text = refusal(two_groups, lambda x: {"f": x, "g": x}, call)
+    assert two_kind is kind
+    for one_name, several_name in SEVERAL_GROUP_NAMES:
+        one_text = one_text.replace(one_name, several_name)
+    assert two_text == one_text
 
 
 def test_two_groups_name_the_group_whose_table_is_wrong() -> None:
@@ -177,6 +201,95 @@ def test_two_groups_name_the_group_whose_table_is_wrong() -> None:
         rig.sched.update("a", {"f": [0.0, 1, 2, 3], "w": [4, 5, 6, 7]}, hashes, 16)
     # ``None`` names no block, in any group's table
     rig.sched.update("a", {"f": TABLE, "w": [None, 5, 6, 7]}, hashes, 16)
+    rig.sched.check_invariants()
+
+
+def test_a_load_into_no_gpu_block_names_the_group_only_with_several() -> None:
+    """A ``None`` destination (a grouped table's entry naming no block) is refused naming
+    the position, and the group only where there are several."""
+    for make, wrap, where in (
+        (grouped, lambda x: {"g": x}, ""),
+        (two_groups, lambda x: {"f": x, "g": x}, "group 'f': "),
+    ):
+        sched, hashes = make()
+        hit(sched, wrap, hashes)
+        with pytest.raises(
+            BlockTableError, match=rf"^request 'b': {where}no GPU block at position 1 to load"
+        ):
+            sched.plan_load("b", wrap([5, None, 7, 8]), 12)
+        sched.check_invariants()
+
+
+# -- computed tokens far past the hashes: one warning, by one rule ------------------------
+
+
+def unhashed(
+    sched: Any, w: Callable[[object], object], h: list[bytes], first: bool
+) -> list[warnings.WarningMessage]:
+    """The `UnhashedBlocksWarning`s of an update whose computed tokens run two blocks past
+    its hashes (on the request's first call, or after one that ran one block ahead: no
+    warning), then of two more such updates, of that request and of another."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if not first:
+            sched.update("a", w(TABLE[:3]), w(h[:2]), 12)  # one block ahead: normal
+        sched.update("a", w(TABLE), w(h[:2]), 16)
+        sched.update("a", w([*TABLE, 4]), w(h[:2]), 20)  # once per scheduler
+        sched.update("b", w([5, 6, 7, 8]), w(h[:1]), 16)
+    sched.check_invariants()
+    return [c for c in caught if c.category is UnhashedBlocksWarning]
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first call", "later call"])
+def test_one_group_and_a_grouped_scheduler_warn_alike_of_unhashed_blocks(first: bool) -> None:
+    """A `GroupedScheduler` with one group warns by one group's rule (`warn_unhashed()`),
+    once per scheduler, in the same words and naming the same caller's frame."""
+    seen = []
+    for make, wrap in ((one_group, lambda x: x), (grouped, lambda x: {"g": x})):
+        sched, hashes = make()
+        seen.append(unhashed(sched, wrap, hashes, first))
+    one, g = seen
+    assert len(one) == len(g) == 1
+    assert str(one[0].message) == str(g[0].message)
+    assert str(one[0].message).startswith(
+        "request 'a': num_computed_tokens=16 covers 4 full blocks but only 2 block hashes "
+        "were given: blocks without a hash are never stored"
+    )
+    assert (one[0].filename, one[0].lineno) == (g[0].filename, g[0].lineno)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first call", "later call"])
+@pytest.mark.parametrize("lagging", ["f", "w"])
+def test_full_and_sliding_window_warn_once_naming_the_group_whose_hashes_lag(
+    first: bool, lagging: str
+) -> None:
+    rig = Rig([group("f", "full", 4), group("w", "sliding_window", 4, window=8)], gpu_blocks=32)
+    all_hashes = rig.hashes(TOKENS)
+    other = "w" if lagging == "f" else "f"
+
+    def w(x: object) -> object:  # the lagging group gets ``x``; the other its whole hashes
+        if x and isinstance(x, list) and isinstance(x[0], bytes):
+            return {lagging: x, other: all_hashes[other]}
+        return {lagging: x, other: x}
+
+    caught = unhashed(rig.sched, w, all_hashes[lagging], first)
+    assert len(caught) == 1
+    assert str(caught[0].message).startswith(
+        f"request 'a': num_computed_tokens=16 covers 4 full blocks of group {lagging!r} but "
+        "only 2 block hashes were given"
+    )
+    assert caught[0].filename == __file__
+
+
+def test_hashes_in_step_with_each_group_block_size_do_not_warn() -> None:
+    """Each group is held to its own block size: 8-token blocks need half the hashes."""
+    rig = Rig([group("f", "full", 4), group("w", "sliding_window", 8, window=16)], gpu_blocks=32)
+    hashes = rig.hashes(TOKENS)
+    assert [len(hashes["f"]), len(hashes["w"])] == [4, 2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rig.sched.update("a", {"f": TABLE, "w": [4, 5]}, hashes, 16)
+        rig.sched.update("b", {"f": TABLE[:3], "w": [6, 7]}, {"f": hashes["f"][:2], "w": []}, 12)
     rig.sched.check_invariants()
 
 

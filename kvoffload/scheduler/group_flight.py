@@ -16,7 +16,12 @@ from kvoffload.scheduler.group_loads import (
     abandon_grouped,
     open_grouped_loads,
 )
-from kvoffload.scheduler.group_state import GroupCounts, GroupedRequest
+from kvoffload.scheduler.group_state import (
+    GroupCounts,
+    GroupedRequest,
+    GroupRequests,
+    load_destinations,
+)
 from kvoffload.scheduler.ledger import BlockLedger, PlanEntry
 from kvoffload.transfer.plan import LoadPlan, TransferPlan
 
@@ -49,22 +54,24 @@ class LoadsInFlight:
         ledgers: per group, its ledger.
         counts: per group, its counters (``load_plans`` counts the plans opened and not
             cancelled).
-        requests: the request states by id (`GroupRequests.requests`).
+        requests: the request table: its states by id, and how the checks of a load's
+            tables name them (`GroupRequests.names`).
     """
 
-    __slots__ = ("_counts", "_groups", "_ledgers", "_open", "_requests", "records")
+    __slots__ = ("_counts", "_groups", "_ledgers", "_names", "_open", "_requests", "records")
 
     def __init__(
         self,
         groups: Sequence[KVCacheGroup],
         ledgers: Mapping[str, BlockLedger],
         counts: Mapping[str, GroupCounts],
-        requests: Mapping[str, GroupedRequest],
+        requests: GroupRequests,
     ) -> None:
         self._groups = tuple(groups)
         self._ledgers = ledgers
         self._counts = counts
-        self._requests = requests
+        self._requests = requests.requests
+        self._names = requests.names
         self.records: dict[str, dict[int, LoadRecord]] = {g.name: {} for g in groups}
         """Per group, its load plans in flight (abandoned ones too) by plan id."""
         self._open: dict[str, list[GroupedLoad]] = {}
@@ -74,13 +81,14 @@ class LoadsInFlight:
         self, state: GroupedRequest, tables: Mapping[str, list[int | None]], num_tokens: int
     ) -> dict[str, TransferPlan]:
         """Open, per group, the load of ``state``'s pinned hit of ``num_tokens`` into its
-        checked ``tables`` (`open_grouped_loads()`).
+        checked ``tables`` (`load_destinations()`, `open_grouped_loads()`).
 
         Returns:
             Per group with blocks to load, its plan.
         """
+        dests = load_destinations(state.request_id, state, tables, self._names)
         plans, load = open_grouped_loads(
-            self._groups, self._ledgers, self._counts, self.records, state, tables, num_tokens
+            self._groups, self._ledgers, self._counts, self.records, state, dests, num_tokens
         )
         if load is not None and not load.spoiled:
             self._open.setdefault(load.request_id, []).append(load)

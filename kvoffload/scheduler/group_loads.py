@@ -14,7 +14,7 @@ from kvoffload.groups import KVCacheGroup, hit_alignment, needed
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.pool.free_queue import CpuBlock
-from kvoffload.scheduler.group_state import GroupCounts, GroupedRequest, load_destinations
+from kvoffload.scheduler.group_state import GroupCounts, GroupedRequest
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import abandon_loads, block_miss_reason, lookup_defers
 from kvoffload.scheduler.misses import MissReason
@@ -600,12 +600,12 @@ def open_grouped_loads(  # noqa: PLR0917 - the load's state, in its order
     counts: Mapping[str, GroupCounts],
     loads: Mapping[str, dict[int, LoadRecord]],
     state: GroupedRequest,
-    tables: Mapping[str, list[int | None]],
+    dests: Mapping[str, list[int]],
     num_tokens: int,
 ) -> tuple[dict[str, TransferPlan], GroupedLoad | None]:
-    """Open, per group, the load of the request's pinned hit into its checked
-    ``tables`` (`load_destinations()`): the pins become the plans' references, each
-    plan is recorded in ``loads`` and counted in its group's counters.
+    """Open, per group, the load of the request's pinned hit into ``dests``, the GPU
+    blocks it loads into (`load_destinations()`): the pins become the plans' references,
+    each plan is recorded in ``loads`` and counted in its group's counters.
 
     Returns:
         Per group, its plan, and the `GroupedLoad` they are parts of (``None``: no plan).
@@ -613,7 +613,6 @@ def open_grouped_loads(  # noqa: PLR0917 - the load's state, in its order
     """
     rid = state.request_id
     load = GroupedLoad(rid, state.hit or 0, state.hit_from, set())
-    dests = load_destinations(rid, state, tables)
     plans: dict[str, TransferPlan] = {}
     records = note_load(groups, state)
     for name, lane in state.lanes.items():

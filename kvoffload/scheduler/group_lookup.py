@@ -94,8 +94,8 @@ class GroupLookups:
         align = self._align
         num_tokens = as_int(num_tokens, "num_tokens", request_id)
         num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", request_id)
-        check_lookup_counts(request_id, num_tokens, num_computed_tokens, align, "hit_alignment")
         table = self._table
+        check_lookup_counts(request_id, num_tokens, num_computed_tokens, align, table.unit)
         check_hashes(self._cacheable, request_id, None, block_hashes, table.hash_args)
         state = table.state(request_id)
         self.release(request_id)

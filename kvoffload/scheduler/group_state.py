@@ -34,7 +34,9 @@ from kvoffload.scheduler.requests import (
     fresh_ids,
     grown_hashes,
     grown_table,
+    hashes_lag,
     length,
+    warn_unhashed,
 )
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import TransferPlan
@@ -46,11 +48,11 @@ __all__ = [
     "GroupTables",
     "GroupedPlan",
     "GroupedRequest",
+    "InputNames",
     "Lane",
     "LiveCopy",
     "StoreRecord",
     "check_hashes",
-    "hashes_args",
     "check_tables",
     "table_changes",
     "live_blocks",
@@ -242,6 +244,38 @@ def live_mark(lane: Lane) -> int:
 
 
 @final
+class InputNames:
+    """How the messages of a `GroupedScheduler`'s input checks name its input: one choice,
+    made when it is built. With one cacheable group, as `OffloadScheduler` names it
+    (``gpu_block_ids``, ``block_hashes``, "block table", ``block_size``), so a one-group
+    model's user (Llama through the vLLM connector) reads one group's words; with several,
+    each group by name (``tables['g']``, ``block_hashes['g']``, "the block table of group
+    'g'", ``hit_alignment``). The checks read these strings; a message is the only place
+    they are used.
+
+    Attributes:
+        tables: per group name, how a message names its GPU block table (the ``what`` of
+            `check_entry()`, `length()`, `check_known_entries()` and `check_agrees()`).
+        hashes: per group name, how a message names its hash list (`grown_hashes()`).
+        groups: per group name, the group `check_distinct()`, `check_load_span()` and
+            `warn_unhashed()` name (``None``: one group's words).
+        unit: how a message names the unit of a hit (`check_lookup_counts()`); with one
+            cacheable group the hit alignment is its block size.
+    """
+
+    __slots__ = ("groups", "hashes", "tables", "unit")
+
+    def __init__(self, cacheable: Sequence[KVCacheGroup]) -> None:
+        one = len(cacheable) == 1
+        self.tables = {g.name: "gpu_block_ids" if one else f"tables[{g.name!r}]" for g in cacheable}
+        self.hashes = {
+            g.name: "block_hashes" if one else f"block_hashes[{g.name!r}]" for g in cacheable
+        }
+        self.groups: dict[str, str | None] = {g.name: None if one else g.name for g in cacheable}
+        self.unit = "block_size" if one else "hit_alignment"
+
+
+@final
 class GroupRequests:
     """The one owner of a `GroupedScheduler`'s request states, as `RequestTable` is of
     one group's: registration on first use, the live and known lookups, retention
@@ -254,6 +288,9 @@ class GroupRequests:
         limits: per group name, its GPU block count (`update()` refuses ids past it).
         every_entry: ``restore_evicted`` (a store may read any table entry again, so
             `update()` compares a full lane's entries from the first, as one group does).
+
+    An `UnhashedBlocksWarning` is issued once (`warn_unhashed()`) when an update's computed
+    tokens run more than one block past a group's hashes (`hashes_lag()`, one group's rule).
     """
 
     __slots__ = (
@@ -263,10 +300,13 @@ class GroupRequests:
         "_lanes",
         "_limits",
         "_single",
+        "_warned_unhashed",
         "finished",
         "hash_args",
+        "names",
         "priorities",
         "requests",
+        "unit",
     )
 
     def __init__(
@@ -280,12 +320,18 @@ class GroupRequests:
         self._lanes = tuple((g.name, g.block_size if g.kind == "full" else 0) for g in lanes)
         self._limits = dict(limits or {})
         self._every_entry = every_entry
-        self.hash_args = hashes_args(lanes)
-        """How the checks' messages name each group's hash list."""
-        # per lane in order: its group's name, GPU block count and hash list's name
+        self.names = InputNames(lanes)
+        """How the checks' messages name the input (one group's words with one group)."""
+        self.hash_args = self.names.hashes
+        """How the checks' messages name each group's hash list (`InputNames.hashes`)."""
+        self.unit = self.names.unit
+        """How a lookup's message names the unit of a hit (`InputNames.unit`)."""
+        # per lane in order: its group's name, GPU block count, hash list's name and
+        # block size
         self._checks = tuple(
-            (g.name, self._limits.get(g.name), self.hash_args[g.name]) for g in lanes
+            (g.name, self._limits.get(g.name), self.hash_args[g.name], g.block_size) for g in lanes
         )
+        self._warned_unhashed = False
         self._single = self._checks[0] if len(self._checks) == 1 else None
         """The one lane's checks when there is one cacheable group (`_grew_one()`)."""
         self.requests: dict[str, GroupedRequest] = {}
@@ -336,7 +382,7 @@ class GroupRequests:
             every, checks = self._every_entry, self._checks
             k = 0
             for lane in existing.lanes.values():  # the cacheable groups' lanes, in order
-                name, limit, what = checks[k]
+                name, limit, what, _ = checks[k]
                 k += 1  # noqa: SIM113 - no enumerate object per call
                 old = lane.table
                 if not old:
@@ -363,13 +409,17 @@ class GroupRequests:
                         lane.hashes.extend(hashes)
                 existing.num_computed_tokens = num_computed_tokens
                 existing.recheck_table = False  # every known entry was compared (cursor 0)
+                if not self._warned_unhashed:
+                    self._warn_unhashed(existing)
                 return
-        self._full_update(request_id, existing, tables, block_hashes, num_computed_tokens)
+        state = self._full_update(request_id, existing, tables, block_hashes, num_computed_tokens)
+        if not self._warned_unhashed:
+            self._warn_unhashed(state)
 
     def _grew_one(
         self,
         state: GroupedRequest,
-        check: tuple[str, int | None, str],
+        check: tuple[str, int | None, str, int],
         tables: GroupTables,
         block_hashes: GroupHashes,
         num_computed_tokens: int,
@@ -377,7 +427,7 @@ class GroupRequests:
         """The common case of a model with one cacheable group, without the loop over the
         lanes: apply the call if its table and hashes only grew (the rules of the loop in
         `update()`); ``False`` (nothing changed) leaves it to the full checks."""
-        name, limit, what = check
+        name, limit, what, block_size = check
         lane = state.lanes[name]
         old = lane.table
         if not old:
@@ -402,7 +452,24 @@ class GroupRequests:
             lane.hashes.extend(hashes)
         state.num_computed_tokens = num_computed_tokens
         state.recheck_table = False  # every known entry was compared (cursor 0)
+        if not self._warned_unhashed and hashes_lag(num_computed_tokens, block_size, lane.hashes):
+            self._warned_unhashed = True
+            n = len(lane.hashes)
+            warn_unhashed(state.request_id, num_computed_tokens, block_size, n, None, 5)
         return True
+
+    def _warn_unhashed(self, state: GroupedRequest) -> None:
+        """`warn_unhashed()` for the first lane of ``state`` whose hashes lag its computed
+        tokens (`hashes_lag()`), naming its group (with several); then never again."""
+        n = state.num_computed_tokens
+        lanes = state.lanes
+        for name, _, _, block_size in self._checks:
+            hashes = lanes[name].hashes
+            if hashes_lag(n, block_size, hashes):
+                self._warned_unhashed = True
+                group = self.names.groups[name]
+                warn_unhashed(state.request_id, n, block_size, len(hashes), group, 5)
+                return
 
     def _full_update(
         self,
@@ -411,11 +478,18 @@ class GroupRequests:
         tables: GroupTables,
         block_hashes: GroupHashes,
         num_computed_tokens: int,
-    ) -> None:
-        """Check the call in full (naming what it did wrong first), then apply it."""
+    ) -> GroupedRequest:
+        """Check the call in full (naming what it did wrong first), then apply it; the
+        request's state."""
         cacheable = self._cacheable
         changes = table_changes(
-            cacheable, self._limits, request_id, existing, tables, every_entry=self._every_entry
+            cacheable,
+            self._limits,
+            request_id,
+            existing,
+            tables,
+            every_entry=self._every_entry,
+            names=self.names,
         )
         new_hashes = check_hashes(cacheable, request_id, existing, block_hashes, self.hash_args)
         state = existing if existing is not None else self.state(request_id)
@@ -432,6 +506,7 @@ class GroupRequests:
             lane.hashes.extend(new_hashes[k])
         state.num_computed_tokens = num_computed_tokens
         state.recheck_table = False
+        return state
 
     def known(self, request_id: str) -> GroupedRequest:
         """The state of ``request_id`` (`UnknownRequestError`: none; `RequestStateError`:
@@ -561,6 +636,7 @@ def table_changes(
     state: GroupedRequest | None,
     tables: GroupTables,
     *,
+    names: InputNames,
     every_entry: bool = False,
 ) -> list[tuple[bool, list[int | None]]]:
     """`update()`'s check of one table per cacheable group, in O(new entries) where it
@@ -573,7 +649,8 @@ def table_changes(
     cursor on, every entry of the other kinds) are unchanged and that only grew has its
     new entries checked with `fresh_ids()`; any other table is checked in full by
     `check_tables()`. With ``every_entry`` (``restore_evicted``: a store may read any
-    entry again) a full group's entries are compared from the first, as with one group."""
+    entry again) a full group's entries are compared from the first, as with one group.
+    ``names``: how the messages name the tables (`InputNames`)."""
     out: list[tuple[bool, list[int | None]]] = []
     full: list[KVCacheGroup] = []
     known: list[tuple[str, list[int | None], int]] = []  # (group, its table, read from)
@@ -595,44 +672,49 @@ def table_changes(
         out.append((True, new))
     if not full:
         return out
-    checked = check_tables(full, limits, rid, tables)
+    checked = check_tables(full, limits, rid, tables, names)
     for name, old, read_from in known:
-        check_known_entries(checked[name], old, read_from, rid, f"tables[{name!r}]", may_drop=True)
+        what = names.tables[name]
+        check_known_entries(checked[name], old, read_from, rid, what, may_drop=True)
     grown = iter(out)
     return [(False, checked[g.name]) if g.name in checked else next(grown) for g in cacheable]
 
 
 def check_tables(
-    cacheable: Sequence[KVCacheGroup], limits: Mapping[str, int], rid: str, tables: GroupTables
+    cacheable: Sequence[KVCacheGroup],
+    limits: Mapping[str, int],
+    rid: str,
+    tables: GroupTables,
+    names: InputNames | None = None,
 ) -> dict[str, list[int | None]]:
     """Check one table per cacheable group (ints in range or ``None``, no GPU block named
-    twice: `check_distinct()`, the one-group rule); copies of them."""
+    twice: `check_distinct()`, the one-group rule); copies of them. ``names``: how the
+    messages name the tables (`InputNames`; ``None``: made from ``cacheable``, every
+    cacheable group then, only when a check needs it: a table that is not a list, or an
+    entry the fast check does not take)."""
     out: dict[str, list[int | None]] = {}
     for g in cacheable:
         table = tables.get(g.name)
         if table is None:
             raise BlockTableError(f"request {rid!r}: no block table for group {g.name!r}")
         if type(table) is not list:
-            length(table, f"tables[{g.name!r}]", rid)  # a sequence, as one group's
+            names = names or InputNames(cacheable)
+            length(table, names.tables[g.name], rid)  # a sequence, as one group's
         limit = limits.get(g.name)
         entries = list(table)
         if entries and fresh_ids(entries, (), limit):
             out[g.name] = entries  # every entry an id in range, none twice: the fast check
             continue
-        what = f"tables[{g.name!r}]"
+        names = names or InputNames(cacheable)
+        what = names.tables[g.name]
         for pos, entry in enumerate(entries):
             if entry is not None and (  # ``None`` names no block
                 type(entry) is not int or entry < 0 or (limit is not None and entry >= limit)
             ):
                 entries[pos] = check_entry(entry, pos, rid, limit, what)  # converts or raises
         out[g.name] = entries
-        check_distinct(entries, rid, group=g.name)
+        check_distinct(entries, rid, group=names.groups[g.name])
     return out
-
-
-def hashes_args(cacheable: Sequence[KVCacheGroup]) -> dict[str, str]:
-    """How `check_hashes()`'s messages name each group's hash list (made once)."""
-    return {g.name: f"block_hashes[{g.name!r}]" for g in cacheable}
 
 
 def check_hashes(
@@ -663,9 +745,10 @@ def check_hashes(
 
 
 def load_destinations(
-    rid: str, state: GroupedRequest, tables: Mapping[str, list[int | None]]
+    rid: str, state: GroupedRequest, tables: Mapping[str, list[int | None]], names: InputNames
 ) -> dict[str, list[int]]:
-    """Per group, the GPU block ids the pinned blocks load into (checked tables).
+    """Per group, the GPU block ids the pinned blocks load into (checked tables; ``names``:
+    how the messages name them).
 
     Raises:
         BlockTableError: a destination entry is missing or ``None``, or differs from the
@@ -674,15 +757,17 @@ def load_destinations(
     dests: dict[str, list[int]] = {}
     for name, lane in state.lanes.items():
         table = tables[name]
-        what = f"tables[{name!r}]"
+        what = names.tables[name]
         start, n = lane.pin_start, len(lane.pin or ())
-        check_load_span(len(table), start, n, rid, name)
+        check_load_span(len(table), start, n, rid, names.groups[name])
         ids: list[int] = []
         for pos in range(start, start + n):
             entry = table[pos]
             if entry is None:
+                group = names.groups[name]
+                where = "" if group is None else f"group {group!r}: "
                 raise BlockTableError(
-                    f"request {rid!r}: group {name!r}: no GPU block at position {pos} to load into"
+                    f"request {rid!r}: {where}no GPU block at position {pos} to load into"
                 )
             ids.append(entry)
         check_agrees(lane.table, table, range(start, start + n), rid, what)

@@ -176,7 +176,7 @@ class GroupedScheduler:
         self._counts = {
             g.name: GroupCounts(Counters(g.block_size, g.bytes_per_block)) for g in self._cacheable
         }
-        self._loads = LoadsInFlight(self._cacheable, self._ledgers, self._counts, self._requests)
+        self._loads = LoadsInFlight(self._cacheable, self._ledgers, self._counts, self._table)
         self.abandoned_loads = 0
         """Loads their request abandoned while the copy was in flight (`abandon_load()`)."""
         self._lookups = GroupLookups(
@@ -325,8 +325,8 @@ class GroupedScheduler:
                 blocks the engine does not hold (out of window, padding, freed). An entry
                 that became ``None`` is never stored afterwards, nor one below what the
                 request's load or prefix wrote (`note_load()`: it is ignored).
-            block_hashes: per group, the hashes of the request's full blocks so far (the
-                group's namespace; `KVCacheGroup.namespace()`).
+            block_hashes: per group, the hashes of its full blocks (`KVCacheGroup.namespace()`);
+                more than a block behind the computed tokens: `UnhashedBlocksWarning`, once.
             num_computed_tokens: tokens whose KV is computed.
 
         Raises:

@@ -45,7 +45,9 @@ __all__ = [
     "fresh_ids",
     "grown_hashes",
     "grown_table",
+    "hashes_lag",
     "length",
+    "warn_unhashed",
 ]
 
 _log = get_logger("scheduler")
@@ -211,6 +213,39 @@ def grown_hashes(
         for k, h in enumerate(new):
             check_hash(h, f"{what}[{n_old + k}]", rid)
     return new
+
+
+def hashes_lag(num_computed_tokens: int, block_size: int, hashes: Sequence[BlockHash]) -> bool:
+    """The rule of `UnhashedBlocksWarning`, every path's (one group's `update()`, each
+    group's hashes of a `GroupedScheduler`'s): ``num_computed_tokens`` covers more than
+    one full block of ``block_size`` tokens past the ``hashes`` given. The caller then
+    calls `warn_unhashed()`, once per scheduler."""
+    return num_computed_tokens // block_size > len(hashes) + 1
+
+
+def warn_unhashed(  # noqa: PLR0917 - the counts of `hashes_lag()` and how to name them
+    rid: str,
+    num_computed_tokens: int,
+    block_size: int,
+    num_hashes: int,
+    group: str | None,
+    stacklevel: int,
+) -> None:
+    """Issue the `UnhashedBlocksWarning` `hashes_lag()` called for, naming the request (and
+    ``group``, with several groups: ``None`` reads as one group's).
+
+    Args:
+        stacklevel: the frame the warning names, counted from the caller (1: the caller).
+    """
+    of = "" if group is None else f" of group {group!r}"
+    warnings.warn(
+        f"request {rid!r}: num_computed_tokens={num_computed_tokens} covers "
+        f"{num_computed_tokens // block_size} full blocks{of} but only {num_hashes} block "
+        "hashes were given: blocks without a hash are never stored (hash each new full "
+        "block, generated tokens too); this warning is issued once",
+        UnhashedBlocksWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 def check_request_priority(request_id: str, priority: object) -> int:
@@ -592,24 +627,13 @@ class RequestTable:
         state.gpu_block_set.update(new_ids)
         state.block_hashes.extend(new_hashes)
         state.num_computed_tokens = num_computed_tokens
-        if (
-            num_computed_tokens // self._block_size > len(state.block_hashes) + 1
-            and not self._warned_unhashed
+        if not self._warned_unhashed and hashes_lag(
+            num_computed_tokens, self._block_size, state.block_hashes
         ):
-            self._warn_unhashed(state)
+            self._warned_unhashed = True
+            n = len(state.block_hashes)
+            warn_unhashed(rid, num_computed_tokens, self._block_size, n, None, 4)
         return state
-
-    def _warn_unhashed(self, state: RequestOffloadState) -> None:
-        self._warned_unhashed = True
-        full = state.num_computed_tokens // self._block_size
-        warnings.warn(
-            f"request {state.request_id!r}: num_computed_tokens={state.num_computed_tokens} "
-            f"covers {full} full blocks but only {len(state.block_hashes)} block hashes "
-            "were given: blocks without a hash are never stored (hash each new full "
-            "block, generated tokens too); this warning is issued once",
-            UnhashedBlocksWarning,
-            stacklevel=5,
-        )
 
     def preempted(self, state: RequestOffloadState) -> None:
         """Forget what the engine held for a preempted request (its GPU blocks are freed;
