@@ -31,9 +31,11 @@ class LoadsInFlight:
 
     A load is one part per group (`GroupedLoad`). When every part is cancelled (a failed
     launch cancels them one by one), the request gets its lookup back as it was before
-    `plan_load()`: each lane pins that part's CPU blocks again from the part's first block
-    (``pin_start``), its ``valid_from`` goes back to before `note_load()`, and the
-    request's hit is restored, so the engine may load the same hit again. Until the last
+    `plan_load()`, but for what a shorter load released (as one group's cancelled load
+    gives back its blocks, `LoadPlanner.cancel_plan()`): each lane pins that part's CPU
+    blocks again from the part's first block (``pin_start``), its ``valid_from`` goes back
+    to before `note_load()`, and the request's hit is the one the load took, so the
+    engine may load it again. Until the last
     part is cancelled, the parts cancelled so far keep their CPU blocks referenced (a pin
     of their group's ledger, as their plans kept them) but no lane pins them and the
     request has no hit: every call sees the load as still in flight.
@@ -73,8 +75,9 @@ class LoadsInFlight:
     def open(
         self, state: GroupedRequest, tables: Mapping[str, list[int | None]], num_tokens: int
     ) -> dict[str, TransferPlan]:
-        """Open, per group, the load of ``state``'s pinned hit of ``num_tokens`` into its
-        checked ``tables`` (`open_grouped_loads()`).
+        """Open, per group, the load of ``num_tokens`` of ``state``'s pinned hit (all of
+        it, or less: `check_shorter_load()`) into its checked ``tables``
+        (`open_grouped_loads()`).
 
         Returns:
             Per group with blocks to load, its plan.

@@ -663,9 +663,14 @@ def check_hashes(
 
 
 def load_destinations(
-    rid: str, state: GroupedRequest, tables: Mapping[str, list[int | None]]
+    rid: str,
+    state: GroupedRequest,
+    tables: Mapping[str, list[int | None]],
+    shorter: Mapping[str, int] | None = None,
 ) -> dict[str, list[int]]:
-    """Per group, the GPU block ids the pinned blocks load into (checked tables).
+    """Per group, the GPU block ids the pinned blocks load into (checked tables): all of
+    each lane's pin, or with ``shorter`` (a load shorter than the hit), per group, how
+    many of its first pinned blocks.
 
     Raises:
         BlockTableError: a destination entry is missing or ``None``, or differs from the
@@ -675,7 +680,8 @@ def load_destinations(
     for name, lane in state.lanes.items():
         table = tables[name]
         what = f"tables[{name!r}]"
-        start, n = lane.pin_start, len(lane.pin or ())
+        start = lane.pin_start
+        n = len(lane.pin or ()) if shorter is None else shorter[name]
         check_load_span(len(table), start, n, rid, name)
         ids: list[int] = []
         for pos in range(start, start + n):

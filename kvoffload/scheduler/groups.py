@@ -51,6 +51,7 @@ from kvoffload.scheduler.group_loads import (
     HitStops,
     check_ledgers,
     check_request,
+    check_shorter_load,
     find_hit,
     hit_blocks,
     lookup_defers_grouped,
@@ -465,15 +466,16 @@ class GroupedScheduler:
             tables: per group, the request's whole GPU block table; every destination
                 entry (the blocks of ``needed(g, N)`` above the engine's prefix) must be an
                 id, not ``None``.
-            num_tokens: the lookup's hit, or 0 (release the pins). A shorter hit would
-                need other blocks in a windowed group: look up again instead.
+            num_tokens: the lookup's hit, 0 (release the pins), or less: see
+                `check_shorter_load()` (every cacheable group full attention).
 
         Returns:
             One plan per group with blocks to load, or ``None`` when ``num_tokens`` is 0.
 
         Raises:
             UnknownRequestError: no state for that id.
-            InvalidInputError: ``num_tokens`` is neither 0 nor the hit (InputTypeError: a float).
+            InvalidInputError: ``num_tokens`` refused by `check_shorter_load()`
+                (InputTypeError: a float).
             BlockTableError: a destination entry missing or ``None``, or a table as
                 `update()` refuses it.
         """
@@ -484,10 +486,7 @@ class GroupedScheduler:
             self.release(request_id)
             return None
         if num_tokens != hit:
-            raise InvalidInputError(
-                f"request {request_id!r}: num_tokens={num_tokens!r} must be 0 or the "
-                f"lookup's hit {hit}"
-            )
+            check_shorter_load(self._cacheable, self._align, state, num_tokens, hit)
         checked = check_tables(self._cacheable, self._limits, request_id, tables)
         plans = self._loads.open(state, checked, num_tokens)
         state.hit = None
