@@ -191,11 +191,12 @@ def check_lookup_counts(
 
 def check_load_tokens(rid: str, num_tokens: int, hit: int, unit: int, *, shorter: bool) -> None:
     """How much of a lookup's pinned ``hit`` a load takes, the rule of every path (one
-    group's `plan_load()`, a `GroupedScheduler`'s when ``num_tokens`` is not the hit):
-    ``0 <= num_tokens <= hit``, a multiple of ``unit`` (one group's block size,
-    several groups' hit alignment). ``shorter``: whether a load shorter than the hit is
-    taken at all (not with a group whose shorter hit needs other blocks,
-    `check_shorter_load()`); the message then offers only 0 or the hit.
+    group's `plan_load()` and a `GroupedScheduler`'s; both take the whole hit, which this
+    always accepts, without the call): ``0 <= num_tokens <= hit``, a multiple of
+    ``unit`` (one group's block size, several groups' hit alignment). ``shorter``:
+    whether a load shorter than the hit is taken at all (not with a group whose shorter
+    hit needs other blocks, `check_shorter_load()`); the message then offers only 0 or
+    the hit.
 
     Raises:
         InvalidInputError: naming the request, ``num_tokens``, the hit and the unit.
@@ -420,7 +421,9 @@ class LoadPlanner:
         bs = self._block_size
         num_tokens = as_int(num_tokens, "num_tokens", rid)
         pinned = state.pinned
-        check_load_tokens(rid, num_tokens, len(pinned) * bs, bs, shorter=True)
+        hit = len(pinned) * bs
+        if num_tokens != hit:  # the whole hit, what `check_load_tokens()` accepts, inline
+            check_load_tokens(rid, num_tokens, hit, bs, shorter=True)
         n = num_tokens // bs
         start = state.pin_start_block
         dst = table.load_destinations(state, gpu_block_ids, start, n)
