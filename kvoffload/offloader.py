@@ -351,7 +351,8 @@ class KVOffloader:
                 block the group does not hold; `GroupedScheduler.plan_load()`).
             num_tokens: tokens to load (a multiple of the block size, at most the hit;
                 with several groups, a multiple of the hit alignment, and less than the
-                hit only when every group is full attention: `GroupedScheduler.plan_load()`).
+                hit only when every cacheable group is full attention:
+                `GroupedScheduler.plan_load()`).
 
         Returns:
             The transfer (compute must wait on it: ``await`` it, or ``task.wait_on(stream)``

@@ -450,9 +450,9 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
                 entry ``i``; the hit lands after the engine's prefix); with several KV
                 cache groups, one table per group name (``None`` for blocks not held).
             num_tokens: load only this many of the hit's tokens (whole blocks; with several
-                KV cache groups, a multiple of the hit alignment, and only when every group
-                is full attention: `GroupedScheduler.plan_load()`); the rest of the pin is
-                released. Default: the whole hit.
+                KV cache groups, a multiple of the hit alignment, and only when every
+                cacheable group is full attention: `GroupedScheduler.plan_load()`); the rest
+                of the pin is released. Default: the whole hit.
 
         Returns:
             The transfer (compute on the loaded tokens must wait for it), or ``None`` when

@@ -284,6 +284,29 @@ def test_full_groups_of_two_block_sizes_load_a_shorter_hit_in_each() -> None:
     assert (stats["small"].loaded_blocks, stats["big"].loaded_blocks) == (2, 1)
 
 
+def test_a_group_of_kind_none_does_not_stop_a_shorter_load() -> None:
+    """Only cacheable groups load: a full group beside one of kind none loads part of
+    its hit."""
+    groups = [group("attn", "full", BS), group("enc", "none", BS)]
+    sched = GroupedScheduler(
+        groups, {"attn": CpuBlockPool(CPU_BLOCKS)}, config=OffloadConfig(num_cpu_blocks=16)
+    )
+    hs = {"attn": hashes(TOKS)}
+    sched.update("a", {"attn": list(range(6))}, hs, len(TOKS))
+    plan = sched.plan_stores()
+    assert plan is not None
+    sched.complete_all(plan, True)
+    sched.finish("a")
+    assert sched.lookup("b", hs, len(TOKS), PREFIX) == HIT
+    load = sched.plan_load("b", {"attn": TABLE}, BS)
+    assert load is not None
+    assert load.plans["attn"].gpu_block_ids == (TABLE[2],)
+    sched.check_invariants()
+    sched.complete_all(load, True)
+    sched.check_invariants()
+    assert sched.ledger("attn").pool.num_free == CPU_BLOCKS
+
+
 HYBRID = {
     "sliding_window": {"window": 9},
     "chunked": {"chunk": 8},

@@ -35,10 +35,10 @@ class LoadsInFlight:
     gives back its blocks, `LoadPlanner.cancel_plan()`): each lane pins that part's CPU
     blocks again from the part's first block (``pin_start``), its ``valid_from`` goes back
     to before `note_load()`, and the request's hit is the one the load took, so the
-    engine may load it again. Until the last
-    part is cancelled, the parts cancelled so far keep their CPU blocks referenced (a pin
-    of their group's ledger, as their plans kept them) but no lane pins them and the
-    request has no hit: every call sees the load as still in flight.
+    engine may load it again. Until the last part is cancelled, the parts cancelled so far
+    keep their CPU blocks referenced (a pin of their group's ledger, as their plans kept
+    them) but no lane pins them and the request has no hit: every call sees the load as
+    still in flight.
 
     The hit is not given back, and the cancelled parts' blocks are released, when a part
     of the load completed or failed instead, when the request's pins were released in
