@@ -163,8 +163,9 @@ def test_a_shorter_load_is_what_one_group_loads(names: tuple[str, ...], n: int, 
     one, grouped = pair.load("b", n)
     # the first n // BS blocks above the engine's prefix, the rest of the pin released
     assert one.gpu_block_ids == tuple(TABLE[2 : 2 + n // BS])
-    want = tuple(pair.one.pool.get_cached(h).block_id for h in hashes(TOKS)[2 : 2 + n // BS])  # type: ignore[union-attr]
-    assert one.cpu_block_ids == want
+    cached = [pair.one.pool.get_cached(h) for h in hashes(TOKS)[2 : 2 + n // BS]]
+    assert one.cpu_block_ids == tuple(b.block_id for b in cached if b is not None)
+    assert len(one.cpu_block_ids) == n // BS
     assert one.num_tokens == n
     assert all(sub.num_tokens == n for sub in grouped.plans.values())
     assert pair.one.pool.num_free == CPU_BLOCKS - n // BS  # only the load's blocks held

@@ -73,17 +73,21 @@ class LoadsInFlight:
         """By request id, its loads that may still give their hit back."""
 
     def open(
-        self, state: GroupedRequest, tables: Mapping[str, list[int | None]], num_tokens: int
+        self,
+        state: GroupedRequest,
+        tables: Mapping[str, list[int | None]],
+        num_tokens: int,
+        cut: Mapping[str, int] | None,
     ) -> dict[str, TransferPlan]:
-        """Open, per group, the load of ``num_tokens`` of ``state``'s pinned hit (all of
-        it, or less: `check_shorter_load()`) into its checked ``tables``
-        (`open_grouped_loads()`).
+        """Open, per group, the load of ``num_tokens`` of ``state``'s pinned hit into its
+        checked ``tables`` (`open_grouped_loads()`): all of it, or with ``cut`` (a load
+        shorter than the hit, `check_shorter_load()`) the blocks it names.
 
         Returns:
             Per group with blocks to load, its plan.
         """
         plans, load = open_grouped_loads(
-            self._groups, self._ledgers, self._counts, self.records, state, tables, num_tokens
+            self._groups, self._ledgers, self._counts, self.records, state, tables, num_tokens, cut
         )
         if load is not None and not load.spoiled:
             self._open.setdefault(load.request_id, []).append(load)

@@ -168,23 +168,28 @@ of the blocks the lookup pinned (docs/groups.md)."""
 
 
 def check_shorter_load(
-    groups: Sequence[KVCacheGroup], align: int, state: GroupedRequest, num_tokens: int, hit: int
-) -> None:
+    groups: Sequence[KVCacheGroup], state: GroupedRequest, num_tokens: int
+) -> dict[str, int]:
     """A `GroupedScheduler.plan_load()` of ``num_tokens`` that is neither 0 nor the
-    lookup's ``hit`` (tokens above the engine's prefix): taken as one group takes it
-    (`check_load_tokens()`, by the hit alignment ``align``) when every cacheable group
-    is full attention, where a shorter hit's blocks are the first ``num_tokens //
-    block_size`` of each group's pin (`open_grouped_loads()` loads those and releases
-    the rest); refused with any other kind of group, whose shorter hit needs other
-    blocks (the engine looks up again with fewer tokens).
+    lookup's hit (tokens above the engine's prefix; the whole hit is taken without this
+    call): taken as one group takes it (`check_load_tokens()`, by the hit alignment)
+    when every cacheable group (``groups``) is full attention, where a shorter hit's
+    blocks are the first ``num_tokens // block_size`` of each group's pin; refused with
+    any other kind of group, whose shorter hit needs other blocks (the engine looks up
+    again with fewer tokens).
+
+    Returns:
+        Per group, how many of its pin's first blocks the load takes (the rest is
+        released: `open_grouped_loads()`).
 
     Raises:
         InvalidInputError: naming the request, ``num_tokens``, the hit and (a shorter
             load refused) the group that cannot take it and why.
     """
     rid = state.request_id
+    hit = 0 if state.hit is None else state.hit - state.hit_from
     other = next((g for g in groups if g.kind != "full"), None)
-    check_load_tokens(rid, num_tokens, hit, align, shorter=other is None)
+    check_load_tokens(rid, num_tokens, hit, hit_alignment(groups), shorter=other is None)
     if other is not None:
         n = state.hit_from + num_tokens
         raise InvalidInputError(
@@ -194,6 +199,7 @@ def check_shorter_load(
             f"whole hit, or release it and look up again with fewer tokens (num_tokens="
             f"{n + 1} finds a hit of at most {num_tokens})"
         )
+    return {g.name: num_tokens // g.block_size for g in groups}
 
 
 def note_load(
@@ -646,13 +652,14 @@ def open_grouped_loads(  # noqa: PLR0917 - the load's state, in its order
     state: GroupedRequest,
     tables: Mapping[str, list[int | None]],
     num_tokens: int,
+    cut: Mapping[str, int] | None,
 ) -> tuple[dict[str, TransferPlan], GroupedLoad | None]:
     """Open, per group, the load of ``num_tokens`` of the request's pinned hit into its
     checked ``tables`` (`load_destinations()`): the pins become the plans' references,
-    each plan is recorded in ``loads`` and counted in its group's counters. A load
-    shorter than the hit (full groups only: `check_shorter_load()`) takes the first
-    ``num_tokens // block_size`` blocks of each group's pin and releases the rest, as one
-    group's load does (`BlockLedger.open_load()`).
+    each plan is recorded in ``loads`` and counted in its group's counters. ``cut``: for
+    a load shorter than the hit, per group, how many of its pin's first blocks it takes
+    (`check_shorter_load()`); the rest is released, as one group's load releases it
+    (`BlockLedger.open_load()`).
 
     Returns:
         Per group, its plan, and the `GroupedLoad` they are parts of (``None``: no plan).
@@ -660,8 +667,7 @@ def open_grouped_loads(  # noqa: PLR0917 - the load's state, in its order
     """
     rid = state.request_id
     n = state.hit_from + num_tokens
-    shorter = None if n == state.hit else {g.name: num_tokens // g.block_size for g in groups}
-    dests = load_destinations(rid, state, tables, shorter)
+    dests = load_destinations(rid, state, tables, cut)
     load = GroupedLoad(rid, n, state.hit_from, set())
     plans: dict[str, TransferPlan] = {}
     records = note_load(groups, state, n)

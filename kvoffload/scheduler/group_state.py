@@ -666,11 +666,11 @@ def load_destinations(
     rid: str,
     state: GroupedRequest,
     tables: Mapping[str, list[int | None]],
-    shorter: Mapping[str, int] | None = None,
+    cut: Mapping[str, int] | None = None,
 ) -> dict[str, list[int]]:
     """Per group, the GPU block ids the pinned blocks load into (checked tables): all of
-    each lane's pin, or with ``shorter`` (a load shorter than the hit), per group, how
-    many of its first pinned blocks.
+    each lane's pin, or with ``cut`` (a load shorter than the hit), per group, how many
+    of its first pinned blocks.
 
     Raises:
         BlockTableError: a destination entry is missing or ``None``, or differs from the
@@ -681,7 +681,7 @@ def load_destinations(
         table = tables[name]
         what = f"tables[{name!r}]"
         start = lane.pin_start
-        n = len(lane.pin or ()) if shorter is None else shorter[name]
+        n = len(lane.pin or ()) if cut is None else cut[name]
         check_load_span(len(table), start, n, rid, name)
         ids: list[int] = []
         for pos in range(start, start + n):

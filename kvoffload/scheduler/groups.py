@@ -485,10 +485,9 @@ class GroupedScheduler:
         if num_tokens == 0:
             self.release(request_id)
             return None
-        if num_tokens != hit:
-            check_shorter_load(self._cacheable, self._align, state, num_tokens, hit)
+        cut = None if num_tokens == hit else check_shorter_load(self._cacheable, state, num_tokens)
         checked = check_tables(self._cacheable, self._limits, request_id, tables)
-        plans = self._loads.open(state, checked, num_tokens)
+        plans = self._loads.open(state, checked, num_tokens, cut)
         state.hit = None
         return GroupedPlan("load", plans) if plans else None
 
