@@ -350,7 +350,9 @@ class KVOffloader:
                 with several KV cache groups, one table per group name (``None`` for a
                 block the group does not hold; `GroupedScheduler.plan_load()`).
             num_tokens: tokens to load (a multiple of the block size, at most the hit;
-                with several groups, the whole hit or 0).
+                with several groups, a multiple of the hit alignment, and less than the
+                hit only when every cacheable group is full attention:
+                `GroupedScheduler.plan_load()`).
 
         Returns:
             The transfer (compute must wait on it: ``await`` it, or ``task.wait_on(stream)``

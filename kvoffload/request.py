@@ -448,10 +448,11 @@ class OffloadRequest(BlockTableArithmetic, metaclass=_NoPublicConstructor):
         Args:
             block_table: the request's whole block table (block ``i`` of the request in
                 entry ``i``; the hit lands after the engine's prefix); with several KV
-                cache groups, one table per group name (``None`` for blocks not held),
-                and ``num_tokens`` is the whole hit or 0.
-            num_tokens: load only this many of the hit's tokens (whole blocks); the rest of
-                the pin is released. Default: the whole hit.
+                cache groups, one table per group name (``None`` for blocks not held).
+            num_tokens: load only this many of the hit's tokens (whole blocks; with several
+                KV cache groups, a multiple of the hit alignment, and only when every
+                cacheable group is full attention: `GroupedScheduler.plan_load()`); the rest
+                of the pin is released. Default: the whole hit.
 
         Returns:
             The transfer (compute on the loaded tokens must wait for it), or ``None`` when

@@ -36,12 +36,14 @@ class LoadsInFlight:
 
     A load is one part per group (`GroupedLoad`). When every part is cancelled (a failed
     launch cancels them one by one), the request gets its lookup back as it was before
-    `plan_load()`: each lane pins that part's CPU blocks again from the part's first block
-    (``pin_start``), its ``valid_from`` goes back to before `note_load()`, and the
-    request's hit is restored, so the engine may load the same hit again. Until the last
-    part is cancelled, the parts cancelled so far keep their CPU blocks referenced (a pin
-    of their group's ledger, as their plans kept them) but no lane pins them and the
-    request has no hit: every call sees the load as still in flight.
+    `plan_load()`, but for what a shorter load released (as one group's cancelled load
+    gives back its blocks, `LoadPlanner.cancel_plan()`): each lane pins that part's CPU
+    blocks again from the part's first block (``pin_start``), its ``valid_from`` goes back
+    to before `note_load()`, and the request's hit is the one the load took, so the
+    engine may load it again. Until the last part is cancelled, the parts cancelled so far
+    keep their CPU blocks referenced (a pin of their group's ledger, as their plans kept
+    them) but no lane pins them and the request has no hit: every call sees the load as
+    still in flight.
 
     The hit is not given back, and the cancelled parts' blocks are released, when a part
     of the load completed or failed instead, when the request's pins were released in
@@ -78,15 +80,21 @@ class LoadsInFlight:
         """By request id, its loads that may still give their hit back."""
 
     def open(
-        self, state: GroupedRequest, tables: Mapping[str, list[int | None]], num_tokens: int
+        self,
+        state: GroupedRequest,
+        tables: Mapping[str, list[int | None]],
+        num_tokens: int,
+        cut: Mapping[str, int] | None,
     ) -> dict[str, TransferPlan]:
-        """Open, per group, the load of ``state``'s pinned hit of ``num_tokens`` into its
-        checked ``tables`` (`load_destinations()`, `open_grouped_loads()`).
+        """Open, per group, the load of ``num_tokens`` of ``state``'s pinned hit into its
+        checked ``tables`` (`load_destinations()`, `open_grouped_loads()`): all of it, or
+        with ``cut`` (a load shorter than the hit, `check_shorter_load()`) the blocks it
+        names.
 
         Returns:
             Per group with blocks to load, its plan.
         """
-        dests = load_destinations(state.request_id, state, tables, self._names)
+        dests = load_destinations(state.request_id, state, tables, self._names, cut)
         plans, load = open_grouped_loads(
             self._groups, self._ledgers, self._counts, self.records, state, dests, num_tokens
         )

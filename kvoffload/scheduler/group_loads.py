@@ -9,14 +9,19 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, final
 
-from kvoffload.errors import InvariantError
+from kvoffload.errors import InvalidInputError, InvariantError
 from kvoffload.groups import KVCacheGroup, hit_alignment, needed
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.pool.free_queue import CpuBlock
 from kvoffload.scheduler.group_state import GroupCounts, GroupedRequest
 from kvoffload.scheduler.ledger import BlockLedger
-from kvoffload.scheduler.loads import abandon_loads, block_miss_reason, lookup_defers
+from kvoffload.scheduler.loads import (
+    abandon_loads,
+    block_miss_reason,
+    check_load_tokens,
+    lookup_defers,
+)
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.transfer.plan import LoadPlan, TransferPlan
 
@@ -28,6 +33,7 @@ __all__ = [
     "abandon_grouped",
     "check_ledgers",
     "check_request",
+    "check_shorter_load",
     "find_hit",
     "hit_blocks",
     "load_range",
@@ -154,14 +160,60 @@ class GroupedLoad:
     a part cancelled now releases its blocks."""
 
 
-def note_load(cacheable: Sequence[KVCacheGroup], state: GroupedRequest) -> dict[str, LoadRecord]:
-    """A load of ``state``'s hit is planned: no lane's entries below what it lands (and
-    above the prefix) were ever written (`valid_from()`); they are never stored.
+_SHORTER_NEEDS = {
+    "sliding_window": "the window below a shorter hit lies in blocks before the pinned ones",
+    "chunked": "a shorter hit may need its chunk's blocks before the pinned ones",
+    "recurrent": "a shorter hit needs the state saved at its own end, not the pinned one",
+}
+"""Per group kind but full, why a load shorter than the lookup's hit cannot take a prefix
+of the blocks the lookup pinned (docs/groups.md)."""
+
+
+def check_shorter_load(
+    groups: Sequence[KVCacheGroup], state: GroupedRequest, num_tokens: int
+) -> dict[str, int]:
+    """A `GroupedScheduler.plan_load()` of ``num_tokens`` that is neither 0 nor the
+    lookup's hit (tokens above the engine's prefix; the whole hit is taken without this
+    call): taken as one group takes it (`check_load_tokens()`, by the hit alignment)
+    when every cacheable group (``groups``) is full attention, where a shorter hit's
+    blocks are the first ``num_tokens // block_size`` of each group's pin; refused with
+    any other kind of group, whose shorter hit needs other blocks (the engine looks up
+    again with fewer tokens).
+
+    Returns:
+        Per group, how many of its pin's first blocks the load takes (the rest is
+        released: `open_grouped_loads()`).
+
+    Raises:
+        InvalidInputError: naming the request, ``num_tokens``, the hit and (a shorter
+            load refused) the group that cannot take it and why.
+    """
+    rid = state.request_id
+    hit = 0 if state.hit is None else state.hit - state.hit_from
+    other = next((g for g in groups if g.kind != "full"), None)
+    check_load_tokens(rid, num_tokens, hit, hit_alignment(groups), shorter=other is None)
+    if other is not None:
+        n = state.hit_from + num_tokens
+        raise InvalidInputError(
+            f"request {rid!r}: cannot load num_tokens={num_tokens} of the lookup's hit "
+            f"{hit}: group {other.name!r} (kind {other.kind!r}) takes no load shorter than "
+            f"the hit: {_SHORTER_NEEDS.get(other.kind, 'it needs other blocks')}; load the "
+            f"whole hit, or release it and look up again with fewer tokens (num_tokens="
+            f"{n + 1} finds a hit of at most {num_tokens})"
+        )
+    return {g.name: num_tokens // g.block_size for g in groups}
+
+
+def note_load(
+    cacheable: Sequence[KVCacheGroup], state: GroupedRequest, n: int
+) -> dict[str, LoadRecord]:
+    """A load of ``state``'s hit at ``n`` tokens is planned: no lane's entries below what
+    it lands (and above the prefix) were ever written (`valid_from()`); they are never
+    stored.
 
     Returns:
         Per group, the record of its part of the load (before this note).
     """
-    n = state.hit or 0
     out: dict[str, LoadRecord] = {}
     for g in cacheable:
         lane = state.lanes[g.name]
@@ -603,26 +655,29 @@ def open_grouped_loads(  # noqa: PLR0917 - the load's state, in its order
     dests: Mapping[str, list[int]],
     num_tokens: int,
 ) -> tuple[dict[str, TransferPlan], GroupedLoad | None]:
-    """Open, per group, the load of the request's pinned hit into ``dests``, the GPU
-    blocks it loads into (`load_destinations()`): the pins become the plans' references,
-    each plan is recorded in ``loads`` and counted in its group's counters.
+    """Open, per group, the load of ``num_tokens`` of the request's pinned hit into
+    ``dests``, the GPU blocks it loads into (`load_destinations()`, which takes only the
+    first blocks of each pin for a load shorter than the hit): the pins become the plans'
+    references (the rest of a pin is released, as one group's load releases it,
+    `BlockLedger.open_load()`), each plan is recorded in ``loads`` and counted in its
+    group's counters.
 
     Returns:
         Per group, its plan, and the `GroupedLoad` they are parts of (``None``: no plan).
         A load that does not cover every lane could not give a whole hit back: spoiled.
     """
     rid = state.request_id
-    load = GroupedLoad(rid, state.hit or 0, state.hit_from, set())
+    n = state.hit_from + num_tokens
+    load = GroupedLoad(rid, n, state.hit_from, set())
     plans: dict[str, TransferPlan] = {}
-    records = note_load(groups, state)
+    records = note_load(groups, state, n)
     for name, lane in state.lanes.items():
         pinned = lane.pin
         lane.pin = None
         if pinned is None:
             continue
-        plan, concurrent = ledgers[name].open_load(
-            pinned, len(pinned), dests[name], rid, num_tokens
-        )
+        dest = dests[name]
+        plan, concurrent = ledgers[name].open_load(pinned, len(dest), dest, rid, num_tokens)
         if plan is not None:
             counters = counts[name].counters
             counters.load_plans += 1

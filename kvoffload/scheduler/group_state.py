@@ -745,10 +745,15 @@ def check_hashes(
 
 
 def load_destinations(
-    rid: str, state: GroupedRequest, tables: Mapping[str, list[int | None]], names: InputNames
+    rid: str,
+    state: GroupedRequest,
+    tables: Mapping[str, list[int | None]],
+    names: InputNames,
+    cut: Mapping[str, int] | None = None,
 ) -> dict[str, list[int]]:
     """Per group, the GPU block ids the pinned blocks load into (checked tables; ``names``:
-    how the messages name them).
+    how the messages name them): all of each lane's pin, or with ``cut`` (a load shorter
+    than the hit), per group, how many of its first pinned blocks.
 
     Raises:
         BlockTableError: a destination entry is missing or ``None``, or differs from the
@@ -758,7 +763,8 @@ def load_destinations(
     for name, lane in state.lanes.items():
         table = tables[name]
         what = names.tables[name]
-        start, n = lane.pin_start, len(lane.pin or ())
+        start = lane.pin_start
+        n = len(lane.pin or ()) if cut is None else cut[name]
         check_load_span(len(table), start, n, rid, names.groups[name])
         ids: list[int] = []
         for pos in range(start, start + n):

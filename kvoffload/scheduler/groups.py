@@ -49,6 +49,7 @@ from kvoffload.scheduler.group_loads import (
     GroupLookupExtension,
     check_ledgers,
     check_request,
+    check_shorter_load,
 )
 from kvoffload.scheduler.group_lookup import GroupLookups
 from kvoffload.scheduler.group_retain import release_groups, retain_groups
@@ -403,15 +404,16 @@ class GroupedScheduler:
             tables: per group, the request's whole GPU block table; every destination
                 entry (the blocks of ``needed(g, N)`` above the engine's prefix) must be an
                 id, not ``None``.
-            num_tokens: the lookup's hit, or 0 (release the pins). A shorter hit would
-                need other blocks in a windowed group: look up again instead.
+            num_tokens: the lookup's hit, 0 (release the pins), or less: see
+                `check_shorter_load()` (every cacheable group full attention).
 
         Returns:
             One plan per group with blocks to load, or ``None`` when ``num_tokens`` is 0.
 
         Raises:
             UnknownRequestError: no state for that id.
-            InvalidInputError: ``num_tokens`` is neither 0 nor the hit (InputTypeError: a float).
+            InvalidInputError: ``num_tokens`` refused by `check_shorter_load()`
+                (InputTypeError: a float).
             BlockTableError: a destination entry missing or ``None``, or a table as
                 `update()` refuses it.
         """
@@ -421,13 +423,9 @@ class GroupedScheduler:
         if num_tokens == 0:
             self.release(request_id)
             return None
-        if num_tokens != hit:
-            raise InvalidInputError(
-                f"request {request_id!r}: num_tokens={num_tokens!r} must be 0 or the "
-                f"lookup's hit {hit}"
-            )
-        checked = check_tables(self._cacheable, self._limits, request_id, tables)
-        plans = self._loads.open(state, checked, num_tokens)
+        cut = None if num_tokens == hit else check_shorter_load(self._cacheable, state, num_tokens)
+        checked = check_tables(self._cacheable, self._limits, request_id, tables, self._table.names)
+        plans = self._loads.open(state, checked, num_tokens, cut)
         state.hit = None
         return GroupedPlan("load", plans) if plans else None
 

@@ -39,6 +39,7 @@ __all__ = [
     "LookupExtension",
     "abandon_loads",
     "block_miss_reason",
+    "check_load_tokens",
     "check_lookup_counts",
     "deferral_deadline",
     "deferral_spent",
@@ -185,6 +186,26 @@ def check_lookup_counts(
         raise InvalidInputError(
             f"request {rid!r}: num_computed_tokens={num_computed_tokens} is not a "
             f"multiple of {unit_name}={unit}"
+        )
+
+
+def check_load_tokens(rid: str, num_tokens: int, hit: int, unit: int, *, shorter: bool) -> None:
+    """How much of a lookup's pinned ``hit`` a load takes, the rule of every path (one
+    group's `plan_load()` and a `GroupedScheduler`'s; both take the whole hit, which this
+    always accepts, without the call): ``0 <= num_tokens <= hit``, a multiple of
+    ``unit`` (one group's block size, several groups' hit alignment). ``shorter``:
+    whether a load shorter than the hit is taken at all (not with a group whose shorter
+    hit needs other blocks, `check_shorter_load()`); the message then offers only 0 or
+    the hit.
+
+    Raises:
+        InvalidInputError: naming the request, ``num_tokens``, the hit and the unit.
+    """
+    if num_tokens < 0 or num_tokens % unit or num_tokens > hit:
+        below = f" or a multiple of {unit} below it" if shorter else ""
+        raise InvalidInputError(
+            f"request {rid!r}: num_tokens={num_tokens} must be 0 or the lookup's hit "
+            f"{hit}{below} (the pinned hit is {hit} tokens)"
         )
 
 
@@ -400,11 +421,9 @@ class LoadPlanner:
         bs = self._block_size
         num_tokens = as_int(num_tokens, "num_tokens", rid)
         pinned = state.pinned
-        if num_tokens < 0 or num_tokens % bs or num_tokens > len(pinned) * bs:
-            raise InvalidInputError(
-                f"request {rid!r}: cannot load {num_tokens} tokens: the pinned hit "
-                f"is {len(pinned) * bs} tokens and loads are whole blocks of {bs}"
-            )
+        hit = len(pinned) * bs
+        if num_tokens != hit:  # the whole hit, what `check_load_tokens()` accepts, inline
+            check_load_tokens(rid, num_tokens, hit, bs, shorter=True)
         n = num_tokens // bs
         start = state.pin_start_block
         dst = table.load_destinations(state, gpu_block_ids, start, n)
