@@ -29,6 +29,7 @@ from kvoffload.errors import (
     InputTypeError,
     InvalidInputError,
     KvOffloadError,
+    RequestStateError,
     UnhashedBlocksWarning,
 )
 from kvoffload.hashing import BlockHasher, HashNamespace
@@ -173,6 +174,25 @@ def test_one_group_and_a_grouped_scheduler_refuse_alike(case: str) -> None:
     assert g_kind is kind
     assert re.match(r"request '[ab]': ", one_text), one_text  # names the request
     assert g_text == one_text
+
+
+@pytest.mark.parametrize("in_flight", [True, False], ids=["stores in flight", "forgotten"])
+def test_a_second_finish_is_refused_alike(in_flight: bool) -> None:
+    """A request finished twice: the same refusal from both schedulers, whether its state
+    is kept (a store in flight) or already forgotten."""
+
+    def call(s: Any, w: Callable[[object], object], h: list[bytes]) -> None:
+        s.update("a", w(TABLE), w(h), 16)
+        if in_flight:
+            assert s.plan_stores() is not None
+        s.finish("a")
+        s.finish("a")
+
+    one_kind, one_text = refusal(one_group, lambda x: x, call)
+    g_kind, g_text = refusal(grouped, lambda x: {"g": x}, call)
+    assert one_kind is g_kind is RequestStateError
+    assert g_text == one_text
+    assert ("already finished" in one_text) is in_flight, one_text
 
 
 @pytest.mark.parametrize("case", CASES)

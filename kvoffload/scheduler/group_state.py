@@ -31,6 +31,7 @@ from kvoffload.scheduler.requests import (
     check_load_span,
     check_request_priority,
     check_reservable,
+    finished_again,
     fresh_ids,
     grown_hashes,
     grown_table,
@@ -517,10 +518,13 @@ class GroupRequests:
             raise UnknownRequestError(f"unknown request id {request_id!r}")
         return state
 
-    def live(self, request_id: str) -> GroupedRequest:
-        """`known()`, refusing a finished request (`RequestStateError`)."""
+    def live(self, request_id: str, *, finishing: bool = False) -> GroupedRequest:
+        """`known()`, refusing a finished request (`RequestStateError`; ``finishing``: the
+        refusal of a second `finish()`, worded as one group's)."""
         state = self.known(request_id)
         if state.finished:
+            if finishing:
+                raise finished_again(request_id)
             raise RequestStateError(f"request {request_id!r} is finished")
         return state
 

@@ -502,7 +502,7 @@ class GroupedScheduler:
             UnknownRequestError: no state for that id.
             RequestStateError: it was already finished.
         """
-        state = self._table.live(request_id)
+        state = self._table.live(request_id, finishing=True)
         self.release(request_id)
         planner = self._planner
         plan = None

@@ -14,8 +14,7 @@ from typing import final
 
 from kvoffload._logging import get_logger
 from kvoffload.config import OffloadConfig
-from kvoffload.errors import RequestStateError
-from kvoffload.scheduler.requests import RequestTable
+from kvoffload.scheduler.requests import RequestTable, finished_again
 from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
 from kvoffload.scheduler.stats import Counters
 from kvoffload.scheduler.stores import StorePlanner, StoreUndo
@@ -199,7 +198,7 @@ class FinishHolds:
             RequestStateError: it was already finished.
         """
         if state.finished:
-            raise RequestStateError(f"request {state.request_id!r} is already finished")
+            raise finished_again(state.request_id)
         held = self.begin(state)
         state.move_to(RequestPhase.HOLDING if held else RequestPhase.DRAINING)
         table = self._table

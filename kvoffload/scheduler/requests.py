@@ -42,6 +42,7 @@ __all__ = [
     "check_load_span",
     "check_reservable",
     "check_hash",
+    "finished_again",
     "fresh_ids",
     "grown_hashes",
     "grown_table",
@@ -245,6 +246,14 @@ def warn_unhashed(  # noqa: PLR0917 - the counts of `hashes_lag()` and how to na
         "block, generated tokens too); this warning is issued once",
         UnhashedBlocksWarning,
         stacklevel=stacklevel + 1,
+    )
+
+
+def finished_again(request_id: str) -> RequestStateError:
+    """The refusal of a second ``finish()`` of a request whose state is still kept (its
+    copies in flight or its blocks held), one wording on every path."""
+    return RequestStateError(
+        f"request {request_id!r} is finished (already finished by an earlier finish())"
     )
 
 
