@@ -3,6 +3,7 @@ per group), and the checks of its per-group inputs."""
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -301,6 +302,7 @@ class GroupRequests:
         "_lanes",
         "_limits",
         "_single",
+        "_step",
         "_warned_unhashed",
         "finished",
         "hash_args",
@@ -333,6 +335,9 @@ class GroupRequests:
             (g.name, self._limits.get(g.name), self.hash_args[g.name], g.block_size) for g in lanes
         )
         self._warned_unhashed = False
+        # every block size is a multiple of this: while ``computed // _step`` stays, no
+        # lane's count of full blocks moves, so no lane's hashes start to lag
+        self._step = math.gcd(*(g.block_size for g in lanes))
         self._single = self._checks[0] if len(self._checks) == 1 else None
         """The one lane's checks when there is one cacheable group (`_grew_one()`)."""
         self.requests: dict[str, GroupedRequest] = {}
@@ -410,9 +415,11 @@ class GroupRequests:
                         lane.ids.update(new)
                     if hashes:
                         lane.hashes.extend(hashes)
+                step = self._step
+                moved = num_computed_tokens // step != existing.num_computed_tokens // step
                 existing.num_computed_tokens = num_computed_tokens
                 existing.recheck_table = False  # every known entry was compared (cursor 0)
-                if not self._warned_unhashed:
+                if moved and not self._warned_unhashed:
                     self._warn_unhashed(existing, frames)
                 return
         state = self._full_update(request_id, existing, tables, block_hashes, num_computed_tokens)
@@ -490,9 +497,14 @@ class GroupRequests:
             lane.ids.update(new)
         if hashes:
             lane.hashes.extend(hashes)
+        moved = num_computed_tokens // block_size != state.num_computed_tokens // block_size
         state.num_computed_tokens = num_computed_tokens
         state.recheck_table = False  # every known entry was compared (cursor 0)
-        if not self._warned_unhashed and hashes_lag(num_computed_tokens, block_size, lane.hashes):
+        if (
+            moved  # a lane's hashes start to lag only when its count of full blocks moves
+            and not self._warned_unhashed
+            and hashes_lag(num_computed_tokens, block_size, lane.hashes)
+        ):
             self._warned_unhashed = True
             n = len(lane.hashes)
             warn_unhashed(state.request_id, num_computed_tokens, block_size, n, None, stacklevel)
