@@ -524,21 +524,6 @@ def test_build_grouped_scheduler_splits_cpu_bytes_by_need() -> None:
     sched.check_invariants()
 
 
-def test_a_single_group_process_never_imports_the_group_code() -> None:
-    """The single-group path loads none of the group modules (their objects would cost
-    every garbage collection; see docs/benchmarks.md)."""
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
-    code = (
-        "import sys, kvoffload, kvoffload.offloader, kvoffload.request, kvoffload.build\n"
-        "kvoffload.OffloadScheduler\n"
-        "print(sorted(m for m in sys.modules if m.startswith('kvoffload') and 'group' in m))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
-
-
 def test_a_full_lane_keeps_its_live_blocks_as_a_prefix_and_cancel_rolls_it_back() -> None:
     """A full lane records no block one by one: its live blocks are the blocks below its
     cursor but those whose entry was ``None`` (as one group's are those below its

@@ -13,6 +13,7 @@ only fails it (each shared check disabled on either side fails most seeds)."""
 from __future__ import annotations
 
 import hashlib
+import inspect
 import itertools
 import random
 import re
@@ -253,7 +254,7 @@ def unhashed(
         warnings.simplefilter("always")
         if not first:
             sched.update("a", w(TABLE[:3]), w(h[:2]), 12)  # one block ahead: normal
-        sched.update("a", w(TABLE), w(h[:2]), 16)
+        sched.update("a", w(TABLE), w(h[:2]), 16)  # warns here
         sched.update("a", w([*TABLE, 4]), w(h[:2]), 20)  # once per scheduler
         sched.update("b", w([5, 6, 7, 8]), w(h[:1]), 16)
     sched.check_invariants()
@@ -276,6 +277,11 @@ def test_one_group_and_a_grouped_scheduler_warn_alike_of_unhashed_blocks(first: 
         "were given: blocks without a hash are never stored"
     )
     assert (one[0].filename, one[0].lineno) == (g[0].filename, g[0].lineno)
+    # the frame is the caller's own line: the update() that ran ahead of its hashes
+    assert one[0].filename == __file__
+    source = inspect.getsource(unhashed).splitlines()
+    line = next(i for i, text in enumerate(source) if text.endswith("# warns here"))
+    assert one[0].lineno == unhashed.__code__.co_firstlineno + line
 
 
 @pytest.mark.parametrize("first", [True, False], ids=["first call", "later call"])

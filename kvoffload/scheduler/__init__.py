@@ -1,10 +1,11 @@
 """The offload scheduler: synchronous, deterministic decisions about what to copy.
 
-`OffloadScheduler` (``core.py``) is the face; it composes a `BlockLedger` (every
-CPU-block reference, plans in flight, pending hashes), a request table, a store planner,
-a load planner, finish holds and the statistics. `GroupedScheduler` (``groups.py``)
-coordinates a model with several KV cache groups, one pool and ledger per group. See
-``docs/design.md`` for which part owns which state and where each invariant is enforced.
+`GroupedScheduler` (``groups.py``) is the one scheduler, for any number of KV cache
+groups: one pool and one `BlockLedger` (every CPU-block reference, plans in flight,
+pending hashes) per group, a request's lanes, lookups, loads in flight, the store planner
+and the statistics. `OffloadScheduler` (``core.py``) is one lane of it with one group's
+API. See ``docs/design.md`` for which part owns which state and where each invariant is
+enforced.
 """
 
 from __future__ import annotations

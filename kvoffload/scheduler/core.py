@@ -1,41 +1,177 @@
 """The offload scheduler: synchronous, deterministic decisions about what to copy.
 
-`OffloadScheduler` is the face over the parts that each own one kind of state: the
-`BlockLedger` (``ledger.py``: every CPU-block reference, plans in flight, pending
-hashes), the `RequestTable` (``requests.py``), the `StorePlanner` (``stores.py``: scans,
-deferral, cursors), the `LoadPlanner` (``loads.py``: lookups, pins), the `FinishHolds`
-(``holds.py``), the `PlanOutcomes` (``outcomes.py``: how each plan ends) and the
-`Counters` (``stats.py``); ``checks.py`` compares their records. It never awaits and
-never touches a tensor: it returns plans for a copy engine and hears each outcome through
-`complete()`.
+`OffloadScheduler` is the scheduler of a model with one full-attention KV cache group: one
+*lane* of a `GroupedScheduler` (``groups.py``), the scheduler of any list of groups, so one
+group and several run the same code: the lane's `BlockLedger` (``ledger.py``: every
+CPU-block reference, plans in flight, pending hashes), its request states
+(``group_state.py``), lookups and pins (``group_lookup.py``), store planner
+(``group_stores.py``: scans, deferral, cursors, holds) and loads in flight
+(``group_flight.py``). It keeps one group's API: one block table and hash list per call,
+plans of the one group. It never awaits and never touches a tensor: it returns plans for
+a copy engine and hears each outcome through `complete()`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal, final, overload
+from dataclasses import replace
+from typing import Literal, Protocol, final, overload
 
 from kvoffload.config import OffloadConfig
+from kvoffload.errors import InvalidInputError
+from kvoffload.groups import KVCacheGroup
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
-from kvoffload.scheduler.checks import check_parts
-from kvoffload.scheduler.holds import FinishHolds
+from kvoffload.pool.free_queue import CpuBlock
+from kvoffload.scheduler.group_promote import GroupPromotions, GroupTierPart
+from kvoffload.scheduler.group_state import GroupedRequest, Lane
+from kvoffload.scheduler.group_totals import GroupCounters
+from kvoffload.scheduler.groups import GroupedScheduler
 from kvoffload.scheduler.ledger import BlockLedger
-from kvoffload.scheduler.loads import LoadPlanner, LookupExtension
-from kvoffload.scheduler.outcomes import PlanOutcomes, TransferLike
-from kvoffload.scheduler.requests import FINISHED_IDS_REMEMBERED, RequestTable
-from kvoffload.scheduler.state import RequestOffloadState
-from kvoffload.scheduler.stats import Counters, SchedulerStatistics
-from kvoffload.scheduler.stores import GpuCacheView, StorePlanner
+from kvoffload.scheduler.misses import MissReason
+from kvoffload.scheduler.requests import FINISHED_IDS_REMEMBERED
+from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
+from kvoffload.scheduler.stats import SchedulerStatistics
+from kvoffload.scheduler.stores import GpuCacheView
 from kvoffload.transfer.plan import LoadPlan, StorePlan, TransferPlan
 
 __all__ = [
     "FINISHED_IDS_REMEMBERED",
+    "LANE",
     "GpuCacheView",
+    "LaneRequestView",
     "OffloadScheduler",
     "SchedulerStatistics",
     "TransferLike",
 ]
+
+
+class TransferLike(Protocol):
+    """Anything that carries the plan it executes (a `TransferTask`)."""
+
+    @property
+    def plan(self) -> TransferPlan:
+        """The plan the transfer executes."""
+
+
+LANE = "g0"
+"""The name of the one group."""
+
+
+@final
+class LaneRequestView:
+    """`RequestOffloadState`'s attributes, read live from a `GroupedRequest` and its lane.
+
+    Args:
+        state: the grouped scheduler's request state.
+        preempted: the ids the face saw preempted and not updated since.
+        block_size: tokens per block (the lane's tier hits are in tokens).
+    """
+
+    __slots__ = ("_bs", "_preempted", "_state")
+
+    def __init__(self, state: GroupedRequest, preempted: set[str], block_size: int) -> None:
+        self._state = state
+        self._preempted = preempted
+        self._bs = block_size
+
+    @property
+    def _lane(self) -> Lane:
+        return self._state.lanes[LANE]
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    @property
+    def block_hashes(self) -> list[BlockHash]:
+        return self._lane.hashes
+
+    @property
+    def gpu_block_ids(self) -> list[int]:
+        return [b for b in self._lane.table if b is not None]
+
+    @property
+    def gpu_block_set(self) -> set[int]:
+        return self._lane.ids
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self._state.num_computed_tokens
+
+    @property
+    def num_stored_blocks(self) -> int:
+        return self._lane.cursor
+
+    @property
+    def in_flight(self) -> set[int]:
+        return {pid for _, pid in self._state.in_flight}
+
+    @property
+    def pinned(self) -> list[CpuBlock]:
+        return list(self._lane.pin or ())
+
+    @property
+    def pin_start_block(self) -> int:
+        return self._lane.pin_start
+
+    @property
+    def held_gpu_block_ids(self) -> list[int]:
+        return self._lane.held
+
+    @property
+    def phase(self) -> RequestPhase:
+        state = self._state
+        if state.finished:
+            return RequestPhase.HOLDING if self._lane.held else RequestPhase.DRAINING
+        if state.request_id in self._preempted:
+            return RequestPhase.PREEMPTED
+        return RequestPhase.LIVE
+
+    @property
+    def finished(self) -> bool:
+        return self._state.finished
+
+    @property
+    def preempted(self) -> bool:
+        return self.phase is RequestPhase.PREEMPTED
+
+    @property
+    def hold_deadline(self) -> int:
+        return self._state.hold_deadline
+
+    @property
+    def admitted(self) -> bool:
+        return self._state.admitted
+
+    @property
+    def priority(self) -> int:
+        return self._state.priority
+
+    @property
+    def deferrals(self) -> int:
+        return self._state.deferrals
+
+    @property
+    def deferred_since(self) -> float:
+        return self._state.deferred_since
+
+    @property
+    def miss_reason(self) -> MissReason:
+        return self._state.miss_reason
+
+    @property
+    def tier_hits(self) -> dict[str, int] | None:
+        """Per tier, the blocks of the last hit it promoted (the lane keeps tokens)."""
+        hits = self._state.tier_hits
+        return None if hits is None else {name: n // self._bs for name, n in hits.items()}
+
+    def __repr__(self) -> str:
+        return (
+            f"LaneRequestView(request_id={self.request_id!r}, phase={self.phase.value!r}, "
+            f"num_computed_tokens={self.num_computed_tokens}, "
+            f"num_stored_blocks={self.num_stored_blocks})"
+        )
 
 
 @final
@@ -64,24 +200,35 @@ class OffloadScheduler:
     ) -> None:
         self._config = config
         self._pool = pool
-        counters = self._counters = Counters(config.block_size, bytes_per_block)
-        ledger = self._ledger = BlockLedger(pool)
-        table = self._table = RequestTable(
-            num_gpu_blocks=num_gpu_blocks,
-            restore_evicted=config.restore_evicted,
+        group = KVCacheGroup(
+            name=LANE,
+            kind="full",
             block_size=config.block_size,
+            num_layers=1,
+            bytes_per_layer_block=max(1, bytes_per_block),
         )
-        self._requests = table.requests
-        stores = self._stores = StorePlanner(config, ledger, table, counters)
-        loads = self._loads = LoadPlanner(config.block_size, ledger, table, counters)
-        holds = self._holds = FinishHolds(config, table, stores, counters)
-        self._outcomes = PlanOutcomes(ledger, table, stores, loads, holds, counters)
+        limits = None if num_gpu_blocks is None else {LANE: num_gpu_blocks}
+        self._g = GroupedScheduler(
+            [group], {LANE: pool}, num_gpu_blocks=limits, config=config, store_at_finish=False
+        )
+        # the lane's counters count bytes with the group's bytes per block: 0 counts none
+        counters = self._g._counts[LANE].counters
+        counters._bytes_per_block = bytes_per_block
+        self._counters = counters
+        self._lookups = GroupCounters()
+        self._preempted: set[str] = set()
+        self._update = self._g.request_table.update_one
 
     def __repr__(self) -> str:
         return (
-            f"OffloadScheduler(requests={len(self._requests)}, "
-            f"in_flight={self._ledger.num_plans}, pool={self._pool!r})"
+            f"OffloadScheduler(requests={len(self._g.request_ids)}, "
+            f"in_flight={self._g.num_in_flight}, pool={self._pool!r})"
         )
+
+    @property
+    def grouped(self) -> GroupedScheduler:
+        """The grouped scheduler underneath."""
+        return self._g
 
     @property
     def pool(self) -> CpuBlockPool:
@@ -91,7 +238,7 @@ class OffloadScheduler:
     @property
     def ledger(self) -> BlockLedger:
         """The block ledger, the one owner of every CPU-block reference (the tiers')."""
-        return self._ledger
+        return self._g.ledger(LANE)
 
     @property
     def config(self) -> OffloadConfig:
@@ -99,29 +246,29 @@ class OffloadScheduler:
         return self._config
 
     @property
+    def clock(self) -> Callable[[], float]:
+        """The clock of the deferral deadline (`GroupedScheduler.clock`)."""
+        return self._g.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self._g.clock = clock
+
+    @property
     def num_in_flight(self) -> int:
         """Transfers planned and not yet completed."""
-        return self._ledger.num_plans
+        return self._g.num_in_flight
 
     def add_ref_holder(self, holder: Callable[[], Mapping[int, int]]) -> None:
         """Count the references ``holder()`` (CPU block id → refs) holds outside the
         ledger in `check_invariants()`."""
-        self._ledger.add_ref_holder(holder)
+        self.ledger.add_ref_holder(holder)
 
-    @property
-    def clock(self) -> Callable[[], float]:
-        """The clock of the deferral deadline (``time.monotonic``; a test may drive its
-        own), as `GroupedScheduler.clock`."""
-        return self._loads.clock
-
-    @clock.setter
-    def clock(self, clock: Callable[[], float]) -> None:
-        self._loads.clock = clock
-
-    def set_lookup_extension(self, extension: LookupExtension | None) -> None:
+    def set_lookup_extension(self, extension: GroupTierPart | None) -> None:
         """The tier manager's hook after every lookup (``None``: none); see
         `LookupExtension`."""
-        self._loads.extension = extension
+        g = self._g
+        g.extension = None if extension is None else GroupPromotions(g, {LANE: extension})
 
     def request_state(self, request_id: str) -> RequestOffloadState:
         """The state kept for ``request_id`` (read it, do not change it).
@@ -129,21 +276,22 @@ class OffloadScheduler:
         Raises:
             UnknownRequestError: no state for that id.
         """
-        return self._table.get(request_id)
+        state = self._g.request_table.known(request_id)
+        return LaneRequestView(state, self._preempted, self._config.block_size)  # type: ignore[return-value]
 
     def has_request(self, request_id: str) -> bool:
         """Whether state is kept for ``request_id`` (finished requests with transfers in
         flight included)."""
-        return request_id in self._requests
+        return self._g.has_request(request_id)
 
     def was_finished(self, request_id: str) -> bool:
         """Whether ``request_id`` is one of the last ``FINISHED_IDS_REMEMBERED`` finished."""
-        return self._table.was_finished(request_id)
+        return self._g.was_finished(request_id)
 
     def set_priority(self, request_id: str, priority: int) -> None:
         """Give ``request_id`` (registered on first use) a retention priority, 0 by
         default; what it does and raises: `RequestTable.set_priority()`."""
-        self._table.set_priority(request_id, priority)
+        self._g.set_priority(request_id, priority)
 
     def reserve(self, request_id: str) -> None:
         """Register ``request_id`` before its first call (`OffloadRequest` does), so a
@@ -153,7 +301,9 @@ class OffloadScheduler:
             RequestStateError: the id is in use (registered and not dropped yet) or
                 finished.
         """
-        self._table.reserve(request_id)
+        table = self._g.request_table
+        table.reserve(request_id)
+        table.state(request_id)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -185,7 +335,9 @@ class OffloadScheduler:
             InvalidInputError: a negative count, or hashes that shrank or changed.
             InputTypeError: a count, table, hash list or hash of the wrong type.
         """
-        self._table.update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
+        self._update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
+        if self._preempted:
+            self._preempted.discard(request_id)
 
     def finish(self, request_id: str) -> tuple[int, ...]:
         """The engine finished ``request_id``: schedule nothing more for it.
@@ -202,20 +354,22 @@ class OffloadScheduler:
             UnknownRequestError: no state for that id.
             RequestStateError: it was already finished.
         """
-        return self._holds.finish(self._table.get(request_id), self._loads.release_pin)
+        self._g.finish(request_id)
+        self._preempted.discard(request_id)
+        return tuple(self._g.held_blocks(request_id).get(LANE, ()))
 
     def take_released_holds(self) -> list[int]:
         """GPU blocks whose ``finish()`` hold ended since the last call (free them once no
         transfer in flight names them)."""
-        return self._holds.take_released()
+        return list(self._g.take_released_holds().get(LANE, ()))
 
     def cancel_hold(self, request_id: str) -> None:
         """Undo the hold ``finish()`` just returned (the engine could not keep the blocks)."""
-        self._holds.cancel(request_id)
+        self._g.cancel_hold(request_id)
 
     def release_all_holds(self) -> None:
         """Give up every ``finish()`` hold now (on close); their blocks stay unstored."""
-        self._holds.release_all()
+        self._g.release_all_holds()
 
     def preempt(self, request_id: str) -> None:
         """The engine preempted ``request_id`` and freed its GPU blocks: its cursor goes
@@ -225,10 +379,8 @@ class OffloadScheduler:
             UnknownRequestError: no state for that id.
             RequestStateError: it is finished.
         """
-        state = self._table.live(request_id)
-        self._loads.release_pin(state)
-        self._stores.reset_cursor(state)
-        self._table.preempted(state)
+        self._g.preempt(request_id)
+        self._preempted.add(request_id)
 
     def release(self, request_id: str) -> None:
         """Drop the pin of ``request_id``'s last lookup.
@@ -237,7 +389,7 @@ class OffloadScheduler:
             UnknownRequestError: no state for that id.
             RequestStateError: the request finished and was forgotten.
         """
-        self._loads.release_pin(self._table.get(request_id))
+        self._g.release(request_id)
 
     # -- loads -----------------------------------------------------------------------------
 
@@ -305,14 +457,20 @@ class OffloadScheduler:
             InvalidInputError: token counts out of range or not block aligned.
             InputTypeError: a count not an int, hashes not a sequence of bytes.
         """
-        return self._loads.lookup(
+        g = self._g
+        hit = g.lookup(
             request_id,
-            block_hashes,
+            {LANE: block_hashes},
             num_tokens,
             num_computed_tokens,
             allow_defer=allow_defer,
             no_read=no_read,
         )
+        reason, new_prompt, _ = g.lookup_outcome(request_id)
+        self._lookups.count_lookup(
+            hit, num_tokens, num_computed_tokens, reason, new_prompt=new_prompt
+        )
+        return hit
 
     def plan_load(
         self, request_id: str, gpu_block_ids: Sequence[int], num_tokens: int
@@ -338,13 +496,14 @@ class OffloadScheduler:
                 destination unlike the known table.
             InputTypeError: ``num_tokens`` or an entry not an int, a table not a sequence.
         """
-        return self._loads.plan_load(request_id, gpu_block_ids, num_tokens)
+        plan = self._g.plan_load(request_id, {LANE: gpu_block_ids}, num_tokens)
+        return None if plan is None else plan.plans[LANE]  # type: ignore[return-value]
 
     def abandon_load(self, request_id: str) -> list[LoadPlan]:
         """Stop waiting for ``request_id``'s loads in flight (see `LoadPlanner.abandon()`);
         their CPU blocks stay referenced until `complete()`, which counts nothing for them.
         Returns the plans abandoned; raises as `release()` does."""
-        return self._loads.abandon(self._table.get(request_id))
+        return list(self._g.abandon_load(request_id).get(LANE, ()))
 
     # -- stores ----------------------------------------------------------------------------
 
@@ -364,7 +523,11 @@ class OffloadScheduler:
         Raises:
             InvalidInputError: lazy mode without ``gpu_cache``.
         """
-        return self._stores.plan(gpu_cache, self._holds.end_planned)
+        if self._config.store_mode == "lazy" and gpu_cache is None:
+            raise InvalidInputError("store_mode='lazy' needs plan_stores(gpu_cache)")
+        views = None if gpu_cache is None else {LANE: gpu_cache}
+        plan = self._g.plan_stores(views)
+        return None if plan is None else plan.plans[LANE]  # type: ignore[return-value]
 
     # -- completion ------------------------------------------------------------------------
 
@@ -382,7 +545,8 @@ class OffloadScheduler:
         Returns:
             ``False`` when the plan is unknown or already completed (the call is ignored).
         """
-        return self._outcomes.complete(transfer, ok)
+        plan = transfer if isinstance(transfer, TransferPlan) else transfer.plan
+        return self._g.complete(LANE, plan, ok)
 
     def cancel(self, transfer: TransferLike | TransferPlan) -> bool:
         """Undo a plan whose copy never started, as if it had not been planned: a store's
@@ -392,7 +556,8 @@ class OffloadScheduler:
         Returns:
             ``False`` when the plan is unknown or already completed (the call is ignored).
         """
-        return self._outcomes.cancel(transfer)
+        plan = transfer if isinstance(transfer, TransferPlan) else transfer.plan
+        return self._g.cancel(LANE, plan)
 
     def reset(self) -> bool:
         """Empty the CPU prefix cache: unpublish every block, abandon transfers in flight
@@ -403,20 +568,36 @@ class OffloadScheduler:
             ``True`` when no transfer is in flight any more (the cache stays empty until
             new stores complete); ``False`` while abandoned transfers are still running.
         """
-        return self._outcomes.reset()
+        return self._g.reset()
 
     def in_flight_plans(self) -> list[TransferPlan]:
         """Plans not yet completed, oldest first."""
-        return [rec.plan for rec in self._ledger.plans()]
+        return [rec.plan for rec in self.ledger.plans()]
 
     # -- observation -----------------------------------------------------------------------
 
     def statistics(self) -> SchedulerStatistics:
         """A snapshot of the counters."""
-        return self._counters.snapshot(
-            live_requests=len(self._requests),
-            in_flight_transfers=self._ledger.num_plans,
-            held_blocks=self._holds.total,
+        g = self._g
+        held = g.statistics()[LANE].held_blocks
+        lane = self._counters.snapshot(
+            live_requests=len(g.request_ids),
+            in_flight_transfers=g.num_in_flight,
+            held_blocks=held,
+        )
+        c = self._lookups
+        return replace(
+            lane,
+            lookups=c.lookups,
+            hit_tokens=c.hit_tokens,
+            miss_tokens=c.miss_tokens,
+            deferred_lookups=c.deferred_lookups,
+            prompt_tokens=c.prompt_tokens,
+            lookup_misses=dict(c.lookup_misses),
+            miss_reason_tokens=dict(c.miss_reason_tokens),
+            deferrals_bounded=g.deferrals_bounded,
+            abandoned_loads=g.abandoned_loads,
+            cancelled_plans=lane.cancelled_plans,
         )
 
     def check_invariants(self) -> None:
@@ -425,4 +606,4 @@ class OffloadScheduler:
         Raises:
             InvariantError: naming the breach.
         """
-        check_parts(self._ledger, self._table, self._stores, self._holds, self._outcomes)
+        self._g.check_invariants()

@@ -3,6 +3,7 @@ per group), and the checks of its per-group inputs."""
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -301,6 +302,7 @@ class GroupRequests:
         "_lanes",
         "_limits",
         "_single",
+        "_step",
         "_warned_unhashed",
         "finished",
         "hash_args",
@@ -333,6 +335,9 @@ class GroupRequests:
             (g.name, self._limits.get(g.name), self.hash_args[g.name], g.block_size) for g in lanes
         )
         self._warned_unhashed = False
+        # every block size is a multiple of this: while ``computed // _step`` stays, no
+        # lane's count of full blocks moves, so no lane's hashes start to lag
+        self._step = math.gcd(*(g.block_size for g in lanes))
         self._single = self._checks[0] if len(self._checks) == 1 else None
         """The one lane's checks when there is one cacheable group (`_grew_one()`)."""
         self.requests: dict[str, GroupedRequest] = {}
@@ -361,9 +366,11 @@ class GroupRequests:
         tables: GroupTables,
         block_hashes: GroupHashes,
         num_computed_tokens: int,
+        frames: int = 4,
     ) -> None:
         """Check a `GroupedScheduler.update()` call in full, then apply it (a refused
-        call changes nothing), as one group's `RequestTable.update()`."""
+        call changes nothing). ``frames``: from `warn_unhashed()`'s caller here to the
+        scheduler's caller (`UnhashedBlocksWarning` names its line)."""
         num_computed_tokens = as_count(num_computed_tokens, "num_computed_tokens", request_id)
         existing = self.requests.get(request_id)
         if existing is None:
@@ -408,14 +415,39 @@ class GroupRequests:
                         lane.ids.update(new)
                     if hashes:
                         lane.hashes.extend(hashes)
+                step = self._step
+                moved = num_computed_tokens // step != existing.num_computed_tokens // step
                 existing.num_computed_tokens = num_computed_tokens
                 existing.recheck_table = False  # every known entry was compared (cursor 0)
-                if not self._warned_unhashed:
-                    self._warn_unhashed(existing)
+                if moved and not self._warned_unhashed:
+                    self._warn_unhashed(existing, frames)
                 return
         state = self._full_update(request_id, existing, tables, block_hashes, num_computed_tokens)
         if not self._warned_unhashed:
-            self._warn_unhashed(state)
+            self._warn_unhashed(state, frames)
+
+    def update_one(
+        self,
+        request_id: str,
+        table: Sequence[int | None],
+        block_hashes: Sequence[BlockHash],
+        num_computed_tokens: int,
+    ) -> None:
+        """`update()` of a model with one cacheable group, given its table and hashes
+        without a mapping (the one-group face's call)."""
+        single = self._single
+        assert single is not None
+        existing = self.requests.get(request_id)
+        if (
+            existing is not None
+            and not existing.finished
+            and type(num_computed_tokens) is int
+            and num_computed_tokens >= 0
+            and self._grew_lane(existing, single, table, block_hashes, num_computed_tokens, 4)
+        ):
+            return
+        name = single[0]
+        self.update(request_id, {name: table}, {name: block_hashes}, num_computed_tokens, 5)
 
     def _grew_one(
         self,
@@ -428,14 +460,28 @@ class GroupRequests:
         """The common case of a model with one cacheable group, without the loop over the
         lanes: apply the call if its table and hashes only grew (the rules of the loop in
         `update()`); ``False`` (nothing changed) leaves it to the full checks."""
+        name = check[0]
+        try:
+            table, added = tables[name], block_hashes[name]
+        except KeyError:
+            return False
+        return self._grew_lane(state, check, table, added, num_computed_tokens, 5)
+
+    def _grew_lane(  # noqa: PLR0917 - the lane's call, and the warning's frames
+        self,
+        state: GroupedRequest,
+        check: tuple[str, int | None, str, int],
+        table: Sequence[int | None],
+        added: Sequence[BlockHash],
+        num_computed_tokens: int,
+        stacklevel: int,
+    ) -> bool:
+        """`_grew_one()` given the lane's table and hashes (``stacklevel``: the frames from
+        here to the caller of the scheduler's ``update()``, for the warning)."""
         name, limit, what, block_size = check
         lane = state.lanes[name]
         old = lane.table
         if not old:
-            return False
-        try:
-            table, added = tables[name], block_hashes[name]
-        except KeyError:
             return False
         new = grown_table(
             table, old, lane.ids, lane.cursor if lane.full and not self._every_entry else 0, limit
@@ -451,15 +497,20 @@ class GroupRequests:
             lane.ids.update(new)
         if hashes:
             lane.hashes.extend(hashes)
+        moved = num_computed_tokens // block_size != state.num_computed_tokens // block_size
         state.num_computed_tokens = num_computed_tokens
         state.recheck_table = False  # every known entry was compared (cursor 0)
-        if not self._warned_unhashed and hashes_lag(num_computed_tokens, block_size, lane.hashes):
+        if (
+            moved  # a lane's hashes start to lag only when its count of full blocks moves
+            and not self._warned_unhashed
+            and hashes_lag(num_computed_tokens, block_size, lane.hashes)
+        ):
             self._warned_unhashed = True
             n = len(lane.hashes)
-            warn_unhashed(state.request_id, num_computed_tokens, block_size, n, None, 5)
+            warn_unhashed(state.request_id, num_computed_tokens, block_size, n, None, stacklevel)
         return True
 
-    def _warn_unhashed(self, state: GroupedRequest) -> None:
+    def _warn_unhashed(self, state: GroupedRequest, frames: int) -> None:
         """`warn_unhashed()` for the first lane of ``state`` whose hashes lag its computed
         tokens (`hashes_lag()`), naming its group (with several); then never again."""
         n = state.num_computed_tokens
@@ -469,7 +520,7 @@ class GroupRequests:
             if hashes_lag(n, block_size, hashes):
                 self._warned_unhashed = True
                 group = self.names.groups[name]
-                warn_unhashed(state.request_id, n, block_size, len(hashes), group, 5)
+                warn_unhashed(state.request_id, n, block_size, len(hashes), group, frames)
                 return
 
     def _full_update(
@@ -620,7 +671,7 @@ class StoreRecord:
     """What undoing one group's store plan needs (`GroupStorePlanner.cancel()`)."""
 
     # (request, its lane's cursor and `live_mark()` before the plan) of every request the
-    # plan moved, one entry each, as one group's `StoreUndo.rollback`
+    # plan moved, one entry each, to roll back on a cancel
     rollback: list[tuple[GroupedRequest, int, int]] = field(default_factory=list)
     # (request id, block index, store point) of the blocks a lane of a kind other than
     # full attention plans (`check_invariants()` checks they lie in their point's needed

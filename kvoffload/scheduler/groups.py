@@ -141,6 +141,8 @@ class GroupedScheduler:
             GPU blocks), ``hold_blocks_on_finish`` with ``hold_max_blocks`` (per group
             pool) and ``hold_max_steps`` (see `finish()`), and lazy stores (`plan_stores()`).
             ``None``: no limit, every block admitted, nothing restored, nothing held.
+        store_at_finish: `finish()` plans the last store point (the engine keeps those GPU
+            blocks until it completes); ``False``: nothing (one group's contract).
 
     Call it from one thread; every method is synchronous. A refused call changes nothing.
 
@@ -160,6 +162,7 @@ class GroupedScheduler:
         checkpoint_tokens: int | None = None,
         num_gpu_blocks: Mapping[str, int] | None = None,
         config: OffloadConfig | None = None,
+        store_at_finish: bool = True,
     ) -> None:
         self._groups = tuple(groups)
         self._cacheable = tuple(g for g in groups if g.cacheable)
@@ -167,6 +170,7 @@ class GroupedScheduler:
         checkpoint_tokens = _check_setup(groups, pools, checkpoint_tokens, self._limits)
         self._align = hit_alignment(groups)
         self._checkpoint = checkpoint_tokens
+        self._store_at_finish = store_at_finish
         self._ledgers = {g.name: BlockLedger(pools[g.name]) for g in self._cacheable}
         self._table = GroupRequests(
             self._cacheable,
@@ -470,13 +474,17 @@ class GroupedScheduler:
         Returns:
             One store plan per group with blocks to store, or ``None``.
         """
-        self._planner.plan_calls += 1
+        planner = self._planner
+        planner.plan_calls += 1
+        if planner.holds is None:  # no finished request is planned: no hold to end
+            live = [s for s in self._requests.values() if not s.finished and not s.recheck_table]
+            return planner.plan(live, False, gpu_cache)
         live = [
             s
             for s in self._requests.values()
             if (not s.finished or s.holding) and not s.recheck_table
         ]
-        plan = self._planner.plan(live, False, gpu_cache)
+        plan = planner.plan(live, False, gpu_cache)
         for state in live:
             if state.finished:
                 self._table.drop_if_done(state)  # a hold the plan ended, or that expired
@@ -510,7 +518,7 @@ class GroupedScheduler:
         if not state.recheck_table:
             if planner.holds is not None:
                 planner.begin_hold(state)
-            elif not planner.lazy_window:  # lazy stores plan nothing at finish (one group too)
+            elif self._store_at_finish and not planner.lazy_window:  # lazy: none (one group too)
                 plan = self._planner.plan([state], True)
         self._table.mark_finished(state)
         for name, lane in state.lanes.items():

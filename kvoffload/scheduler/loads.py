@@ -1,41 +1,31 @@
-"""The load planner: lookups, the pins they take, and the plans that load a hit.
+"""The rules of lookups and loads every lane shares: a lookup's counts
+(`check_lookup_counts()`), a load's length (`check_load_tokens()`), the miss reasons of a
+block, the `LookupExtension` protocol the tiers answer, and the bound on "ask again".
 
-A lookup returns the longest run of published blocks after the engine's own prefix and
-pins it (a ledger lease) until `plan_load()` or a release. What lies below the CPU pool
-(the tiers) is asked through `LookupExtension` after every lookup: whether to start a
-promotion of what follows the hit, and whether the caller should ask again later.
-
-"Ask again" (``None``, with ``allow_defer``) is decided here, for both of its causes (a
-block being filled, a promotion in flight), and it is bounded: once a request has been
-answered "ask again" `MAX_LOOKUP_DEFERRALS` times in a row, or for longer than the
-deferral deadline (`DEFER_DEADLINE_S`, or the tiers' `LookupExtension.defer_deadline_s`
-when longer), its lookup answers with what is on CPU (counted in ``deferrals_bounded``).
-A promotion that never ends, or one that ends without the block every time, costs a
-shorter hit, never a request that waits forever.
+"Ask again" (``None``, with ``allow_defer``) is bounded: once a request has been answered
+"ask again" `MAX_LOOKUP_DEFERRALS` times in a row, or for longer than the deferral
+deadline (`DEFER_DEADLINE_S`, or the tiers' `LookupExtension.defer_deadline_s` when
+longer), its lookup answers with what is on CPU (counted in ``deferrals_bounded``). A
+promotion that never ends, or one that ends without the block every time, costs a shorter
+hit, never a request that waits forever.
 """
 
 from __future__ import annotations
 
-import itertools
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Protocol, final
+from typing import Protocol
 
 from kvoffload._logging import get_logger
 from kvoffload.errors import InvalidInputError
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.free_queue import CpuBlock
-from kvoffload.scheduler.ledger import BlockLedger, PlanEntry
+from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.misses import MissReason
-from kvoffload.scheduler.requests import RequestTable, as_int, check_hash, length
-from kvoffload.scheduler.state import RequestOffloadState
-from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import LoadPlan
 
 __all__ = [
     "DEFER_DEADLINE_S",
     "MAX_LOOKUP_DEFERRALS",
-    "LoadPlanner",
     "LookupExtension",
     "abandon_loads",
     "block_miss_reason",
@@ -268,211 +258,3 @@ def block_miss_reason(
         if reason is not None:
             return reason
     return ledger.misses.reason(block_hash)
-
-
-@final
-class LoadPlanner:
-    """Answers lookups, keeps their pins, and plans the loads of accepted hits.
-
-    Args:
-        block_size: tokens per block.
-        ledger: where pins and loads take their references.
-        table: the registered requests.
-        counters: the statistics this planner adds to.
-    """
-
-    def __init__(
-        self, block_size: int, ledger: BlockLedger, table: RequestTable, counters: Counters
-    ) -> None:
-        self._block_size = block_size
-        self._ledger = ledger
-        self._table = table
-        self._counters = counters
-        self.extension: LookupExtension | None = None
-        """Asked after every lookup that could extend its hit (the tier manager)."""
-        self.starts: dict[int, int] = {}
-        """Load plan id → the request block its first CPU block holds."""
-        self.clock: Callable[[], float] = time.monotonic
-        """The clock of the deferral deadline (a test may drive its own)."""
-
-    def release_pin(self, state: RequestOffloadState) -> None:
-        """Drop a request's lookup pin, if any."""
-        if state.pinned:
-            pinned, state.pinned = state.pinned, []
-            self._ledger.unpin(pinned)
-
-    def lookup(
-        self,
-        rid: str,
-        block_hashes: Sequence[BlockHash],
-        num_tokens: int,
-        num_computed_tokens: int,
-        *,
-        allow_defer: bool,
-        no_read: bool,
-    ) -> int | None:
-        """See `OffloadScheduler.lookup()`."""
-        bs = self._block_size
-        num_tokens = as_int(num_tokens, "num_tokens", rid)
-        num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", rid)
-        check_lookup_counts(rid, num_tokens, num_computed_tokens, bs, "block_size")
-        num_hashes = length(block_hashes, "block_hashes", rid)
-        start = num_computed_tokens // bs
-        limit = min(num_hashes, (num_tokens - 1) // bs) if num_tokens else 0
-        if not no_read:
-            for k in range(start, limit):
-                check_hash(block_hashes[k], f"block_hashes[{k}]", rid)
-        table = self._table
-        state = table.known(rid)
-        if state is None:
-            state = table.register(rid)
-        self.release_pin(state)
-        counters = self._counters
-        # Any answer but "ask again" ends the request's run of them (see _defer()).
-        deferrals, state.deferrals = state.deferrals, 0
-        if allow_defer and deferrals and self._defer_spent(state, deferrals):
-            allow_defer = False
-            counters.deferrals_bounded += 1
-            _log.debug("lookup_deferral_bounded", request_id=rid, deferrals=deferrals)
-        counters.lookups += 1
-        if not state.admitted:
-            state.admitted = True
-            counters.prompt_tokens += num_tokens
-        if state.tier_hits is not None:
-            state.tier_hits = None
-        if no_read or start >= limit:
-            missed = num_tokens - num_computed_tokens
-            counters.miss_tokens += missed
-            state.miss_reason = reason = (
-                _NOT_READ
-                if no_read and missed
-                else self._reason(block_hashes, start, limit, missed)
-            )
-            if reason is not _NONE:
-                counters.missed(reason, missed)
-            return 0
-        ledger = self._ledger
-        hits = ledger.pool.lookup(itertools.islice(block_hashes, start, limit))
-        end = start + len(hits)
-        nxt = (block_hashes[end],) if end < limit else ()
-        if allow_defer and lookup_defers(ledger, nxt, hits):
-            # The next block is being filled (stored or promoted), or the hit is
-            # being loaded for another request (its GPU copy will serve this one):
-            # ask again later.
-            counters.deferred_lookups += 1
-            _log.debug("lookup_deferred", request_id=rid, block=end)
-            state.miss_reason = _IN_FLIGHT
-            self._defer(state, deferrals)
-            return None
-        if hits:
-            ledger.pin(hits, state.priority)
-            state.pinned = hits
-            state.pin_start_block = start
-        extension = self.extension
-        if extension is not None:
-            if hits:
-                state.tier_hits = extension.hit_sources(hits)
-            if extension.extend_lookup(block_hashes, end, limit, hits, allow_defer=allow_defer):
-                # A promotion brings the next block in: "ask again", counted as the
-                # deferral above is (no hit or miss tokens: the request asks again).
-                self.release_pin(state)
-                counters.deferred_lookups += 1
-                state.miss_reason = _IN_FLIGHT
-                self._defer(state, deferrals)
-                return None
-        hit_tokens = len(hits) * bs
-        counters.hit_tokens += hit_tokens
-        missed = num_tokens - num_computed_tokens - hit_tokens
-        counters.miss_tokens += missed
-        state.miss_reason = reason = self._reason(block_hashes, end, limit, missed)
-        if reason is not _NONE:
-            counters.missed(reason, missed)
-        return hit_tokens
-
-    def _reason(
-        self, block_hashes: Sequence[BlockHash], end: int, limit: int, missed: int
-    ) -> MissReason:
-        """Why a hit ending before ``block_hashes[end]`` (of the loadable ``[:limit]``)
-        stopped there, ``missed`` tokens short of the prompt (see `MissReason`)."""
-        if not missed:
-            return _NONE
-        if end >= limit:
-            return MissReason.LAST_TOKEN if limit < len(block_hashes) else MissReason.BOUNDARY
-        extension = self.extension
-        return block_miss_reason(
-            self._ledger, block_hashes[end], None if extension is None else extension.miss_reason
-        )
-
-    def _defer(self, state: RequestOffloadState, deferrals: int) -> None:
-        """Answer "ask again": one more in the request's run of them (`run_extend()`)."""
-        run_extend(state, deferrals, self.clock)
-
-    def _defer_spent(self, state: RequestOffloadState, deferrals: int) -> bool:
-        """Whether the request's run of "ask again" answers reached its bound
-        (`run_spent()`; the tiers' deadline when longer than `DEFER_DEADLINE_S`)."""
-        extension = self.extension
-        below = None if extension is None else extension.defer_deadline_s
-        return run_spent(state, deferrals, self.clock, below)
-
-    def plan_load(self, rid: str, gpu_block_ids: Sequence[int], num_tokens: int) -> LoadPlan | None:
-        """See `OffloadScheduler.plan_load()`."""
-        table = self._table
-        state = table.live(rid)
-        bs = self._block_size
-        num_tokens = as_int(num_tokens, "num_tokens", rid)
-        pinned = state.pinned
-        hit = len(pinned) * bs
-        if num_tokens != hit:  # the whole hit, what `check_load_tokens()` accepts, inline
-            check_load_tokens(rid, num_tokens, hit, bs, shorter=True)
-        n = num_tokens // bs
-        start = state.pin_start_block
-        dst = table.load_destinations(state, gpu_block_ids, start, n)
-        if not pinned:
-            return None
-        state.pinned = []
-        plan, concurrent = self._ledger.open_load(pinned, n, dst, rid, num_tokens)
-        if plan is None:
-            return None
-        self._counters.concurrent_load_blocks += concurrent
-        self.starts[plan.plan_id] = start
-        state.in_flight.add(plan.plan_id)
-        self._counters.load_plans += 1
-        return plan
-
-    def abandon(self, state: RequestOffloadState) -> list[LoadPlan]:
-        """A request stops waiting for its loads in flight (see
-        `OffloadScheduler.abandon_load()`): its lookup pin is released, each load is
-        marked abandoned in the ledger (its references kept until the copy ends) and no
-        longer serves the request, and what the scheduler knew of the request's block
-        table from the first abandoned block on is forgotten (its recompute may use other
-        GPU blocks there).
-
-        Returns:
-            The load plans abandoned now, oldest first.
-        """
-        self.release_pin(state)
-        abandoned, first = abandon_loads(
-            self._ledger, state.request_id, state.in_flight, self.starts
-        )
-        for plan in abandoned:
-            state.in_flight.discard(plan.plan_id)
-        self._counters.abandoned_loads += len(abandoned)
-        if first is not None and state.num_stored_blocks <= first:
-            self._table.forget_from(state, first, self._block_size)
-        self._table.drop_if_done(state)
-        return abandoned
-
-    def cancel_plan(self, rec: PlanEntry, current: bool) -> None:
-        """A load plan was cancelled (the ledger keeps its blocks as a pin): they become
-        its request's lookup pin again, or are released if that cannot be (an abandoned
-        load's blocks the ledger released already)."""
-        self._counters.load_plans -= 1
-        start = self.starts.pop(rec.plan.plan_id)
-        if rec.abandoned:
-            return
-        owner = self._table.requests.get(rec.plan.request_ids[0])
-        if owner is not None and current and not owner.finished and not owner.pinned:
-            owner.pinned = rec.blocks
-            owner.pin_start_block = start
-        else:
-            self._ledger.unpin(rec.blocks)

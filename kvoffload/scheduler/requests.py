@@ -1,15 +1,15 @@
-"""The request table: every request's state by id, finished ids, and the input checks.
-
-The block-table and hash checks live here once and serve both `update()` and
-`plan_load()`: a refused call raises before anything changes.
+"""The rules of a request's input, one place for every lane: block-table entries
+(`check_entry()`, `check_distinct()`, `grown_table()`), hashes (`grown_hashes()`), counts
+(`as_int()`, `as_count()`), priorities, the unhashed-blocks warning and the finished ids
+(`FinishedIds`). A refused call raises before anything changes.
 """
 
 from __future__ import annotations
 
 import operator
 import warnings
-from collections import Counter, deque
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections import deque
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Protocol, final
 
 from kvoffload._logging import get_logger
@@ -20,19 +20,16 @@ from kvoffload.errors import (
     InvariantError,
     RequestStateError,
     UnhashedBlocksWarning,
-    UnknownRequestError,
 )
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.priority import MAX_PRIORITY
-from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
-from kvoffload.transfer.plan import TransferPlan
+from kvoffload.scheduler.state import RequestPhase
 
 __all__ = [
     "FINISHED_IDS_REMEMBERED",
     "FinishedIds",
     "Prioritized",
     "PriorityCount",
-    "RequestTable",
     "as_count",
     "as_int",
     "check_agrees",
@@ -484,314 +481,3 @@ def check_distinct(
                 f"{first} and {offset + k}"
             )
         first_at[g] = offset + k
-
-
-@final
-class RequestTable:
-    """Registered requests by id, and the ids of finished ones (never reused).
-
-    Args:
-        num_gpu_blocks: block table entries must lie in ``[0, num_gpu_blocks)``
-            (``None``: only negative ids are refused).
-        restore_evicted: ``OffloadConfig.restore_evicted`` (a store may read any entry
-            of the table, so every known entry is compared).
-    """
-
-    def __init__(
-        self, *, num_gpu_blocks: int | None, restore_evicted: bool, block_size: int = 1
-    ) -> None:
-        self.requests: dict[str, RequestOffloadState] = {}
-        """Request id → state; read it, change it through the table."""
-        self.finished = FinishedIds()
-        """The finished ids it refuses."""
-        self._num_gpu_blocks = num_gpu_blocks
-        self._restore_evicted = restore_evicted
-        self._block_size = block_size
-        self._warned_unhashed = False
-        self.priorities = PriorityCount()
-        """Counts the registered requests whose priority is not 0."""
-
-    def __len__(self) -> int:
-        return len(self.requests)
-
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self.requests
-
-    def was_finished(self, request_id: str) -> bool:
-        """Whether ``request_id`` belongs to a (remembered) finished request."""
-        return self.finished.was_finished(request_id)
-
-    def get(self, request_id: str) -> RequestOffloadState:
-        """The state of a registered request (finished ones with transfers included).
-
-        Raises:
-            RequestStateError: the id finished and was forgotten.
-            UnknownRequestError: no state for that id.
-        """
-        state = self.requests.get(request_id)
-        if state is None:
-            self.finished.refuse(request_id)
-            raise UnknownRequestError(f"unknown request id {request_id!r}")
-        return state
-
-    def known(self, request_id: str) -> RequestOffloadState | None:
-        """The state of a request that may be registered; ``None`` for a new one.
-
-        Raises:
-            RequestStateError: the request is finished.
-        """
-        state = self.requests.get(request_id)
-        if state is None:
-            self.finished.refuse(request_id)
-        elif state.phase is _DRAINING or state.phase is _HOLDING:  # not the property: hot
-            raise RequestStateError(f"request {request_id!r} is finished")
-        return state
-
-    def live(self, request_id: str) -> RequestOffloadState:
-        """The state of a registered request that is not finished.
-
-        Raises:
-            UnknownRequestError: no state for that id.
-            RequestStateError: it is finished.
-        """
-        state = self.get(request_id)
-        if state.phase is _DRAINING or state.phase is _HOLDING:
-            raise RequestStateError(f"request {request_id!r} is finished")
-        return state
-
-    def register(self, request_id: str) -> RequestOffloadState:
-        """File a new request."""
-        state = RequestOffloadState(request_id)
-        self.requests[request_id] = state
-        return state
-
-    def reserve(self, request_id: str) -> None:
-        """Register ``request_id`` unless it is in use or finished.
-
-        Raises:
-            RequestStateError: the id is in use or finished.
-        """
-        check_reservable(request_id, request_id in self.requests, self.finished)
-        self.register(request_id)
-
-    def remember_finished(self, request_id: str) -> None:
-        """Refuse ``request_id`` from now on (the last `FINISHED_IDS_REMEMBERED` ids)."""
-        self.finished.remember(request_id)
-
-    def set_priority(self, request_id: str, priority: object) -> None:
-        """Give a request (registered on first use) a retention priority: the blocks
-        stored for it are published with it and its lookup hits are touched with it (a
-        block several requests share keeps the highest); a free block of a lower priority
-        is evicted first. 0, the default, is every request's and costs nothing.
-
-        Raises:
-            InvalidInputError: not an int in [0, `MAX_PRIORITY`] (names request and value).
-            RequestStateError: the request is finished.
-        """
-        priority = check_request_priority(request_id, priority)
-        state = self.known(request_id)
-        if state is None:
-            state = self.register(request_id)
-        self.priorities.set(state, priority)
-
-    @property
-    def prioritized(self) -> int:
-        """Registered requests whose priority is not 0 (while 0, stores pay nothing)."""
-        return self.priorities.count
-
-    def drop(self, state: RequestOffloadState) -> None:
-        """Forget a finished request (its last transfer completed)."""
-        del self.requests[state.request_id]
-        self.priorities.drop(state)
-        _log.debug("request_dropped", request_id=state.request_id)
-
-    def drop_if_done(self, state: RequestOffloadState) -> None:
-        """Forget a finished request that holds nothing and waits on nothing."""
-        if state.finished and not state.in_flight and not state.held_gpu_block_ids:
-            self.drop(state)
-
-    def update(
-        self,
-        rid: str,
-        gpu_block_ids: Sequence[int],
-        block_hashes: Sequence[BlockHash],
-        num_computed_tokens: int,
-    ) -> RequestOffloadState:
-        """Check an ``update()`` call in full, then apply it (see
-        `OffloadScheduler.update()`); returns the request's state."""
-        num_computed_tokens = as_count(num_computed_tokens, "num_computed_tokens", rid)
-        state = self.known(rid)
-        new_ids = self.new_table_entries(state, gpu_block_ids, rid)
-        new_hashes = grown_hashes(
-            state.block_hashes if state is not None else (), block_hashes, rid
-        )
-        if state is None:
-            state = self.register(rid)
-        if state.phase is _PREEMPTED:
-            state.move_to(RequestPhase.LIVE)
-            state.gpu_block_ids = []
-            state.gpu_block_set = set()
-        state.recheck_table = False
-        state.gpu_block_ids.extend(new_ids)
-        state.gpu_block_set.update(new_ids)
-        state.block_hashes.extend(new_hashes)
-        state.num_computed_tokens = num_computed_tokens
-        if not self._warned_unhashed and hashes_lag(
-            num_computed_tokens, self._block_size, state.block_hashes
-        ):
-            self._warned_unhashed = True
-            n = len(state.block_hashes)
-            warn_unhashed(rid, num_computed_tokens, self._block_size, n, None, 4)
-        return state
-
-    def preempted(self, state: RequestOffloadState) -> None:
-        """Forget what the engine held for a preempted request (its GPU blocks are freed;
-        the cursor is the store planner's)."""
-        state.gpu_block_ids = []
-        state.gpu_block_set = set()
-        state.num_computed_tokens = 0
-        state.move_to(RequestPhase.PREEMPTED)
-        state.admitted = False
-
-    @staticmethod
-    def forget_from(state: RequestOffloadState, first: int, block_size: int) -> None:
-        """Forget the request's block table from entry ``first`` on (an abandoned load's
-        destinations: the engine may recompute there into other GPU blocks); its
-        computed tokens stop there too. The store cursor must be at or below ``first``."""
-        ids = state.gpu_block_ids
-        if len(ids) > first:
-            del ids[first:]
-            state.gpu_block_set = set(ids)
-        state.num_computed_tokens = min(state.num_computed_tokens, first * block_size)
-
-    def check_invariants(
-        self, pins: Collection[int], has_plan: Callable[[int], bool]
-    ) -> tuple[Counter[BlockHash], int]:
-        """Check every request's state: its phase, pin, table, cursor and plans.
-
-        Args:
-            pins: ``id()`` of every pin the ledger holds (each must be one request's).
-            has_plan: whether a plan id is in flight.
-
-        Returns:
-            Hash → live cursors past it, and the GPU blocks held, for the owners of those
-            counts to compare.
-
-        Raises:
-            InvariantError: naming the breach.
-        """
-        unclaimed = set(pins)
-        live_refs: Counter[BlockHash] = Counter()
-        held = 0
-        for rid, state in self.requests.items():
-            if state.request_id != rid:
-                raise InvariantError(f"request {rid!r} is filed under another id")
-            if state.pinned:
-                if id(state.pinned) not in unclaimed:
-                    raise InvariantError(f"request {rid!r}: its pin is not in the ledger")
-                unclaimed.discard(id(state.pinned))
-            if state.finished and (
-                state.pinned or not (state.in_flight or state.held_gpu_block_ids)
-            ):
-                raise InvariantError(
-                    f"finished request {rid!r} kept a pin or outlived its transfers"
-                )
-            if (state.phase is RequestPhase.HOLDING) != bool(state.held_gpu_block_ids):
-                raise InvariantError(
-                    f"request {rid!r} in phase {state.phase.value!r} holds "
-                    f"{len(state.held_gpu_block_ids)} GPU blocks"
-                )
-            held += len(state.held_gpu_block_ids)
-            if len(state.gpu_block_set) != len(state.gpu_block_ids) or not (
-                state.gpu_block_set.issuperset(state.gpu_block_ids)
-            ):
-                raise InvariantError(f"request {rid!r}: its block table holds an id twice")
-            if state.preempted and state.num_stored_blocks:
-                raise InvariantError(
-                    f"preempted request {rid!r} has cursor {state.num_stored_blocks}"
-                )
-            if not 0 <= state.num_stored_blocks <= len(state.block_hashes):
-                raise InvariantError(
-                    f"request {rid!r}: cursor {state.num_stored_blocks} outside "
-                    f"[0, {len(state.block_hashes)}]"
-                )
-            for plan_id in state.in_flight:
-                if not has_plan(plan_id):
-                    raise InvariantError(f"request {rid!r} waits on unknown plan {plan_id}")
-            live_refs.update(Counter(state.block_hashes[: state.num_stored_blocks]))
-        if unclaimed:
-            raise InvariantError(f"{len(unclaimed)} pins in the ledger belong to no request")
-        self.priorities.check(self.requests.values())
-        return live_refs, held
-
-    def detach(self, plan: TransferPlan) -> None:
-        """A plan completed or was cancelled: its requests stop waiting on it (a finished
-        one that waits on nothing more is forgotten)."""
-        requests = self.requests
-        plan_id = plan.plan_id
-        for rid in plan.request_ids:
-            state = requests.get(rid)
-            if state is not None:
-                in_flight = state.in_flight
-                in_flight.discard(plan_id)
-                # drop_if_done() inlined: a draining request holds no GPU blocks.
-                if not in_flight and state.phase is _DRAINING:
-                    self.drop(state)
-
-    # -- input checks ----------------------------------------------------------------------
-
-    def new_table_entries(
-        self, state: RequestOffloadState | None, table: Sequence[int], rid: str
-    ) -> list[int]:
-        """Validate a block table against what is known; return its new entries.
-
-        Checked: the table did not shrink; each new entry is an int in range and not
-        already in the table; the known entries a store may still read (from the store
-        cursor on, or all of them after a reset or under ``restore_evicted``) are unchanged.
-        Entries below the cursor are read by nothing any more and are not compared.
-        """
-        old: list[int] = []
-        seen: set[int] = set()
-        check_from = 0
-        if state is not None and state.phase is not _PREEMPTED:
-            old, seen = state.gpu_block_ids, state.gpu_block_set
-            if not (state.recheck_table or self._restore_evicted):
-                check_from = state.num_stored_blocks
-        limit = self._num_gpu_blocks
-        grown = grown_table(table, old, seen, check_from, limit)
-        if grown is not None:
-            return grown
-        # the full check: it names the fault, or takes entries the fast rule does not
-        n = length(table, "gpu_block_ids", rid)
-        n_old = len(old)
-        check_known_entries(table, old, check_from, rid)
-        new = []
-        for j in range(n_old, n):
-            g = table[j]
-            if type(g) is not int or g < 0 or (limit is not None and g >= limit):
-                g = check_entry(g, j, rid, limit, "gpu_block_ids")  # converts or raises
-            new.append(g)
-        check_distinct(new, rid, earlier=old, earlier_set=seen)
-        return new
-
-    def load_destinations(
-        self, state: RequestOffloadState, table: Sequence[int], start: int, n: int
-    ) -> list[int]:
-        """The entries ``[start, start + n)`` of a load's block table, checked: ints,
-        none twice in the table, in range, and equal to the table `update()` was given."""
-        rid = state.request_id
-        table_len = length(table, "gpu_block_ids", rid)
-        check_load_span(table_len, start, n, rid, None)
-        if not n:
-            return []
-        limit = self._num_gpu_blocks
-        ids = [as_int(table[j], f"gpu_block_ids[{j}]", rid) for j in range(table_len)]
-        if len(set(ids)) != table_len:
-            check_distinct(ids, rid)
-        for j in range(start, start + n):
-            g = ids[j]
-            if g < 0 or (limit is not None and g >= limit):
-                check_entry(g, j, rid, limit, "gpu_block_ids")  # raises
-        known = state.gpu_block_ids if state.phase is not _PREEMPTED else []
-        check_agrees(known, ids, range(start, start + n), rid)
-        return ids[start : start + n]

@@ -1,40 +1,29 @@
-"""The store planner: which computed blocks each step copies to CPU, and the cursors.
+"""The store loop every full lane runs, and the lazy scan.
 
 Eager mode scans every live request from its cursor over newly computed full blocks (the
-hot loop: `run_offer()`, which each full group's lanes of a `GroupedScheduler` run too);
-``restore_evicted`` first re-stores blocks below live cursors that were evicted; lazy
-mode walks the engine's GPU cache from the block closest to eviction. Blocks already
-cached or being filled (the ledger's pending hashes) are skipped; the admission filter
-may refuse a block. When no CPU block is free the rest is *deferred*: cursors stay,
-nothing referenced is evicted.
+hot loop: `run_offer()`); lazy mode walks the engine's GPU cache from the block closest to
+eviction (`scan_lazy()`). Blocks already cached or being filled (the ledger's pending
+hashes) are skipped; the admission filter may refuse a block. When no CPU block is free
+the rest is *deferred*: cursors stay, nothing referenced is evicted.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol, TypeAlias, final
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol, TypeAlias
 
 from kvoffload._logging import get_logger
-from kvoffload.config import OffloadConfig
-from kvoffload.errors import InvalidInputError
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.free_queue import CpuBlock
-from kvoffload.pool.policies.admission import AlwaysAdmit, make_admission
-from kvoffload.scheduler._counts import count_down, count_up
-from kvoffload.scheduler.ledger import BlockLedger, PlanEntry
-from kvoffload.scheduler.requests import RequestTable
+from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
 from kvoffload.scheduler.stats import Counters
-from kvoffload.transfer.plan import StorePlan
 
 __all__ = [
     "GpuCacheView",
     "Run",
     "StoreBatch",
-    "StorePlanner",
-    "StoreUndo",
     "run_offer",
     "scan_lazy",
 ]
@@ -51,18 +40,6 @@ class GpuCacheView(Protocol):
     def iter_eviction_order(self) -> Iterable[tuple[int, BlockHash]]:
         """Yield ``(gpu_block_id, block_hash)`` of cached, fully computed GPU blocks,
         the one the engine will evict next first."""
-
-
-@dataclass(slots=True, eq=False)
-class StoreUndo:
-    """What `cancel()` of a store plan puts back."""
-
-    # (request, cursor before the plan) of every cursor the plan moved.
-    rollback: list[tuple[RequestOffloadState, int]]
-    # Hashes the admission filter refused while the plan was built.
-    refused: tuple[BlockHash, ...] = ()
-    # Finished requests whose hold the plan ended: (state, held ids, cursor).
-    holds: list[tuple[RequestOffloadState, list[int], int]] = field(default_factory=list)
 
 
 class StoreBatch:
@@ -260,241 +237,3 @@ def run_offer(
         if n > (ends[-1] if ends else 0):
             ends.append(n)  # end_run()
     batch.free, batch.left = room, limit
-
-
-@final
-class StorePlanner:
-    """Plans the stores of each step and keeps the request cursors.
-
-    Args:
-        config: the settings (store mode, restore policy, admission, step limit).
-        ledger: where CPU blocks are taken.
-        table: the registered requests.
-        counters: the statistics this planner adds to.
-    """
-
-    def __init__(
-        self, config: OffloadConfig, ledger: BlockLedger, table: RequestTable, counters: Counters
-    ) -> None:
-        self._config = config
-        self._block_size = config.block_size
-        self._lazy = config.store_mode == "lazy"
-        self._ledger = ledger
-        self._table = table
-        self._counters = counters
-        admission = make_admission(config.store_admission)
-        self._admit = None if isinstance(admission, AlwaysAdmit) else admission.admit
-        self._undo_admission = None if isinstance(admission, AlwaysAdmit) else admission.undo
-        self.live_refs: dict[BlockHash, int] = {}
-        """Hash → live cursors past it (to count evictions of blocks still in use)."""
-        self.restore_needed = False
-        self.plan_calls = 0
-        """``plan_stores`` calls so far (the clock of finish holds)."""
-        self.undo: dict[int, StoreUndo] = {}
-        """Store plan id → what cancelling it puts back."""
-
-    # -- cursors ---------------------------------------------------------------------------
-
-    def reset_cursor(self, state: RequestOffloadState) -> None:
-        """Move a request's cursor back to 0."""
-        live_refs = self.live_refs
-        for block_hash in state.block_hashes[: state.num_stored_blocks]:
-            count_down(live_refs, block_hash)
-        state.num_stored_blocks = 0
-
-    def set_cursor(self, state: RequestOffloadState, cursor: int) -> None:
-        """Move a cursor that is at 0 to ``cursor``."""
-        live_refs = self.live_refs
-        for block_hash in state.block_hashes[:cursor]:
-            count_up(live_refs, block_hash)
-        state.num_stored_blocks = cursor
-
-    def roll_back(self, state: RequestOffloadState, old: int) -> None:
-        """Move a cursor back to ``old``, where it was before a cancelled plan."""
-        live_refs = self.live_refs
-        for block_hash in state.block_hashes[old : state.num_stored_blocks]:
-            count_down(live_refs, block_hash)
-        state.num_stored_blocks = old
-
-    # -- planning --------------------------------------------------------------------------
-
-    def plan(
-        self,
-        gpu_cache: GpuCacheView | None,
-        end_holds: Callable[
-            [list[RequestOffloadState], StorePlan | None, Mapping[int, StoreUndo]], None
-        ],
-    ) -> StorePlan | None:
-        """`OffloadScheduler.plan_stores()`: scan, then make the batch's plan; the holds
-        the scan finished are handed to ``end_holds`` (`FinishHolds.end_planned()`) with
-        the plan, also when making it raised (then with ``None``)."""
-        if self._lazy and gpu_cache is None:
-            raise InvalidInputError("store_mode='lazy' needs the engine's gpu_cache view")
-        hold_done: list[RequestOffloadState] = []
-        batch = self.scan(gpu_cache, hold_done)
-        plan: StorePlan | None = None
-        try:
-            plan = self.make_plan(batch)
-            return plan
-        finally:
-            if hold_done:
-                end_holds(hold_done, plan, self.undo)
-
-    def scan(
-        self, gpu_cache: GpuCacheView | None, hold_done: list[RequestOffloadState]
-    ) -> StoreBatch:
-        """Choose this step's blocks (``hold_done`` gets finished requests whose hold
-        ends: planned, or expired)."""
-        self.plan_calls += 1
-        batch = StoreBatch(self._ledger, self._config.max_store_blocks_per_step)
-        if gpu_cache is not None and self._lazy:
-            scan_lazy(gpu_cache, batch, self._config.lazy_offload_blocks)
-        else:
-            if self.restore_needed and self._config.restore_evicted:
-                self._scan_restore(batch)
-            self._scan_eager(batch, hold_done)
-        return batch
-
-    def make_plan(self, batch: StoreBatch) -> StorePlan | None:
-        """Take the CPU blocks of a scanned batch and open its plan (``None``: nothing
-        to store)."""
-        counters = self._counters
-        batch.count(self._ledger, counters)
-        priorities = self._priorities(batch) if self._table.prioritized else None
-        if not batch.hashes:
-            return None
-        evicted: list[BlockHash] = []
-        request_ids = tuple(dict.fromkeys(batch.owners))
-        plan = self._ledger.open_store(
-            batch.hashes,
-            batch.gpu_ids,
-            request_ids,
-            protect=batch.protect,
-            evicted=evicted,
-            ends=batch.run_ends(),
-            priorities=priorities,
-        )
-        live_refs = self.live_refs
-        for block_hash in evicted:
-            if block_hash in live_refs:
-                counters.evicted_while_live += 1
-                self.restore_needed = True
-        self.undo[plan.plan_id] = StoreUndo(batch.rollback, tuple(batch.refused))
-        requests = self._table.requests
-        for rid in request_ids:
-            requests[rid].in_flight.add(plan.plan_id)
-        counters.store_plans += 1
-        return plan
-
-    def _priorities(self, batch: StoreBatch) -> dict[BlockHash, int]:
-        """The retention priority of each block this scan passed for a request that has
-        one (the highest, for a block several requests share): the blocks the batch
-        plans get theirs from the returned map; cached or pending ones are raised now."""
-        want: dict[BlockHash, int] = {}
-        requests = self._table.requests
-        if batch.owners:  # one per planned hash (none in lazy mode)
-            batch.owner_priorities(lambda rid: requests[rid].priority, want)
-        for state, start in batch.rollback:
-            priority = state.priority
-            if priority:
-                for block_hash in state.block_hashes[start : state.num_stored_blocks]:
-                    if priority > want.get(block_hash, 0):
-                        want[block_hash] = priority
-        return self._ledger.prioritize(want, batch.planned)
-
-    def _scan_eager(self, batch: StoreBatch, hold_done: list[RequestOffloadState]) -> None:
-        # The hot loop: one `run_offer()` over every request's run.
-        run_offer(batch, self.live_refs, self._admit, self._eager_runs(batch, hold_done))
-
-    def _eager_runs(self, batch: StoreBatch, hold_done: list[RequestOffloadState]) -> Iterator[Run]:
-        """Each live request's run of new full blocks, for `run_offer()`; moves the
-        cursors where each run stopped."""
-        bs = self._block_size
-        rollback = batch.rollback
-        calls = self.plan_calls
-        live, holding = _LIVE, _HOLDING
-        for state in self._table.requests.values():
-            phase = state.phase
-            if phase is not live:
-                if phase is not holding:
-                    continue  # preempted, or finished holding nothing
-                if calls > state.hold_deadline:
-                    self._counters.hold_expired_blocks += len(state.held_gpu_block_ids)
-                    hold_done.append(state)
-                    continue
-            elif state.recheck_table:
-                continue  # a table to check again first (after a reset)
-            hashes = state.block_hashes
-            gpu_ids = state.gpu_block_ids
-            end = state.num_computed_tokens // bs  # min() of the three, without a call
-            if len(hashes) < end:  # noqa: PLR1730 - no call per request
-                end = len(hashes)
-            if len(gpu_ids) < end:  # noqa: PLR1730
-                end = len(gpu_ids)
-            i = start = state.num_stored_blocks
-            if batch.deferred:
-                if end > i:
-                    batch.deferred += end - i
-                    batch.skipped.append(hashes[i])
-                continue
-            if i < end:
-                yield hashes, gpu_ids, i, end, state.request_id
-                i = batch.stopped
-                if i != start:
-                    state.num_stored_blocks = i
-                    rollback.append((state, start))
-            if i >= end and phase is holding:
-                hold_done.append(state)
-
-    def _scan_restore(self, batch: StoreBatch) -> None:
-        """Re-store blocks below live cursors that were evicted (``restore_evicted``)."""
-        before = len(batch.hashes)
-        for state in self._table.requests.values():
-            if state.phase is not _LIVE or state.recheck_table:
-                continue
-            gpu_ids = state.gpu_block_ids
-            rid = state.request_id
-            for i, block_hash in enumerate(state.block_hashes[: state.num_stored_blocks]):
-                if not batch.offer(block_hash, gpu_ids[i], rid):
-                    batch.deferred = 1
-                    batch.deferred_request = rid
-                    batch.skipped.append(block_hash)
-                    self._counters.restored_blocks += len(batch.hashes) - before
-                    batch.end_run()
-                    return
-            batch.end_run()
-        self._counters.restored_blocks += len(batch.hashes) - before
-        self.restore_needed = False
-
-    # -- undo ------------------------------------------------------------------------------
-
-    def cancel_plan(
-        self,
-        rec: PlanEntry,
-        current: bool,
-        restore_hold: Callable[[RequestOffloadState, list[int], int], None],
-    ) -> None:
-        """A store plan was cancelled (the ledger released its blocks): give back the
-        holds it ended, put the admission filter's state and the cursors it moved back
-        (only of requests still live, and only if no reset came between). A request that
-        finished since keeps its cursor: the engine freed the cancelled plan's GPU blocks
-        (it keeps only the blocks a hold names, from the cursor on; a hold the plan ended
-        comes back with its own cursor)."""
-        undo = self.undo.pop(rec.plan.plan_id)
-        counters = self._counters
-        counters.store_plans -= 1
-        if self._undo_admission is not None:
-            self._undo_admission(rec.hashes, undo.refused)
-        if self._config.restore_evicted:
-            self.restore_needed = True  # the plan may have held re-stores
-        for state, held, cursor in undo.holds:
-            restore_hold(state, held, cursor)
-        requests = self._table.requests
-        for state, old in undo.rollback:
-            live = requests.get(state.request_id) is state
-            if live and current and state.phase is _LIVE and state.num_stored_blocks > old:
-                self.roll_back(state, old)
-
-    def reset(self) -> None:
-        """The cache was reset: nothing evicted is waiting to be stored again."""
-        self.restore_needed = False

@@ -45,8 +45,8 @@ from kvoffload.tiers.stats import TierManagerStatistics
 if TYPE_CHECKING:
     from kvoffload.pool.block_pool import CpuBlockPool
     from kvoffload.pool.free_queue import CpuBlock
+    from kvoffload.scheduler.group_promote import GroupTierPart
     from kvoffload.scheduler.ledger import BlockLedger
-    from kvoffload.scheduler.loads import LookupExtension
     from kvoffload.storage.host_buffer import HostKVBuffer
     from kvoffload.transfer.plan import StorePlan
 
@@ -70,7 +70,7 @@ class TierScheduler(Protocol):
         """The CPU block pool the tiers write down from and promote into."""
         ...
 
-    def set_lookup_extension(self, extension: LookupExtension | None) -> None:
+    def set_lookup_extension(self, extension: GroupTierPart | None) -> None:
         """Install the hook its lookups ask after every CPU hit."""
         ...
 
