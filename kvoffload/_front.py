@@ -6,9 +6,9 @@ the hints, events and statistics. What truly differs with the shape sits in one 
 with the same methods either way: the scheduler's call signatures (one group's flat lists
 for an `OffloadScheduler`, a mapping per group name for a `GroupedScheduler`), how a plan
 is launched, how a prompt is hashed, how the tiers are built and wired, how the pools are
-counted. `OneGroupFront` (here) serves one full-attention group; `GroupsFront`
-(`kvoffload._group_front`, imported on first use: a one-group process never loads the
-group code) serves several. The session checks every call first (open, owner, poller,
+counted. Both run the one scheduler (`OffloadScheduler` is one lane of a
+`GroupedScheduler`). `OneGroupFront` (here) serves one full-attention group with one
+group's API; `GroupsFront` (`kvoffload._group_front`) serves several. The session checks every call first (open, owner, poller,
 pinner error); a front only turns it into the scheduler's calls and the launcher's
 launches.
 """
