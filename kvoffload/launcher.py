@@ -179,7 +179,7 @@ class TransferLauncher:
         except Exception as exc:
             what = f"a {kind} of groups {sorted(parts)}"
             raise self._pin_failed(parts.items(), what, exc) from exc
-        # A one-group process never loads the group code (tests/test_groups.py).
+        # only a step of several groups' parts needs the composite task
         from kvoffload.transfer.grouped import submit_grouped  # noqa: PLC0415
 
         self._next_id += 1
