@@ -8,9 +8,9 @@ for an `OffloadScheduler`, a mapping per group name for a `GroupedScheduler`), h
 is launched, how a prompt is hashed, how the tiers are built and wired, how the pools are
 counted. Both run the one scheduler (`OffloadScheduler` is one lane of a
 `GroupedScheduler`). `OneGroupFront` (here) serves one full-attention group with one
-group's API; `GroupsFront` (`kvoffload._group_front`) serves several. The session checks every call first (open, owner, poller,
-pinner error); a front only turns it into the scheduler's calls and the launcher's
-launches.
+group's API; `GroupsFront` (`kvoffload._group_front`) serves several. The session
+checks every call first (open, owner, poller, pinner error); a front only turns it into
+the scheduler's calls and the launcher's launches.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 `make_session()` turns the constructor's arguments into a `Session` over its front:
 `OneGroupFront` for one full-attention group (the layout given or inferred, the pool
 sized and checked), `GroupsFront` for several groups (imported on first use), each
-group's layout and tensors keyed by its name; with the layout, namespace and pool size the offloader reports.
+group's layout and tensors keyed by its name; with the layout, namespace and pool size
+the offloader reports.
 """
 
 from __future__ import annotations
