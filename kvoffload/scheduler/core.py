@@ -290,7 +290,7 @@ class OffloadScheduler:
 
     def set_priority(self, request_id: str, priority: int) -> None:
         """Give ``request_id`` (registered on first use) a retention priority, 0 by
-        default; what it does and raises: `RequestTable.set_priority()`."""
+        default; what it does and raises: `GroupedScheduler.set_priority()`."""
         self._g.set_priority(request_id, priority)
 
     def reserve(self, request_id: str) -> None:
@@ -344,7 +344,7 @@ class OffloadScheduler:
 
         Its pin is released; its state is dropped once its last transfer completes. With
         ``hold_blocks_on_finish`` (eager mode), its computed blocks not stored yet are
-        held (see `FinishHolds`): the engine keeps them until `take_released_holds()`
+        held (see `HeldBlocks`): the engine keeps them until `take_released_holds()`
         returns them.
 
         Returns:
@@ -500,9 +500,10 @@ class OffloadScheduler:
         return None if plan is None else plan.plans[LANE]  # type: ignore[return-value]
 
     def abandon_load(self, request_id: str) -> list[LoadPlan]:
-        """Stop waiting for ``request_id``'s loads in flight (see `LoadPlanner.abandon()`);
-        their CPU blocks stay referenced until `complete()`, which counts nothing for them.
-        Returns the plans abandoned; raises as `release()` does."""
+        """Stop waiting for ``request_id``'s loads in flight (see
+        `GroupedScheduler.abandon_load()`); their CPU blocks stay referenced until
+        `complete()`, which counts nothing for them. Returns the plans abandoned; raises as
+        `release()` does."""
         return list(self._g.abandon_load(request_id).get(LANE, ()))
 
     # -- stores ----------------------------------------------------------------------------

@@ -1,6 +1,5 @@
 """`LoadsInFlight`: a `GroupedScheduler`'s loads in flight, from their opening to their
-completion, abandonment or cancellation; a load cancelled part by part gives its hit back,
-as one group's cancelled load does (`LoadPlanner.cancel_plan()`)."""
+completion, abandonment or cancellation; a load cancelled part by part gives its hit back."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ class LoadsInFlight:
 
     A load is one part per group (`GroupedLoad`). When every part is cancelled (a failed
     launch cancels them one by one), the request gets its lookup back as it was before
-    `plan_load()`, but for what a shorter load released (as one group's cancelled load
-    gives back its blocks, `LoadPlanner.cancel_plan()`): each lane pins that part's CPU
+    `plan_load()`, but for what a shorter load released: each lane pins that part's CPU
     blocks again from the part's first block (``pin_start``), its ``valid_from`` goes back
     to before `note_load()`, and the request's hit is the one the load took, so the
     engine may load it again. Until the last part is cancelled, the parts cancelled so far

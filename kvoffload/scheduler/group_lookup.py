@@ -3,7 +3,7 @@ to `release()`; the deferral of a lookup ("ask again") and its bound.
 
 The one owner of a request's lookup pins in every group (``lane.pin``, ``pin_start``),
 its hit (``hit``, ``hit_from``), its run of deferrals, the lookup extension (the groups'
-tiers) and the clock of the deferral deadline, as `LoadPlanner` owns them for one group.
+tiers) and the clock of the deferral deadline.
 """
 
 from __future__ import annotations

@@ -128,8 +128,7 @@ class GroupLiveBlocks:
     """The one owner of every group's live-block counts: per group, how many live lanes
     passed each hash (`Lane.live_end` and `Lane.holes` of a full lane, `Lane.live` of the
     others), whether a live block was evicted since the last restore, and the restore
-    scan that offers those blocks again (``restore_evicted``), as one group's
-    `StorePlanner.live_refs` and restore scan.
+    scan that offers those blocks again (``restore_evicted``).
 
     Args:
         names: the cacheable groups' names.
@@ -192,8 +191,8 @@ class GroupLiveBlocks:
         rec: StoreRecord,
         counters: Counters,
     ) -> None:
-        """Offer again the live blocks of ``states`` in group ``name`` (``restore_evicted``,
-        as `StorePlanner`'s restore scan: cached or pending ones are skipped; when no CPU
+        """Offer again the live blocks of ``states`` in group ``name`` (``restore_evicted``:
+        cached or pending ones are skipped; when no CPU
         block is left the rest waits, the flag stays set; ``counters``: the group's)."""
         before = len(batch.hashes)
         for state in states:
@@ -259,7 +258,7 @@ class GroupStorePlanner:
             `check_store_limit()` refuses one below a group's store point.
         admission: ``store_admission``, a filter per group pool (hashes differ per group).
         restore: ``restore_evicted``: a live request's blocks evicted from a group's pool
-            are stored again from its GPU blocks (`StorePlanner`'s rule, per group).
+            are stored again from its GPU blocks (per group pool).
         priorities: the requests' `PriorityCount` (while it is 0, no request's priority
             is looked at; ``None``: every call looks).
         holds: with ``hold_blocks_on_finish``, each group's `HeldBlocks` (the one-group
@@ -313,7 +312,7 @@ class GroupStorePlanner:
             else None
         )
         """Per group, the GPU blocks finished requests hold (``None``: no holds; lazy
-        stores hold nothing, as with one group: `FinishHolds`)."""
+        stores hold nothing)."""
         self.plan_calls = 0
         """``plan_stores`` calls so far (the clock of finish holds)."""
         self.deferred_steps = 0
@@ -393,7 +392,7 @@ class GroupStorePlanner:
         rec: StoreRecord,
     ) -> None:
         """End the holds of group ``name`` a plan finished or that expired (after the
-        plan evicted what it did, in scan order, as `FinishHolds.end_planned()`); a plan
+        plan evicted what it did, in scan order); a plan
         that reads a request's held blocks records how to give its hold back if
         cancelled."""
         for state, expired in ended:
@@ -606,7 +605,7 @@ class GroupStorePlanner:
         stopped: list[GroupedRequest],
     ) -> Iterator[Run]:
         """Each live request's run of new blocks in full group ``g``, for `run_offer()`
-        (as one group's `StorePlanner`: the cursor moves where the run stopped; a run
+        (the cursor moves where the run stopped; a run
         after a deferral is counted deferred). Stops at a request whose lane needs the
         store-point scan (`_plan_points()`: a retention priority, a hold, an entry that
         is ``None`` or below ``valid_from``), handing it over in ``stopped``."""
@@ -805,10 +804,10 @@ class GroupStorePlanner:
         for state, old, mark in store.rollback:
             lane = state.lanes[group]
             if requests.get(state.request_id) is state and (not state.finished or lane.held):
-                # a request that finished since keeps its cursor, as with one group
-                # (`StorePlanner.cancel_plan()`): the engine freed the plan's GPU blocks
-                # and holds only those from the cursor on (a hold this plan ended came
-                # back above, with its own cursor); its cancelled blocks stop being live
+                # a request that finished since keeps its cursor: the engine freed the
+                # plan's GPU blocks and holds only those from the cursor on (a hold this
+                # plan ended came back above, with its own cursor); its cancelled blocks
+                # stop being live
                 if not state.finished:
                     lane.cursor = min(lane.cursor, old)
                 self.live.drop(group, lane, mark)

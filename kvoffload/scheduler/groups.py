@@ -434,8 +434,8 @@ class GroupedScheduler:
         return GroupedPlan("load", plans) if plans else None
 
     def abandon_load(self, request_id: str) -> dict[str, list[LoadPlan]]:
-        """Stop waiting for ``request_id``'s loads in flight, in every group at once (the
-        one-group rule, `LoadPlanner.abandon()`; see `abandon_grouped()`): its lookup pins
+        """Stop waiting for ``request_id``'s loads in flight, in every group at once (see
+        `abandon_grouped()`): its lookup pins
         are released; each group's part is marked abandoned (its CPU blocks stay
         referenced until `complete()`, which counts nothing for it); the tables from each
         group's first abandoned block on are forgotten and the computed tokens go back to

@@ -64,8 +64,7 @@ FINISHED_IDS_REMEMBERED = 65536
 @final
 class FinishedIds:
     """The last `FINISHED_IDS_REMEMBERED` finished request ids: the one owner of the rule
-    that a finished request's id is never reused, for one group's `RequestTable` and the
-    requests of a `GroupedScheduler` alike.
+    that a finished request's id is never reused (`GroupRequests`, every scheduler's).
 
     Args:
         limit: how many ids it remembers (``None``: `FINISHED_IDS_REMEMBERED`); an older
@@ -108,8 +107,8 @@ class FinishedIds:
 
 
 def check_reservable(request_id: str, in_use: bool, finished: FinishedIds) -> None:
-    """The one rule of a new handle's id, every path's (one group's `RequestTable.reserve()`,
-    several groups' front): neither in use nor finished.
+    """The one rule of a new handle's id, every path's (`GroupRequests.reserve()`, and
+    the several groups' front): neither in use nor finished.
 
     Raises:
         RequestStateError: the id is in use (``in_use``) or finished.
@@ -279,8 +278,7 @@ class Prioritized(Protocol):
 @final
 class PriorityCount:
     """How many requests have a retention priority other than 0: the one place a
-    request's priority is set, for one group's `RequestTable` and for the requests of a
-    `GroupedScheduler` alike. While the count is 0 the store planners do no priority
+    request's priority is set (`GroupRequests.set_priority()`). While the count is 0 the store planners do no priority
     work at all."""
 
     __slots__ = ("count",)
