@@ -278,8 +278,8 @@ class Prioritized(Protocol):
 @final
 class PriorityCount:
     """How many requests have a retention priority other than 0: the one place a
-    request's priority is set (`GroupRequests.set_priority()`). While the count is 0 the store planners do no priority
-    work at all."""
+    request's priority is set (`GroupRequests.set_priority()`). While the count is 0 the
+    store planners do no priority work at all."""
 
     __slots__ = ("count",)
 
