@@ -211,10 +211,9 @@ class OffloadScheduler:
         self._g = GroupedScheduler(
             [group], {LANE: pool}, num_gpu_blocks=limits, config=config, store_at_finish=False
         )
-        # the lane's counters count bytes with the group's bytes per block: 0 counts none
-        counters = self._g._counts[LANE].counters
-        counters._bytes_per_block = bytes_per_block
-        self._counters = counters
+        # the group's bytes per block is at least 1; one group's 0 counts no bytes
+        counters = self._counters = self._g.counters(LANE)
+        counters.bytes_per_block = bytes_per_block
         self._lookups = GroupCounters()
         self._preempted: set[str] = set()
         self._update = self._g.request_table.update_one

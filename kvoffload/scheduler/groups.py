@@ -229,6 +229,10 @@ class GroupedScheduler:
         """The ledger of ``group``'s pool (the tiers take its references through it)."""
         return self._ledgers[group]
 
+    def counters(self, group: str) -> Counters:
+        """The running counters of cacheable group ``group`` (its statistics' source)."""
+        return self._counts[group].counters
+
     @property
     def deferred_steps(self) -> int:
         """``plan_stores`` and ``finish`` calls that deferred anything in some group (per

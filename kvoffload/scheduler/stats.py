@@ -105,10 +105,10 @@ class Counters:
 
     __slots__ = (
         "_block_size",
-        "_bytes_per_block",
         "abandoned_loads",
         "abandoned_transfers",
         "bytes_loaded",
+        "bytes_per_block",
         "bytes_stored",
         "cancelled_plans",
         "concurrent_load_blocks",
@@ -137,7 +137,8 @@ class Counters:
 
     def __init__(self, block_size: int, bytes_per_block: int) -> None:
         self._block_size = block_size
-        self._bytes_per_block = bytes_per_block
+        self.bytes_per_block = bytes_per_block
+        """Bytes each stored or loaded block counts in ``bytes_*`` (0: bytes not counted)."""
         self.lookups = 0
         self.hit_tokens = 0
         self.miss_tokens = 0
@@ -183,12 +184,12 @@ class Counters:
                 self.failed_loads += 1
         elif store:
             self.stored_blocks += rec.published
-            self.bytes_stored += rec.published * self._bytes_per_block
+            self.bytes_stored += rec.published * self.bytes_per_block
         else:
             n = len(rec.blocks)
             self.loaded_blocks += n
             self.loaded_tokens += n * self._block_size
-            self.bytes_loaded += n * self._bytes_per_block
+            self.bytes_loaded += n * self.bytes_per_block
 
     def snapshot(
         self, *, live_requests: int, in_flight_transfers: int, held_blocks: int
