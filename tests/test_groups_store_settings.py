@@ -20,6 +20,7 @@ from kvoffload.groups import KVCacheGroup
 from kvoffload.hashing import BlockHash
 from kvoffload.layout import KVLayout
 from kvoffload.pinner import RefCountPinner
+from kvoffload.scheduler.state import RequestPhase
 from tests.groups_helpers import Rig, group
 
 BS = 4
@@ -628,3 +629,27 @@ def test_a_finish_after_a_full_groups_deferral_stores_no_point_past_it(deferred:
     r.sched.check_invariants()
     hit = r.sched.lookup("b", r.hashes([*toks, 99]), 33)
     assert hit == (16 if deferred else 32)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_request_phase_follows_it_on_every_shape(shape: str) -> None:
+    """`GroupedRequest.phase`, the one place a request's phase is read (one group's
+    `request_state().phase` is it): live, preempted until its next update, holding
+    while a finished request holds blocks, draining once its holds ended."""
+    r, tables = hold_rig(shape)
+    state = r.sched.request_table.known("a")
+    assert state.phase is RequestPhase.LIVE
+    r.sched.preempt("a")
+    assert state.phase is RequestPhase.PREEMPTED
+    r.sched.lookup("a", r.hashes(list(range(32))), 32)  # a lookup is not an update
+    assert state.phase is RequestPhase.PREEMPTED
+    r.sched.update("a", tables, r.hashes(list(range(32))), 32)
+    assert state.phase is RequestPhase.LIVE
+    first = r.sched.plan_stores()
+    assert first is not None
+    r.sched.finish("a")
+    assert state.phase is RequestPhase.HOLDING
+    r.run(first)
+    r.sched.release_all_holds()
+    assert state.phase is RequestPhase.DRAINING
+    r.sched.check_invariants()

@@ -64,15 +64,13 @@ class LaneRequestView:
 
     Args:
         state: the grouped scheduler's request state.
-        preempted: the ids the face saw preempted and not updated since.
         block_size: tokens per block (the lane's tier hits are in tokens).
     """
 
-    __slots__ = ("_bs", "_preempted", "_state")
+    __slots__ = ("_bs", "_state")
 
-    def __init__(self, state: GroupedRequest, preempted: set[str], block_size: int) -> None:
+    def __init__(self, state: GroupedRequest, block_size: int) -> None:
         self._state = state
-        self._preempted = preempted
         self._bs = block_size
 
     @property
@@ -121,12 +119,7 @@ class LaneRequestView:
 
     @property
     def phase(self) -> RequestPhase:
-        state = self._state
-        if state.finished:
-            return RequestPhase.HOLDING if self._lane.held else RequestPhase.DRAINING
-        if state.request_id in self._preempted:
-            return RequestPhase.PREEMPTED
-        return RequestPhase.LIVE
+        return self._state.phase
 
     @property
     def finished(self) -> bool:
@@ -134,7 +127,7 @@ class LaneRequestView:
 
     @property
     def preempted(self) -> bool:
-        return self.phase is RequestPhase.PREEMPTED
+        return self._state.preempted
 
     @property
     def hold_deadline(self) -> int:
@@ -215,7 +208,6 @@ class OffloadScheduler:
         counters = self._counters = self._g.counters(LANE)
         counters.bytes_per_block = bytes_per_block
         self._lookups = GroupCounters()
-        self._preempted: set[str] = set()
         self._update = self._g.request_table.update_one
 
     def __repr__(self) -> str:
@@ -276,7 +268,7 @@ class OffloadScheduler:
             UnknownRequestError: no state for that id.
         """
         state = self._g.request_table.known(request_id)
-        return LaneRequestView(state, self._preempted, self._config.block_size)  # type: ignore[return-value]
+        return LaneRequestView(state, self._config.block_size)  # type: ignore[return-value]
 
     def has_request(self, request_id: str) -> bool:
         """Whether state is kept for ``request_id`` (finished requests with transfers in
@@ -335,8 +327,6 @@ class OffloadScheduler:
             InputTypeError: a count, table, hash list or hash of the wrong type.
         """
         self._update(request_id, gpu_block_ids, block_hashes, num_computed_tokens)
-        if self._preempted:
-            self._preempted.discard(request_id)
 
     def finish(self, request_id: str) -> tuple[int, ...]:
         """The engine finished ``request_id``: schedule nothing more for it.
@@ -354,7 +344,6 @@ class OffloadScheduler:
             RequestStateError: it was already finished.
         """
         self._g.finish(request_id)
-        self._preempted.discard(request_id)
         return tuple(self._g.held_blocks(request_id).get(LANE, ()))
 
     def take_released_holds(self) -> list[int]:
@@ -379,7 +368,6 @@ class OffloadScheduler:
             RequestStateError: it is finished.
         """
         self._g.preempt(request_id)
-        self._preempted.add(request_id)
 
     def release(self, request_id: str) -> None:
         """Drop the pin of ``request_id``'s last lookup.

@@ -40,6 +40,7 @@ from kvoffload.scheduler.requests import (
     length,
     warn_unhashed,
 )
+from kvoffload.scheduler.state import RequestPhase
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import TransferPlan
 
@@ -218,11 +219,20 @@ class GroupedRequest:
     # stored: until the next update compares its whole tables, nothing is stored or held
     # from them (one group's `RequestOffloadState.recheck_table`)
     recheck_table: bool = False
+    # the engine preempted it and it made no update since (its tables are empty)
+    preempted: bool = False
 
     @property
     def holding(self) -> bool:
         """Whether the (finished) request holds GPU blocks in some group."""
         return any(lane.held for lane in self.lanes.values())
+
+    @property
+    def phase(self) -> RequestPhase:
+        """Where the request is in its life (`RequestPhase`), read from its state."""
+        if self.finished:
+            return RequestPhase.HOLDING if self.holding else RequestPhase.DRAINING
+        return RequestPhase.PREEMPTED if self.preempted else RequestPhase.LIVE
 
 
 def live_blocks(lane: Lane) -> list[tuple[int, int]]:
@@ -558,6 +568,7 @@ class GroupRequests:
             lane.hashes.extend(new_hashes[k])
         state.num_computed_tokens = num_computed_tokens
         state.recheck_table = False
+        state.preempted = False
         return state
 
     def known(self, request_id: str) -> GroupedRequest:

@@ -572,6 +572,7 @@ class GroupedScheduler:
         state.num_computed_tokens = 0
         state.recheck_table = False  # no table left to compare again
         state.admitted = False  # a re-admission counts its prompt again, as with one group
+        state.preempted = True  # until its next update
 
     def reset(self) -> bool:
         """Empty every group's CPU prefix cache (plans in flight publish nothing); pins are
