@@ -15,7 +15,13 @@ import torch
 from kvoffload import KVOffloader
 from kvoffload.build import check_settings
 from kvoffload.config import OffloadConfig
-from kvoffload.errors import ConfigError, InputTypeError, InvalidInputError, PinnerError
+from kvoffload.errors import (
+    ConfigError,
+    InputTypeError,
+    InvalidInputError,
+    InvariantError,
+    PinnerError,
+)
 from kvoffload.groups import KVCacheGroup
 from kvoffload.hashing import BlockHash
 from kvoffload.layout import KVLayout
@@ -653,3 +659,17 @@ def test_a_request_phase_follows_it_on_every_shape(shape: str) -> None:
     r.sched.release_all_holds()
     assert state.phase is RequestPhase.DRAINING
     r.sched.check_invariants()
+
+
+def test_a_preempted_request_that_kept_a_table_breaks_an_invariant() -> None:
+    """`check_invariants()` holds a preempted request to what `preempt()` left: no table
+    and no cursor in any group until its next update."""
+    r, _tables = hold_rig(next(iter(SHAPES)))
+    r.sched.preempt("a")
+    r.sched.check_invariants()
+    state = r.sched.request_table.known("a")
+    lane = next(iter(state.lanes.values()))
+    lane.table = [7]
+    lane.ids = {7}
+    with pytest.raises(InvariantError, match="'a': preempted"):
+        r.sched.check_invariants()

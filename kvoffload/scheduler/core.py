@@ -585,7 +585,6 @@ class OffloadScheduler:
             miss_reason_tokens=dict(c.miss_reason_tokens),
             deferrals_bounded=g.deferrals_bounded,
             abandoned_loads=g.abandoned_loads,
-            cancelled_plans=lane.cancelled_plans,
         )
 
     def check_invariants(self) -> None:

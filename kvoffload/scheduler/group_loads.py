@@ -431,7 +431,8 @@ def check_request(groups: Mapping[str, KVCacheGroup], state: GroupedRequest, ali
     int entries (the store loop's "no ``None`` here" shortcut reads them); a finished
     request is kept only while its transfers run or it holds GPU blocks
     (``hold_blocks_on_finish``); one whose tables await a comparison after a reset
-    neither stored nor holds anything since.
+    neither stored nor holds anything since; a preempted one keeps no table and no
+    cursor until its next update.
 
     Raises:
         InvariantError: naming the request, the group and the breach.
@@ -441,6 +442,8 @@ def check_request(groups: Mapping[str, KVCacheGroup], state: GroupedRequest, ali
         raise InvariantError(f"finished request {rid!r} kept")
     if state.recheck_table and (state.holding or any(lo.cursor for lo in state.lanes.values())):
         raise InvariantError(f"request {rid!r}: stored or held from a table not compared again")
+    if state.preempted and any(lo.table or lo.cursor for lo in state.lanes.values()):
+        raise InvariantError(f"request {rid!r}: preempted, yet a table or cursor is kept")
     for name, lane in state.lanes.items():
         if lane.ids != {e for e in lane.table if e is not None}:
             raise InvariantError(

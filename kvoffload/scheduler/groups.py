@@ -480,18 +480,16 @@ class GroupedScheduler:
         """
         planner = self._planner
         planner.plan_calls += 1
-        if planner.holds is None:  # no finished request is planned: no hold to end
-            live = [s for s in self._requests.values() if not s.finished and not s.recheck_table]
-            return planner.plan(live, False, gpu_cache)
         live = [
             s
             for s in self._requests.values()
             if (not s.finished or s.holding) and not s.recheck_table
         ]
         plan = planner.plan(live, False, gpu_cache)
-        for state in live:
-            if state.finished:
-                self._table.drop_if_done(state)  # a hold the plan ended, or that expired
+        if planner.holds is not None:  # without holds no finished request was planned
+            for state in live:
+                if state.finished:
+                    self._table.drop_if_done(state)  # a hold the plan ended, or that expired
         return plan
 
     # -- finish, preempt, reset ------------------------------------------------------------

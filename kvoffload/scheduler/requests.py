@@ -23,7 +23,6 @@ from kvoffload.errors import (
 )
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.priority import MAX_PRIORITY
-from kvoffload.scheduler.state import RequestPhase
 
 __all__ = [
     "FINISHED_IDS_REMEMBERED",
@@ -50,9 +49,6 @@ __all__ = [
 
 _log = get_logger("scheduler")
 
-_PREEMPTED = RequestPhase.PREEMPTED
-_HOLDING = RequestPhase.HOLDING
-_DRAINING = RequestPhase.DRAINING
 
 _INTS = frozenset((int,))
 _BYTES = frozenset((bytes,))

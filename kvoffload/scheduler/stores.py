@@ -17,7 +17,6 @@ from kvoffload._logging import get_logger
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.free_queue import CpuBlock
 from kvoffload.scheduler.ledger import BlockLedger
-from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
 from kvoffload.scheduler.stats import Counters
 
 __all__ = [
@@ -29,9 +28,6 @@ __all__ = [
 ]
 
 _log = get_logger("scheduler")
-
-_LIVE = RequestPhase.LIVE
-_HOLDING = RequestPhase.HOLDING
 
 
 class GpuCacheView(Protocol):
@@ -85,7 +81,6 @@ class StoreBatch:
         self.deferred = 0
         self.deferred_request: str | None = None
         self.ends: list[int] = []
-        self.rollback: list[tuple[RequestOffloadState, int]] = []
         self.refused: list[BlockHash] = []
         # The first block of each request's deferred run (for `MissReason`).
         self.skipped: list[BlockHash] = []
