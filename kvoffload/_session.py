@@ -6,10 +6,10 @@ loop's thread, the task that entered), and, keyed by group name (one group: a ma
 one), the layouts, the GPU tensors, the pinners and the parts that exist only while it
 is open: the host buffers and copy engines, the task group that runs the completion
 poller and the tiers. It checks every step-loop call, then hands it to its front: the
-one object that knows the shape of the groups (the scheduler's call signatures, how a
-plan is launched, how a prompt is hashed; `OneGroupFront` or `GroupsFront`). The front
-builds the scheduler and the `TransferLauncher`, at once or, for a large one-group pool,
-in a worker thread on entering. `KVOffloader` is the face.
+one object that turns a call into the scheduler's and the launcher's (`Front`, for any
+number of groups; one group's API spells a call with one list). The front builds the
+scheduler and the `TransferLauncher`, at once or, for a large one-group pool, in a
+worker thread on entering. `KVOffloader` is the face.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import anyio.abc
 import anyio.to_thread
 import torch
 
-from kvoffload._front import GROUP, OneGroupFront
+from kvoffload._front import GROUP, Front
 from kvoffload._logging import get_logger
 from kvoffload.config import KVLayout, OffloadConfig
 from kvoffload.errors import ClosedError, ForkedProcessError, WrongContextError
@@ -43,8 +43,7 @@ from kvoffload.transfer.poller import PollerStatistics
 from kvoffload.transfer.task import TransferTask
 from kvoffload.transfer.thread_engine import ThreadCopyEngine
 
-if TYPE_CHECKING:  # imported on first use (`make_session()`): one group never loads it
-    from kvoffload._group_front import GroupsFront
+if TYPE_CHECKING:
     from kvoffload.scheduler.groups import GroupStatistics
     from kvoffload.tiers.groups import GroupTiers
     from kvoffload.tiers.manager import TierManager
@@ -192,7 +191,7 @@ class Session(Lifecycle):
     def __init__(  # noqa: PLR0917 - one positional per part, named at the only call
         self,
         config: OffloadConfig,
-        front: OneGroupFront | GroupsFront,
+        front: Front,
         layouts: Mapping[str, KVLayout],
         gpu_kv: Mapping[str, Sequence[torch.Tensor]],
         pinners: Mapping[str, GpuBlockPinner],

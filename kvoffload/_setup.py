@@ -1,10 +1,9 @@
 """How a `KVOffloader` is set up: its session, for one KV cache group or several.
 
-`make_session()` turns the constructor's arguments into a `Session` over its front:
-`OneGroupFront` for one full-attention group (the layout given or inferred, the pool
-sized and checked), `GroupsFront` for several groups (imported on first use), each
-group's layout and tensors keyed by its name; with the layout, namespace and pool size
-the offloader reports.
+`make_session()` turns the constructor's arguments into a `Session` over its `Front`:
+one full-attention group's (the layout given or inferred, the pool sized and checked),
+or several groups' (each group's layout and tensors keyed by its name); with the layout,
+namespace and pool size the offloader reports.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from kvoffload._front import GROUP, OneGroupFront
+from kvoffload._front import GROUP, Front
 from kvoffload._session import Session
 from kvoffload.build import CorePlan, check_settings, plan_core
 from kvoffload.config import KVLayout, OffloadConfig
@@ -60,11 +59,12 @@ def make_session(  # noqa: PLR0917 - the constructor's arguments, in its order
 ) -> tuple[Session, KVLayout, HashNamespace, int]:
     """The session of a `KVOffloader`, its (first group's) layout, namespace and pool size.
 
-    Several groups, or one that is not ``full``, make a `GroupsFront`; one ``full``
-    group is today's single-group offloader: its layout (given, the group's, or inferred
-    from 5-d K/V tensors), or, for a page with no K/V layout (an MLA latent), the page
-    as opaque bytes (`page_layout()` with the group's block size). Either way the
-    settings that path cannot honour are refused first (`check_settings()`).
+    Several groups, or one that is not ``full``, make `Front.for_groups()`; one
+    ``full`` group keeps one group's API (`Front.for_one_group()`): its layout (given,
+    the group's, or inferred from 5-d K/V tensors), or, for a page with no K/V layout
+    (an MLA latent), the page as opaque bytes (`page_layout()` with the group's block
+    size). Either way the settings that path cannot honour are refused first
+    (`check_settings()`).
     """
     if groups is not None and (len(groups) != 1 or groups[0].kind != "full"):
         return _several(
@@ -98,7 +98,7 @@ def make_session(  # noqa: PLR0917 - the constructor's arguments, in its order
     namespace = HashNamespace.from_layout(layout, model_id=config.model_id, salt=config.hash_salt)
     session = Session(
         config,
-        OneGroupFront(plan, layout, namespace, None if groups is None else groups[0].name),
+        Front.for_one_group(plan, layout, namespace, None if groups is None else groups[0].name),
         {GROUP: layout},
         {GROUP: kv},
         {GROUP: pin if pin is not None else NoOpPinner()},
@@ -125,7 +125,6 @@ def _several(
         LayoutMismatchError: a group's tensors disagree with it.
         HostMemoryError: the host buffers exceed the memory left.
     """
-    from kvoffload._group_front import GroupsFront  # noqa: PLC0415 - groups only
     from kvoffload.groups import check_groups, page_layout  # noqa: PLC0415 - groups only
 
     check_groups(groups)  # what the groups are comes before what a setting asks of them
@@ -148,7 +147,7 @@ def _several(
     for g in cacheable:
         layouts[g.name], kv[g.name] = page_layout(g, gpu_kv[g.name])
     num_gpu = {name: layouts[name].num_gpu_blocks(kv[name]) for name in layouts}
-    front = GroupsFront(config, groups, layouts, num_gpu, host_buffer=engines is None)
+    front = Front.for_groups(config, groups, layouts, num_gpu, host_buffer=engines is None)
     session = Session(config, front, layouts, kv, pinners or {}, engines)
     first = cacheable[0].name
     return (

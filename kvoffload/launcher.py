@@ -17,8 +17,8 @@ It is launched in four steps, and each has its way back:
    call (`raise_pinner_error()`).
 
 Blocks a finished request holds (``hold_blocks_on_finish``) are pinned and unpinned here
-too. The scheduler is reached through `Outcomes` (per group), so one launcher serves an
-`OffloadScheduler` (through `OneGroup`) and a `GroupedScheduler` alike.
+too. The scheduler is reached through `Outcomes` (per group): a `GroupedScheduler`, of one
+group's lane or several groups.
 """
 
 from __future__ import annotations
@@ -31,13 +31,12 @@ import anyio
 from kvoffload._logging import get_logger
 from kvoffload.errors import PinnerError
 from kvoffload.pinner import GpuBlockPinner
-from kvoffload.scheduler import OffloadScheduler
 from kvoffload.transfer.engine import CopyEngine
 from kvoffload.transfer.plan import StorePlan, TransferKind, TransferPlan
 from kvoffload.transfer.poller import CompletionPoller
 from kvoffload.transfer.task import TransferStatus, TransferTask
 
-__all__ = ["OneGroup", "Outcomes", "TransferLauncher"]
+__all__ = ["Outcomes", "TransferLauncher"]
 
 _log = get_logger("offloader")
 
@@ -63,34 +62,6 @@ class Outcomes(Protocol):
     def take_released_holds(self) -> Mapping[str, Sequence[int]]:
         """Per group, the held GPU blocks let go of since the last call."""
         ...
-
-
-@final
-class OneGroup:
-    """`Outcomes` of an `OffloadScheduler`: its one group is named ``group``."""
-
-    __slots__ = ("_group", "_scheduler")
-
-    def __init__(self, scheduler: OffloadScheduler, group: str) -> None:
-        self._scheduler = scheduler
-        self._group = group
-
-    def complete(self, group: str, plan: TransferPlan, ok: bool, /) -> object:
-        """`OffloadScheduler.complete()`."""
-        return self._scheduler.complete(plan, ok)
-
-    def cancel(self, group: str, plan: TransferPlan, /) -> object:
-        """`OffloadScheduler.cancel()`."""
-        return self._scheduler.cancel(plan)
-
-    def cancel_hold(self, request_id: str, /) -> None:
-        """`OffloadScheduler.cancel_hold()`."""
-        self._scheduler.cancel_hold(request_id)
-
-    def take_released_holds(self) -> Mapping[str, Sequence[int]]:
-        """`OffloadScheduler.take_released_holds()`, as this group's."""
-        released = self._scheduler.take_released_holds()
-        return {self._group: released} if released else {}
 
 
 @final

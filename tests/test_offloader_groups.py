@@ -364,7 +364,7 @@ async def test_a_multi_group_offloader_has_the_owner_checks_of_one() -> None:
 
 
 def test_the_groups_host_memory_is_checked_all_together(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvoffload._group_front as gs  # noqa: PLC0415
+    import kvoffload._front as gs  # noqa: PLC0415
 
     model = Model(groups_of("sliding"))
     one_group = 32 * ATTN.bytes_per_block  # each group alone fits, both do not

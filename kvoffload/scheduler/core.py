@@ -25,7 +25,6 @@ from kvoffload.pool.block_pool import CpuBlockPool
 from kvoffload.pool.free_queue import CpuBlock
 from kvoffload.scheduler.group_promote import GroupPromotions, GroupTierPart
 from kvoffload.scheduler.group_state import GroupedRequest, Lane
-from kvoffload.scheduler.group_totals import GroupCounters
 from kvoffload.scheduler.groups import GroupedScheduler
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.misses import MissReason
@@ -207,7 +206,6 @@ class OffloadScheduler:
         # the group's bytes per block is at least 1; one group's 0 counts no bytes
         counters = self._counters = self._g.counters(LANE)
         counters.bytes_per_block = bytes_per_block
-        self._lookups = GroupCounters()
         self._update = self._g.request_table.update_one
 
     def __repr__(self) -> str:
@@ -292,9 +290,7 @@ class OffloadScheduler:
             RequestStateError: the id is in use (registered and not dropped yet) or
                 finished.
         """
-        table = self._g.request_table
-        table.reserve(request_id)
-        table.state(request_id)
+        self._g.reserve(request_id)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -444,8 +440,7 @@ class OffloadScheduler:
             InvalidInputError: token counts out of range or not block aligned.
             InputTypeError: a count not an int, hashes not a sequence of bytes.
         """
-        g = self._g
-        hit = g.lookup(
+        return self._g.lookup(
             request_id,
             {LANE: block_hashes},
             num_tokens,
@@ -453,11 +448,6 @@ class OffloadScheduler:
             allow_defer=allow_defer,
             no_read=no_read,
         )
-        reason, new_prompt, _ = g.lookup_outcome(request_id)
-        self._lookups.count_lookup(
-            hit, num_tokens, num_computed_tokens, reason, new_prompt=new_prompt
-        )
-        return hit
 
     def plan_load(
         self, request_id: str, gpu_block_ids: Sequence[int], num_tokens: int
@@ -573,7 +563,7 @@ class OffloadScheduler:
             in_flight_transfers=g.num_in_flight,
             held_blocks=held,
         )
-        c = self._lookups
+        c = g.totals
         return replace(
             lane,
             lookups=c.lookups,

@@ -30,6 +30,7 @@ from kvoffload.scheduler.group_state import (
     GroupRequests,
     check_hashes,
 )
+from kvoffload.scheduler.group_totals import GroupCounters
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import check_lookup_counts, run_extend, run_spent
 from kvoffload.scheduler.misses import MissReason
@@ -54,6 +55,7 @@ class GroupLookups:
         "clock",
         "deferrals_bounded",
         "extension",
+        "totals",
     )
 
     def __init__(  # noqa: PLR0917 - the scheduler's parts, in its order
@@ -80,6 +82,9 @@ class GroupLookups:
         self.deferrals_bounded = 0
         """Lookups that answered with the CPU hit instead of "ask again": the request's
         run of those answers reached its bound (`deferral_spent()`)."""
+        self.totals = GroupCounters()
+        """The whole model's counters: every lookup is counted here, once, whatever the
+        number of groups (`GroupCounters.count_lookup()`)."""
 
     def lookup(  # noqa: PLR0917 - GroupedScheduler.lookup()'s arguments
         self,
@@ -90,10 +95,28 @@ class GroupLookups:
         allow_defer: bool,
         no_read: bool,
     ) -> int | None:
-        """`GroupedScheduler.lookup()`."""
-        align = self._align
+        """`GroupedScheduler.lookup()`, counted in `totals`."""
         num_tokens = as_int(num_tokens, "num_tokens", request_id)
         num_computed_tokens = as_int(num_computed_tokens, "num_computed_tokens", request_id)
+        hit = self._answer(
+            request_id, block_hashes, num_tokens, num_computed_tokens, allow_defer, no_read
+        )
+        state = self._table.requests[request_id]
+        self.totals.count_lookup(
+            hit, num_tokens, num_computed_tokens, state.miss_reason, new_prompt=state.new_prompt
+        )
+        return hit
+
+    def _answer(  # noqa: PLR0917 - lookup()'s arguments, counts checked as ints
+        self,
+        request_id: str,
+        block_hashes: GroupHashes,
+        num_tokens: int,
+        num_computed_tokens: int,
+        allow_defer: bool,
+        no_read: bool,
+    ) -> int | None:
+        align = self._align
         table = self._table
         check_lookup_counts(request_id, num_tokens, num_computed_tokens, align, table.unit)
         check_hashes(self._cacheable, request_id, None, block_hashes, table.hash_args)

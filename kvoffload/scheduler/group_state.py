@@ -595,21 +595,15 @@ class GroupRequests:
         priority = check_request_priority(request_id, priority)
         self.priorities.set(self.state(request_id), priority)
 
-    def reserve(self, request_id: str, *, in_use: bool = False) -> None:
-        """Refuse ``request_id`` for a new request (`check_reservable()`, one group's
-        rule): in use (state kept for it, or ``in_use``: the caller's own handle) or
-        finished. Nothing is registered (a request is on its first call).
+    def reserve(self, request_id: str) -> None:
+        """Register ``request_id`` for a new request (a handle, before its first call),
+        refused when in use (state kept for it) or finished (`check_reservable()`).
 
         Raises:
             RequestStateError: the id is in use or finished.
         """
-        check_reservable(request_id, in_use or request_id in self.requests, self.finished)
-
-    def retire(self, request_id: str) -> None:
-        """A request that made no call finished (its handle reserved the id): its id is
-        refused from now on, as a finished request's."""
-        if request_id not in self.requests:
-            self.finished.remember(request_id)
+        check_reservable(request_id, request_id in self.requests, self.finished)
+        self.state(request_id)
 
     def mark_finished(self, state: GroupedRequest) -> None:
         """``state``'s request finished: nothing is scheduled for it, and its id is

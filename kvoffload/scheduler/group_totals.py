@@ -9,8 +9,9 @@ has one name, one meaning and one way of counting a miss.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import fields, replace
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING, Protocol, final
 
 from kvoffload.pool.events import PoolStatistics
 from kvoffload.scheduler.misses import MissReason
@@ -18,7 +19,26 @@ from kvoffload.scheduler.stats import Counters, SchedulerStatistics
 from kvoffload.transfer.task import TransferStatus, TransferTask
 
 if TYPE_CHECKING:
-    from kvoffload.scheduler.groups import GroupedScheduler
+    from kvoffload.scheduler.group_state import GroupStatistics
+    from kvoffload.scheduler.ledger import BlockLedger
+
+
+class GroupedScheduler(Protocol):
+    """What the totals read of a `kvoffload.scheduler.groups.GroupedScheduler`."""
+
+    @property
+    def deferrals_bounded(self) -> int: ...
+
+    @property
+    def deferred_steps(self) -> int: ...
+
+    @property
+    def abandoned_loads(self) -> int: ...
+
+    def ledger(self, group: str) -> BlockLedger: ...
+
+    def statistics(self) -> Mapping[str, GroupStatistics]: ...
+
 
 __all__ = ["GroupCounters", "pool_statistics"]
 

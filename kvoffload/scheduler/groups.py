@@ -63,6 +63,7 @@ from kvoffload.scheduler.group_state import (
     check_tables,
 )
 from kvoffload.scheduler.group_stores import CacheViews, GroupStorePlanner
+from kvoffload.scheduler.group_totals import GroupCounters
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.requests import as_int
@@ -229,6 +230,14 @@ class GroupedScheduler:
         """The ledger of ``group``'s pool (the tiers take its references through it)."""
         return self._ledgers[group]
 
+    @property
+    def totals(self) -> GroupCounters:
+        """The whole model's counters (per group: `counters()`): its lookups and the
+        plans `plan_load()` and `plan_stores()` made, each counted once however many
+        groups it spans; a caller that runs the transfers counts how each ended
+        (`GroupCounters.ended()`)."""
+        return self._lookups.totals
+
     def counters(self, group: str) -> Counters:
         """The running counters of cacheable group ``group`` (its statistics' source)."""
         return self._counts[group].counters
@@ -300,6 +309,16 @@ class GroupedScheduler:
             RequestStateError: the request is finished.
         """
         self._table.set_priority(request_id, priority)
+
+    def reserve(self, request_id: str) -> None:
+        """Register ``request_id`` before its first call (a handle does), so a second
+        handle for it is refused instead of sharing its state.
+
+        Raises:
+            RequestStateError: the id is in use (registered and not dropped yet) or
+                finished.
+        """
+        self._table.reserve(request_id)
 
     def retain(
         self, block_hashes: GroupHashes, owner: Hashable, *, fit: bool = False
@@ -435,7 +454,10 @@ class GroupedScheduler:
         checked = check_tables(self._cacheable, self._limits, request_id, tables, self._table.names)
         plans = self._loads.open(state, checked, num_tokens, cut)
         state.hit = None
-        return GroupedPlan("load", plans) if plans else None
+        if not plans:
+            return None
+        self._lookups.totals.load_plans += 1
+        return GroupedPlan("load", plans)
 
     def abandon_load(self, request_id: str) -> dict[str, list[LoadPlan]]:
         """Stop waiting for ``request_id``'s loads in flight, in every group at once (see
@@ -486,6 +508,8 @@ class GroupedScheduler:
             if (not s.finished or s.holding) and not s.recheck_table
         ]
         plan = planner.plan(live, False, gpu_cache)
+        if plan is not None:
+            self._lookups.totals.store_plans += 1
         if planner.holds is not None:  # without holds no finished request was planned
             for state in live:
                 if state.finished:

@@ -56,7 +56,7 @@ from kvoffload.integrations.vllm.stats import (
     KVOffloadConnectorStats,
     StatsReporter,
 )
-from kvoffload.scheduler.group_totals import GroupCounters, pool_statistics
+from kvoffload.scheduler.group_totals import pool_statistics
 from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler
 from kvoffload.transfer.plan import StorePlan, TransferPlan
 
@@ -251,8 +251,9 @@ class SchedulerSide:
         self.load_failures = 0
         self.loaded_tokens = 0
         """Prompt tokens planned to load from the CPU pool (beyond vLLM's own hits)."""
-        self.counters = GroupCounters()
-        """The whole model's counters."""
+        self.counters = self.scheduler.totals
+        """The whole model's counters (lookups and plans counted by the scheduler, the
+        transfers' bytes and outcomes here, once all parts ended)."""
         self._page_bytes = {g.name: g.bytes_per_block for g in self.groups}  # a rank's shard
         self._stats = StatsReporter()
         self.events = KVEvents(tier_media=[tier_medium(t.kind) for t in config.tiers])
@@ -364,18 +365,13 @@ class SchedulerSide:
         hashes = self._hashes(request, request.num_tokens)  # its blocks are stored too
         if num_computed_tokens % self.alignment:
             return 0, False
-        sched = self.scheduler
-        hit = sched.lookup(
+        hit = self.scheduler.lookup(
             rid,
             hashes,
             request.num_tokens,
             num_computed_tokens,
             allow_defer=True,
             no_read=bool(getattr(request, "skip_reading_prefix_cache", False)),
-        )
-        reason, new_prompt, _ = sched.lookup_outcome(rid)
-        self.counters.count_lookup(
-            hit, request.num_tokens, num_computed_tokens, reason, new_prompt=new_prompt
         )
         return hit, self.async_loads and bool(hit)
 
@@ -396,7 +392,6 @@ class SchedulerSide:
             return
         self._tabled.add(rid)
         self.loaded_tokens += num_external_tokens
-        self.counters.load_plans += 1
         transfer = _Transfer(len(plan.plans), tokens=num_external_tokens)
         for name, sub in plan.plans.items():
             key = next(self._keys)
@@ -467,7 +462,6 @@ class SchedulerSide:
     def _track_stores(self, plan: GroupedPlan | None) -> None:
         if plan is None:
             return
-        self.counters.store_plans += 1
         transfer = _Transfer(len(plan.plans))
         hash_block_size = self._hash_block_size(min(g.block_size for g in self._cacheable))
         for name, sub in plan.plans.items():
