@@ -222,15 +222,18 @@ class HandleMachine(RuleBasedStateMachine):
         live = rid in self.reqs
         off = self.off
 
+        def request() -> None:
+            try:
+                off.request(rid, prompt)
+            except PinnerError:
+                off.request(rid, prompt)
+
         def refused() -> tuple[int, int]:
             # one call on the loop's thread: the poller cannot end a copy (and drop a
             # finished request) between the two counts
             before = off.statistics().scheduler.live_requests
             with pytest.raises(RequestStateError, match="in use" if live else "not reused"):
-                try:
-                    off.request(rid, prompt)
-                except PinnerError:
-                    off.request(rid, prompt)
+                request()
             return before, off.statistics().scheduler.live_requests
 
         before, after = self.portal.call(refused)

@@ -8,6 +8,7 @@ import importlib.resources
 import pytest
 
 import kvoffload
+from kvoffload.scheduler.group_state import GroupedRequest
 
 
 def test_all_is_sorted_and_resolves() -> None:
@@ -47,7 +48,7 @@ def test_py_typed_ships() -> None:
 @pytest.mark.parametrize(
     "record",
     [
-        kvoffload.RequestOffloadState("r"),
+        kvoffload.RequestOffloadState(GroupedRequest("r", {}), 16),
         kvoffload.CpuBlock(kvoffload.BlockId(0)),
         kvoffload.PoolStatistics(1, 1, 0, 0, 0, 0),
     ],

@@ -7,7 +7,8 @@ from scheduler_helpers import BS, hashes, make, tokens
 
 from kvoffload.errors import InvariantError, RequestStateError
 from kvoffload.pool import CpuBlockPool
-from kvoffload.scheduler import BlockLedger, RequestOffloadState, RequestPhase
+from kvoffload.scheduler import BlockLedger, RequestPhase
+from kvoffload.scheduler.group_state import GroupedRequest, Lane
 
 
 def test_store_is_pending_until_closed_and_publishes_once() -> None:
@@ -156,6 +157,18 @@ def test_phases_follow_the_request() -> None:
     sched.check_invariants()
 
 
+def in_phase(phase: RequestPhase) -> GroupedRequest:
+    """A request state in ``phase`` (its flags and its lane's hold, as the scheduler sets
+    them)."""
+    state = GroupedRequest("r", {"g0": Lane(full=BS)})
+    state.finished = phase in {RequestPhase.HOLDING, RequestPhase.DRAINING}
+    state.preempted = phase is RequestPhase.PREEMPTED
+    if phase is RequestPhase.HOLDING:
+        state.lanes["g0"].held = [0]
+    assert state.phase is phase
+    return state
+
+
 @pytest.mark.parametrize(
     ("source", "target"),
     [
@@ -168,7 +181,53 @@ def test_phases_follow_the_request() -> None:
 def test_a_transition_that_may_not_happen_names_both_phases(
     source: RequestPhase, target: RequestPhase
 ) -> None:
-    state = RequestOffloadState("r", phase=source)
+    state = in_phase(source)
     with pytest.raises(RequestStateError, match=f"'r'.*{source.value!r}.*{target.value!r}"):
         state.move_to(target)
     assert state.phase is source
+
+
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [
+        (RequestPhase.LIVE, RequestPhase.PREEMPTED),
+        (RequestPhase.PREEMPTED, RequestPhase.LIVE),
+        (RequestPhase.LIVE, RequestPhase.DRAINING),
+        (RequestPhase.PREEMPTED, RequestPhase.DRAINING),
+    ],
+)
+def test_a_transition_that_may_happen_is_made(source: RequestPhase, target: RequestPhase) -> None:
+    state = in_phase(source)
+    state.move_to(target)
+    assert state.phase is target
+
+
+def test_the_scheduler_changes_a_phase_only_through_the_rule(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """preempt(), update() and finish() each ask the one transition rule: with a rule
+    that allows none of their moves, each is refused naming both phases."""
+    import kvoffload.scheduler.state as state_module  # noqa: PLC0415
+
+    sched = make()
+    hs = hashes(tokens(9, 2))
+    sched.update("a", [0, 1], hs, 2 * BS)
+    rule = dict(state_module._NEXT)
+    monkeypatch.setitem(state_module._NEXT, "live", ())
+    with pytest.raises(RequestStateError, match="'live'.*'preempted'"):
+        sched.preempt("a")
+    with pytest.raises(RequestStateError, match="'live'.*'draining'"):
+        sched.finish("a")
+    state = sched.request_state("a")  # each refusal changed nothing
+    assert (state.phase, state.gpu_block_ids, state.num_computed_tokens) == (
+        RequestPhase.LIVE,
+        [0, 1],
+        2 * BS,
+    )
+    monkeypatch.setitem(state_module._NEXT, "live", rule["live"])
+    sched.preempt("a")
+    monkeypatch.setitem(state_module._NEXT, "preempted", ())
+    with pytest.raises(RequestStateError, match="'preempted'.*'live'"):
+        sched.update("a", [2, 3], hs, 2 * BS)
+    assert (state.phase, state.gpu_block_ids) == (RequestPhase.PREEMPTED, [])
+    sched.check_invariants()

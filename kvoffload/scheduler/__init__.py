@@ -17,13 +17,14 @@ from kvoffload.scheduler.core import (
     FINISHED_IDS_REMEMBERED,
     GpuCacheView,
     OffloadScheduler,
+    RequestOffloadState,
     SchedulerStatistics,
     TransferLike,
 )
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.loads import LookupExtension
 from kvoffload.scheduler.misses import MissReason
-from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
+from kvoffload.scheduler.state import RequestPhase
 
 if TYPE_CHECKING:
     from kvoffload.scheduler.groups import GroupedPlan, GroupedScheduler, GroupStatistics

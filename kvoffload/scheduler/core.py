@@ -29,7 +29,7 @@ from kvoffload.scheduler.groups import GroupedScheduler
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.requests import FINISHED_IDS_REMEMBERED
-from kvoffload.scheduler.state import RequestOffloadState, RequestPhase
+from kvoffload.scheduler.state import RequestPhase
 from kvoffload.scheduler.stats import SchedulerStatistics
 from kvoffload.scheduler.stores import GpuCacheView
 from kvoffload.transfer.plan import LoadPlan, StorePlan, TransferPlan
@@ -38,8 +38,8 @@ __all__ = [
     "FINISHED_IDS_REMEMBERED",
     "LANE",
     "GpuCacheView",
-    "LaneRequestView",
     "OffloadScheduler",
+    "RequestOffloadState",
     "SchedulerStatistics",
     "TransferLike",
 ]
@@ -58,12 +58,23 @@ LANE = "g0"
 
 
 @final
-class LaneRequestView:
-    """`RequestOffloadState`'s attributes, read live from a `GroupedRequest` and its lane.
+class RequestOffloadState:
+    """What the scheduler knows of one request of one group: a live, read-only view of
+    the request's state (`GroupedRequest`, the one request state of every shape) and its
+    lane, as `OffloadScheduler.request_state()` returns it.
 
     Args:
-        state: the grouped scheduler's request state.
-        block_size: tokens per block (the lane's tier hits are in tokens).
+        state: the scheduler's request state.
+        block_size: tokens per block (the request state keeps tier hits in tokens).
+
+    Attributes read through: ``request_id``; ``block_hashes`` (its full blocks' hashes);
+    ``gpu_block_ids`` and ``gpu_block_set`` (its GPU block table); ``num_computed_tokens``;
+    ``num_stored_blocks`` (the store cursor); ``in_flight`` (plan ids serving it);
+    ``pinned`` and ``pin_start_block`` (its last lookup's pin); ``held_gpu_block_ids`` and
+    ``hold_deadline`` (``hold_blocks_on_finish``); ``phase`` (`RequestPhase`, changed only
+    through `GroupedRequest.move_to()`), ``finished``, ``preempted``; ``admitted``,
+    ``priority``, ``deferrals``, ``deferred_since``, ``miss_reason`` and ``tier_hits``
+    (blocks per tier).
     """
 
     __slots__ = ("_bs", "_state")
@@ -160,7 +171,7 @@ class LaneRequestView:
 
     def __repr__(self) -> str:
         return (
-            f"LaneRequestView(request_id={self.request_id!r}, phase={self.phase.value!r}, "
+            f"RequestOffloadState(request_id={self.request_id!r}, phase={self.phase.value!r}, "
             f"num_computed_tokens={self.num_computed_tokens}, "
             f"num_stored_blocks={self.num_stored_blocks})"
         )
@@ -266,7 +277,7 @@ class OffloadScheduler:
             UnknownRequestError: no state for that id.
         """
         state = self._g.request_table.known(request_id)
-        return LaneRequestView(state, self._config.block_size)  # type: ignore[return-value]
+        return RequestOffloadState(state, self._config.block_size)
 
     def has_request(self, request_id: str) -> bool:
         """Whether state is kept for ``request_id`` (finished requests with transfers in

@@ -40,7 +40,7 @@ from kvoffload.scheduler.requests import (
     length,
     warn_unhashed,
 )
-from kvoffload.scheduler.state import RequestPhase
+from kvoffload.scheduler.state import RequestPhase, check_move
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import TransferPlan
 
@@ -229,10 +229,25 @@ class GroupedRequest:
 
     @property
     def phase(self) -> RequestPhase:
-        """Where the request is in its life (`RequestPhase`), read from its state."""
+        """Where the request is in its life (`RequestPhase`), read from its state (a
+        finished request holds while a lane holds GPU blocks, then drains)."""
         if self.finished:
             return RequestPhase.HOLDING if self.holding else RequestPhase.DRAINING
         return RequestPhase.PREEMPTED if self.preempted else RequestPhase.LIVE
+
+    def move_to(self, phase: RequestPhase) -> None:
+        """Enter ``phase``, if it may follow the current one (`check_move()`): the one
+        way ``finished`` and ``preempted`` change. ``HOLDING`` and ``DRAINING`` both
+        finish the request; which of the two it is, its lanes' holds say.
+
+        Raises:
+            RequestStateError: naming both phases.
+        """
+        check_move(self.request_id, self.phase, phase)
+        if phase is RequestPhase.LIVE or phase is RequestPhase.PREEMPTED:
+            self.preempted = phase is RequestPhase.PREEMPTED
+        else:
+            self.finished = True
 
 
 def live_blocks(lane: Lane) -> list[tuple[int, int]]:
@@ -555,6 +570,8 @@ class GroupRequests:
         )
         new_hashes = check_hashes(cacheable, request_id, existing, block_hashes, self.hash_args)
         state = existing if existing is not None else self.state(request_id)
+        if state.preempted:  # checked and made before any change: a refusal changes nothing
+            state.move_to(RequestPhase.LIVE)
         for k, lane in enumerate(state.lanes.values()):  # the cacheable groups' lanes
             append, entries = changes[k]
             ids = lane.ids
@@ -568,7 +585,6 @@ class GroupRequests:
             lane.hashes.extend(new_hashes[k])
         state.num_computed_tokens = num_computed_tokens
         state.recheck_table = False
-        state.preempted = False
         return state
 
     def known(self, request_id: str) -> GroupedRequest:
@@ -608,7 +624,7 @@ class GroupRequests:
     def mark_finished(self, state: GroupedRequest) -> None:
         """``state``'s request finished: nothing is scheduled for it, and its id is
         refused from now on."""
-        state.finished = True
+        state.move_to(RequestPhase.HOLDING if state.holding else RequestPhase.DRAINING)
         self.finished.remember(state.request_id)
 
     def detach(self, group: str, plan: TransferPlan) -> None:

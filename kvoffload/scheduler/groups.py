@@ -67,6 +67,7 @@ from kvoffload.scheduler.group_totals import GroupCounters
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.requests import as_int
+from kvoffload.scheduler.state import RequestPhase, check_move
 from kvoffload.scheduler.stats import Counters
 from kvoffload.transfer.plan import LoadPlan, TransferPlan
 
@@ -537,6 +538,9 @@ class GroupedScheduler:
             RequestStateError: it was already finished.
         """
         state = self._table.live(request_id, finishing=True)
+        # a finish holds or drains: the rule allows both from the same phases, so it is
+        # asked before anything changes (`mark_finished()` moves the request)
+        check_move(request_id, state.phase, RequestPhase.DRAINING)
         self.release(request_id)
         planner = self._planner
         plan = None
@@ -586,6 +590,9 @@ class GroupedScheduler:
             RequestStateError: it is finished.
         """
         state = self._table.live(request_id)
+        state.move_to(
+            RequestPhase.PREEMPTED
+        )  # until its next update; first: a refusal changes nothing
         self.release(request_id)
         self._planner.live.forget(state)
         for lane in state.lanes.values():
@@ -594,7 +601,6 @@ class GroupedScheduler:
         state.num_computed_tokens = 0
         state.recheck_table = False  # no table left to compare again
         state.admitted = False  # a re-admission counts its prompt again, as with one group
-        state.preempted = True  # until its next update
 
     def reset(self) -> bool:
         """Empty every group's CPU prefix cache (plans in flight publish nothing); pins are
