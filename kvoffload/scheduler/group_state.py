@@ -189,6 +189,11 @@ class Lane:
     valid_from: int = 0
 
 
+# read as module globals: an Enum member looked up on its class is a Python-level call
+_LIVE, _PREEMPTED = RequestPhase.LIVE, RequestPhase.PREEMPTED
+_HOLDING, _DRAINING = RequestPhase.HOLDING, RequestPhase.DRAINING
+
+
 @dataclass(slots=True, eq=False)
 class GroupedRequest:
     request_id: str
@@ -232,8 +237,8 @@ class GroupedRequest:
         """Where the request is in its life (`RequestPhase`), read from its state (a
         finished request holds while a lane holds GPU blocks, then drains)."""
         if self.finished:
-            return RequestPhase.HOLDING if self.holding else RequestPhase.DRAINING
-        return RequestPhase.PREEMPTED if self.preempted else RequestPhase.LIVE
+            return _HOLDING if self.holding else _DRAINING
+        return _PREEMPTED if self.preempted else _LIVE
 
     def move_to(self, phase: RequestPhase) -> None:
         """Enter ``phase``, if it may follow the current one (`check_move()`): the one
@@ -244,8 +249,8 @@ class GroupedRequest:
             RequestStateError: naming both phases.
         """
         check_move(self.request_id, self.phase, phase)
-        if phase is RequestPhase.LIVE or phase is RequestPhase.PREEMPTED:
-            self.preempted = phase is RequestPhase.PREEMPTED
+        if phase is _LIVE or phase is _PREEMPTED:
+            self.preempted = phase is _PREEMPTED
         else:
             self.finished = True
 
@@ -571,7 +576,7 @@ class GroupRequests:
         new_hashes = check_hashes(cacheable, request_id, existing, block_hashes, self.hash_args)
         state = existing if existing is not None else self.state(request_id)
         if state.preempted:  # checked and made before any change: a refusal changes nothing
-            state.move_to(RequestPhase.LIVE)
+            state.move_to(_LIVE)
         for k, lane in enumerate(state.lanes.values()):  # the cacheable groups' lanes
             append, entries = changes[k]
             ids = lane.ids
@@ -624,7 +629,7 @@ class GroupRequests:
     def mark_finished(self, state: GroupedRequest) -> None:
         """``state``'s request finished: nothing is scheduled for it, and its id is
         refused from now on."""
-        state.move_to(RequestPhase.HOLDING if state.holding else RequestPhase.DRAINING)
+        state.move_to(_DRAINING)  # its lanes' holds, if any, make it HOLDING
         self.finished.remember(state.request_id)
 
     def detach(self, group: str, plan: TransferPlan) -> None:

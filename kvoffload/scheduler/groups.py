@@ -73,6 +73,9 @@ from kvoffload.transfer.plan import LoadPlan, TransferPlan
 
 __all__ = ["GroupStatistics", "GroupedPlan", "GroupedScheduler"]
 
+# read as module globals: an Enum member looked up on its class is a Python-level call
+_PREEMPTED, _DRAINING = RequestPhase.PREEMPTED, RequestPhase.DRAINING
+
 
 def _check_setup(
     groups: Sequence[KVCacheGroup],
@@ -538,9 +541,9 @@ class GroupedScheduler:
             RequestStateError: it was already finished.
         """
         state = self._table.live(request_id, finishing=True)
-        # a finish holds or drains: the rule allows both from the same phases, so it is
-        # asked before anything changes (`mark_finished()` moves the request)
-        check_move(request_id, state.phase, RequestPhase.DRAINING)
+        # asked before anything changes; `mark_finished()` makes the move (a hold begun
+        # on the way makes the request read HOLDING: both follow the same phases)
+        check_move(request_id, state.phase, _DRAINING)
         self.release(request_id)
         planner = self._planner
         plan = None
@@ -590,9 +593,8 @@ class GroupedScheduler:
             RequestStateError: it is finished.
         """
         state = self._table.live(request_id)
-        state.move_to(
-            RequestPhase.PREEMPTED
-        )  # until its next update; first: a refusal changes nothing
+        # preempted until its next update; moved first: a refusal changes nothing
+        state.move_to(_PREEMPTED)
         self.release(request_id)
         self._planner.live.forget(state)
         for lane in state.lanes.values():
