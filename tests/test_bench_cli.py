@@ -39,7 +39,9 @@ def test_copy_bench_prints_ratios_and_wakeup_latency(capsys: pytest.CaptureFixtu
     assert [row[0] for row in rows] == ["1", "3"]
     for row in rows:
         ratios = [float(x) for x in (row[4], row[5], row[8], row[9])]
-        assert all(r > 0 for r in ratios)
+        # printed with two decimals: on a loaded machine a one-block copy's ratio can
+        # round to 0.00, so only the sign is the bench's promise here
+        assert all(r >= 0 for r in ratios)
     assert re.search(r"wake-up latency .* over 3 copies: median \d+ us", out)
     if sys.platform != "win32":  # both sides' page faults, counted where getrusage exists
         assert re.search(r"minor page faults in the timed .*: engine \d+, contiguous \d+", out)

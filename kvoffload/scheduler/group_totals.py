@@ -13,9 +13,11 @@ from collections.abc import Mapping
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Protocol, final
 
+from kvoffload.errors import InvariantError
 from kvoffload.pool.events import PoolStatistics
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.stats import Counters, SchedulerStatistics
+from kvoffload.transfer.plan import TransferPlan
 from kvoffload.transfer.task import TransferStatus, TransferTask
 
 if TYPE_CHECKING:
@@ -40,7 +42,7 @@ class GroupedScheduler(Protocol):
     def statistics(self) -> Mapping[str, GroupStatistics]: ...
 
 
-__all__ = ["GroupCounters", "pool_statistics"]
+__all__ = ["GroupCounters", "PlanParts", "pool_statistics"]
 
 _PER_GROUP = (
     "stored_blocks",
@@ -129,6 +131,77 @@ class GroupCounters(Counters):
             abandoned_loads=scheduler.abandoned_loads,
             **{name: sum(getattr(s, name) for s in per) for name in _PER_GROUP},
         )
+
+
+@final
+class _Parts:
+    """One plan of the whole model: its kind and its parts not cancelled yet."""
+
+    __slots__ = ("kind", "left")
+
+    def __init__(self, kind: str, left: int) -> None:
+        self.kind = kind
+        self.left = left
+
+
+@final
+class PlanParts:
+    """The whole model's count of plans (``load_plans``, ``store_plans`` of `totals`): a
+    plan is counted once however many groups' parts it has, and uncounted once every
+    part was cancelled (its copy never started), as one group's plan is.
+
+    Args:
+        totals: the counters it counts in.
+    """
+
+    __slots__ = ("_parts", "totals")
+
+    def __init__(self, totals: GroupCounters) -> None:
+        self.totals = totals
+        self._parts: dict[tuple[str, int], _Parts] = {}
+
+    def opened(self, kind: str, plans: Mapping[str, TransferPlan]) -> None:
+        """A plan of ``kind`` (``"load"`` or ``"store"``) with one part per group."""
+        parts = _Parts(kind, len(plans))
+        for group, plan in plans.items():
+            self._parts[group, plan.plan_id] = parts
+        if kind == "store":
+            self.totals.store_plans += 1
+        else:
+            self.totals.load_plans += 1
+
+    def ended(self, group: str, plan_id: int) -> None:
+        """``group``'s part completed (or failed): the plan stays counted."""
+        parts = self._parts.pop((group, plan_id), None)
+        if parts is not None:
+            parts.left = -1  # a part ran: no cancel uncounts the plan any more
+
+    def cancelled(self, group: str, plan_id: int) -> None:
+        """``group``'s part was cancelled: the last part of a plan none of whose parts ran
+        uncounts it."""
+        parts = self._parts.pop((group, plan_id), None)
+        if parts is None or parts.left < 0:
+            return
+        parts.left -= 1
+        if parts.left:
+            return
+        if parts.kind == "store":
+            self.totals.store_plans -= 1
+        else:
+            self.totals.load_plans -= 1
+
+    def check_invariants(self, ledgers: Mapping[str, BlockLedger]) -> None:
+        """Every part it keeps is a plan in flight in its group's ledger.
+
+        Raises:
+            InvariantError: naming the part.
+        """
+        for group, plan_id in self._parts:
+            if not ledgers[group].has_plan(plan_id):
+                raise InvariantError(
+                    f"group {group!r}: plan {plan_id} is counted as in flight, but its "
+                    "ledger does not know it"
+                )
 
 
 def pool_statistics(scheduler: GroupedScheduler) -> PoolStatistics:

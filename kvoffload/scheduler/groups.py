@@ -63,7 +63,7 @@ from kvoffload.scheduler.group_state import (
     check_tables,
 )
 from kvoffload.scheduler.group_stores import CacheViews, GroupStorePlanner
-from kvoffload.scheduler.group_totals import GroupCounters
+from kvoffload.scheduler.group_totals import GroupCounters, PlanParts
 from kvoffload.scheduler.ledger import BlockLedger
 from kvoffload.scheduler.misses import MissReason
 from kvoffload.scheduler.requests import as_int
@@ -198,6 +198,8 @@ class GroupedScheduler:
             self._align,
             checkpoint_tokens,
         )
+        self._plans = PlanParts(self._lookups.totals)
+        """The whole model's count of plans (`totals`), kept per plan of several parts."""
         self._planner = GroupStorePlanner(
             self._cacheable,
             self._ledgers,
@@ -460,7 +462,7 @@ class GroupedScheduler:
         state.hit = None
         if not plans:
             return None
-        self._lookups.totals.load_plans += 1
+        self._plans.opened("load", plans)
         return GroupedPlan("load", plans)
 
     def abandon_load(self, request_id: str) -> dict[str, list[LoadPlan]]:
@@ -513,7 +515,7 @@ class GroupedScheduler:
         ]
         plan = planner.plan(live, False, gpu_cache)
         if plan is not None:
-            self._lookups.totals.store_plans += 1
+            self._plans.opened("store", plan.plans)
         if planner.holds is not None:  # without holds no finished request was planned
             for state in live:
                 if state.finished:
@@ -553,6 +555,8 @@ class GroupedScheduler:
                 planner.begin_hold(state)
             elif self._store_at_finish and not planner.lazy_window:  # lazy: none (one group too)
                 plan = self._planner.plan([state], True)
+                if plan is not None:
+                    self._plans.opened("store", plan.plans)
         self._table.mark_finished(state)
         for name, lane in state.lanes.items():
             if not lane.held:
@@ -645,6 +649,7 @@ class GroupedScheduler:
         if rec is None:
             counters.ignored_completions += 1
             return False
+        self._plans.ended(group, plan.plan_id)
         if plan.kind == "store":
             self._planner.records.pop((group, plan.plan_id))
         else:
@@ -678,6 +683,7 @@ class GroupedScheduler:
             counters.ignored_completions += 1
             return False
         counters.cancelled_plans += 1
+        self._plans.cancelled(group, plan.plan_id)
         if plan.kind == "store":
             counters.store_plans -= 1
             self._planner.cancel(group, plan.plan_id, rec.hashes, rec.epoch == ledger.epoch)
@@ -704,6 +710,7 @@ class GroupedScheduler:
         """
         loads = self._loads
         check_ledgers(self._ledgers, self._requests.values(), loads.records, loads.parked())
+        self._plans.check_invariants(self._ledgers)
         loads.check_invariants()
         self._table.priorities.check(self._requests.values())
         self._planner.check_invariants()
