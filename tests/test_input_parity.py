@@ -517,3 +517,27 @@ def test_random_input_good_and_bad_gets_the_same_answers(
         assert answers[0] == answers[1], (op, answers)
         engine.one.check_invariants()
         engine.grouped.check_invariants()
+
+
+def test_lazy_stores_without_a_view_are_refused_by_one_check() -> None:
+    """``store_mode="lazy"`` without the engine's cache view: one check, the grouped
+    planner's, in one group's words with one cacheable group (the face and a grouped
+    scheduler over one group alike) and naming the groups with several."""
+    config = OffloadConfig(num_cpu_blocks=16, block_size=4, store_mode="lazy")
+    face = OffloadScheduler(config, CpuBlockPool(16))
+    one = GroupedScheduler([group("g", "full", 4)], {"g": CpuBlockPool(16)}, config=config)
+    two = GroupedScheduler(
+        [group("f", "full", 4), group("h", "full", 4)],
+        {"f": CpuBlockPool(16), "h": CpuBlockPool(16)},
+        config=config,
+    )
+    messages = []
+    for sched in (face, one, two):
+        with pytest.raises(InvalidInputError) as caught:
+            sched.plan_stores()
+        messages.append(str(caught.value))
+    assert messages[0] == messages[1] == "store_mode='lazy' needs plan_stores(gpu_cache)"
+    assert (
+        messages[2]
+        == "store_mode='lazy' needs the engine's gpu_cache view of every group ['f', 'h']"
+    )

@@ -18,7 +18,6 @@ from dataclasses import replace
 from typing import Literal, Protocol, final, overload
 
 from kvoffload.config import OffloadConfig
-from kvoffload.errors import InvalidInputError
 from kvoffload.groups import KVCacheGroup
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
@@ -512,8 +511,6 @@ class OffloadScheduler:
         Raises:
             InvalidInputError: lazy mode without ``gpu_cache``.
         """
-        if self._config.store_mode == "lazy" and gpu_cache is None:
-            raise InvalidInputError("store_mode='lazy' needs plan_stores(gpu_cache)")
         views = None if gpu_cache is None else {LANE: gpu_cache}
         plan = self._g.plan_stores(views)
         return None if plan is None else plan.plans[LANE]  # type: ignore[return-value]

@@ -700,10 +700,13 @@ class GroupStorePlanner:
                 groups.
         """
         names = [g.name for g in self._cacheable]
-        if gpu_caches is None:
-            raise InvalidInputError(
-                f"store_mode='lazy' needs the engine's gpu_cache view of every group {names}"
+        if gpu_caches is None:  # in one group's words with one group (`InputNames`)
+            views = (
+                "plan_stores(gpu_cache)"
+                if len(names) == 1
+                else f"the engine's gpu_cache view of every group {names}"
             )
+            raise InvalidInputError(f"store_mode='lazy' needs {views}")
         if not isinstance(gpu_caches, Mapping):
             raise InputTypeError(
                 f"gpu_cache={type(gpu_caches).__name__}: with several KV cache groups, "
