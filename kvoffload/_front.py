@@ -31,7 +31,7 @@ from kvoffload.build import (
     build_tiers,
 )
 from kvoffload.config import KVLayout, OffloadConfig
-from kvoffload.errors import HostMemoryError, InputTypeError, InvalidInputError
+from kvoffload.errors import HostMemoryError, InvalidInputError
 from kvoffload.groups import KVCacheGroup, hit_alignment
 from kvoffload.hashing import BlockHash, HashNamespace, hash_prompt
 from kvoffload.launcher import TransferLauncher
@@ -310,12 +310,10 @@ class Front:
     ) -> int | None:
         """The hit valid for every group, pinned (see `GroupedScheduler.lookup()`)."""
         face = self._face
-        if face is not None:
-            if isinstance(block_hashes, Mapping):
-                raise _mapping(request_id, block_hashes)
+        if face is not None:  # one group's face refuses a mapping in one group's words
             return face.lookup(
                 request_id,
-                block_hashes,
+                block_hashes,  # type: ignore[arg-type]
                 num_tokens,
                 num_computed_tokens,
                 allow_defer=allow_defer,
@@ -344,9 +342,7 @@ class Front:
         """Load the last lookup's hit into the tables (`GroupedScheduler.plan_load()`)."""
         face = self._face
         if face is not None:
-            if isinstance(tables, Mapping):
-                raise _mapping(request_id, tables)
-            one = face.plan_load(request_id, tables, num_tokens)
+            one = face.plan_load(request_id, tables, num_tokens)  # type: ignore[arg-type]
             return None if one is None else self.launcher.launch_one(GROUP, one, None)
         tables = self._lanes(request_id, "load()'s block tables", tables)
         plan = self.scheduler.plan_load(request_id, tables, num_tokens)
@@ -388,12 +384,7 @@ class Front:
         the engine's view (one per group name with several)."""
         face = self._face
         if face is not None:
-            if isinstance(gpu_cache, Mapping):
-                raise InputTypeError(
-                    f"gpu_cache={type(gpu_cache).__name__}: this offloader has one KV cache "
-                    "group; give its GpuCacheView, not a mapping of group names"
-                )
-            one = face.plan_stores(gpu_cache)
+            one = face.plan_stores(gpu_cache)  # type: ignore[arg-type]
             return [] if one is None else [self.launcher.launch_one(GROUP, one, after)]
         plan = self.scheduler.plan_stores(gpu_cache)
         return [] if plan is None else [self.launcher.launch(plan.plans, after)]
@@ -506,11 +497,3 @@ class Front:
             in_flight_transfers=self.launcher.num_in_flight,
         )
         return pool_statistics(scheduler), counters, scheduler.statistics()
-
-
-def _mapping(request_id: str, value: Mapping[str, object]) -> InvalidInputError:
-    """One group's API takes one table and one hash list, never a mapping of group names."""
-    return InvalidInputError(
-        f"request {request_id!r}: this offloader has one KV cache group: give one list, "
-        f"not a mapping of group names ({sorted(value)})"
-    )

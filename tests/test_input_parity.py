@@ -541,3 +541,20 @@ def test_lazy_stores_without_a_view_are_refused_by_one_check() -> None:
         messages[2]
         == "store_mode='lazy' needs the engine's gpu_cache view of every group ['f', 'h']"
     )
+
+
+def test_one_groups_face_refuses_a_mapping_of_group_names() -> None:
+    """`OffloadScheduler` takes one list per call: a mapping of group names (the other
+    shape's call) is refused naming the request, whether the call came through a
+    `KVOffloader` or straight to the scheduler, and changes nothing."""
+    sched, hashes = one_group()
+    sched.update("r", TABLE, hashes, 16)
+    with pytest.raises(InvalidInputError, match=r"'r'.*one KV cache group.*\['g'\]"):
+        sched.lookup("r", {"g": hashes}, 17)
+    hit = sched.lookup("r", hashes, 17)
+    with pytest.raises(InvalidInputError, match=r"'r'.*one KV cache group.*\['g'\]"):
+        sched.plan_load("r", {"g": TABLE}, hit)
+    with pytest.raises(InputTypeError, match=r"gpu_cache=dict: one KV cache group"):
+        sched.plan_stores({"g": object()})
+    assert sched.statistics().lookups == 1
+    sched.check_invariants()

@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Literal, Protocol, final, overload
 
 from kvoffload.config import OffloadConfig
+from kvoffload.errors import InputTypeError, InvalidInputError
 from kvoffload.groups import KVCacheGroup
 from kvoffload.hashing import BlockHash
 from kvoffload.pool.block_pool import CpuBlockPool
@@ -450,6 +451,8 @@ class OffloadScheduler:
             InvalidInputError: token counts out of range or not block aligned.
             InputTypeError: a count not an int, hashes not a sequence of bytes.
         """
+        if isinstance(block_hashes, Mapping):
+            raise _mapping(request_id, block_hashes)
         return self._g.lookup(
             request_id,
             {LANE: block_hashes},
@@ -483,6 +486,8 @@ class OffloadScheduler:
                 destination unlike the known table.
             InputTypeError: ``num_tokens`` or an entry not an int, a table not a sequence.
         """
+        if isinstance(gpu_block_ids, Mapping):
+            raise _mapping(request_id, gpu_block_ids)
         plan = self._g.plan_load(request_id, {LANE: gpu_block_ids}, num_tokens)
         return None if plan is None else plan.plans[LANE]  # type: ignore[return-value]
 
@@ -511,6 +516,11 @@ class OffloadScheduler:
         Raises:
             InvalidInputError: lazy mode without ``gpu_cache``.
         """
+        if isinstance(gpu_cache, Mapping):
+            raise InputTypeError(
+                f"gpu_cache={type(gpu_cache).__name__}: one KV cache group takes its "
+                "GpuCacheView, not a mapping of group names"
+            )
         views = None if gpu_cache is None else {LANE: gpu_cache}
         plan = self._g.plan_stores(views)
         return None if plan is None else plan.plans[LANE]  # type: ignore[return-value]
@@ -592,3 +602,11 @@ class OffloadScheduler:
             InvariantError: naming the breach.
         """
         self._g.check_invariants()
+
+
+def _mapping(request_id: str, value: Mapping[str, object]) -> InvalidInputError:
+    """One group's calls take one table and one hash list, never a mapping of group names."""
+    return InvalidInputError(
+        f"request {request_id!r}: one KV cache group takes one list, not a mapping of group "
+        f"names ({sorted(value)})"
+    )
