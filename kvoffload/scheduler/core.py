@@ -451,8 +451,8 @@ class OffloadScheduler:
             InvalidInputError: token counts out of range or not block aligned.
             InputTypeError: a count not an int, hashes not a sequence of bytes.
         """
-        if isinstance(block_hashes, Mapping):
-            raise _mapping(request_id, block_hashes)
+        if type(block_hashes) is not list and isinstance(block_hashes, Mapping):
+            raise _mapping(request_id, block_hashes)  # (a list skips the ABC check)
         return self._g.lookup(
             request_id,
             {LANE: block_hashes},
@@ -486,7 +486,7 @@ class OffloadScheduler:
                 destination unlike the known table.
             InputTypeError: ``num_tokens`` or an entry not an int, a table not a sequence.
         """
-        if isinstance(gpu_block_ids, Mapping):
+        if type(gpu_block_ids) is not list and isinstance(gpu_block_ids, Mapping):
             raise _mapping(request_id, gpu_block_ids)
         plan = self._g.plan_load(request_id, {LANE: gpu_block_ids}, num_tokens)
         return None if plan is None else plan.plans[LANE]  # type: ignore[return-value]
