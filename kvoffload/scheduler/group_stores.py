@@ -620,15 +620,15 @@ class GroupStorePlanner:
             start = lane.cursor
             table, hashes = lane.table, lane.hashes
             end = state.num_computed_tokens // bs  # min() of the three, without a call
-            if len(table) < end:  # noqa: PLR1730 - no call per request
-                end = len(table)
+            size = len(table)
+            if size < end:  # noqa: PLR1730 - no call per request
+                end = size
             if len(hashes) < end:  # noqa: PLR1730
                 end = len(hashes)
             if start >= end:
                 continue  # nothing new
-            if start < lane.valid_from or (
-                len(lane.ids) != len(table) and None in table[start:end]
-            ):
+            # every entry is a distinct id unless one is ``None``: ids and table agree in size
+            if start < lane.valid_from or (len(lane.ids) != size and None in table[start:end]):
                 stopped.append(state)
                 return
             if batch.deferred:
