@@ -293,9 +293,11 @@ class InputNames:
             `warn_unhashed()` name (``None``: one group's words).
         unit: how a message names the unit of a hit (`check_lookup_counts()`); with one
             cacheable group the hit alignment is its block size.
+        views: what a lazy ``plan_stores()`` without the engine's cache view lacks
+            (`GroupStorePlanner.plan_lazy()`).
     """
 
-    __slots__ = ("groups", "hashes", "tables", "unit")
+    __slots__ = ("groups", "hashes", "tables", "unit", "views")
 
     def __init__(self, cacheable: Sequence[KVCacheGroup]) -> None:
         one = len(cacheable) == 1
@@ -305,6 +307,11 @@ class InputNames:
         }
         self.groups: dict[str, str | None] = {g.name: None if one else g.name for g in cacheable}
         self.unit = "block_size" if one else "hit_alignment"
+        self.views = (
+            "plan_stores(gpu_cache)"
+            if one
+            else f"the engine's gpu_cache view of every group {[g.name for g in cacheable]}"
+        )
 
 
 @final

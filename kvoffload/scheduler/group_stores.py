@@ -19,6 +19,7 @@ from kvoffload.scheduler.group_state import (
     GroupCounts,
     GroupedPlan,
     GroupedRequest,
+    InputNames,
     Lane,
     LiveCopy,
     StoreRecord,
@@ -263,6 +264,7 @@ class GroupStorePlanner:
             is looked at; ``None``: every call looks).
         holds: with ``hold_blocks_on_finish``, each group's `HeldBlocks` (the one-group
             rules of finish holds, per group pool); ``None``: no holds.
+        names: how its messages name the input (`InputNames`, the request table's).
     """
 
     def __init__(
@@ -276,6 +278,7 @@ class GroupStorePlanner:
         checkpoint: int,
         config: OffloadConfig | None = None,
         priorities: PriorityCount | None = None,
+        names: InputNames,
     ) -> None:
         # the store settings (``None``: none of them, as `GroupedScheduler` alone)
         limit = None if config is None else config.max_store_blocks_per_step
@@ -298,6 +301,7 @@ class GroupStorePlanner:
         self._ledgers = ledgers
         self._counts = counts
         self._requests = requests
+        self._names = names
         self._align = align
         self._checkpoint = checkpoint
         self._priorities = priorities
@@ -700,13 +704,8 @@ class GroupStorePlanner:
                 groups.
         """
         names = [g.name for g in self._cacheable]
-        if gpu_caches is None:  # in one group's words with one group (`InputNames`)
-            views = (
-                "plan_stores(gpu_cache)"
-                if len(names) == 1
-                else f"the engine's gpu_cache view of every group {names}"
-            )
-            raise InvalidInputError(f"store_mode='lazy' needs {views}")
+        if gpu_caches is None:
+            raise InvalidInputError(f"store_mode='lazy' needs {self._names.views}")
         if not isinstance(gpu_caches, Mapping):
             raise InputTypeError(
                 f"gpu_cache={type(gpu_caches).__name__}: with several KV cache groups, "

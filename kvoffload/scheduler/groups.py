@@ -209,6 +209,7 @@ class GroupedScheduler:
             checkpoint=checkpoint_tokens,
             config=config,
             priorities=self._table.priorities,
+            names=self._table.names,
         )
 
     def __repr__(self) -> str:
